@@ -1,0 +1,184 @@
+"""Convert an ESMC checkpoint to an MLX directory, one tensor at a time.
+
+source -> resolve -> open (headers only) -> check names and shapes against the config ->
+stream: read tensor, rename/split, cast or quantize, hand to the shard writer -> config.json,
+tokenizer files -> move the finished directory into place.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .. import __version__
+from ..config import ESMCConfig
+from ..errors import ConvertError
+from ..quantize import QuantParams, QuantPlan, quantize_tensor
+from ..runtime.model import ESMC
+from ..runtime.tokenizer import ESMCTokenizer
+from . import mapping
+from .sources import Checkpoint, Source, open_checkpoint, resolve, sha256
+from .writer import DEFAULT_SHARD_BYTES, ShardWriter, staged_directory
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def expected_shapes(config: ESMCConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter the MLX model has, with its shape (the model is the one source of truth;
+    its parameters are lazy and never materialized here)."""
+    return {k: tuple(v.shape) for k, v in tree_flatten(ESMC(config).parameters())}
+
+
+def check_tensors(ckpt: Checkpoint, config_origin: str) -> None:
+    """Names and shapes, from headers alone, before any weight is read."""
+    expected = expected_shapes(ckpt.config)
+    produced: dict[str, tuple[int, ...]] = {}
+    unknown = []
+    for name, shape in ckpt.shapes.items():
+        targets = mapping.target_names(name)
+        if targets is None:
+            if not mapping.IGNORED.match(name):
+                unknown.append(name)
+            continue
+        for target in targets:
+            produced[target] = (shape[0] // len(targets), *shape[1:])
+    extra = sorted(set(produced) - set(expected)) + unknown
+    missing = sorted(set(expected) - set(produced))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_listing(missing)}")
+    if extra:
+        problems.append(f"unexpected tensors: {_listing(extra)}")
+    for name in sorted(set(produced) & set(expected)):
+        if produced[name] != expected[name]:
+            problems.append(
+                f"{name}: shape {produced[name]} in the checkpoint, {expected[name]} expected from {config_origin}"
+            )
+    if problems:
+        raise ConvertError("checkpoint does not match an ESMC model:\n  " + "\n  ".join(problems[:20]))
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    return ", ".join(names[:limit]) + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
+
+
+def convert(
+    source: str,
+    out_dir: str | Path,
+    dtype: str | None = None,
+    q: str | None = None,
+    group_size: int | None = None,
+    revision: str | None = None,
+    force: bool = False,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool = True,
+    command: str | None = None,
+) -> Path:
+    """Convert ``source`` (alias, repo id, directory or .pth) to an MLX directory ``out_dir``.
+
+    ``dtype``: float32, bfloat16 or float16 (default: the source's). ``q``: a quantization spec
+    (see ``esmc_mlx.quantize``). Raises ConvertError / QuantizeError / HubError with a message
+    naming the file, tensor or option; on error nothing is left at ``out_dir``.
+    """
+    out_dir = Path(out_dir)
+    if dtype is not None and dtype not in DTYPES:
+        raise ConvertError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if out_dir.exists() and not force:  # fail before downloading anything
+        raise ConvertError(f"{out_dir} already exists; pass --force to replace it")
+    src = resolve(source, revision)
+    try:
+        ckpt = open_checkpoint(src)
+    except ValueError as e:  # shape inference on a checkpoint that is not ESMC
+        raise ConvertError(f"{src.path}: {e}") from None
+    origin = f"{src.path / 'config.json'}" if (src.path / "config.json").exists() else "the inferred config"
+    check_tensors(ckpt, origin)
+    out_dtype = DTYPES[dtype] if dtype else ckpt.dtype
+    plan = QuantPlan.parse(q, group_size, ckpt.config) if q else None
+    if plan:  # surface group-size problems before any work
+        for name, shape in expected_shapes(ckpt.config).items():
+            plan.params_for(name, shape)
+
+    with staged_directory(out_dir, force) as staging:
+        started = time.perf_counter()
+        overrides = write_tensors(ckpt, staging, out_dtype, plan, shard_bytes, progress)
+        extra = {
+            "source": source_record(src, ckpt, progress),
+            "converter": {"name": "esmc-mlx", "version": __version__},
+            "command": command,
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+        write_config(staging, ckpt.config, out_dtype, plan.record(overrides) if plan else None, extra,
+                     license=ckpt.license)
+        copy_tokenizer(src, staging)
+    return out_dir
+
+
+def write_tensors(ckpt: Checkpoint, directory: Path, dtype: mx.Dtype, plan: QuantPlan | None,
+                  shard_bytes: int, progress: bool) -> dict[str, QuantParams]:
+    """Stream every tensor through rename -> cast -> quantize -> shard writer."""
+    from tqdm.auto import tqdm
+
+    writer = ShardWriter(directory, shard_bytes)
+    quantized: dict[str, QuantParams] = {}
+    bar = tqdm(total=len(ckpt.shapes), unit="tensor", desc="converting", disable=not progress)
+    for source_name, tensor in ckpt.tensors():
+        if mapping.IGNORED.match(source_name):
+            bar.update()
+            continue
+        for name, t in mapping.rename(source_name, tensor):
+            t = t.astype(dtype)
+            params = plan.params_for(name, t.shape) if plan else None
+            if params is None:
+                writer.add(name, t)
+            else:
+                for qname, qt in quantize_tensor(name, t, params).items():
+                    writer.add(qname, qt)
+                quantized[name[: -len(".weight")]] = params
+        bar.update()
+        bar.set_postfix_str(f"{writer.total_bytes / 2**20:,.0f} MiB written")
+    bar.close()
+    writer.close()
+    return quantized
+
+
+def source_record(src: Source, ckpt: Checkpoint, progress: bool) -> dict:
+    from tqdm.auto import tqdm
+
+    files = {}
+    for f in tqdm(ckpt.files, desc="hashing source", unit="file", disable=not progress or len(ckpt.files) < 2):
+        files[f.name] = sha256(f)
+    return {"id": src.id, "revision": src.revision, "files": files}
+
+
+def write_config(directory: Path, config: ESMCConfig, dtype: mx.Dtype, quantization: dict | None,
+                 provenance: dict, license: str | None = None) -> dict:
+    payload = config.to_dict()
+    payload["dtype"] = dtype_name(dtype)
+    if quantization:
+        # mlx-lm writes both spellings; readers look for either
+        payload["quantization"] = quantization
+        payload["quantization_config"] = quantization
+    payload["esmc_mlx"] = dict(provenance, license=license)
+    (directory / "config.json").write_text(json.dumps(payload, indent=2) + "\n")
+    return payload
+
+
+def copy_tokenizer(src: Source, directory: Path) -> None:
+    """Keep the source's tokenizer files when it has them; otherwise write ESMC's."""
+    source_dir = src.path if src.path.is_dir() else src.path.parent
+    found = [source_dir / f for f in TOKENIZER_FILES if (source_dir / f).exists()]
+    if "tokenizer.json" in {f.name for f in found}:
+        for f in found:
+            shutil.copy2(f, directory / f.name)
+    else:
+        ESMCTokenizer().save_pretrained(directory)

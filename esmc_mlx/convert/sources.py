@@ -1,0 +1,230 @@
+"""Checkpoint sources: resolve what the user typed, then read tensors one at a time, lazily."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import Callable, Iterator
+
+import mlx.core as mx
+
+from ..config import ConfigError, ESMCConfig
+from ..errors import ConvertError
+from . import mapping
+
+ALIASES = {
+    "300M": "biohub/ESMC-300M",
+    "600M": "biohub/ESMC-600M",
+    "6B": "biohub/ESMC-6B",
+}
+PACKAGED = Path(__file__).resolve().parent.parent / "data"
+LOCAL_ALIASES = {"tiny": PACKAGED / "esmc-tiny"}  # ships inside the package, works offline
+SAFETENSORS_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
+
+
+@dataclasses.dataclass
+class Source:
+    """A resolved checkpoint: where its files are and what it was called."""
+
+    path: Path  # a directory, or a .pth file
+    id: str  # what provenance records: repo id, alias target or local path
+    revision: str | None = None
+
+    @property
+    def is_pth(self) -> bool:
+        return self.path.is_file() and self.path.suffix in (".pth", ".pt", ".bin")
+
+
+def resolve(source: str, revision: str | None = None) -> Source:
+    """Turn an alias, Hub repo id, local directory or ``.pth`` path into a ``Source``.
+
+    Raises ConvertError for an unknown alias, a missing path, or a repo the Hub cannot give.
+    """
+    if source in LOCAL_ALIASES:
+        return Source(LOCAL_ALIASES[source], f"esmc-mlx/{source}")
+    repo_id = ALIASES.get(source) or ALIASES.get(source.upper())
+    path = Path(source).expanduser()
+    if repo_id is None and path.exists():
+        return Source(path.resolve(), str(path.resolve()))
+    looks_like_repo = source.count("/") == 1 and not source.startswith((".", "/", "~")) and not source.endswith(
+        (".pth", ".pt", ".safetensors"))
+    if repo_id is None and not looks_like_repo:
+        known = ", ".join([*ALIASES, *LOCAL_ALIASES])
+        raise ConvertError(
+            f"{source!r} is not a model alias ({known}), an existing local path, or a Hub repo id (org/name)"
+        )
+    from ..hub.download import download_checkpoint
+
+    local, commit = download_checkpoint(repo_id or source, revision)
+    return Source(local, repo_id or source, commit)
+
+
+# --- safetensors --------------------------------------------------------------------------
+def safetensors_header(path: Path) -> dict:
+    """Parse and sanity-check a safetensors header; raise ConvertError if the file is damaged.
+
+    Hand-written because mx.load of a truncated file fails late and without naming the file;
+    this check is a few lines of the documented format (8-byte length, JSON, data).
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                raise ValueError(f"header length {length} exceeds the file size {size}")
+            header = json.loads(f.read(length))
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{path}: not a readable safetensors file ({e})") from None
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + length + end != size:
+        raise ConvertError(
+            f"{path}: truncated or corrupt safetensors file (header describes {8 + length + end} bytes, "
+            f"file has {size})"
+        )
+    return header
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({directory / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise ConvertError(f"{index} names shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ConvertError(f"{directory}: no *.safetensors checkpoint found (nor a .pth)")
+    return files
+
+
+def sha256(path: Path, chunk: int = 16 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """Tensor names, shapes and a lazy reader for one source checkpoint."""
+
+    config: ESMCConfig
+    shapes: dict[str, tuple[int, ...]]
+    dtype: mx.Dtype  # dtype of the floating weights
+    files: list[Path]
+    read: Callable[[str], mx.array]  # name -> tensor, loaded only when asked
+    license: str | None = None
+
+    def tensors(self) -> Iterator[tuple[str, mx.array]]:
+        for name in self.shapes:
+            yield name, self.read(name)
+
+
+def open_checkpoint(source: Source) -> Checkpoint:
+    """Open a checkpoint without reading its weights."""
+    if source.is_pth:
+        return _open_pth(source.path)
+    if not source.path.is_dir():
+        raise ConvertError(f"{source.path}: expected a checkpoint directory or a .pth file")
+    pths = sorted(source.path.glob("*.pth"))
+    if not list(source.path.glob("*.safetensors")) and len(pths) == 1:
+        return _open_pth(pths[0])
+    files = _safetensors_files(source.path)
+    shapes, dtypes, where = {}, set(), {}
+    for f in files:
+        for name, info in safetensors_header(f).items():
+            if name == "__metadata__":
+                continue
+            shapes[name] = tuple(info["shape"])
+            where[name] = f
+            if info["dtype"] in SAFETENSORS_DTYPES:
+                dtypes.add(SAFETENSORS_DTYPES[info["dtype"]])
+    loaded: dict[Path, dict[str, mx.array]] = {}
+
+    def read(name: str) -> mx.array:
+        f = where[name]
+        if f not in loaded:  # mx.load maps the file lazily: a tensor is read when evaluated
+            loaded.clear()
+            loaded[f] = mx.load(str(f))
+        return loaded[f][name]
+
+    return Checkpoint(
+        config=_read_config(source.path, shapes),
+        shapes=shapes,
+        dtype=_dominant(dtypes),
+        files=files,
+        read=read,
+        license=_read_license(source.path),
+    )
+
+
+def _dominant(dtypes: set) -> mx.Dtype:
+    for dt in (mx.float32, mx.bfloat16, mx.float16):
+        if dt in dtypes:
+            return dt
+    return mx.float32
+
+
+def _read_config(directory: Path, shapes: dict[str, tuple[int, ...]]) -> ESMCConfig:
+    path = directory / "config.json"
+    if not path.exists():
+        return mapping.infer_config(shapes)
+    try:
+        return ESMCConfig.from_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, ConfigError) as e:
+        raise ConvertError(f"{path}: {e}") from None
+
+
+def _read_license(directory: Path) -> str | None:
+    readme = directory / "README.md"
+    if readme.exists():
+        text = readme.read_text(errors="replace")
+        if text.startswith("---"):
+            for line in text.split("---")[1].splitlines():
+                if line.startswith("license:"):
+                    return line.split(":", 1)[1].strip()
+    return None
+
+
+# --- legacy .pth --------------------------------------------------------------------------
+def _open_pth(path: Path) -> Checkpoint:
+    try:
+        import torch
+    except ImportError:
+        raise ConvertError(
+            f"{path}: reading a .pth checkpoint needs torch; install esmc-mlx[torch]"
+        ) from None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError ... for damage
+        raise ConvertError(f"{path}: cannot read the .pth checkpoint ({type(e).__name__}: {e})") from None
+    for key in ("model", "state_dict"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConvertError(f"{path}: not a state dict of tensors")
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
+
+    def read(name: str) -> mx.array:
+        t = state[name]
+        if t.dtype == torch.bfloat16:  # numpy has no bfloat16: move the raw bits
+            return mx.array(t.contiguous().view(torch.int16).numpy()).view(mx.bfloat16)
+        return mx.array(t.contiguous().numpy())
+
+    torch_to_mx = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}
+    config_path = path.parent / "config.json"
+    config = (_read_config(path.parent, shapes) if config_path.exists() else mapping.infer_config(shapes))
+    return Checkpoint(
+        config=config,
+        shapes=shapes,
+        dtype=_dominant({torch_to_mx.get(d, mx.float32) for d in dtypes}),
+        files=[path],
+        read=read,
+    )

@@ -1,0 +1,1 @@
+"""Hugging Face Hub I/O: downloading sources, publishing artifacts with a model card."""

@@ -1,0 +1,176 @@
+"""Synthetic ESMC checkpoints for tests, benchmarks and the README demo. Needs esmc-mlx[torch].
+
+Nothing here is used by the runtime. Small checkpoints come from transformers'
+``EsmcForMaskedLM`` with random weights, re-laid into the three input layouts; large ones
+(300M/600M/6B shapes) are streamed tensor by tensor so that no full model is ever in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .config import ESMCConfig
+from .convert.mapping import GATE_UP, QKV
+
+SHAPES = {  # published ESMC sizes: hidden, heads, layers
+    "300M": ESMCConfig(960, 15, 30, 2560),
+    "600M": ESMCConfig(1152, 18, 36, 3072),
+    "6B": ESMCConfig(2560, 40, 80, 6912),
+}
+LAYOUTS = ("published", "esm", "legacy")
+
+
+def tiny_config(**overrides) -> ESMCConfig:
+    base = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=256)
+    base.update(overrides)
+    return ESMCConfig(**base)
+
+
+def random_transformers_model(config: ESMCConfig, seed: int = 0):
+    """transformers' EsmcForMaskedLM with random weights (norms randomized too, so that a
+    swapped or dropped norm parameter changes the output)."""
+    import torch
+    from transformers import EsmcConfig, EsmcForMaskedLM
+
+    torch.manual_seed(seed)
+    hf_config = EsmcConfig(**{k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")})
+    model = EsmcForMaskedLM(hf_config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (1.0 / p.shape[-1]) ** 0.5)
+    return model
+
+
+def relayout(state: dict, layout: str) -> dict:
+    """Published names -> the ``esm`` package's (fused, TE names) or the legacy .pth's."""
+    import torch
+
+    if layout == "published":
+        return dict(state)
+    out, layer_ids = {}, sorted({int(k.split(".")[2]) for k in state if k.startswith("esmc.layers.")})
+    te = layout == "esm"
+    out["embed.weight"] = state["esmc.embed_tokens.weight"]
+    for i in layer_ids:
+        p, b = f"esmc.layers.{i}.", f"transformer.blocks.{i}."
+        qkv = torch.cat([state[p + n] for n in QKV])
+        fc1 = torch.cat([state[p + n] for n in GATE_UP])
+        names = {
+            "ln_w": "attn.layernorm_qkv.layer_norm_weight" if te else "attn.layernorm_qkv.0.weight",
+            "ln_b": "attn.layernorm_qkv.layer_norm_bias" if te else "attn.layernorm_qkv.0.bias",
+            "qkv": "attn.layernorm_qkv.weight" if te else "attn.layernorm_qkv.1.weight",
+            "fln_w": "ffn.layer_norm_weight" if te else "ffn.0.weight",
+            "fln_b": "ffn.layer_norm_bias" if te else "ffn.0.bias",
+            "fc1": "ffn.fc1_weight" if te else "ffn.1.weight",
+            "fc2": "ffn.fc2_weight" if te else "ffn.3.weight",
+        }
+        out[b + names["ln_w"]] = state[p + "input_layernorm.weight"]
+        out[b + names["ln_b"]] = state[p + "input_layernorm.bias"]
+        out[b + names["qkv"]] = qkv
+        out[b + "attn.q_ln.weight"] = state[p + "self_attn.q_norm.weight"]
+        out[b + "attn.k_ln.weight"] = state[p + "self_attn.k_norm.weight"]
+        out[b + "attn.out_proj.weight"] = state[p + "self_attn.o_proj.weight"]
+        out[b + names["fln_w"]] = state[p + "post_attention_layernorm.weight"]
+        out[b + names["fln_b"]] = state[p + "post_attention_layernorm.bias"]
+        out[b + names["fc1"]] = fc1
+        out[b + names["fc2"]] = state[p + "mlp.down_proj.weight"]
+    out["transformer.norm.weight"] = state["esmc.norm.weight"]
+    head = "lm_head" if te else "sequence_head"
+    for idx, part in (("0", "dense"), ("2", "layer_norm"), ("3", "decoder")):
+        for kind in ("weight", "bias"):
+            out[f"{head}.{idx}.{kind}"] = state[f"lm_head.{part}.{kind}"]
+    if te:  # the esm package keeps the encoder under an esmc. prefix when wrapped
+        out = {(k if k.startswith(head) else f"esmc.{k}"): v for k, v in out.items()}
+    return out
+
+
+def write_checkpoint(model, path: Path, layout: str = "published", dtype: str = "float32") -> Path:
+    """Save a transformers model in one of the three layouts; return the file or directory.
+
+    published: config.json + model.safetensors + tokenizer files (save_pretrained);
+    esm: esm-package config spelling + model.safetensors with fused TE names;
+    legacy: a bare .pth state dict (no config), as EvolutionaryScale shipped in 2024-12.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    model = model.to(getattr(torch, dtype))
+    if layout == "published":
+        from transformers import EsmcTokenizer
+
+        model.save_pretrained(path)
+        EsmcTokenizer().save_pretrained(path)
+        return path
+    state = relayout({k: v.detach().contiguous() for k, v in model.state_dict().items()}, layout)
+    if layout == "legacy":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"))
+    c = model.config
+    (path / "config.json").write_text(json.dumps({  # the esm package's sparser spelling
+        "d_model": c.hidden_size, "n_heads": c.num_attention_heads, "n_layers": c.num_hidden_layers}))
+    return path
+
+
+def write_random_checkpoint(directory: Path, config: ESMCConfig, dtype: str = "bfloat16",
+                            shard_bytes: int = 5 << 30, seed: int = 0, progress: bool = False) -> Path:
+    """A published-layout checkpoint of any size, written one tensor at a time (memory stays at
+    one tensor), sharded with an index like the Hub's ESMC-6B. Weights ~ N(0, 1/fan_in)."""
+    import torch
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    from .convert import expected_shapes
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    shards, current, size, weight_map = [], {}, 0, {}
+
+    def flush():
+        nonlocal current, size
+        if current:
+            name = f"model-{len(shards) + 1:05d}.safetensors"
+            save_file(current, str(directory / name), metadata={"format": "pt"})
+            shards.append((name, list(current)))
+            current, size = {}, 0
+
+    shapes = expected_shapes(config)
+    for name, shape in tqdm(shapes.items(), desc="random checkpoint", disable=not progress):
+        t = torch.empty(shape, dtype=torch.float32)
+        if name.endswith("bias"):
+            t.normal_(0, 0.02, generator=generator)
+        elif "norm" in name:
+            t.normal_(1, 0.05, generator=generator)
+        else:
+            t.normal_(0, shape[-1] ** -0.5, generator=generator)
+        t = t.to(getattr(torch, dtype))
+        if size + t.numel() * t.element_size() > shard_bytes:
+            flush()
+        current[name] = t
+        size += t.numel() * t.element_size()
+    flush()
+    total = len(shards)
+    for i, (name, names) in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        (directory / name).rename(directory / final)
+        weight_map.update({n: final for n in names})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (directory / "config.json").write_text(json.dumps(dict(config.to_dict(), dtype=dtype), indent=2))
+    return directory
+
+
+def random_sequences(n: int, min_len: int = 5, max_len: int = 60, seed: int = 0,
+                     alphabet: str = "ACDEFGHIKLMNPQRSTVWY") -> list[str]:
+    rng = np.random.default_rng(seed)
+    return ["".join(rng.choice(list(alphabet), size=rng.integers(min_len, max_len + 1))) for _ in range(n)]
