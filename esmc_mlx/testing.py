@@ -24,20 +24,23 @@ LAYOUTS = ("published", "esm", "legacy")
 
 
 def tiny_config(**overrides) -> ESMCConfig:
-    base = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=256)
+    base = dict(hidden_size=128, num_attention_heads=2, num_hidden_layers=2, intermediate_size=512)  # 64-wide heads, as every ESMC
     base.update(overrides)
     return ESMCConfig(**base)
 
 
-def random_transformers_model(config: ESMCConfig, seed: int = 0):
-    """transformers' EsmcForMaskedLM with random weights (norms randomized too, so that a
-    swapped or dropped norm parameter changes the output)."""
+def random_transformers_model(config: ESMCConfig, seed: int = 0, perturb_norms: bool = True):
+    """transformers' EsmcForMaskedLM with random weights. With ``perturb_norms`` every weight
+    is N(0, 1/fan_in) and norms/biases are randomized too, so that a swapped or dropped
+    parameter changes the output; without it, transformers' own initialization."""
     import torch
     from transformers import EsmcConfig, EsmcForMaskedLM
 
     torch.manual_seed(seed)
     hf_config = EsmcConfig(**{k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")})
     model = EsmcForMaskedLM(hf_config).eval()
+    if not perturb_norms:
+        return model
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
@@ -101,8 +104,10 @@ def write_checkpoint(model, path: Path, layout: str = "published", dtype: str = 
     import torch
     from safetensors.torch import save_file
 
+    import copy
+
     path = Path(path)
-    model = model.to(getattr(torch, dtype))
+    model = copy.deepcopy(model).to(getattr(torch, dtype))  # never change the caller's model
     if layout == "published":
         from transformers import EsmcTokenizer
 

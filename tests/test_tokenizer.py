@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import pytest
+
+from esmc_mlx import ESMCTokenizer, TokenizerError
+from esmc_mlx.testing import random_sequences
+
+
+def test_ids_equal_transformers_on_200_random_sequences():
+    from transformers import EsmcTokenizer
+
+    theirs, mine = EsmcTokenizer(), ESMCTokenizer()
+    alphabet = "ACDEFGHIKLMNPQRSTVWYXBZUO.-|"
+    seqs = random_sequences(200, 1, 300, seed=7, alphabet=alphabet)
+    seqs = [s[:5] + "<mask>" + s[5:] if i % 3 == 0 else s for i, s in enumerate(seqs)]
+    for s in seqs:
+        assert mine.encode(s) == theirs(s)["input_ids"], s
+    batch_theirs = theirs(seqs[:10], padding=True)
+    batch_mine = mine(seqs[:10], return_tensors=None)
+    assert batch_mine["input_ids"] == batch_theirs["input_ids"]
+    assert batch_mine["attention_mask"] == batch_theirs["attention_mask"]
+
+
+def test_vocabulary_matches_transformers():
+    from transformers.models.esmc.tokenization_esmc import SEQUENCE_VOCAB
+
+    assert list(ESMCTokenizer.vocab) == SEQUENCE_VOCAB
+
+
+def test_lower_case_is_accepted():
+    tok = ESMCTokenizer()
+    assert tok.encode("mkv") == tok.encode("MKV")
+
+
+def test_unknown_characters_are_named_with_positions():
+    with pytest.raises(TokenizerError, match=r"'J' at position 3.*'1' at position 5"):
+        ESMCTokenizer().encode("MKJV1", name="seq1")
+    with pytest.raises(TokenizerError, match="<foo>"):
+        ESMCTokenizer().encode("MK<foo>")
+
+
+def test_saved_files_load_in_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    ESMCTokenizer().save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded("MKV<mask>|A")["input_ids"] == ESMCTokenizer().encode("MKV<mask>|A")
+    assert loaded.mask_token_id == 32
