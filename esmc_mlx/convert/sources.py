@@ -152,7 +152,8 @@ def open_checkpoint(source: Source) -> Checkpoint:
         if f not in loaded:  # mx.load maps the file lazily: a tensor is read when evaluated
             loaded.clear()
             loaded[f] = mx.load(str(f))
-        return loaded[f][name]
+        # pop: once evaluated, a tensor kept here would stay in memory until the next shard
+        return loaded[f].pop(name)
 
     return Checkpoint(
         config=_read_config(source.path, shapes),
