@@ -149,7 +149,7 @@ def open_checkpoint(source: Source) -> Checkpoint:
 
     def read(name: str) -> mx.array:
         f = where[name]
-        if f not in loaded:  # mx.load maps the file lazily: a tensor is read when evaluated
+        if name not in loaded.get(f, {}):  # mx.load is lazy: a tensor is read when evaluated
             loaded.clear()
             loaded[f] = mx.load(str(f))
         # pop: once evaluated, a tensor kept here would stay in memory until the next shard
