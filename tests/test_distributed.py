@@ -1,0 +1,92 @@
+"""`esmc-mlx embed` and `esmc-mlx score` under `mlx.launch`: two ranks on 127.0.0.1 (ring
+backend) give what one process gives."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from esmc_mlx import load
+from esmc_mlx.runtime.jobs import embed_fasta, read_embeddings, score_csv
+from esmc_mlx.testing import random_sequences
+
+pytestmark = pytest.mark.skipif(not mx.distributed.is_available(), reason="MLX built without distributed support")
+REPO = Path(__file__).resolve().parents[1]
+WT = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"
+
+
+def free_port_pair() -> int:
+    """A port p on 127.0.0.1 with p and p + 1 free (the ring backend listens on one per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    pytest.skip("no two consecutive free ports on 127.0.0.1")
+
+
+def launch(args: list[str], cwd: Path, timeout: int = 150) -> str:
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    prefix = [str(launcher)] if launcher.exists() else [
+        sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
+    command = [*prefix, "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "-p", str(free_port_pair()),
+               "--", sys.executable, "-m", "esmc_mlx.cli", *args, "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        done = subprocess.run(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"mlx.launch timed out after {timeout} s: {e.stdout}\n{e.stderr}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_two_ranks_embed_like_one(converted, tmp_path):
+    seqs = random_sequences(11, 3, 50, seed=21)
+    fasta = tmp_path / "in.fa"
+    fasta.write_text("".join(f">p{i}\n{s}\n" for i, s in enumerate(seqs)))
+    model = load(converted)[0]
+    embed_fasta(model, fasta, tmp_path / "one", per_residue=True, layer=1, batch_tokens=80)
+    out = launch(["embed", str(converted), str(fasta), "-o", str(tmp_path / "two"), "--per-residue", "--layer", "1",
+                  "--batch-tokens", "80"], tmp_path)
+    assert "Embedded 11 sequences on 2 ranks" in out
+    one, two = read_embeddings(tmp_path / "one"), read_embeddings(tmp_path / "two")
+    assert one.ids == two.ids
+    np.testing.assert_allclose(two.mean, one.mean, atol=1e-5)
+    np.testing.assert_allclose(two.residues, one.residues, atol=1e-5)
+    np.testing.assert_array_equal(two.offsets, one.offsets)
+    assert not list(tmp_path.glob("two/parts/*"))
+
+
+def test_two_ranks_score_like_one(converted, tmp_path):
+    mutants = ["A4G", "K2P:Q11W", "WT", "M1L", "Q33A:E24F:R10C", "T3S", "V32W", "I30L:E31D"]
+    csv_in = tmp_path / "dms.csv"
+    csv_in.write_text("mutant,DMS_score\n" + "".join(f"{m},{(-1) ** i * i}\n" for i, m in enumerate(mutants)))
+    methods = ["masked_marginal", "wt_marginal", "pppl"]
+    one = score_csv(load(converted)[0], WT, csv_in, tmp_path / "one.csv", methods=methods, batch_size=8)
+    out = launch(["score", str(converted), "--sequence", WT, "--mutations", str(csv_in), "-o", str(tmp_path / "two.csv"),
+                  "-B", "8", *[a for m in methods for a in ("--method", m.replace("_", "-"))]], tmp_path)
+    assert "on 2 ranks" in out and "Spearman masked_marginal vs DMS_score" in out
+    rows = lambda p: [line.split(",") for line in p.read_text().splitlines()]  # noqa: E731
+    a, b = rows(tmp_path / "one.csv"), rows(tmp_path / "two.csv")
+    assert a[0] == b[0] == ["mutant", "DMS_score", *methods]
+    np.testing.assert_allclose(np.array([r[2:] for r in b[1:]], float), np.array([r[2:] for r in a[1:]], float),
+                               rtol=1e-5, atol=1e-5)
+    # rank 0 ran about half of the passes (one rounding per job list)
+    rank0 = int(re.search(r"; (\d+) forward passes on 2 ranks", out).group(1))
+    assert one.passes // 2 <= rank0 <= one.passes // 2 + 2

@@ -1,0 +1,355 @@
+"""Variant scores, pseudo-perplexity and embeddings against the same computation in torch with
+transformers' EsmcForMaskedLM; batching, resumable embedding jobs and bad input."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import EsmcTokenizer
+
+from esmc_mlx import load
+from esmc_mlx.cli import main as cli
+from esmc_mlx.errors import EsmcMlxError
+from esmc_mlx.runtime.fasta import FastaError, parse_fasta, read_fasta
+from esmc_mlx.runtime.jobs import JobError, embed_fasta, read_embeddings, score_csv, spearman
+from esmc_mlx.runtime.mutations import MutationError, all_singles, parse_mutant
+from esmc_mlx.runtime.scoring import ScoringError, length_batches, pseudo_perplexity, score_mutations
+from esmc_mlx.testing import random_sequences
+
+WT = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"
+MUTANTS = ["A4G", "K2P:Q11W", "WT", "M1L", "Q33A:E24F:R10C", "T3T"]
+HF_TOK = EsmcTokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(converted):
+    return load(converted)[0]
+
+
+class Counting:
+    """Counts forward passes and rows; optionally fails after ``fail_after`` passes."""
+
+    def __init__(self, model, fail_after=None):
+        self.model, self.fail_after, self.calls, self.rows = model, fail_after, 0, 0
+
+    def __call__(self, input_ids, **kwargs):
+        if self.fail_after is not None and self.calls >= self.fail_after:
+            raise KeyboardInterrupt("simulated interruption")
+        self.calls += 1
+        self.rows += input_ids.shape[0]
+        return self.model(input_ids, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+# --- the torch reference: same formulas, written out plainly ---------------------------------
+
+def torch_log_probs(ref, sequence, mask_positions=None):
+    """log_softmax over all 64 logits. With mask_positions: one copy per position, that
+    position masked, its row read -> (n, 64). Without: one unmasked pass -> (L, 64)."""
+    ids = torch.tensor(HF_TOK(sequence)["input_ids"]).long()[None]
+    with torch.no_grad():
+        if mask_positions is None:
+            return torch.log_softmax(ref(input_ids=ids).logits.float(), -1)[0, 1:-1].numpy()
+        pos = torch.tensor(mask_positions) + 1
+        batch = ids.repeat(len(pos), 1)
+        batch[torch.arange(len(pos)), pos] = HF_TOK.mask_token_id
+        return torch.log_softmax(ref(input_ids=batch).logits.float(), -1)[torch.arange(len(pos)), pos].numpy()
+
+
+def torch_scores(ref, sequence, mutants):
+    aa = HF_TOK.convert_tokens_to_ids
+    masked = torch_log_probs(ref, sequence, list(range(len(sequence))))
+    unmasked = torch_log_probs(ref, sequence)
+    out = {"masked_marginal": [], "wt_marginal": [], "pppl": []}
+    for m in mutants:
+        sites = [] if m == "WT" else [(s[0], int(s[1:-1]) - 1, s[-1]) for s in m.split(":")]
+        out["masked_marginal"].append(sum(masked[i, aa(b)] - masked[i, aa(a)] for a, i, b in sites))
+        out["wt_marginal"].append(sum(unmasked[i, aa(b)] - unmasked[i, aa(a)] for a, i, b in sites))
+        variant = list(sequence)
+        for _, i, b in sites:
+            variant[i] = b
+        variant = "".join(variant)
+        lp = torch_log_probs(ref, variant, list(range(len(variant))))
+        out["pppl"].append(np.exp(-np.mean([lp[i, aa(c)] for i, c in enumerate(variant)])))
+    return {k: np.array(v, dtype=np.float64) for k, v in out.items()}
+
+
+# --- scores ----------------------------------------------------------------------------------
+
+def test_scores_match_torch(model, reference_model):
+    got = model.score_mutations(WT, MUTANTS, methods=["masked_marginal", "wt_marginal", "pppl"], batch_size=7)
+    want = torch_scores(reference_model, WT, MUTANTS)
+    for method in want:
+        np.testing.assert_allclose(got[method], want[method], rtol=1e-4, atol=1e-4, err_msg=method)
+    assert got["masked_marginal"][2] == 0 and got["masked_marginal"][5] == 0  # WT, synonymous
+    assert got.wt_pppl == pytest.approx(got["pppl"][2])
+    # the scores are not trivially equal across methods
+    assert np.abs(got["masked_marginal"] - got["wt_marginal"]).max() > 1e-2
+
+
+def test_pseudo_perplexity_is_exp_of_transformers_mlm_loss(model, reference_model):
+    """Full-vocabulary log_softmax: PPPL equals exp(loss) of transformers' MLM head on the
+    L masked copies (CrossEntropy over all 64 logits)."""
+    seqs = ["MKTAYIAKQRQISF", "GSHMSLFDKLGGLKVTEAQ"]
+    got = pseudo_perplexity(model, seqs, batch_size=5)
+    for seq, value in zip(seqs, got):
+        ids = torch.tensor(HF_TOK(seq)["input_ids"]).long()[None].repeat(len(seq), 1)
+        labels = torch.full_like(ids, -100)
+        rows = torch.arange(len(seq))
+        labels[rows, rows + 1] = ids[rows, rows + 1]
+        ids[rows, rows + 1] = HF_TOK.mask_token_id
+        with torch.no_grad():
+            loss = reference_model(input_ids=ids, labels=labels).loss
+        assert value == pytest.approx(float(torch.exp(loss)), rel=1e-4)
+
+
+class StubModel:
+    """Shapes of ESMC without its compute: counting passes of a 300-residue job stays cheap."""
+
+    def __init__(self):
+        import mlx.nn as nn
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(num_hidden_layers=2, hidden_size=8, vocab_size=64)
+        self.lm_head = nn.Linear(8, 64)
+        self.calls, self.rows = 0, 0
+
+    def __call__(self, input_ids, **kwargs):
+        import mlx.core as mx
+        from types import SimpleNamespace
+
+        self.calls += 1
+        self.rows += input_ids.shape[0]
+        return SimpleNamespace(last_hidden_state=mx.random.normal((*input_ids.shape, 8)))
+
+
+def test_all_singles_of_300_residues_take_at_most_L_over_B_plus_1_passes():
+    wt = random_sequences(1, 300, 300, seed=5)[0]
+    singles = all_singles(wt)
+    assert len(singles) == 300 * 19
+    for batch_size in (1, 32, 64, 301):
+        stub = StubModel()
+        result = score_mutations(stub, wt, singles, methods=["masked_marginal", "wt_marginal"], batch_size=batch_size)
+        assert stub.calls == result.passes <= 300 / batch_size + 1
+        assert stub.rows == 301  # 300 masked copies and the unmasked wild type, in shared passes
+        assert np.isfinite(result["masked_marginal"]).all() and np.isfinite(result["wt_marginal"]).all()
+
+
+def test_batch_size_does_not_change_scores(model):
+    wt = random_sequences(1, 40, 40, seed=6)[0]
+    singles = all_singles(wt)[::7]
+    a = score_mutations(model, wt, singles, methods=["masked_marginal", "wt_marginal"], batch_size=3)
+    b = score_mutations(model, wt, singles, methods=["masked_marginal", "wt_marginal"], batch_size=64)
+    assert (a.passes, b.passes) == (math.ceil((len({m[1:-1] for m in singles}) + 1) / 3), 1)
+    for method in a.scores:
+        np.testing.assert_allclose(a[method], b[method], atol=1e-5)
+
+
+# --- embeddings --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layer", [0, 1, -1])
+def test_embeddings_match_torch(model, reference_model, layer):
+    seqs = ["MKTAYIAKQRQISFVKSHFSRQ", "MK", "ACDEFGHIKLMNPQRSTVWYXBZUO", "GSHMSLFDKLG"]
+    got = model.embed(seqs, layer=layer, per_residue=True, batch_tokens=60)  # forces padded, mixed batches
+    for i, seq in enumerate(seqs):
+        with torch.no_grad():
+            out = reference_model(input_ids=torch.tensor(HF_TOK(seq)["input_ids"]).long()[None],
+                                  output_hidden_states=True)
+        hidden = out.hidden_states[layer][0, 1:-1].numpy()
+        np.testing.assert_allclose(got.per_residue[i], hidden, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got.mean[i], hidden.mean(0), rtol=1e-4, atol=1e-4)
+    assert got.layer == (2 if layer == -1 else layer)
+    with pytest.raises(ScoringError, match="out of range"):
+        model.embed(seqs, layer=3)
+
+
+def test_length_batches_bound_padded_tokens():
+    lengths = [10, 300, 50, 52, 49, 8, 600]
+    batches = length_batches(lengths, 200)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 200
+    assert [lengths[b[0]] for b in batches] == sorted((lengths[b[0]] for b in batches), reverse=True)
+
+
+# --- resumable embedding job -------------------------------------------------------------------
+
+def write_fasta(path, seqs, prefix="s"):
+    path.write_text("".join(f">{prefix}{i} test record\n{s[:7]}\n{s[7:]}\n" for i, s in enumerate(seqs)))
+    return path
+
+
+def test_embed_job_resumes_without_recomputing(model, tmp_path):
+    seqs = random_sequences(9, 4, 40, seed=11)
+    fasta = write_fasta(tmp_path / "in.fa", seqs)
+    full = embed_fasta(model, fasta, tmp_path / "full", per_residue=True, batch_tokens=64)
+    assert (full.computed, full.skipped) == (9, 0)
+
+    interrupted = Counting(model, fail_after=2)
+    with pytest.raises(KeyboardInterrupt):
+        embed_fasta(interrupted, fasta, tmp_path / "resumed", per_residue=True, batch_tokens=64, flush_every=1)
+    parts = list((tmp_path / "resumed" / "parts").glob("part-*.npz"))
+    done = sum(len(np.load(p)["ids"]) for p in parts)
+    assert 0 < done < 9 and interrupted.rows == done
+    with pytest.raises(JobError, match="no completed"):
+        read_embeddings(tmp_path / "resumed")
+
+    counting = Counting(model)
+    summary = embed_fasta(counting, fasta, tmp_path / "resumed", per_residue=True, batch_tokens=64)
+    assert (summary.skipped, summary.computed) == (done, 9 - done)
+    assert counting.rows == 9 - done  # no done ID computed again
+    a, b = read_embeddings(tmp_path / "full"), read_embeddings(tmp_path / "resumed")
+    assert a.ids == b.ids == [f"s{i}" for i in range(9)]
+    np.testing.assert_allclose(b.mean, a.mean, atol=1e-5)
+    np.testing.assert_allclose(b.residues, a.residues, atol=1e-5)
+    assert b.per_residue("s3").shape == (len(seqs[3]), 128)
+    assert not (tmp_path / "resumed" / "parts").exists()
+
+    # done: nothing to do; a grown FASTA computes only its new record
+    counting = Counting(model)
+    assert embed_fasta(counting, fasta, tmp_path / "resumed", per_residue=True).computed == 0
+    assert counting.calls == 0
+    grown = write_fasta(tmp_path / "grown.fa", seqs + ["MKVLAAGIVG"])
+    summary = embed_fasta(counting, grown, tmp_path / "resumed", per_residue=True)
+    assert (summary.skipped, summary.computed, counting.rows) == (9, 1, 1)
+    c = read_embeddings(tmp_path / "resumed")
+    np.testing.assert_allclose(c.mean[:9], a.mean, atol=1e-5)
+    np.testing.assert_allclose(c.mean[9], model.embed("MKVLAAGIVG").mean[0], atol=1e-5)
+
+    # other settings, or another sequence under a done ID, are refused; --force starts over
+    with pytest.raises(JobError, match="other settings"):
+        embed_fasta(model, fasta, tmp_path / "resumed", per_residue=True, layer=1)
+    changed = write_fasta(tmp_path / "changed.fa", ["MKVLAAGIVG"] + seqs[1:])
+    with pytest.raises(JobError, match="another sequence under the ID 's0'"):
+        embed_fasta(model, changed, tmp_path / "resumed", per_residue=True)
+    summary = embed_fasta(model, changed, tmp_path / "resumed", layer=1, force=True)
+    assert (summary.skipped, summary.computed) == (0, 9)
+    assert read_embeddings(tmp_path / "resumed").residues is None
+
+
+def test_embed_refuses_foreign_directory(model, tmp_path):
+    fasta = write_fasta(tmp_path / "in.fa", ["MKV"])
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "thesis.tex").write_text("precious")
+    with pytest.raises(JobError, match="not an esmc-mlx embeddings directory"):
+        embed_fasta(model, fasta, tmp_path / "busy", force=True)
+    assert (tmp_path / "busy" / "thesis.tex").exists()
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, message", [
+    (">a\nMKV\n>b x\nMKJVQ1\n", r"in.fa, record 'b': invalid character 'J' at position 3, '1' at position 6"),
+    (">a\nMKV\n>b\nLL\n>a\nMKV\n", r"line 5: duplicate ID 'a' \(first seen on line 1\)"),
+    (">a\n>b\nMKV\n", r"line 1: record 'a' has no sequence"),
+    ("MKV\n>a\nMKV\n", r"line 1: text before the first '>'"),
+    ("\n", r"no FASTA records"),
+])
+def test_bad_fasta(text, message):
+    with pytest.raises(FastaError, match=message):
+        parse_fasta(text, "in.fa")
+
+
+def test_fasta_reading_conventions(tmp_path):
+    records = read_fasta(write_fasta(tmp_path / "x.fa", ["mkvlaa*"]))
+    assert records[0].id == "s0" and records[0].description == "test record" and records[0].sequence == "MKVLAA"
+    with pytest.raises(FastaError, match="cannot read"):
+        read_fasta(tmp_path / "missing.fa")
+
+
+@pytest.mark.parametrize("mutant, message", [
+    ("G4A", r"wild-type residue G at position 4 does not match the sequence, which has A there"),
+    ("A40G", r"position 40 is out of range \(the sequence spans 1..33\)"),
+    ("M0A", r"position 0 is out of range"),
+    ("A4", r"'A4' is not a substitution like A23G"),
+    ("A4G;K2P", r"not a substitution"),
+    ("A4G:A4C", r"position 4 is mutated twice"),
+    ("A4X", r"mutant residue 'X' is not one of the 20 amino acids"),
+])
+def test_bad_mutants(mutant, message):
+    with pytest.raises(MutationError, match=message):
+        parse_mutant(mutant, WT, where="row 1: ")
+
+
+def test_mutant_offset_and_case():
+    subs = parse_mutant("a103g:k101p", WT, offset=100)
+    assert [(s.wt, s.position, s.mut, s.index) for s in subs] == [("A", 103, "G", 3), ("K", 101, "P", 1)]
+    assert parse_mutant(" _wt ", WT) == []
+
+
+def test_score_csv_errors_name_file_and_line(model, tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("mutant,DMS_score\nA4G,1\nK2P:Q11W,2\nL4G,3\n")
+    with pytest.raises(MutationError, match=r"bad.csv, line 4: 'L4G': wild-type residue L at position 4"):
+        score_csv(model, WT, bad, None)
+    nocol = tmp_path / "nocol.csv"
+    nocol.write_text("variant,score\nA4G,1\n")
+    with pytest.raises(JobError, match=r"no 'mutant' column \(columns: variant, score\)"):
+        score_csv(model, WT, nocol, None)
+    mismatch = tmp_path / "mm.csv"
+    mismatch.write_text(f"mutant,mutated_sequence\nA4G,{WT}\n")
+    with pytest.raises(JobError, match="line 2: mutated_sequence does not match"):
+        score_csv(model, WT, mismatch, None)
+    with pytest.raises(FastaError, match=r"sequence '--sequence': invalid character 'J' at position 2"):
+        score_csv(model, "MJK", bad, None)
+    with pytest.raises(ScoringError, match="unknown scoring method"):
+        score_csv(model, WT, bad, None, methods=["entropy"])
+
+
+def test_spearman_matches_scipy():
+    spearmanr = pytest.importorskip("scipy.stats").spearmanr
+
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 5, 40).astype(float), rng.normal(size=40)  # ties in a
+    assert spearman(a, b) == pytest.approx(spearmanr(a, b).statistic, abs=1e-12)
+    assert np.isnan(spearman([1, 1, 1], [1, 2, 3]))
+
+
+# --- command line ----------------------------------------------------------------------------
+
+def test_cli_score_and_embed(converted, model, tmp_path):
+    csv_in = tmp_path / "dms.csv"
+    csv_in.write_text("mutant,DMS_score\n" + "".join(f"{m},{i * 0.5}\n" for i, m in enumerate(MUTANTS)))
+    runner = CliRunner()
+    result = runner.invoke(cli, ["score", str(converted), "--sequence", WT, "--mutations", str(csv_in),
+                                 "-B", "8", "--method", "masked-marginal", "--method", "pppl", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "Spearman masked_marginal vs DMS_score" in result.output and "Wild-type pseudo-perplexity" in result.output
+    scored = (tmp_path / "dms.scored.csv").read_text().splitlines()
+    assert scored[0] == "mutant,DMS_score,masked_marginal,pppl" and len(scored) == len(MUTANTS) + 1
+    want = model.score_mutations(WT, MUTANTS, methods=["masked_marginal"])["masked_marginal"]
+    np.testing.assert_allclose([float(line.split(",")[2]) for line in scored[1:]], want, atol=1e-5)
+
+    fasta = tmp_path / "bad.fa"
+    fasta.write_text(">ok\nMKV\n>broken\nMK@V\n")
+    result = runner.invoke(cli, ["embed", str(converted), str(fasta), "-o", str(tmp_path / "emb")])
+    assert result.exit_code == 1
+    assert "Error:" in result.output and "record 'broken': invalid character '@' at position 3" in result.output
+    fasta.write_text(">ok\nMKV\n>fine\nMKLV\n")
+    result = runner.invoke(cli, ["embed", str(converted), str(fasta), "-o", str(tmp_path / "emb"), "--layer", "1",
+                                 "--per-residue", "--dtype", "float16", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    stored = read_embeddings(tmp_path / "emb")
+    assert stored.ids == ["ok", "fine"] and stored.mean.dtype == np.float16
+    np.testing.assert_allclose(stored.mean.astype(np.float32), model.embed(["MKV", "MKLV"], layer=1).mean, atol=2e-3)
+
+
+def test_errors_are_user_errors():
+    for error in (FastaError, MutationError, JobError, ScoringError):
+        assert issubclass(error, EsmcMlxError)
+
+
+def test_runtime_imports_neither_torch_nor_transformers():
+    code = ("import sys, esmc_mlx.runtime.scoring, esmc_mlx.runtime.jobs, esmc_mlx.runtime.fasta, "
+            "esmc_mlx.runtime.mutations, esmc_mlx.runtime.distributed; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
