@@ -12,26 +12,40 @@ CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.md", "*.txt", "*.png", "*.p
 def download_checkpoint(repo_id: str, revision: str | None = None) -> tuple[Path, str | None]:
     """Fetch a model repo into the HF cache; return (local directory, resolved commit).
 
-    Raises HubError when the repo does not exist, is gated or private without a token, or
-    cannot be reached (offline mode or network down) and is not already cached.
+    Works offline (HF_HUB_OFFLINE=1) when the snapshot is completely in the cache. Raises HubError
+    when the repo does not exist, is gated or private without a token, or cannot be reached
+    (offline mode or network down) and is not completely cached.
     """
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub import errors as hf_errors
 
+    where = f"{repo_id}" + (f"@{revision}" if revision else "")
     try:
         local = Path(snapshot_download(repo_id, revision=revision, allow_patterns=CHECKPOINT_PATTERNS))
+    except hf_errors.GatedRepoError:
+        raise HubError(f"{repo_id}: gated repo; accept its terms on the Hub and log in (hf auth login)") from None
     except hf_errors.RepositoryNotFoundError:
         raise HubError(f"{repo_id}: no such model repo on the Hub (or it is private and no token is set)") from None
     except hf_errors.RevisionNotFoundError:
         raise HubError(f"{repo_id}: revision {revision!r} not found") from None
-    except hf_errors.GatedRepoError:
-        raise HubError(f"{repo_id}: gated repo; accept its terms on the Hub and log in (hf auth login)") from None
-    except hf_errors.LocalEntryNotFoundError:
+    except hf_errors.LocalEntryNotFoundError as e:  # IncompleteSnapshotError is one too
+        incomplete = isinstance(e, getattr(hf_errors, "IncompleteSnapshotError", ()))
+        cached = "only partly in the local cache" if incomplete else "not in the local cache"
+        if constants.HF_HUB_OFFLINE:
+            raise HubError(
+                f"{where}: offline mode is on (HF_HUB_OFFLINE is set) and the model is {cached} "
+                f"({constants.HF_HUB_CACHE}). Download it once with the network on, or unset HF_HUB_OFFLINE."
+            ) from None
         raise HubError(
-            f"{repo_id}: not in the local cache and the Hub cannot be reached (HF_HUB_OFFLINE is set "
-            "or the network is down)"
+            f"{where}: cannot reach the Hub at {constants.ENDPOINT} and the model is {cached} "
+            f"({constants.HF_HUB_CACHE}). Check the network (and HF_ENDPOINT), then try again."
         ) from None
     except hf_errors.HfHubHTTPError as e:
         raise HubError(f"{repo_id}: download failed: {e}") from None
+    except Exception as e:  # the HTTP client's own errors: the network failed mid-download
+        if type(e).__module__.split(".")[0] not in ("httpx", "httpx2", "requests", "urllib3"):
+            raise
+        raise HubError(f"{where}: the download from {constants.ENDPOINT} was interrupted ({type(e).__name__}: {e}). "
+                       "Run the same command again: finished files are kept in the cache.") from None
     commit = local.name if len(local.name) == 40 else None  # snapshots/<commit sha>
     return local, commit
