@@ -1,0 +1,15 @@
+"""Validation: does the MLX artifact compute what the original ESMC computes?
+
+Every report answers two questions (docs/validation.md):
+  * fidelity: the MLX runtime against transformers' EsmcForMaskedLM on the weights the
+    artifact holds (dequantized when quantized): catches layout, packing and numerics bugs;
+  * quality: the artifact against the original checkpoint (KL, top-1, relative errors,
+    embedding cosine, Spearman of variant scores), with per-precision bounds.
+Needs esmc-mlx[torch]; nothing in the runtime imports this package.
+"""
+
+from .core import Check, Report, validate
+from .thresholds import FIDELITY, QUALITY
+from .weights import ValidationError
+
+__all__ = ["Check", "FIDELITY", "QUALITY", "Report", "ValidationError", "validate"]

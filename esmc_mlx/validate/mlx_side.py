@@ -1,0 +1,122 @@
+"""The artifact as the MLX runtime runs it: ``load()`` and ``model(...)``, or layer by layer.
+
+``full`` is what users run (``esmc_mlx.load``). ``layered`` builds the runtime's own modules
+(``runtime.model.Layer``, ``MaskedLMHead``; quantized exactly where the artifact is, by the
+rule of ``runtime.quantized.quantize_modules``) one layer at a time and runs ``ESMC.__call__``'s
+loop, so that a 6B artifact is checked without holding it whole in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..runtime.load import compute_dtype_for_device, load
+from ..runtime.model import Layer, MaskedLMHead, attention_mask_for
+from ..runtime.quantized import quantize_modules
+from .panel import Batch
+from .reference import Outputs
+from .weights import ArtifactWeights
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def compute_dtype(artifact: ArtifactWeights, override: str | None = None) -> mx.Dtype:
+    if override:
+        return DTYPES[override]
+    return compute_dtype_for_device(DTYPES.get(artifact.dtype, mx.float32))
+
+
+def _unpad(batch: Batch, logits: mx.array, hidden: mx.array, sink: dict) -> None:
+    lengths = batch.attention_mask.sum(axis=1)
+    logits = np.array(logits.astype(mx.float32))
+    hidden = np.array(hidden.astype(mx.float32))
+    for r, row in enumerate(batch.rows):
+        sink[row] = (logits[r, : lengths[r]].copy(), hidden[r, : lengths[r]].copy())
+
+
+def _call_args(batch: Batch) -> dict:
+    if batch.sequence_id is not None:
+        return {"sequence_id": mx.array(batch.sequence_id)}
+    return {"attention_mask": mx.array(batch.attention_mask)}
+
+
+def run_full(artifact: ArtifactWeights, batches: list[Batch], n_inputs: int, dtype: mx.Dtype,
+             on_step: Callable[[], None] | None = None) -> Outputs:
+    model, _ = load(artifact.directory, dtype=dtype)
+    sink: dict[int, tuple] = {}
+    for batch in batches:
+        out = model(mx.array(batch.input_ids), **_call_args(batch))
+        mx.eval(out.logits, out.last_hidden_state)
+        _unpad(batch, out.logits, out.last_hidden_state, sink)
+        if on_step:
+            on_step()
+    del model
+    mx.clear_cache()
+    return Outputs([sink[i][0] for i in range(n_inputs)], [sink[i][1] for i in range(n_inputs)])
+
+
+class _Holder(nn.Module):
+    """Gives a lone module (embedding, final norm) its path in the artifact, so that it is
+    quantized by the same rule as everything else if the artifact quantized it."""
+
+    def __init__(self, **modules):
+        super().__init__()
+        for name, module in modules.items():
+            setattr(self, name, module)
+
+
+def _materialize(module: nn.Module, artifact: ArtifactWeights, prefix: str, dtype: mx.Dtype,
+                 select: str | None = None) -> nn.Module:
+    """Quantize ``module`` where the artifact holds quantized tensors, load its weights, cast.
+    ``module``'s paths are artifact names less ``prefix``; ``select`` narrows the names read."""
+    names = artifact.stored_names(select or prefix)
+
+    if artifact.record:  # the runtime's own swap, with the record's per-layer keys made relative
+        record = {k: v for k, v in artifact.record.items() if not isinstance(v, dict)}
+        record.update({k[len(prefix):]: v for k, v in artifact.record.items()
+                       if isinstance(v, dict) and k.startswith(prefix)})
+        quantize_modules(module, record, lambda path: artifact.has(f"{prefix}{path}.scales"))
+    weights = artifact.raw_many(names)
+    module.load_weights([(n[len(prefix):], w) for n, w in weights.items()], strict=True)
+    module.set_dtype(dtype)
+    mx.eval(module.parameters())
+    return module
+
+
+def run_layered(artifact: ArtifactWeights, batches: list[Batch], n_inputs: int, dtype: mx.Dtype,
+                on_step: Callable[[], None] | None = None) -> Outputs:
+    config = artifact.config
+    embed = _materialize(_Holder(embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size)), artifact,
+                         "esmc.", dtype, select="esmc.embed_tokens.").embed_tokens
+    states, masks = [], []
+    for batch in batches:
+        args = _call_args(batch)
+        masks.append(attention_mask_for(args.get("attention_mask"), args.get("sequence_id")))
+        states.append(embed(mx.array(batch.input_ids)))
+    mx.eval(states)
+    del embed
+    for i in range(config.num_hidden_layers):
+        layer = _materialize(Layer(config), artifact, f"esmc.layers.{i}.", dtype)
+        for b in range(len(batches)):
+            states[b], _ = layer(states[b], masks[b])
+            mx.eval(states[b])
+        del layer
+        mx.clear_cache()
+        if on_step:
+            on_step()
+    norm = _materialize(_Holder(norm=nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=False)),
+                        artifact, "esmc.", dtype, select="esmc.norm.").norm
+    head = _materialize(MaskedLMHead(config), artifact, "lm_head.", dtype)
+    sink: dict[int, tuple] = {}
+    for b, batch in enumerate(batches):
+        hidden = norm(states[b])
+        logits = head(hidden)
+        mx.eval(logits, hidden)
+        _unpad(batch, logits, hidden, sink)
+        states[b] = None
+    mx.clear_cache()
+    return Outputs([sink[i][0] for i in range(n_inputs)], [sink[i][1] for i in range(n_inputs)])

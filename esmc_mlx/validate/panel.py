@@ -1,0 +1,140 @@
+"""The sequences validation runs: real proteins, plus inputs derived from them, in padded batches.
+
+From the records of a FASTA file (the bundled ``data/panel.fasta`` unless the user gives one):
+  * every record, cropped to ``max_length`` residues when asked;
+  * a two-chain input: two records joined by the chain break ``|`` (run with ``sequence_id``);
+  * ``<mask>`` inputs: records with 15% of their residues replaced by ``<mask>``;
+  * masked-marginal rows: one row per sampled (record, position), that residue masked; their
+    logits give the variant scores whose Spearman correlation quality reports.
+Inputs are sorted by length and packed into right-padded batches of bounded token count, so
+padding is exercised as users exercise it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from ..runtime.fasta import read_fasta
+from ..runtime.tokenizer import AMINO_ACIDS, ESMCTokenizer
+
+PANEL_PATH = Path(__file__).resolve().parent.parent / "data" / "panel.fasta"
+MASK = "<mask>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Input:
+    name: str
+    tokens: tuple[str, ...]  # residue tokens, without <cls>/<eos>
+    kind: str  # record | two-chain | masked | marginal
+    marginal: tuple[str, int, str] | None = None  # (record name, 0-based position, wild-type residue)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.tokens)
+
+    @property
+    def length(self) -> int:  # tokens the model sees, <cls> and <eos> included
+        return len(self.tokens) + 2
+
+
+@dataclasses.dataclass
+class Batch:
+    rows: list[int]  # indices into Panel.inputs
+    input_ids: np.ndarray  # (B, L) int32
+    attention_mask: np.ndarray  # (B, L) int32
+    sequence_id: np.ndarray | None  # (B, L) int32 when a row has a chain break, else None
+
+
+@dataclasses.dataclass
+class Panel:
+    inputs: list[Input]
+    source: str
+    sha256: str | None
+    max_length: int | None
+
+    @property
+    def tokens(self) -> int:
+        return sum(i.length for i in self.inputs)
+
+    def describe(self) -> dict:
+        kinds: dict[str, int] = {}
+        for i in self.inputs:
+            kinds[i.kind] = kinds.get(i.kind, 0) + 1
+        lengths = [len(i.tokens) for i in self.inputs if i.kind == "record"]
+        return {"source": self.source, "sha256": self.sha256, "inputs": len(self.inputs), "by_kind": kinds,
+                "tokens": self.tokens, "record_lengths": lengths, "max_length": self.max_length}
+
+    def batches(self, max_tokens: int = 4096) -> list[Batch]:
+        """Right-padded batches, rows sorted by length, B x L <= max_tokens (one row at least)."""
+        tok = ESMCTokenizer()
+        order = sorted(range(len(self.inputs)), key=lambda i: self.inputs[i].length)
+        groups: list[list[int]] = []
+        for i in order:
+            if groups and (len(groups[-1]) + 1) * self.inputs[i].length <= max_tokens:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        out = []
+        for rows in groups:
+            enc = tok([self.inputs[r].text for r in rows], return_tensors="np", return_sequence_id=True,
+                      names=[self.inputs[r].name for r in rows])
+            chained = bool((enc["input_ids"] == tok.chain_break_token_id).any())
+            out.append(Batch(rows, enc["input_ids"], enc["attention_mask"],
+                             enc["sequence_id"] if chained else None))
+        return out
+
+
+def build_panel(fasta: str | Path | None = None, max_length: int | None = None, masked_inputs: int = 2,
+                marginal_positions: int = 24, seed: int = 0) -> Panel:
+    """Read ``fasta`` (default: the bundled panel) and derive the two-chain, ``<mask>`` and
+    masked-marginal inputs. Raises FastaError (an EsmcMlxError) for an unreadable file."""
+    path = Path(fasta) if fasta is not None else PANEL_PATH
+    records = read_fasta(path)
+    rng = np.random.default_rng(seed)
+    crop = (lambda s: s[:max_length]) if max_length else (lambda s: s)
+    recs = [(r.id, tuple(crop(r.sequence))) for r in records]
+    inputs = [Input(name, toks, "record") for name, toks in recs]
+    by_length = sorted(recs, key=lambda r: len(r[1]))
+    if len(recs) >= 2:  # the two shortest records that are not tiny, as chain A | chain B
+        pair = [r for r in by_length if len(r[1]) >= 20][:2] or by_length[:2]
+        if len(pair) == 2:
+            (a, ta), (b, tb) = pair
+            inputs.append(Input(f"{a}|{b}", (*ta, "|", *tb), "two-chain"))
+    for name, toks in _spread(by_length, masked_inputs):
+        hide = rng.choice(len(toks), size=max(1, round(0.15 * len(toks))), replace=False)
+        masked = tuple(MASK if i in set(hide.tolist()) else t for i, t in enumerate(toks))
+        inputs.append(Input(f"{name} (15% masked)", masked, "masked"))
+    inputs.extend(_marginal_rows(recs, marginal_positions, rng))
+    digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+    return Panel(inputs, str(path) if fasta is not None else "esmc_mlx/data/panel.fasta", digest, max_length)
+
+
+def _spread(records: list[tuple[str, tuple[str, ...]]], n: int) -> list[tuple[str, tuple[str, ...]]]:
+    """``n`` records spread over the length range, preferring those of 50-300 residues (long ones
+    make every masked row expensive, very short ones have few positions)."""
+    if n <= 0 or not records:
+        return []
+    pool = [r for r in records if 50 <= len(r[1]) <= 300] or records
+    picks = np.linspace(0, len(pool) - 1, num=min(n, len(pool))).round().astype(int)
+    return [pool[i] for i in dict.fromkeys(picks.tolist())]
+
+
+def _marginal_rows(records, positions: int, rng) -> list[Input]:
+    chosen = _spread(sorted(records, key=lambda r: len(r[1])), min(3, positions))
+    rows = []
+    for k, (name, toks) in enumerate(chosen):
+        share = positions // len(chosen) + (1 if k < positions % len(chosen) else 0)
+        candidates = [i for i, t in enumerate(toks) if t in AMINO_ACIDS]
+        if not candidates or share == 0:
+            continue
+        for pos in sorted(rng.choice(candidates, size=min(share, len(candidates)), replace=False).tolist()):
+            masked = toks[:pos] + (MASK,) + toks[pos + 1:]
+            rows.append(Input(f"{name} {toks[pos]}{pos + 1}<mask>", masked, "marginal", (name, pos, toks[pos])))
+    return rows
+
+
+__all__ = ["Batch", "Input", "Panel", "build_panel", "PANEL_PATH"]

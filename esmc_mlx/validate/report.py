@@ -1,0 +1,212 @@
+"""report.json (every figure), report.md (read in ten seconds) and per_position.png."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .panel import Panel
+
+PLOT_NAME = "per_position.png"
+LABELS = {
+    "config": "architecture matches the reference",
+    "artifact_loads": "artifact loads",
+    "weights": "weights: max rel. L2 error of a tensor",
+    "fidelity_logits": "logits rel. L2 (MLX vs torch, same weights)",
+    "fidelity_hidden": "last hidden state rel. L2 (same weights)",
+    "kl_mean": "KL(original ‖ artifact), mean per position",
+    "kl_max": "KL, worst position",
+    "top1": "top-1 token agreement",
+    "logits_rel_err": "logits rel. L2 error",
+    "hidden_rel_err": "last hidden state rel. L2 error",
+    "embedding_cosine": "cosine of mean embeddings (worst sequence)",
+    "spearman": "Spearman of masked-marginal scores",
+}
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        if value == 0 or value == 1:
+            return str(int(value))
+        if 0.99 < value < 1:  # agreement figures: what is short of 1 is what matters
+            return f"1 − {1 - value:.2g}"
+        if 1e-3 <= abs(value) < 1e4:
+            return f"{value:.4g}"
+        return f"{value:.3g}"
+    return str(value)
+
+
+def _bound(check) -> str:
+    if check.name == "config":
+        return "identical"
+    if check.threshold is None:
+        return ""
+    return f"{'≥' if check.comparison == '>=' else '≤'} {_fmt(check.threshold)}"
+
+
+def _status(check) -> str:
+    if not check.enforced:
+        return "info" if check.passed else "info (outside bound)"
+    return "pass" if check.passed else "**FAIL**"
+
+
+def markdown(report, plot: str | None) -> str:
+    d = report.data
+    a, r, mode = d["artifact"], d["reference"], d["reference_mode"]
+    quality = d.get("quality") or {}
+    verdict = "PASSED" if report.passed else "FAILED"
+    failed = ", ".join(c.name for c in report.failed)
+    name = Path(a["path"]).name
+    lines = [
+        f"# Validation of {name}: {verdict}",
+        "",
+        f"{'All enforced checks pass.' if report.passed else 'Failed: ' + failed + '.'} "
+        f"Artifact `{name}` ({_describe_precision(a)}) against `{r['id']}` ({r['dtype']}); "
+        f"panel of {d['panel']['inputs']} inputs, {d['panel']['tokens']:,} tokens.",
+        "",
+        "| | check | value | bound | |",
+        "|---|---|---|---|---|",
+    ]
+    kinds = {"integrity": "integrity", "fidelity": "fidelity", "quality": "quality"}
+    for c in report.checks:
+        value = "0 differences" if c.name == "config" and c.passed else _fmt(c.value)
+        if c.name == "config" and not c.passed:
+            value = c.detail
+        lines.append(f"| {kinds[c.kind]} | {LABELS.get(c.name, c.name)} | {value} | {_bound(c)} | {_status(c)} |")
+    lines.append("")
+    for c in report.failed:
+        if c.detail and c.name != "config":
+            lines.append(f"- **{c.name}**: {c.detail}")
+    if report.failed:
+        lines.append("")
+    lines.append(
+        "**Fidelity**: does MLX compute what torch computes on the same (dequantized) weights? "
+        "**Quality**: how far is the artifact from the original checkpoint?"
+    )
+    lines.append("")
+    if quality:
+        acc = quality["identity_accuracy"]["original"]
+        if quality.get("enforced"):
+            lines.append(f"Quality bounds are those of the `{d['precision']}` row (docs/validation.md).")
+        else:
+            why = (f"the reference looks untrained (its top-1 recovers {acc:.0%} of input residues)"
+                   if not quality.get("reference_trained") else "quality gate off")
+            lines.append(f"Quality figures are informational: {why}.")
+        lines.append("")
+    if mode["torch"] is None or not quality:
+        lines.append("The forward passes did not run or did not finish: see the failed checks.")
+        lines.append("")
+    lines.append(
+        f"References: transformers `EsmcForMaskedLM` in fp32, {mode['torch']}"
+        f"{' (layer by layer)' if mode['torch'] == 'layered' else ' model'}; MLX {mode['mlx']}, "
+        f"computing in {mode['mlx_compute_dtype']} on the {d['platform']['mlx_device'].split('(')[-1].split(',')[0]}. "
+        f"esmc-mlx {d['versions']['esmc_mlx']}, mlx {d['versions']['mlx']}, torch {d['versions']['torch']}, "
+        f"transformers {d['versions']['transformers']}; {d['resources']['seconds']:.0f} s, "
+        f"peak RSS {d['resources']['peak_rss_bytes'] / 2**30:.2f} GiB. Every figure: `report.json`."
+    )
+    if plot:
+        lines += ["", f"![Per-position error along each panel sequence]({plot})"]
+    return "\n".join(lines) + "\n"
+
+
+def _describe_precision(artifact: dict) -> str:
+    q = artifact.get("quantization")
+    if q:
+        return f"{q.get('mode', 'affine')} {q['bits']}-bit, group {q['group_size']}, other tensors {artifact['dtype']}"
+    return artifact["dtype"]
+
+
+def text_summary(report) -> str:
+    """What the CLI prints: one line per check."""
+    rows = []
+    for c in report.checks:
+        rows.append(f"  {_status(c).replace('**', ''):<8} {c.name:<17} {_fmt(c.value):>10}  {_bound(c)}"
+                    + (f"   {c.detail}" if c.detail and not c.passed else ""))
+    head = "PASSED" if report.passed else "FAILED (" + ", ".join(c.name for c in report.failed) + ")"
+    return "\n".join([f"Validation {head}", *rows])
+
+
+def _smooth(y: np.ndarray, window: int) -> np.ndarray:
+    """Geometric running mean (the mean of log y), the right average on a log axis."""
+    if len(y) < 3 or window < 2:
+        return y
+    window = min(window, len(y))
+    logs = np.log(y)
+    kernel = np.ones(window) / window
+    padded = np.pad(logs, (window // 2, window - 1 - window // 2), mode="edge")
+    return np.exp(np.convolve(padded, kernel, mode="valid"))
+
+
+def plot(report, panel: Panel, path: Path) -> bool:
+    """Per-position KL (quality) and logit error (fidelity) along each sequence, log y axis:
+    faint raw values, a running geometric mean on top, ``<mask>`` inputs marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    d = report.data
+    quality, fidelity = d.get("quality"), d.get("fidelity")
+    if not quality or not fidelity:
+        return False
+    inputs = [i for i in panel.inputs if i.kind in ("record", "two-chain", "masked")]
+    floor = 1e-12
+    fig, axes = plt.subplots(2, 1, figsize=(13, 7.5), sharex=True)
+    fig.subplots_adjust(left=0.07, right=0.74, top=0.9, bottom=0.08, hspace=0.18)
+    cmap = plt.get_cmap("tab20")
+    for k, inp in enumerate(inputs):
+        color = cmap(k % 20)
+        style = {"record": "-", "two-chain": "--", "masked": ":"}[inp.kind]
+        kl = np.maximum(np.asarray(quality["per_input"][inp.name]["per_position_kl"], dtype=float), floor)
+        fe = np.maximum(np.asarray(fidelity["per_input"][inp.name]["per_position"], dtype=float), floor)
+        x = np.arange(1, len(kl) + 1)
+        window = max(5, len(kl) // 40)
+        for ax, y in ((axes[0], kl), (axes[1], fe)):
+            ax.plot(x, y, "-", color=color, lw=0.4, alpha=0.25)
+            ax.plot(x, _smooth(y, window), style, color=color, lw=1.3,
+                    label=f"{inp.name} ({len(kl)})" if ax is axes[0] else None)
+        masked = quality["per_input"][inp.name].get("masked_positions") or []
+        if masked:
+            axes[0].plot(np.array(masked) + 1, kl[masked], "v", color=color, mec="black", mew=0.4, ms=4)
+    thr = d["thresholds"]
+    axes[0].axhline(thr["kl_mean"], color="crimson", ls="--", lw=1.2, label=f"bound on mean KL ({thr['kl_mean']:g})")
+    axes[0].axhline(max(quality["kl_mean"], floor), color="black", ls="-.", lw=1.2,
+                    label=f"mean KL ({quality['kl_mean']:.3g})")
+    axes[1].axhline(thr["fidelity_logits"], color="crimson", ls="--", lw=1.2,
+                    label=f"bound on pooled error ({thr['fidelity_logits']:g})")
+    axes[1].axhline(max(fidelity["logits_rel_l2"], floor), color="black", ls="-.", lw=1.2,
+                    label=f"pooled error ({fidelity['logits_rel_l2']:.3g})")
+    for ax in axes:
+        ax.set_yscale("log")
+        ax.grid(True, which="major", alpha=0.3)
+    gate = "" if quality.get("enforced") else "  (informational: the reference looks untrained)"
+    axes[0].set_title("Quality: KL(original ‖ artifact) per residue, nats" + gate, fontsize=10, loc="left")
+    axes[1].set_title("Fidelity: |Δ logits| / |logits| per residue, MLX vs torch on the artifact's weights",
+                      fontsize=10, loc="left")
+    axes[1].set_xlabel("residue position (faint: per residue; bold: running geometric mean; "
+                       "dashed: two-chain; dotted: 15% masked, ▼ at <mask>)", fontsize=8.5)
+    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="panel input (length)",
+                   title_fontsize=7.5, frameon=False)
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    a = d["artifact"]
+    fig.suptitle(f"{Path(a['path']).name} ({_describe_precision(a)}) vs {d['reference']['id']}: "
+                 f"{'PASSED' if report.passed else 'FAILED'}", fontsize=11, x=0.07, ha="left")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def write_report(report, panel: Panel, directory: Path, draw: bool = True) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "report.json").write_text(json.dumps(report.data, indent=1, allow_nan=False) + "\n")
+    drew = draw and plot(report, panel, directory / PLOT_NAME)
+    if not drew and (directory / PLOT_NAME).exists():
+        (directory / PLOT_NAME).unlink()
+    (directory / "report.md").write_text(markdown(report, PLOT_NAME if drew else None))
+    return directory

@@ -1,0 +1,117 @@
+"""Every tolerance of validation, in one place. docs/validation.md explains each number.
+
+Two tables:
+
+* ``FIDELITY``: the MLX runtime against torch run on the *same* weights (the artifact's,
+  dequantized). Keyed by the dtype MLX computes in, since that, not the storage, sets the
+  rounding noise: fp32 compute must agree to 1e-5 whatever the artifact stores (quantized
+  included: MLX's quantized matmul and torch's matmul of the dequantized weights are the same
+  sums); bf16/fp16 compute (Metal, CUDA) to 2e-2.
+* ``QUALITY``: the artifact against the original checkpoint, one row per precision. The
+  ``weights`` column bounds the relative L2 error of every tensor (dequantized artifact against
+  the original); the others bound the outputs on the panel.
+
+Quality rows were set from measurements on the trained esmc-tiny (``python -m
+esmc_mlx.validate.calibrate``; docs/validation.md has the measured values and the rule), with
+headroom because the published models are 5-13x deeper. The bf16/fp16 rows also cover MLX
+*computing* in that dtype (measured with an fp32 artifact run in bf16/fp16). Override any bound
+with ``--threshold NAME=VALUE``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Checks whose value must stay *at or above* the threshold; every other check is "at most".
+HIGHER_IS_BETTER = frozenset({"top1", "embedding_cosine", "spearman"})
+
+FIDELITY: dict[str, float] = {  # compute dtype -> max relative L2 of logits and of last hidden state
+    "float32": 1e-5,
+    "bfloat16": 2e-2,
+    "float16": 2e-2,
+}
+
+QUALITY_COLUMNS = ("weights", "kl_mean", "kl_max", "top1", "logits_rel_err", "hidden_rel_err",
+                   "embedding_cosine", "spearman")
+# Measured on esmc-tiny (6 layers), full panel: docs/validation.md has the figures. Error-like
+# bounds are 10x the measurement, agreement-like ones 1 - 10x the shortfall, rounded up on a
+# 1-1.5-2-3-5-7 grid; ``weights`` is 2x (it does not grow with depth); quantized rows are made
+# no tighter than the rows of more bits. "float32" is any lossless artifact.
+#              weights  kl_mean kl_max  top1    logits  hidden  cosine     spearman
+_ROWS = {
+    "float32":  (1e-6,   1e-6,   1e-4,   0.999,  1e-4,   1e-4,   0.99999,   0.9999),
+    "float16":  (5e-4,   5e-6,   3e-4,   0.999,  5e-3,   1.5e-2, 0.9999985, 0.99993),
+    "bfloat16": (5e-3,   3e-4,   1e-2,   0.985,  3e-2,   0.1,    0.99985,   0.999),
+    "8bit":     (1.5e-2, 3e-5,   2e-3,   0.995,  1e-2,   3e-2,   0.99995,   0.9998),
+    "6bit":     (5e-2,   3e-4,   3e-2,   0.985,  3e-2,   0.1,    0.9995,    0.9993),
+    "mxfp8":    (7e-2,   5e-4,   5e-2,   0.98,   5e-2,   0.15,   0.999,     0.9985),
+    "5bit":     (0.1,    1e-3,   0.15,   0.95,   5e-2,   0.3,    0.998,     0.997),
+    "4bit":     (0.3,    5e-3,   0.5,    0.93,   0.1,    0.5,    0.985,     0.99),
+    "nvfp4":    (0.3,    7e-3,   0.5,    0.9,    0.15,   0.7,    0.985,     0.99),
+    "mxfp4":    (0.3,    1e-2,   0.5,    0.9,    0.15,   0.7,    0.98,      0.99),
+    "3bit":     (0.5,    2e-2,   1.5,    0.85,   0.3,    1.0,    0.95,      0.93),
+    "2bit":     (1.0,    0.1,    7.0,    0.7,    0.5,    1.0,    0.8,       0.7),
+}
+QUALITY: dict[str, dict[str, float]] = {p: dict(zip(QUALITY_COLUMNS, row)) for p, row in _ROWS.items()}
+
+# A reference counts as trained when its top-1 prediction recovers at least this fraction of the
+# (unmasked) input residues; a random-weight network recovers about 1/33. Quality checks are
+# enforced only against a trained reference unless the caller says otherwise (quality_gate).
+TRAINED_IDENTITY_ACCURACY = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    precision: str
+    compute_dtype: str
+    values: dict[str, float]
+
+    def passes(self, name: str, value: float | None) -> bool:
+        if value is None or value != value:  # None or NaN never passes
+            return False
+        bound = self.values[name]
+        return value >= bound if name in HIGHER_IS_BETTER else value <= bound
+
+
+def precision_class(artifact_config: dict, source_dtype: str) -> str:
+    """Row of ``QUALITY`` for an artifact: its quantization (mixed recipes use the row of their
+    lower bit width, a bound they always meet), else its float dtype, where a dtype no narrower
+    than the source's (bf16 from a bf16 checkpoint, fp32 from anything) is lossless: "float32"."""
+    q = artifact_config.get("quantization") or artifact_config.get("quantization_config")
+    if q:
+        mode, bits = q.get("mode", "affine"), int(q["bits"])
+        if mode in ("mxfp4", "nvfp4", "mxfp8"):
+            return mode
+        return f"{bits}bit"
+    dtype = artifact_config.get("dtype", "float32")
+    if dtype == "float32" or dtype == source_dtype:
+        return "float32"
+    return dtype
+
+
+def looser(name: str, a: float, b: float) -> float:
+    return min(a, b) if name in HIGHER_IS_BETTER else max(a, b)
+
+
+def resolve(precision: str, compute_dtype: str, overrides: dict[str, float] | None = None) -> Thresholds:
+    """The thresholds for one validation run; ``overrides`` (check name -> bound) win.
+
+    Output bounds are the looser of the precision's row and the compute dtype's row (an
+    artifact that MLX runs in bf16, on a GPU, carries bf16 rounding whatever it stores); the
+    ``weights`` bound is the precision's alone. Raises KeyError naming an unknown check."""
+    values = dict(QUALITY[precision])
+    if compute_dtype in QUALITY and compute_dtype != "float32":
+        for name, bound in QUALITY[compute_dtype].items():
+            if name != "weights":
+                values[name] = looser(name, values[name], bound)
+    fid = FIDELITY.get(compute_dtype, FIDELITY["bfloat16"])
+    values.update({"fidelity_logits": fid, "fidelity_hidden": fid})
+    for name, bound in (overrides or {}).items():
+        if name not in values:
+            raise KeyError(f"unknown threshold {name!r}; known: {', '.join(sorted(values))}")
+        values[name] = float(bound)
+    return Thresholds(precision, compute_dtype, values)
+
+
+def names() -> list[str]:
+    return ["fidelity_logits", "fidelity_hidden", *QUALITY_COLUMNS]

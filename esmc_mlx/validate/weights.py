@@ -1,0 +1,205 @@
+"""Weights for the references, read one tensor (or one layer) at a time, in MLX names.
+
+* ``SourceWeights``: the original checkpoint (any of the three layouts), renamed and split
+  through ``esmc_mlx.convert.mapping``, exactly as the converter does.
+* ``ArtifactWeights``: an esmc-mlx directory; quantized tensors come back dequantized with the
+  artifact's own quantization record (``mx.dequantize``), in fp32.
+
+Both hand out fp32 torch tensors and never hold more than what was asked for: a validation of
+the 6B keeps one layer of each in memory at a time.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..config import ConfigError, ESMCConfig
+from ..convert import mapping
+from ..convert.sources import Source, open_checkpoint, resolve, safetensors_header
+from ..errors import EsmcMlxError
+
+
+class ValidationError(EsmcMlxError):
+    """Validation could not run (unreadable artifact or reference, bad options)."""
+
+
+def names_for(config: ESMCConfig, prefix: str) -> list[str]:
+    """Parameter names (MLX / transformers spelling) under ``prefix`` for this architecture."""
+    from ..convert import expected_shapes
+
+    return [n for n in expected_shapes(config) if n.startswith(prefix)]
+
+
+def to_torch(array: mx.array):
+    """An mx.array as an fp32 torch tensor (via numpy; bf16 is widened first)."""
+    import torch
+
+    return torch.from_numpy(np.array(array.astype(mx.float32), copy=True))
+
+
+class SourceWeights:
+    """The original checkpoint: alias, Hub repo id, directory or legacy ``.pth``."""
+
+    def __init__(self, reference: str, revision: str | None = None):
+        try:
+            self.source: Source = resolve(reference, revision)
+            ckpt = open_checkpoint(self.source)
+        except ValueError as e:  # shape inference on something that is not ESMC
+            raise ValidationError(f"reference {reference}: {e}") from None
+        self.config = ckpt.config
+        self.id = self.source.id
+        self.dtype = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}[ckpt.dtype]
+        self._pth_read = ckpt.read if self.source.is_pth or ckpt.files[0].suffix != ".safetensors" else None
+        self._where: dict[str, Path] = {}
+        if self._pth_read is None:
+            for f in ckpt.files:
+                for name in safetensors_header(f):
+                    if name != "__metadata__":
+                        self._where[name] = f
+        # target (MLX) name -> (source name, part, parts)
+        self._origin: dict[str, tuple[str, int, int]] = {}
+        for name in ckpt.shapes:
+            targets = mapping.target_names(name)
+            for part, target in enumerate(targets or ()):
+                self._origin[target] = (name, part, len(targets))
+        self._handles: dict[Path, object] = {}  # open (memory-mapped) files; closed after each get_many
+        self._last: tuple[str, object] | None = None  # the fused q/k/v is read once for three names
+
+    def _read_source(self, name: str):
+        import torch
+
+        if self._last and self._last[0] == name:
+            return self._last[1]
+        if self._pth_read is not None:
+            tensor = to_torch(self._pth_read(name))
+        else:
+            from safetensors import safe_open
+
+            f = self._where[name]
+            if f not in self._handles:
+                self._handles[f] = safe_open(str(f), framework="pt")
+            tensor = self._handles[f].get_tensor(name).to(torch.float32)
+        self._last = (name, tensor)
+        return tensor
+
+    def has(self, name: str) -> bool:
+        return name in self._origin
+
+    def get(self, name: str):
+        """One tensor in MLX/transformers naming, fp32 torch. KeyError if the source lacks it."""
+        source_name, part, parts = self._origin[name]
+        tensor = self._read_source(source_name)
+        return tensor if parts == 1 else tensor.chunk(parts, dim=0)[part].contiguous()
+
+    def get_many(self, names: list[str]) -> dict:
+        """Several tensors (one layer's); the files are unmapped afterwards, so that the pages
+        read do not stay in this process's resident memory."""
+        out = {n: self.get(n) for n in names}
+        self._last = None
+        self._handles.clear()
+        return out
+
+    def describe(self) -> dict:
+        return {"id": self.id, "revision": self.source.revision, "path": str(self.source.path),
+                "dtype": self.dtype, "layout": "legacy .pth" if self._pth_read else "safetensors"}
+
+
+class ArtifactWeights:
+    """An esmc-mlx output directory, read lazily; quantized weights dequantized on request."""
+
+    def __init__(self, mlx_dir: str | Path):
+        self.directory = Path(mlx_dir)
+        path = self.directory / "config.json"
+        if not path.exists():
+            raise ValidationError(f"{self.directory}: no config.json (is this an esmc-mlx output directory?)")
+        try:
+            self.raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValidationError(f"{path}: not valid JSON ({e})") from None
+        self.config_error: str | None = None
+        try:
+            self.config: ESMCConfig | None = ESMCConfig.from_dict(self.raw)
+        except ConfigError as e:
+            self.config, self.config_error = None, f"{path}: {e}"
+        self.record: dict | None = self.raw.get("quantization") or self.raw.get("quantization_config")
+        self.dtype = self.raw.get("dtype", "float32")
+        files = sorted(glob.glob(str(self.directory / "model*.safetensors")))
+        if not files:
+            raise ValidationError(f"{self.directory}: no model*.safetensors weights")
+        self._where: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            for name, info in safetensors_header(Path(f)).items():
+                if name != "__metadata__":
+                    self._where[name] = f
+                    self.shapes[name] = tuple(info["shape"])
+
+    # --- raw tensors, as MLX holds them ---------------------------------------------------
+    def raw_many(self, names: list[str]) -> dict[str, mx.array]:
+        """Stored tensors (quantized ones packed), evaluated; one ``mx.load`` per file touched,
+        dropped afterwards so that nothing else stays in memory."""
+        out: dict[str, mx.array] = {}
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self._where[n], []).append(n)
+        for f, ns in by_file.items():
+            loaded = mx.load(f)
+            for n in ns:
+                out[n] = loaded[n]
+            del loaded
+        mx.eval(list(out.values()))
+        return out
+
+    def stored_names(self, prefix: str) -> list[str]:
+        return [n for n in self._where if n.startswith(prefix)]
+
+    def quant_params(self, module: str) -> dict | None:
+        """(group_size, bits, mode) of a quantized module, by mlx-lm's rule: a per-layer entry of
+        the record wins, else the record's defaults where the artifact holds ``.scales``."""
+        if f"{module}.scales" not in self._where or not self.record:
+            return None
+        entry = self.record.get(module)
+        params = entry if isinstance(entry, dict) else self.record
+        return {"group_size": int(params["group_size"]), "bits": int(params["bits"]),
+                "mode": params.get("mode", "affine")}
+
+    # --- dequantized fp32 torch tensors, for the fidelity reference -------------------------
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get_many(self, names: list[str]) -> dict:
+        """Parameters by MLX name (``....weight`` of a quantized module comes back dequantized)."""
+        wanted: list[str] = []
+        for n in names:
+            module = n[: -len(".weight")] if n.endswith(".weight") else None
+            if module and self.quant_params(module):
+                wanted += [n, f"{module}.scales"] + ([f"{module}.biases"] if self.has(f"{module}.biases") else [])
+            else:
+                wanted.append(n)
+        raw = self.raw_many(wanted)
+        out = {}
+        for n in names:
+            module = n[: -len(".weight")] if n.endswith(".weight") else None
+            params = self.quant_params(module) if module else None
+            if params:
+                out[n] = to_torch(dequantize(raw[n], raw[f"{module}.scales"], raw.get(f"{module}.biases"), params))
+            else:
+                out[n] = to_torch(raw[n])
+        return out
+
+    def get(self, name: str):
+        return self.get_many([name])[name]
+
+
+def dequantize(w: mx.array, scales: mx.array, biases: mx.array | None, params: dict) -> mx.array:
+    """The fp32 matrix a quantized layer multiplies by: floating scales and biases are widened
+    to fp32 first, as the runtime computes on the CPU."""
+    widen = (lambda a: a.astype(mx.float32) if a is not None and mx.issubdtype(a.dtype, mx.floating) else a)
+    return mx.dequantize(w, widen(scales), widen(biases), group_size=params["group_size"], bits=params["bits"],
+                         mode=params["mode"]).astype(mx.float32)
+

@@ -1,0 +1,300 @@
+"""Validation: correct artifacts pass, damaged ones fail with the check that caught them named,
+the layer-by-layer references equal the whole-model ones, and the report is complete."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+
+from esmc_mlx.cli import convert_main, main
+from esmc_mlx.convert import convert
+from esmc_mlx.convert.sources import PACKAGED
+from esmc_mlx.validate import ValidationError, validate
+from esmc_mlx.validate import mlx_side, reference, thresholds
+from esmc_mlx.validate.metrics import rel_l2
+from esmc_mlx.validate.panel import build_panel
+from esmc_mlx.validate.weights import ArtifactWeights, SourceWeights, names_for
+
+FAST = {"max_length": 40, "marginal_positions": 6}  # the bundled panel, cropped: ~1,000 tokens
+TINY = PACKAGED / "esmc-tiny"
+
+
+def run(artifact, source, tmp_path, **kw):
+    return validate(artifact, str(source), report_dir=tmp_path / "report", **{**FAST, "plot": False, **kw})
+
+
+def failed(report) -> set[str]:
+    return {c.name for c in report.failed}
+
+
+@pytest.fixture(scope="module")
+def q4(checkpoints, tmp_path_factory):
+    return convert(str(checkpoints["published"]), tmp_path_factory.mktemp("q4") / "q4", q="4", progress=False)
+
+
+def edit_weights(directory, change):
+    """Apply ``change(dict of tensors)`` to an artifact's single shard, in place."""
+    path = directory / "model.safetensors"
+    weights = dict(mx.load(str(path)))
+    change(weights)
+    mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+
+
+def damaged_copy(src, tmp_path, kind):
+    out = tmp_path / kind
+    shutil.copytree(src, out)
+    if kind == "layers_swapped":
+        def change(w):
+            for name in [n for n in w if n.startswith("esmc.layers.0.")]:
+                other = name.replace("esmc.layers.0.", "esmc.layers.1.")
+                w[name], w[other] = w[other], w[name]
+    elif kind == "perturbed_1pct":
+        def change(w):
+            t = w["esmc.layers.1.mlp.up_proj.weight"]
+            noise = mx.random.normal(t.shape, key=mx.random.key(0))
+            w["esmc.layers.1.mlp.up_proj.weight"] = t + 0.01 * noise * mx.sqrt(mx.mean(t * t))
+    elif kind == "scale_zeroed":
+        def change(w):
+            w["esmc.layers.0.mlp.down_proj.scales"] = mx.zeros_like(w["esmc.layers.0.mlp.down_proj.scales"])
+    elif kind == "wrong_heads":
+        config = json.loads((out / "config.json").read_text())
+        heads = config["num_attention_heads"] * 2
+        config.update(num_attention_heads=heads, num_key_value_heads=heads, head_dim=config["hidden_size"] // heads)
+        (out / "config.json").write_text(json.dumps(config))
+        return out
+    edit_weights(out, change)
+    return out
+
+
+# --- the panel ---------------------------------------------------------------------------------
+def test_bundled_panel_has_what_the_issue_asks():
+    panel = build_panel()
+    records = [i for i in panel.inputs if i.kind == "record"]
+    lengths = [len(i.tokens) for i in records]
+    assert min(lengths) <= 40 and max(lengths) > 1000
+    assert any(set(i.tokens) & set("XBZUO") for i in records)  # ambiguity codes
+    chains = [i for i in panel.inputs if i.kind == "two-chain"]
+    assert len(chains) == 1 and "|" in chains[0].tokens
+    assert any("<mask>" in i.tokens for i in panel.inputs if i.kind == "masked")
+    marginal = [i for i in panel.inputs if i.kind == "marginal"]
+    assert len(marginal) == 24 and all(i.tokens.count("<mask>") == 1 for i in marginal)
+    batches = panel.batches()
+    assert sum(len(b.rows) for b in batches) == len(panel.inputs)
+    assert any((b.attention_mask == 0).any() for b in batches)  # padded batches
+    chained = [b for b in batches if b.sequence_id is not None]
+    assert len(chained) == 1 and chained[0].sequence_id.max() == 1
+    assert all(b.input_ids.size <= 4096 or len(b.rows) == 1 for b in batches)
+
+
+def test_user_fasta_replaces_the_panel(tmp_path):
+    fasta = tmp_path / "mine.fasta"
+    fasta.write_text(">a\nMKTAYIAKQRQISFVKSHFSRQ\n>b\nGSHMSLFDKLGGLKVTEAQQRWXX\n")
+    panel = build_panel(fasta, marginal_positions=4)
+    assert [i.name for i in panel.inputs if i.kind == "record"] == ["a", "b"]
+    assert panel.describe()["source"] == str(fasta)
+
+
+# --- the references ------------------------------------------------------------------------------
+def test_layered_torch_reference_equals_the_full_model(checkpoints, reference_model):
+    """Layer by layer (one EsmcLayer at a time) = EsmcForMaskedLM.forward, on a padded panel with
+    a two-chain input; and the full path equals the fixture's own transformers model."""
+    import torch
+
+    panel = build_panel(**FAST)
+    batches = panel.batches(max_tokens=512)
+    source = SourceWeights(str(checkpoints["legacy"]))  # through the legacy name mapping
+    names = names_for(source.config, "")
+    full = reference.run_full(source.get_many, source.config, batches, len(panel.inputs), names)
+    layered = reference.run_layered(source.get_many, source.config, batches, len(panel.inputs), names)
+    for a, b in zip(full.logits + full.hidden, layered.logits + layered.hidden):
+        assert rel_l2(b, a) <= 1e-6
+    batch = next(b for b in batches if b.sequence_id is None)
+    with torch.no_grad():
+        direct = reference_model(input_ids=torch.tensor(batch.input_ids).long(),
+                                 attention_mask=torch.tensor(batch.attention_mask).long()).logits.numpy()
+    for r, row in enumerate(batch.rows):
+        assert rel_l2(full.logits[row], direct[r, : len(full.logits[row])]) <= 1e-6
+
+
+@pytest.mark.parametrize("which", ["fp32", "q4"])
+def test_layered_mlx_equals_the_runtime(which, converted, q4):
+    artifact = ArtifactWeights(converted if which == "fp32" else q4)
+    panel = build_panel(**FAST)
+    batches = panel.batches(max_tokens=512)
+    full = mlx_side.run_full(artifact, batches, len(panel.inputs), mx.float32)
+    layered = mlx_side.run_layered(artifact, batches, len(panel.inputs), mx.float32)
+    for a, b in zip(full.logits, layered.logits):
+        assert rel_l2(b, a) <= 1e-6
+
+
+# --- correct artifacts pass ----------------------------------------------------------------------
+def test_correct_artifact_passes_with_a_complete_report(converted, checkpoints, tmp_path):
+    report = run(converted, checkpoints["published"], tmp_path, plot=True)
+    assert report.passed, report.summary()
+    assert report.check("fidelity_logits").value <= 1e-5 and report.check("weights").value == 0
+    data = json.loads((tmp_path / "report" / "report.json").read_text())
+    for key in ("passed", "checks", "fidelity", "quality", "versions", "platform", "reference_mode", "thresholds",
+                "panel", "resources"):
+        assert key in data
+    assert data["passed"] is True
+    assert {c["name"] for c in data["checks"]} >= {"config", "weights", "fidelity_logits", "fidelity_hidden",
+                                                   "kl_mean", "kl_max", "top1", "logits_rel_err",
+                                                   "hidden_rel_err", "embedding_cosine", "spearman"}
+    assert all({"name", "value", "threshold", "passed"} <= set(c) for c in data["checks"])
+    assert all(data["versions"][k] for k in ("esmc_mlx", "mlx", "torch", "transformers"))
+    assert data["reference_mode"]["torch"] == "full" and data["reference_mode"]["torch_dtype"] == "float32"
+    assert set(data["artifact"]["files"]) == {"config.json", "model.safetensors"}  # what was validated
+    assert all(len(h) == 64 for h in data["artifact"]["files"].values())
+    # random weights: quality is computed, reported, and informational
+    assert data["quality"]["reference_trained"] is False and data["quality"]["enforced"] is False
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "PASSED" in md and "](per_position.png)" in md and "informational" in md
+    assert (tmp_path / "report" / "per_position.png").stat().st_size > 10_000
+
+
+def test_layered_mode_and_legacy_reference(converted, checkpoints, tmp_path):
+    report = run(converted, checkpoints["legacy"], tmp_path, mode="layered")
+    assert report.passed, report.summary()
+    assert report.data["reference_mode"]["torch"] == "layered" and report.data["reference_mode"]["mlx"] == "layered"
+    assert report.check("kl_mean").value < 1e-9
+
+
+def test_quantized_artifact_passes_fidelity(q4, checkpoints, tmp_path):
+    report = run(q4, checkpoints["published"], tmp_path)
+    assert report.check("fidelity_logits").passed and report.check("fidelity_hidden").passed
+    assert report.check("fidelity_logits").value <= 1e-5  # fp32 compute on the CPU
+    assert report.data["precision"] == "4bit" and report.check("weights").passed
+    assert report.passed, report.summary()
+
+
+# --- damaged artifacts fail, naming the check -----------------------------------------------------
+@pytest.mark.parametrize("kind, caught_by", [
+    ("layers_swapped", "weights"),
+    ("perturbed_1pct", "weights"),
+    ("scale_zeroed", "weights"),
+    ("wrong_heads", "config"),
+])
+def test_damaged_artifact_fails_naming_the_check(kind, caught_by, converted, q4, checkpoints, tmp_path):
+    artifact = damaged_copy(q4 if kind == "scale_zeroed" else converted, tmp_path, kind)
+    report = run(artifact, checkpoints["published"], tmp_path)
+    assert not report.passed and caught_by in failed(report), report.summary()
+    # the runtime still computes what torch computes on those (damaged) weights: the two
+    # questions are answered separately
+    assert report.check("fidelity_logits").passed
+    data = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert data["passed"] is False and any(c["name"] == caught_by and not c["passed"] for c in data["checks"])
+    assert "FAILED" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_missing_tensor_fails_without_a_traceback(converted, checkpoints, tmp_path):
+    artifact = tmp_path / "missing"
+    shutil.copytree(converted, artifact)
+    edit_weights(artifact, lambda w: w.pop("esmc.layers.1.self_attn.k_norm.weight"))
+    report = run(artifact, checkpoints["published"], tmp_path)
+    assert {"weights", "artifact_loads"} <= failed(report)
+    assert "esmc.layers.1.self_attn.k_norm.weight missing" in report.check("weights").detail
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["passed"] is False
+
+
+def test_quality_gate_on_catches_damage_through_the_outputs(converted, checkpoints, tmp_path):
+    artifact = damaged_copy(converted, tmp_path, "layers_swapped")
+    report = run(artifact, checkpoints["published"], tmp_path, quality_gate="on")
+    assert {"kl_mean", "top1", "logits_rel_err"} <= failed(report)
+
+
+def test_threshold_override(converted, checkpoints, tmp_path):
+    report = run(converted, checkpoints["published"], tmp_path, thresholds={"fidelity_logits": 1e-12})
+    assert failed(report) == {"fidelity_logits"}
+    with pytest.raises(ValidationError, match="unknown threshold 'kl'"):
+        run(converted, checkpoints["published"], tmp_path, thresholds={"kl": 1})
+
+
+def test_threshold_table_has_every_precision():
+    for row in ("float32", "bfloat16", "float16", "8bit", "mxfp8", "6bit", "5bit", "4bit", "mxfp4", "nvfp4",
+                "3bit", "2bit"):
+        assert set(thresholds.QUALITY[row]) == set(thresholds.QUALITY_COLUMNS)
+    assert thresholds.precision_class({"dtype": "bfloat16"}, "bfloat16") == "float32"
+    assert thresholds.precision_class({"dtype": "bfloat16"}, "float32") == "bfloat16"
+    assert thresholds.precision_class({"quantization": {"bits": 4, "group_size": 64, "mode": "affine",
+                                                        "esmc.layers.0.mlp.down_proj": {"bits": 6}}}, "x") == "4bit"
+    assert thresholds.precision_class({"quantization": {"bits": 4, "group_size": 32, "mode": "mxfp4"}}, "x") == "mxfp4"
+    # MLX computing in bf16 (GPU) loosens the output bounds to the bf16 row, never the weights bound
+    on_gpu = thresholds.resolve("float32", "bfloat16").values
+    assert on_gpu["kl_mean"] == thresholds.QUALITY["bfloat16"]["kl_mean"] and on_gpu["weights"] == 1e-6
+    assert on_gpu["fidelity_logits"] == 2e-2 and thresholds.resolve("4bit", "float32").values["fidelity_logits"] == 1e-5
+
+
+# --- command line ----------------------------------------------------------------------------------
+def test_cli_validate_exit_codes(converted, checkpoints, tmp_path):
+    runner = CliRunner()
+    ok = runner.invoke(main, ["validate", str(converted), "--reference", str(checkpoints["esm"]), "--max-length", "40",
+                              "--report", str(tmp_path / "ok")])
+    assert ok.exit_code == 0, ok.output
+    assert "Validation PASSED" in ok.output and (tmp_path / "ok" / "report.json").exists()
+    bad = damaged_copy(converted, tmp_path, "wrong_heads")
+    result = runner.invoke(main, ["validate", str(bad), "--reference", str(checkpoints["esm"]), "--max-length", "30"])
+    assert result.exit_code == 1 and "FAILED (config)" in result.output
+    assert "num_attention_heads: artifact 4, reference 2" in result.output
+    assert (bad / "validation" / "report.json").exists()  # default location
+    usage = runner.invoke(main, ["validate", str(converted), "--reference", str(checkpoints["esm"]),
+                                 "--threshold", "kl_mean"])
+    assert usage.exit_code == 2 and "NAME=VALUE" in usage.output
+
+
+def test_esmc_convert_validates_by_default(checkpoints, tmp_path, monkeypatch):
+    import esmc_mlx.validate.core as core
+
+    monkeypatch.setattr(core, "build_panel", lambda *a, **k: build_panel(max_length=30, marginal_positions=4))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(out), "--q", "8"])
+    assert result.exit_code == 0, result.output
+    assert "Validation PASSED" in result.output
+    assert json.loads((out / "validation" / "report.json").read_text())["passed"]
+    skipped = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(tmp_path / "o2"),
+                                                "--no-validate"])
+    assert skipped.exit_code == 0 and not (tmp_path / "o2" / "validation").exists()
+
+
+def test_esmc_convert_fails_when_validation_fails(checkpoints, tmp_path, monkeypatch):
+    import esmc_mlx.validate.core as core
+
+    monkeypatch.setattr(core, "build_panel", lambda *a, **k: build_panel(max_length=30, marginal_positions=4))
+    monkeypatch.setitem(thresholds.FIDELITY, "float32", 1e-12)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(out)])
+    assert result.exit_code == 1 and "validation failed (fidelity_logits" in result.output
+    assert "stays at" in result.output and (out / "validation" / "report.md").exists()
+
+
+# --- the trained tiny model --------------------------------------------------------------------------
+needs_tiny = pytest.mark.skipif(not (TINY / "config.json").exists(), reason="esmc_mlx/data/esmc-tiny not built yet")
+
+
+@needs_tiny
+def test_trained_tiny_quality_is_enforced_and_catches_damage(tmp_path):
+    artifact = convert("tiny", tmp_path / "tiny-8bit", q="8", progress=False)
+    report = run(artifact, "tiny", tmp_path)
+    assert report.data["quality"]["reference_trained"] and report.data["quality"]["enforced"]
+    assert report.passed, report.summary()
+    swapped = damaged_copy(artifact, tmp_path, "layers_swapped")
+    report = run(swapped, "tiny", tmp_path)
+    assert {"weights", "kl_mean", "top1"} <= failed(report), report.summary()
+
+
+@needs_tiny
+def test_trained_tiny_4bit_passes_and_a_perturbed_fp32_fails_quality(tmp_path):
+    q4 = convert("tiny", tmp_path / "tiny-4bit", q="4", progress=False)
+    report = run(q4, "tiny", tmp_path)
+    assert report.passed and report.data["precision"] == "4bit", report.summary()
+    assert 0 < report.check("kl_mean").value < thresholds.QUALITY["4bit"]["kl_mean"]
+    fp32 = convert("tiny", tmp_path / "tiny-fp32", progress=False)
+    perturbed = damaged_copy(fp32, tmp_path, "perturbed_1pct")
+    report = run(perturbed, "tiny", tmp_path)
+    # one matrix off by 1% barely moves a trained model's outputs (KL ~2e-8): the weights check
+    # names it; the lossless row's hidden-state bound sees it too
+    assert {"weights", "hidden_rel_err"} <= failed(report), report.summary()
+    assert "esmc.layers.1.mlp.up_proj.weight" in report.check("weights").detail
