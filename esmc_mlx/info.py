@@ -15,11 +15,12 @@ def describe(model_dir: Path) -> dict:
     raw = json.loads((model_dir / "config.json").read_text())
     config = ESMCConfig.from_dict(raw)
     files = sorted(model_dir.glob("model*.safetensors"))
-    tensor_bytes = 0
+    tensor_bytes, names = 0, set()
     for f in files:
         for name, t in safetensors_header(f).items():
             if name != "__metadata__":
                 tensor_bytes += t["data_offsets"][1] - t["data_offsets"][0]
+                names.add(name)
     q = raw.get("quantization")
     if q:
         overrides = {k: v for k, v in q.items() if isinstance(v, dict)}
@@ -27,7 +28,11 @@ def describe(model_dir: Path) -> dict:
         if overrides:
             kinds = sorted({f"{v['bits']}-bit" for v in overrides.values()})
             storage += f" ({len(overrides)} layers at {', '.join(kinds)})"
-        storage += f"; other tensors {raw.get('dtype')}"
+        spec = (raw.get("esmc_mlx", {}).get("quantization") or {}).get("spec")
+        storage = (f"{spec}: " if spec and spec.startswith("mixed") else "") + storage  # name the recipe
+        storage += f"; {sum(n.endswith('.scales') for n in names)} layers quantized"
+        head_quantized = "lm_head.decoder.scales" in names or "esmc.embed_tokens.scales" in names
+        storage += f"; {'norms' if head_quantized else 'embedding, norms, LM head'} {raw.get('dtype')}"
     else:
         storage = raw.get("dtype", "float32")
     source = raw.get("esmc_mlx", {}).get("source", {})

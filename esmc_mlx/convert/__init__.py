@@ -17,8 +17,8 @@ from mlx.utils import tree_flatten
 
 from .. import __version__
 from ..config import ESMCConfig
-from ..errors import ConvertError
-from ..quantize import QuantParams, QuantPlan, quantize_tensor
+from ..errors import ConvertError, QuantizeError
+from ..quantize import QuantParams, QuantPlan, parse_spec, quantize_tensor, refuse_quantized
 from ..runtime.model import ESMC
 from ..runtime.tokenizer import ESMCTokenizer
 from . import mapping
@@ -78,6 +78,7 @@ def convert(
     dtype: str | None = None,
     q: str | None = None,
     group_size: int | None = None,
+    quantize_head: bool = False,
     revision: str | None = None,
     force: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -87,26 +88,29 @@ def convert(
     """Convert ``source`` (alias, repo id, directory or .pth) to an MLX directory ``out_dir``.
 
     ``dtype``: float32, bfloat16 or float16 (default: the source's). ``q``: a quantization spec
-    (see ``esmc_mlx.quantize``). Raises ConvertError / QuantizeError / HubError with a message
-    naming the file, tensor or option; on error nothing is left at ``out_dir``.
+    (see ``esmc_mlx.quantize``); ``quantize_head`` also quantizes the embedding and LM head.
+    Raises ConvertError / QuantizeError / HubError with a message naming the file, tensor or
+    option; on error nothing is left at ``out_dir``.
     """
     out_dir = Path(out_dir)
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     if out_dir.exists() and not force:  # fail before downloading anything
         raise ConvertError(f"{out_dir} already exists; pass --force to replace it")
+    if q:
+        parse_spec(q, group_size)
+    elif group_size is not None or quantize_head:
+        raise QuantizeError("--group-size and --quantize-head need --q SPEC")
     src = resolve(source, revision)
     try:
         ckpt = open_checkpoint(src)
     except ValueError as e:  # shape inference on a checkpoint that is not ESMC
         raise ConvertError(f"{src.path}: {e}") from None
+    refuse_quantized(ckpt.shapes, str(src.path))
     origin = f"{src.path / 'config.json'}" if (src.path / "config.json").exists() else "the inferred config"
     check_tensors(ckpt, origin)
     out_dtype = DTYPES[dtype] if dtype else ckpt.dtype
-    plan = QuantPlan.parse(q, group_size, ckpt.config) if q else None
-    if plan:  # surface group-size problems before any work
-        for name, shape in expected_shapes(ckpt.config).items():
-            plan.params_for(name, shape)
+    plan = QuantPlan.parse(q, group_size, ckpt.config, quantize_head) if q else None  # checks widths
 
     with staged_directory(out_dir, force) as staging:
         started = time.perf_counter()
@@ -115,6 +119,7 @@ def convert(
             "source": source_record(src, ckpt, progress),
             "converter": {"name": "esmc-mlx", "version": __version__},
             "command": command,
+            "quantization": {"spec": plan.spec, "quantize_head": plan.quantize_head} if plan else None,
             "seconds": round(time.perf_counter() - started, 2),
         }
         write_config(staging, ckpt.config, out_dtype, plan.record(overrides) if plan else None, extra,

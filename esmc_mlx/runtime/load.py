@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from ..config import ConfigError, ESMCConfig
 from ..errors import ConvertError
@@ -35,16 +34,13 @@ def read_model_config(directory: Path) -> dict:
 
 
 def apply_quantization(model: ESMC, record: dict, weights: dict) -> None:
-    """Swap in ``nn.QuantizedLinear`` exactly where the artifact holds quantized weights
-    (mlx-lm's rule: per-layer override from the record, else "has .scales")."""
+    """Swap in quantized layers exactly where the artifact holds quantized weights (mlx-lm's
+    rule: per-layer override from the record, else "has .scales"). Linears become
+    ``runtime.quantized.QuantizedLinear``, which picks quantized or dequantize-then-float
+    matmul per call by token count and backend."""
+    from .quantized import quantize_modules
 
-    def predicate(path: str, module: nn.Module):
-        if path in record:
-            return record[path]
-        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
-
-    nn.quantize(model, group_size=record["group_size"], bits=record["bits"],
-                mode=record.get("mode", "affine"), class_predicate=predicate)
+    quantize_modules(model, record, lambda path: f"{path}.scales" in weights)
 
 
 def compute_dtype_for_device(stored: mx.Dtype) -> mx.Dtype:
@@ -54,11 +50,15 @@ def compute_dtype_for_device(stored: mx.Dtype) -> mx.Dtype:
 
 
 def load(path_or_repo_id: str | Path, revision: str | None = None, dtype: mx.Dtype | None = None,
-         lazy: bool = False) -> tuple[ESMC, ESMCTokenizer]:
+         lazy: bool = False, fuse: bool | None = None, compile: bool | None = None) -> tuple[ESMC, ESMCTokenizer]:
     """Load an esmc-mlx artifact (local directory or Hub repo id) and its tokenizer.
 
     ``dtype`` overrides the compute dtype of float parameters (default: stored dtype on GPU,
-    float32 on the CPU backend). Raises ConvertError for a directory that is not an artifact.
+    float32 on the CPU backend). ``fuse``/``compile``: runtime optimizations (``ESMC.optimize``;
+    default: what measured faster on the device — on a GPU both, on the CPU neither). A fused
+    model runs q/k/v and gate/up as one matrix each, so its parameter names differ from the
+    artifact's; pass ``fuse=False`` to keep transformers' layout. Raises ConvertError for a
+    directory that is not an artifact.
     """
     directory = resolve_model_dir(path_or_repo_id, revision)
     raw = read_model_config(directory)
@@ -86,5 +86,6 @@ def load(path_or_repo_id: str | Path, revision: str | None = None, dtype: mx.Dty
         model.set_dtype(target)
     if not lazy:
         mx.eval(model.parameters())
+    model.optimize(fuse=False if lazy else fuse, compile=compile)
     model.eval()
     return model, ESMCTokenizer()

@@ -1,0 +1,126 @@
+"""Running quantized layers fast on every backend.
+
+``mx.quantized_matmul`` reads the packed weights directly: the fastest choice for a few tokens
+(it moves 2-8x fewer bytes than a float matmul). For many tokens it can lose badly: on MLX's
+CPU backend it runs at a few GFLOP/s against ~200 for fp32 BLAS, and on CUDA it is slower
+than a bf16 GEMM at large batch. There, dequantizing the weight (per call, into a temporary
+that is freed right after) and running the float matmul is faster. The choice is made per
+call from the token count, with the measured crossovers in CROSSOVER_TOKENS
+(benchmarks/quant_matmul.py, docs/quantization.md).
+
+The dequantized weight is not cached: keeping it would cost the float model's memory, which is
+what quantization was for. ``dequantize_model`` does that on purpose, for users who have the
+memory and want float speed at every token count (and for validation: the same model with
+the dequantized weights in place).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path, tree_unflatten
+
+# Token count (rows of x, all batch dims flattened) from which dequantize-then-matmul is used
+# instead of quantized_matmul, per backend and mode. math.inf: always quantized_matmul.
+CROSSOVER_TOKENS = {
+    # Measured on this project's 2-core x86 CPU host, mlx 0.32.4 + OpenBLAS
+    # (benchmarks/quant_matmul.py, docs/quantization.md). Dequantizing the fp4 formats is
+    # ~3x slower than affine on the CPU, so they switch later.
+    "cpu": {"affine": 8, "mxfp8": 4, "mxfp4": 32, "nvfp4": 32},
+    # Measured on an H200, mlx 0.32.4, bf16 (benchmarks/quant_matmul.py --device gpu on the 6B
+    # gate/up shape 6912x2560, docs/benchmarks.md): deq+mm wins from 1024 tokens for affine8,
+    # 256 for affine4, 64 for mxfp4. Whole 6B/300M forwards agree (affine8 ties at 256 tokens,
+    # affine4 and mxfp4 lose with qmm at 256). "affine" takes 256 (one key for all bit widths);
+    # mxfp8 and nvfp4 were not measured and follow affine8-like and mxfp4-like formats.
+    "cuda": {"affine": 256, "mxfp8": 256, "mxfp4": 64, "nvfp4": 64},
+    # Not measured here: Metal's quantized kernels are what mlx-lm runs at every batch size.
+    "metal": {"affine": math.inf, "mxfp8": math.inf, "mxfp4": math.inf, "nvfp4": math.inf},
+}
+# ESMC_MLX_QUANT_MATMUL=quantized|dequantize forces one path (benchmarks, debugging); "auto" or
+# unset uses the table.
+POLICY_ENV = "ESMC_MLX_QUANT_MATMUL"
+
+
+def backend() -> str:
+    """'cpu', 'cuda' or 'metal': where the default device runs."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    return "metal" if mx.metal.is_available() else "cuda"
+
+
+def dequantize_first(tokens: int, mode: str) -> bool:
+    """True when dequantize-then-matmul is the faster path for ``tokens`` rows."""
+    forced = os.environ.get(POLICY_ENV, "auto").lower()
+    if forced in ("quantized", "dequantize"):
+        return forced == "dequantize"
+    return tokens >= CROSSOVER_TOKENS[backend()].get(mode, math.inf)
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` (same parameters, same files) that picks the faster matmul."""
+
+    def dequantized_weight(self, dtype: mx.Dtype) -> mx.array:
+        return mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
+                             bits=self.bits, mode=self.mode, dtype=dtype)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        tokens = x.size // x.shape[-1] if x.shape[-1] else 0
+        if not dequantize_first(tokens, self.mode):
+            return super().__call__(x)
+        w = self.dequantized_weight(x.dtype).T
+        return mx.addmm(self["bias"], x, w) if "bias" in self else x @ w
+
+
+def quantize_modules(model: nn.Module, record: dict, is_quantized) -> None:
+    """Replace, in place, the layers the artifact holds quantized: linears by QuantizedLinear,
+    the embedding (only with --quantize-head) by nn.QuantizedEmbedding.
+
+    ``record`` is config.json's ``quantization`` (defaults + per-layer overrides, mlx-lm's
+    convention); ``is_quantized(path)`` says whether the weights hold ``{path}.scales``. A
+    layer is quantized when the record names it or its scales are present (mlx-lm's rule).
+    """
+    default = {k: record[k] for k in ("group_size", "bits")}
+    default["mode"] = record.get("mode", "affine")
+
+    def swap(path, module):
+        params = record.get(path)
+        if params is None and hasattr(module, "to_quantized") and is_quantized(path):
+            params = default
+        if not isinstance(params, dict):  # not quantized (or a non-layer key of the record)
+            return module
+        params = {"mode": "affine", **params}
+        if isinstance(module, nn.Linear):
+            return QuantizedLinear.from_linear(module, **params)  # lazy: the weights replace it
+        return module.to_quantized(**params)
+
+    leaves = tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module)
+    model.update_modules(leaves)
+
+
+def dequantize_model(model: nn.Module, dtype: mx.Dtype | None = None) -> nn.Module:
+    """Replace every quantized layer by its float twin holding the dequantized weights
+    (``dtype``: default the model's float dtype). Costs the float model's memory."""
+    dtype = dtype or getattr(model, "dtype", mx.float32)
+    swaps = []
+    for path, m in model.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            out_dims, in_dims = m.weight.shape[0], m.weight.shape[1] * 32 // m.bits
+            layer = nn.Linear(in_dims, out_dims, bias="bias" in m)
+            layer.weight = mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=m.group_size,
+                                         bits=m.bits, mode=m.mode, dtype=dtype)
+            if "bias" in m:
+                layer.bias = m.bias.astype(dtype)
+            swaps.append((path, layer))
+        elif isinstance(m, nn.QuantizedEmbedding):
+            w = mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=m.group_size, bits=m.bits,
+                              mode=m.mode, dtype=dtype)
+            layer = nn.Embedding(*w.shape)
+            layer.weight = w
+            swaps.append((path, layer))
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+    return model
+
