@@ -49,6 +49,9 @@ def _default_out(source: str, q: str | None, dtype: str | None) -> Path:
     return Path(f"{stem}-{q}-mlx" if q else f"{stem}-{dtype}-mlx" if dtype else f"{stem}-mlx")
 
 
+QUANTIZE_HEAD_HELP = ("Also quantize the token embedding and the LM head (default: they stay in the float dtype; "
+                      "they are <1% of the weights and carry the output distribution).")
+
 convert_options = [
     click.argument("source"),
     click.option("-o", "--output", "output", type=click.Path(path_type=Path),
@@ -59,10 +62,18 @@ convert_options = [
                  help="Quantize: 8 6 5 4 3 2 (affine bits), mxfp4, mxfp8, nvfp4, or a mixed recipe "
                       "(mixed_2_6 mixed_3_4 mixed_3_6 mixed_4_6 mixed_4_8)."),
     click.option("--group-size", type=int, help="Affine group size: 32, 64 (default) or 128."),
+    click.option("--quantize-head", is_flag=True, help=QUANTIZE_HEAD_HELP),
     click.option("--revision", help="Hub revision (branch, tag or commit) of the source."),
     click.option("--force", is_flag=True, help="Replace an existing output directory."),
     click.option("--shard-size", default="1GB", show_default=True,
                  help="Largest safetensors shard; bounds the converter's memory."),
+    click.option("--upload-repo", metavar="ORG/NAME",
+                 help="After converting (and validating), publish to this Hub model repo with a model card. "
+                      "Token and namespace are checked before converting."),
+    click.option("--private", is_flag=True, help="With --upload-repo: create the repo private."),
+    click.option("--validate/--no-validate", "validate", default=None,
+                 help="Validate the output against SOURCE (report in OUT/validation/). Default: on when "
+                      "torch and transformers are installed."),
 ]
 
 
@@ -86,14 +97,46 @@ def _parse_size(text: str) -> int:
     raise click.BadParameter(f"{text!r}: use a size like 512MB or 2GB", param_hint="--shard-size")
 
 
-def run_convert(source, output, dtype, q, group_size, revision, force, shard_size, **_):
+def run_convert(source, output, dtype, q, group_size, revision, force, shard_size, upload_repo=None, private=False,
+                quantize_head=False, validate=None, **_):
     from .convert import convert
 
     out = output or _default_out(source, q, dtype)
-    convert(source, out, dtype=dtype, q=q, group_size=group_size, revision=revision, force=force,
+    if upload_repo:  # a missing token or a foreign namespace fails now, not after an hour of converting
+        from .hub.push import check_push_access
+
+        check_push_access(upload_repo)
+    convert(source, out, dtype=dtype, q=q, group_size=group_size, quantize_head=quantize_head, revision=revision, force=force,
             shard_bytes=_parse_size(shard_size), command=_command_line())
     click.echo(f"Wrote {out}")
+    _validate_after_convert(out, source, revision, validate)
+    if upload_repo:  # keep last: after conversion and validation
+        from .hub.push import push_artifact
+
+        click.echo(push_artifact(out, upload_repo, private=private).summary())
     return out
+
+
+def _validate_after_convert(out: Path, source: str, revision: str | None, wanted: bool | None) -> None:
+    from .validate.core import validation_available
+
+    if wanted is False:
+        return
+    if not validation_available():
+        if wanted:
+            raise click.ClickException("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
+        click.echo("Note: not validated (torch/transformers not installed); run `esmc-mlx validate` later.")
+        return
+    from .validate import validate
+
+    click.echo(f"Validating {out} against {source} ...")
+    report = validate(out, source, revision=revision, progress=True)
+    click.echo(report.summary())
+    click.echo(f"Report: {report.directory / 'report.md'}")
+    if not report.passed:
+        raise click.ClickException(
+            f"validation failed ({', '.join(c.name for c in report.failed)}). The artifact stays at {out} "
+            f"with its failing report in {report.directory}; it will not be uploaded.")
 
 
 EXAMPLES = """
@@ -126,6 +169,35 @@ def convert(**kwargs):
     run_convert(**kwargs)
 
 
+QUANTIZE_HELP = """Quantize a float MLX model directory (from esmc-convert) into OUT_DIR, streaming one
+tensor at a time. SPEC: 8 6 5 4 3 2 (affine bits, --group-size 32|64|128, default 64), mxfp4,
+mxfp8, nvfp4 (fixed group sizes 32, 32, 16), or a mixed recipe (mixed_2_6 mixed_3_4 mixed_3_6
+mixed_4_6 mixed_4_8: v/down projections of the sensitive blocks get the high bits). The
+embedding, norms and LM head stay in the float dtype unless --quantize-head.
+
+\b
+Examples:
+  esmc-mlx quantize ESMC-6B-mlx -o ESMC-6B-mxfp4-mlx --q mxfp4
+  esmc-mlx quantize ESMC-300M-mlx -o ESMC-300M-4bit-mlx --q 4 --group-size 32
+"""
+
+
+@main.command(help=QUANTIZE_HELP)
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@click.option("--q", "q", metavar="SPEC", required=True, help="Quantization spec (see above).")
+@click.option("--group-size", type=int, help="Affine group size: 32, 64 (default) or 128.")
+@click.option("--quantize-head", is_flag=True, help=QUANTIZE_HEAD_HELP)
+@click.option("--force", is_flag=True, help="Replace an existing output directory.")
+@click.option("--shard-size", default="1GB", show_default=True, help="Largest safetensors shard.")
+def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size):
+    from .quantize import quantize as quantize_dir
+
+    quantize_dir(model_dir, output, q, group_size=group_size, quantize_head=quantize_head, force=force,
+                 shard_bytes=_parse_size(shard_size), command=_command_line())
+    click.echo(f"Wrote {output}")
+
+
 @main.command(help="Describe an MLX model directory: architecture, parameters, dtype or "
                    "quantization, bits per weight, size on disk.\n\n\b\nExample:\n  esmc-mlx info esmc-tiny-mlx")
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
@@ -142,6 +214,245 @@ def info(model_dir, as_json):
     width = max(map(len, facts))
     for key, value in facts.items():
         click.echo(f"{key:<{width}}  {value}")
+
+
+VALIDATE_HELP = """Validate an MLX model directory against the original checkpoint.
+
+Runs a panel of real proteins (or --sequences FASTA) through the artifact with MLX and through
+transformers' EsmcForMaskedLM in torch, then answers two questions: fidelity (MLX against torch
+on the weights the artifact holds, dequantized if quantized) and quality (the artifact against
+the original: KL, top-1, relative errors, embedding cosine, Spearman of variant scores). Writes
+report.json, report.md and a plot to MLX_DIR/validation/ (or --report DIR). Exit code 0 only
+when every enforced check passes. Needs esmc-mlx[torch].
+
+\b
+Examples:
+  esmc-mlx validate esmc-tiny-mlx --reference tiny
+  esmc-mlx validate ESMC-6B-mxfp4-mlx --reference 6B --quick
+  esmc-mlx validate my-mlx --reference ./esmc_300m_2024_12_v0.pth --threshold kl_mean=0.02
+"""
+
+
+def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
+    out = {}
+    for item in values:
+        name, sep, number = item.partition("=")
+        try:
+            out[name.strip()] = float(number)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise click.BadParameter(f"{item!r}: use NAME=VALUE, e.g. kl_mean=0.02", param_hint="--threshold")
+    return out
+
+
+@main.command(help=VALIDATE_HELP)
+@click.argument("mlx_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--reference", required=True, metavar="SOURCE",
+              help="The original checkpoint: alias (300M, 600M, 6B, tiny), Hub repo id, directory or legacy .pth.")
+@click.option("--sequences", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="FASTA to use instead of the bundled panel (two-chain and <mask> inputs are derived from it).")
+@click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Write the report here (default: MLX_DIR/validation).")
+@click.option("--max-length", type=int, help="Crop sequences to this many residues (faster on big models).")
+@click.option("--quick", is_flag=True, help="Crop to 256 residues and score 8 positions: a fast first look.")
+@click.option("--threshold", "threshold", multiple=True, metavar="NAME=VALUE",
+              help="Override a bound (repeatable): weights, fidelity_logits, fidelity_hidden, kl_mean, kl_max, "
+                   "top1, logits_rel_err, hidden_rel_err, embedding_cosine, spearman.")
+@click.option("--quality-gate", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Whether quality checks can fail the run; auto: only against a trained reference.")
+@click.option("--mode", type=click.Choice(["auto", "full", "layered"]), default="auto", show_default=True,
+              help="Run whole models or one layer at a time (auto: layered when a model in fp32 "
+                   "would take more than 25% of RAM).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="MLX compute dtype (default: as `load` picks; float32 on the CPU).")
+@click.option("--revision", help="Hub revision of the reference.")
+def validate(mlx_dir, reference, sequences, report_dir, max_length, quick, threshold, quality_gate, mode, dtype,
+             revision):
+    from .validate import validate as run_validation
+
+    report = run_validation(mlx_dir, reference, sequences=sequences, report_dir=report_dir,
+                            thresholds=_parse_thresholds(threshold), max_length=max_length or (256 if quick else None),
+                            marginal_positions=8 if quick else 24, mode=mode, quality_gate=quality_gate,
+                            compute_dtype=dtype, revision=revision, progress=True)
+    click.echo(report.summary())
+    click.echo(f"Report: {report.directory / 'report.md'}")
+    if not report.passed:
+        sys.exit(1)
+
+
+PUSH_HELP = """Publish an MLX model directory to a Hugging Face Hub model repo, in one commit, with a
+generated model card (README.md) and the validation report.
+
+Checks everything before uploading: the artifact is complete, validation/report.json exists and
+passed (else refused, unless --allow-unvalidated), a token with write access (HF_TOKEN or
+`hf auth login`), and a namespace you can write to. On failure nothing is committed.
+Honours HF_ENDPOINT, HF_TOKEN, HF_HOME and HF_HUB_OFFLINE.
+
+\b
+Examples:
+  esmc-mlx push ESMC-6B-mxfp4-mlx my-org/ESMC-6B-mxfp4
+  esmc-mlx push ESMC-6B-mxfp4-mlx my-org/ESMC-6B-mxfp4 --dry-run
+  esmc-mlx push ESMC-6B-mxfp4-mlx my-org/ESMC-6B-mxfp4 --create-pr --commit-message "Re-quantize"
+"""
+
+
+@main.command(help=PUSH_HELP)
+@click.argument("mlx_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("repo_id", metavar="ORG/NAME")
+@click.option("--private", is_flag=True, help="Create the repo private (a repo that exists keeps its visibility).")
+@click.option("--revision", metavar="BRANCH", help="Commit to this branch (created from main if new).")
+@click.option("--commit-message", help="Commit title (default: names the model, precision and esmc-mlx version).")
+@click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to the branch.")
+@click.option("--dry-run", is_flag=True, help="Make every check and show the files and model card; upload nothing.")
+@click.option("--allow-unvalidated", is_flag=True,
+              help="Publish even without a passed validation report (the model card says so).")
+def push(mlx_dir, repo_id, private, revision, commit_message, create_pr, dry_run, allow_unvalidated):
+    from .hub.push import push_artifact
+
+    result = push_artifact(mlx_dir, repo_id, private=private, revision=revision, commit_message=commit_message,
+                           create_pr=create_pr, dry_run=dry_run, allow_unvalidated=allow_unvalidated)
+    click.echo(result.summary())
+    if dry_run:
+        click.echo("\n--- README.md (model card) ---\n" + result.card)
+
+
+EMBED_HELP = """Embed every sequence of a FASTA file: mean-pooled and, with --per-residue, per-residue
+embeddings from hidden state --layer, written to the directory OUT (mean.npy, index.tsv,
+per_residue.npy + offsets.npy; see docs/scoring.md). Results are flushed as they come: rerun
+the same command to resume an interrupted run. Sequences are batched by length.
+
+Runs data-parallel under MLX's launcher, each rank taking a slice, rank 0 writing:
+
+\b
+  mlx.launch --hosts IP1,IP2 -- esmc-mlx embed ...
+
+\b
+Examples:
+  esmc-mlx embed esmc-300m-mlx proteome.fasta -o proteome-emb
+  esmc-mlx embed esmc-300m-mlx designs.fasta -o designs-emb --layer 20 --per-residue
+"""
+
+
+@main.command(help=EMBED_HELP)
+@click.argument("model")
+@click.argument("fasta", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output directory (created; an existing one is resumed).")
+@click.option("--layer", default=-1, show_default=True,
+              help="Hidden state: 0 = token embeddings, i = after block i, -1 = final (after the last norm).")
+@click.option("--per-residue", is_flag=True, help="Also store every residue's embedding.")
+@click.option("--batch-tokens", default=4096, show_default=True, type=click.IntRange(1),
+              help="Padded tokens per forward pass (rows x longest row).")
+@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
+              help="Storage dtype of the embeddings.")
+@click.option("--force", is_flag=True, help="Discard what OUT holds and start over.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def embed(model, fasta, output, layer, per_residue, batch_tokens, dtype, force, no_progress):
+    from .runtime.distributed import World
+    from .runtime.jobs import embed_fasta
+
+    s = embed_fasta(model, fasta, output, layer=layer, per_residue=per_residue, batch_tokens=batch_tokens,
+                    dtype=dtype, force=force, group=World.current(), progress=not no_progress)
+    if s.rank == 0:
+        ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
+        click.echo(f"Embedded {s.computed} sequences{ranks} ({s.skipped} already done, {s.total} in all) -> {s.out}")
+        if s.dropped:
+            click.echo(f"Dropped {s.dropped} stored embeddings whose IDs are not in {fasta}")
+
+
+SCORE_HELP = """Score mutants against a wild-type sequence and write the CSV back with one column per
+method. Mutants are ProteinGym strings in column --mutant-column: A23G (1-based), multi-mutants
+A23G:L40P (sum of per-site scores), WT for the wild type. With a --dms-column present, prints
+Spearman's rho.
+
+\b
+Methods (log-probabilities: log_softmax over the full logits row):
+  masked-marginal  sum of log p(mut) - log p(wt), each site masked alone (batched)
+  wt-marginal      the same read from one unmasked pass over the wild type
+  pppl             pseudo-perplexity of each mutated sequence (L masked copies each)
+
+Runs data-parallel under MLX's launcher, each rank taking a slice, rank 0 writing:
+
+\b
+  mlx.launch --hosts IP1,IP2 -- esmc-mlx score ...
+
+\b
+Examples:
+  esmc-mlx score esmc-300m-mlx --sequence MKTAYIAKQR... --mutations BLAT_ECOLX.csv
+  esmc-mlx score esmc-300m-mlx --sequence wt.fasta --mutations dms.csv -o scored.csv --method pppl
+"""
+
+
+@main.command(help=SCORE_HELP)
+@click.argument("model")
+@click.option("--sequence", required=True, help="Wild-type sequence, or a FASTA file holding one record.")
+@click.option("--mutations", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="CSV with a column of mutant strings.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Scored CSV (default: <mutations>.scored.csv beside the input).")
+@click.option("--method", "methods", multiple=True, type=click.Choice(["masked-marginal", "wt-marginal", "pppl"]),
+              help="Repeat for several (default: masked-marginal and wt-marginal).")
+@click.option("-B", "--batch-size", default=32, show_default=True, type=click.IntRange(1),
+              help="Masked copies per forward pass.")
+@click.option("--offset", default=1, show_default=True, help="Number of the sequence's first residue in the mutant strings.")
+@click.option("--mutant-column", default="mutant", show_default=True)
+@click.option("--dms-column", default="DMS_score", show_default=True, help="Measured scores, for Spearman's rho.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def score(model, sequence, mutations, output, methods, batch_size, offset, mutant_column, dms_column, no_progress):
+    from .runtime.distributed import World
+    from .runtime.jobs import score_csv
+
+    output = output or mutations.with_name(mutations.name.removesuffix(".csv") + ".scored.csv")
+    methods = [m.replace("-", "_") for m in methods] or ["masked_marginal", "wt_marginal"]
+    s = score_csv(model, sequence, mutations, output, methods=methods, batch_size=batch_size, offset=offset,
+                  mutant_column=mutant_column, dms_column=dms_column, group=World.current(),
+                  progress=not no_progress)
+    if s.rank == 0:
+        ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
+        click.echo(f"Scored {s.count} mutants ({', '.join(s.methods)}; {s.passes} forward passes{ranks}) -> {s.out}")
+        if s.wt_pppl is not None:
+            click.echo(f"Wild-type pseudo-perplexity: {s.wt_pppl:.4f}")
+        for method, (rho, n) in s.spearman.items():
+            click.echo(f"Spearman {method} vs {s.dms_column}: {rho:.4f} (n={n})")
+
+
+BENCH_HELP = """Time the MLX runtime against transformers on this machine: the same random weights,
+the same inputs, interleaved in one run; prints torch time / MLX time and writes OUT/bench.json
+and OUT/bench.png. Needs esmc-mlx[torch] for the torch side (without it, MLX alone).
+
+\b
+Examples:
+  esmc-mlx bench                                  # 300M; CPU: 1x256,8x256 fp32; GPU: 4 shapes bf16
+  esmc-mlx bench --model 6B --shapes 16x256 --quant mxfp4 --quant affine4
+"""
+
+
+@main.command(help=BENCH_HELP)
+@click.option("--model", "models", multiple=True, type=click.Choice(["tiny", "300M", "600M", "6B"]),
+              help="Model shape(s), random weights (default: 300M).")
+@click.option("--shapes", help="BATCHxLENGTH list, e.g. 1x256,8x256 (default: per backend).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Compute dtype (default: float32 on the CPU, bfloat16 on a GPU).")
+@click.option("--variant", "variants", multiple=True, type=click.Choice(["mlx", "mlx+fuse", "mlx+compile",
+                                                                          "mlx+fuse+compile"]),
+              help="MLX runtime variant(s) (default: what load() gives on the device).")
+@click.option("--quant", multiple=True, type=click.Choice(["affine8", "affine4", "mxfp4"]),
+              help="Also time a quantized twin against the float model.")
+@click.option("--no-torch", is_flag=True, help="Time MLX only.")
+@click.option("-o", "--out", "out_dir", default="bench-results", show_default=True,
+              type=click.Path(file_okay=False, path_type=Path))
+def bench(models, shapes, device, dtype, variants, quant, no_torch, out_dir):
+    from .bench import parse_shapes, run
+
+    try:
+        parsed = parse_shapes(shapes) if shapes else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--shapes") from None
+    run(models=models or ("300M",), shapes=parsed, device=device, dtype=dtype,
+        variants=variants or None, quant=quant, out_dir=out_dir, with_torch=not no_torch,
+        log=click.echo)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,101 @@
+"""Runtime optimizations (fused projections, compiled forward, additive masks) compute the same
+function as the plain model. Speed is shown by benchmarks/, not tested here."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from esmc_mlx import bench
+from esmc_mlx.runtime.model import ESMC
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_config):
+    return bench.mlx_weights(bench.torch_model(tiny_config, "float32", "cpu", seed=3), mx.float32)
+
+
+def test_fused_compiled_equals_plain(tiny_config, weights):
+    plain = bench.mlx_model(tiny_config, weights)
+    fast = bench.mlx_model(tiny_config, weights, fuse=True, compile=True)
+    assert fast.is_fused and not plain.is_fused
+    assert "qkv_proj" in fast.esmc.layers[0].self_attn and "q_proj" not in fast.esmc.layers[0].self_attn
+    rng = np.random.default_rng(0)
+    ids = rng.integers(4, 24, size=(3, 17))
+    mask = np.ones((3, 17), dtype=np.int32)
+    mask[1, 12:] = 0
+    chains = np.zeros((3, 17), dtype=np.int32)
+    chains[:, 9:] = 1
+    for kwargs in ({}, {"attention_mask": mask}, {"sequence_id": chains}):
+        ref = np.array(plain(ids, **kwargs).logits)
+        for _ in range(3):  # first call eager, then traced, then the compiled trace reused
+            out = fast(ids, **kwargs)
+            assert rel(np.array(out.logits), ref) <= 1e-5
+    hidden = fast(ids, output_hidden_states=True)  # not compiled: all hidden states
+    assert len(hidden.hidden_states) == tiny_config.num_hidden_layers + 1
+
+
+def test_all_ones_mask_is_the_same_as_none(tiny_config, weights):
+    model = bench.mlx_model(tiny_config, weights)
+    ids = np.random.default_rng(1).integers(4, 24, size=(2, 11))
+    a = np.array(model(ids, attention_mask=np.ones((2, 11))).logits)
+    b = np.array(model(ids).logits)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_attention_weights_ignore_padded_keys(tiny_config, weights):
+    model = bench.mlx_model(tiny_config, weights)
+    ids = np.random.default_rng(2).integers(4, 24, size=(1, 9))
+    mask = np.array([[1] * 6 + [0] * 3])
+    out = model(ids, attention_mask=mask, output_attentions=True)
+    w = np.array(out.attentions[0])
+    assert np.allclose(w.sum(-1), 1, atol=1e-5)
+    assert np.abs(w[..., 6:]).max() == 0
+
+
+@pytest.mark.parametrize("mode", ["affine4", "mxfp4"])
+def test_fused_quantized_is_exact(tiny_config, weights, mode):
+    plain = bench.mlx_model(tiny_config, weights, quant=bench.QUANT_MODES[mode])
+    fused = bench.mlx_model(tiny_config, weights, fuse=True, quant=bench.QUANT_MODES[mode])
+    assert fused.esmc.layers[0].mlp.gate_up_proj.bits == 4
+    ids = np.random.default_rng(3).integers(4, 24, size=(2, 13))
+    np.testing.assert_array_equal(np.array(fused(ids).logits), np.array(plain(ids).logits))
+
+
+def test_mixed_quantization_is_not_fused(tiny_config, weights):
+    import mlx.nn as nn
+    from esmc_mlx.runtime.model import concat_linears
+
+    a = nn.QuantizedLinear(128, 128, bits=4)
+    b = nn.QuantizedLinear(128, 128, bits=8)
+    assert concat_linears([a, b]) is None
+    assert concat_linears([a, nn.Linear(128, 128, bias=False)]) is None
+    model = ESMC(tiny_config)
+    model.esmc.layers[0].mlp.up_proj = nn.QuantizedLinear(128, tiny_config.intermediate_size, bits=8)
+    model.fuse()
+    assert "gate_proj" in model.esmc.layers[0].mlp and "gate_up_proj" in model.esmc.layers[1].mlp
+
+
+def test_fast_mxfp4_quantize_is_bit_identical():
+    from esmc_mlx.quantize.fast import quantize
+
+    rng = np.random.default_rng(0)
+    grid = np.array([0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 6, 0.5, 1, 1.5, 2, 3, 4, 7, -0.25, -0.75, -5, -6],
+                    np.float32)
+    cases = [rng.standard_normal((64, 256)).astype(np.float32) * 10.0 ** rng.uniform(-6, 3) for _ in range(4)]
+    ties = rng.choice(grid, size=(64, 256)) * 2.0 ** rng.integers(-4, 4, size=(64, 8, 1)).repeat(32, -1).reshape(64, 256)
+    cases += [ties, np.zeros((2, 64), np.float32), -np.abs(cases[0])]
+    for case in cases:
+        for dtype in (mx.bfloat16, mx.float32):
+            w = mx.array(case).astype(dtype)
+            ref = mx.quantize(w, group_size=32, bits=4, mode="mxfp4")
+            out = quantize(w, 32, 4, "mxfp4")
+            assert len(out) == len(ref)
+            for a, b in zip(out, ref):
+                assert a.dtype == b.dtype and mx.array_equal(a, b).item()
