@@ -25,6 +25,24 @@ import time
 from pathlib import Path
 
 
+def convert_timed(source: Path, out: Path, extra: list[str]) -> dict:
+    """Run esmc-convert in a child under /usr/bin/time -v: wall seconds, its peak RSS, output
+    size and time's full report."""
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "esmc_mlx.cli", "convert", str(source), "-o", str(out),
+           "--force", *extra]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        raise SystemExit(f"conversion failed:\n{proc.stderr[-4000:]}")
+    peak_kib = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    time_v = {k.strip(): v.strip() for k, v in (line.split(": ", 1) for line in proc.stderr.splitlines()[-23:]
+                                                  if ": " in line)}
+    return {"command": " ".join(cmd[4:]), "wall_s": wall, "peak_rss_bytes": peak_kib * 1024, "output_bytes": size,
+            "time_v": time_v}
+
+
 def drop_from_page_cache(paths: list[Path]) -> None:
     """Evict these files' pages (only theirs), so that every step reads from the disk."""
     subprocess.run(["sync"], check=False)
@@ -80,20 +98,10 @@ def main() -> None:
     out = args.work / "out"
     results = {"source": str(args.source), "source_bytes": source_bytes, "q": args.q}
     try:
-        cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "esmc_mlx.cli", "convert", str(args.source), "-o", str(out),
-               "--q", args.q, "--no-validate", "--force"]
         drop_from_page_cache(files)
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wall = time.perf_counter() - start
-        if proc.returncode:
-            raise SystemExit(f"conversion failed:\n{proc.stderr[-4000:]}")
-        rss_kib = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
-        out_bytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-        results["convert"] = {"command": " ".join(cmd[2:]), "wall_s": wall, "peak_rss_bytes": rss_kib * 1024,
-                              "output_bytes": out_bytes,
-                              "time_v": {k.strip(): v.strip() for k, v in
-                                         (l.split(": ", 1) for l in proc.stderr.splitlines()[-23:] if ": " in l)}}
+        results["convert"] = convert_timed(args.source, out, ["--q", args.q, "--no-validate"])
+        wall, rss_kib, out_bytes = (results["convert"][k] for k in ("wall_s", "peak_rss_bytes", "output_bytes"))
+        rss_kib //= 1024
         print(f"convert: {wall:.1f} s, peak RSS {rss_kib / 2**20:.2f} GiB, output {out_bytes / 2**30:.2f} GiB", flush=True)
         shutil.rmtree(out)
 

@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,22 +26,9 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
+from convert_memory import convert_timed  # noqa: E402  (same folder)
 from esmc_mlx import bench  # noqa: E402
 from esmc_mlx.runtime.model import ESMC  # noqa: E402
-
-
-def convert_timed(source: Path, out: Path, extra: list[str]) -> dict:
-    """Run esmc-convert in a child under /usr/bin/time -v: wall seconds and its peak RSS."""
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "esmc_mlx.cli", "convert", str(source), "-o", str(out),
-           "--force", *extra]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode:
-        raise SystemExit(f"conversion failed:\n{proc.stderr[-3000:]}")
-    peak_kib = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    return {"command": " ".join(cmd[4:]), "wall_s": wall, "peak_rss_bytes": peak_kib * 1024, "output_bytes": size}
 
 
 def main() -> None:
