@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import platform
-import re
 import statistics
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .config import ESMCConfig
+from .quantize import BLOCK_LINEAR  # what `esmc-convert --q` quantizes by default
 from .runtime.model import ESMC
 
 GPU_SHAPES = ((1, 256), (1, 1024), (16, 256), (64, 512))
@@ -48,8 +47,6 @@ def default_variant(device: str) -> str:
 
     d = RUNTIME_DEFAULTS[device]
     return next(name for name, flags in VARIANTS.items() if flags == (d["fuse"], d["compile"]))
-# What `esmc-convert --q` quantizes by default: the blocks' projections.
-BLOCK_LINEAR = re.compile(r"esmc\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")
 
 
 # --- models --------------------------------------------------------------------------------
@@ -67,10 +64,11 @@ def torch_model(config: ESMCConfig, dtype: str = "float32", device: str = "cpu",
     """transformers' EsmcForMaskedLM (sdpa attention), random N(0, 1/fan_in) weights, built
     directly on ``device`` in ``dtype`` (a 6B never passes through host memory in fp32)."""
     import torch
-    from transformers import EsmcConfig, EsmcForMaskedLM
+    from transformers import EsmcForMaskedLM
 
-    hf_config = EsmcConfig(**{k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")})
-    hf_config._attn_implementation = "sdpa"
+    from .validate.reference import hf_config as transformers_config
+
+    hf_config = transformers_config(config)
     torch_dtype = getattr(torch, dtype)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype)
@@ -93,16 +91,11 @@ def torch_model(config: ESMCConfig, dtype: str = "float32", device: str = "cpu",
 
 def mlx_weights(tmodel, dtype: mx.Dtype) -> dict[str, mx.array]:
     """The torch model's state dict as MLX arrays in ``dtype`` (bf16 moves as raw bits)."""
-    import torch
+    from .convert.sources import torch_to_mlx
 
     out = {}
     for name, t in tmodel.state_dict().items():
-        t = t.detach()
-        if t.dtype == torch.bfloat16:
-            a = mx.array(t.view(torch.int16).cpu().numpy()).view(mx.bfloat16)
-        else:
-            a = mx.array(t.float().cpu().numpy())
-        out[name] = a.astype(dtype)
+        out[name] = torch_to_mlx(t).astype(dtype)
         mx.eval(out[name])
     return out
 

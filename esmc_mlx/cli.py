@@ -49,8 +49,15 @@ def _default_out(source: str, q: str | None, dtype: str | None) -> Path:
     return Path(f"{stem}-{q}-mlx" if q else f"{stem}-{dtype}-mlx" if dtype else f"{stem}-mlx")
 
 
-QUANTIZE_HEAD_HELP = ("Also quantize the token embedding and the LM head (default: they stay in the float dtype; "
-                      "they are <1% of the weights and carry the output distribution).")
+# Options shared by `esmc-convert` / `esmc-mlx convert` and `esmc-mlx quantize`.
+group_size_option = click.option("--group-size", type=int, help="Affine group size: 32, 64 (default) or 128.")
+quantize_head_option = click.option(
+    "--quantize-head", is_flag=True,
+    help="Also quantize the token embedding and the LM head (default: they stay in the float dtype; "
+         "they are <1% of the weights and carry the output distribution).")
+force_option = click.option("--force", is_flag=True, help="Replace an existing output directory.")
+shard_size_option = click.option("--shard-size", default="1GB", show_default=True,
+                                 help="Largest safetensors shard; bounds the converter's memory.")
 
 convert_options = [
     click.argument("source"),
@@ -61,12 +68,11 @@ convert_options = [
     click.option("--q", "q", metavar="SPEC",
                  help="Quantize: 8 6 5 4 3 2 (affine bits), mxfp4, mxfp8, nvfp4, or a mixed recipe "
                       "(mixed_2_6 mixed_3_4 mixed_3_6 mixed_4_6 mixed_4_8)."),
-    click.option("--group-size", type=int, help="Affine group size: 32, 64 (default) or 128."),
-    click.option("--quantize-head", is_flag=True, help=QUANTIZE_HEAD_HELP),
+    group_size_option,
+    quantize_head_option,
     click.option("--revision", help="Hub revision (branch, tag or commit) of the source."),
-    click.option("--force", is_flag=True, help="Replace an existing output directory."),
-    click.option("--shard-size", default="1GB", show_default=True,
-                 help="Largest safetensors shard; bounds the converter's memory."),
+    force_option,
+    shard_size_option,
     click.option("--upload-repo", metavar="ORG/NAME",
                  help="After converting (and validating), publish to this Hub model repo with a model card. "
                       "Token and namespace are checked before converting."),
@@ -186,10 +192,10 @@ Examples:
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True, help="Output directory.")
 @click.option("--q", "q", metavar="SPEC", required=True, help="Quantization spec (see above).")
-@click.option("--group-size", type=int, help="Affine group size: 32, 64 (default) or 128.")
-@click.option("--quantize-head", is_flag=True, help=QUANTIZE_HEAD_HELP)
-@click.option("--force", is_flag=True, help="Replace an existing output directory.")
-@click.option("--shard-size", default="1GB", show_default=True, help="Largest safetensors shard.")
+@group_size_option
+@quantize_head_option
+@force_option
+@shard_size_option
 def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size):
     from .quantize import quantize as quantize_dir
 

@@ -34,11 +34,12 @@ def random_transformers_model(config: ESMCConfig, seed: int = 0, perturb_norms: 
     is N(0, 1/fan_in) and norms/biases are randomized too, so that a swapped or dropped
     parameter changes the output; without it, transformers' own initialization."""
     import torch
-    from transformers import EsmcConfig, EsmcForMaskedLM
+    from transformers import EsmcForMaskedLM
+
+    from .validate.reference import hf_config
 
     torch.manual_seed(seed)
-    hf_config = EsmcConfig(**{k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")})
-    model = EsmcForMaskedLM(hf_config).eval()
+    model = EsmcForMaskedLM(hf_config(config)).eval()
     if not perturb_norms:
         return model
     with torch.no_grad():

@@ -194,6 +194,16 @@ def _read_license(directory: Path) -> str | None:
 
 
 # --- legacy .pth --------------------------------------------------------------------------
+def torch_to_mlx(t) -> mx.array:
+    """A torch tensor (any device) as an MLX array of the same dtype."""
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: move the raw bits
+        return mx.array(t.view(torch.int16).numpy()).view(mx.bfloat16)
+    return mx.array(t.numpy())
+
+
 def _open_pth(path: Path) -> Checkpoint:
     try:
         import torch
@@ -214,10 +224,7 @@ def _open_pth(path: Path) -> Checkpoint:
     dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
 
     def read(name: str) -> mx.array:
-        t = state[name]
-        if t.dtype == torch.bfloat16:  # numpy has no bfloat16: move the raw bits
-            return mx.array(t.contiguous().view(torch.int16).numpy()).view(mx.bfloat16)
-        return mx.array(t.contiguous().numpy())
+        return torch_to_mlx(state[name])
 
     torch_to_mx = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}
     config_path = path.parent / "config.json"

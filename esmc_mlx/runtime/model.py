@@ -264,12 +264,30 @@ class ESMC(nn.Module):
         self._seen_shapes.add(key)
         return False
 
-    def _forward(self, input_ids: mx.array, mask: mx.array | None) -> tuple[mx.array, mx.array]:
+    def _forward(self, input_ids: mx.array, mask: mx.array | None, output_hidden_states: bool = False,
+                 output_attentions: bool = False) -> ESMCOutput:
         x = self.esmc.embed_tokens(input_ids)
+        hidden = [x] if output_hidden_states else None
+        weights = [] if output_attentions else None
         for layer in self.esmc.layers:
-            x, _ = layer(x, mask)
+            x, w = layer(x, mask, output_attentions)
+            if hidden is not None:
+                hidden.append(x)
+            if weights is not None:
+                weights.append(w)
         x = self.esmc.norm(x)
-        return self.lm_head(x), x
+        if hidden is not None:
+            hidden[-1] = x
+        return ESMCOutput(
+            logits=self.lm_head(x),
+            last_hidden_state=x,
+            hidden_states=tuple(hidden) if hidden is not None else None,
+            attentions=tuple(weights) if weights is not None else None,
+        )
+
+    def _logits_and_hidden(self, input_ids: mx.array, mask: mx.array | None) -> tuple[mx.array, mx.array]:
+        out = self._forward(input_ids, mask)  # mx.compile traces functions returning arrays
+        return out.logits, out.last_hidden_state
 
     def _compiled_forward(self, input_ids: mx.array, mask: mx.array | None) -> tuple[mx.array, mx.array]:
         # A trace bakes in the quantized layers' matmul choice: key it by the forced policy too.
@@ -278,9 +296,9 @@ class ESMC(nn.Module):
         if fn is None:
             # Parameters are implicit inputs (not constants): one trace per input shape.
             if mask is None:
-                fn = mx.compile(lambda ids: self._forward(ids, None), inputs=self.state)
+                fn = mx.compile(lambda ids: self._logits_and_hidden(ids, None), inputs=self.state)
             else:
-                fn = mx.compile(lambda ids, m: self._forward(ids, m), inputs=self.state)
+                fn = mx.compile(self._logits_and_hidden, inputs=self.state)
             self._compiled[key] = fn
         return fn(input_ids) if mask is None else fn(input_ids, mask)
 
@@ -329,21 +347,4 @@ class ESMC(nn.Module):
         if not output_hidden_states and not output_attentions and self._use_compiled(input_ids, mask):
             logits, x = self._compiled_forward(input_ids, mask)
             return ESMCOutput(logits=logits, last_hidden_state=x)
-        x = self.esmc.embed_tokens(input_ids)
-        hidden = [x] if output_hidden_states else None
-        weights = [] if output_attentions else None
-        for layer in self.esmc.layers:
-            x, w = layer(x, mask, output_attentions)
-            if hidden is not None:
-                hidden.append(x)
-            if weights is not None:
-                weights.append(w)
-        x = self.esmc.norm(x)
-        if hidden is not None:
-            hidden[-1] = x
-        return ESMCOutput(
-            logits=self.lm_head(x),
-            last_hidden_state=x,
-            hidden_states=tuple(hidden) if hidden is not None else None,
-            attentions=tuple(weights) if weights is not None else None,
-        )
+        return self._forward(input_ids, mask, output_hidden_states, output_attentions)

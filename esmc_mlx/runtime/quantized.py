@@ -59,18 +59,20 @@ def dequantize_first(tokens: int, mode: str) -> bool:
     return tokens >= CROSSOVER_TOKENS[backend()].get(mode, math.inf)
 
 
+def dequantized_weight(module: nn.Module, dtype: mx.Dtype) -> mx.array:
+    """The float weight of a quantized linear or embedding."""
+    return mx.dequantize(module["weight"], module["scales"], module.get("biases"), group_size=module.group_size,
+                         bits=module.bits, mode=module.mode, dtype=dtype)
+
+
 class QuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` (same parameters, same files) that picks the faster matmul."""
-
-    def dequantized_weight(self, dtype: mx.Dtype) -> mx.array:
-        return mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
-                             bits=self.bits, mode=self.mode, dtype=dtype)
 
     def __call__(self, x: mx.array) -> mx.array:
         tokens = x.size // x.shape[-1] if x.shape[-1] else 0
         if not dequantize_first(tokens, self.mode):
             return super().__call__(x)
-        w = self.dequantized_weight(x.dtype).T
+        w = dequantized_weight(self, x.dtype).T
         return mx.addmm(self["bias"], x, w) if "bias" in self else x @ w
 
 
@@ -109,14 +111,12 @@ def dequantize_model(model: nn.Module, dtype: mx.Dtype | None = None) -> nn.Modu
         if isinstance(m, nn.QuantizedLinear):
             out_dims, in_dims = m.weight.shape[0], m.weight.shape[1] * 32 // m.bits
             layer = nn.Linear(in_dims, out_dims, bias="bias" in m)
-            layer.weight = mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=m.group_size,
-                                         bits=m.bits, mode=m.mode, dtype=dtype)
+            layer.weight = dequantized_weight(m, dtype)
             if "bias" in m:
                 layer.bias = m.bias.astype(dtype)
             swaps.append((path, layer))
         elif isinstance(m, nn.QuantizedEmbedding):
-            w = mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=m.group_size, bits=m.bits,
-                              mode=m.mode, dtype=dtype)
+            w = dequantized_weight(m, dtype)
             layer = nn.Embedding(*w.shape)
             layer.weight = w
             swaps.append((path, layer))

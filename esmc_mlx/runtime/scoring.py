@@ -56,16 +56,9 @@ def _pack(encoded: list[np.ndarray], rows: Sequence[int], tokenizer=None):
     """Right-padded ids, attention mask (None when nothing is padded) and sequence_id (None
     unless a chain break is present) for ``encoded[rows]``."""
     tok = tokenizer or _TOKENIZER
-    width = max(len(encoded[r]) for r in rows)
-    ids = np.full((len(rows), width), tok.pad_token_id, dtype=np.int32)
-    attn = np.zeros((len(rows), width), dtype=np.int32)
-    for k, r in enumerate(rows):
-        ids[k, : len(encoded[r])] = encoded[r]
-        attn[k, : len(encoded[r])] = 1
-    sid = None
-    breaks = ids == tok.chain_break_token_id
-    if breaks.any():
-        sid = np.where(attn == 1, np.cumsum(breaks, axis=1) - breaks, -1).astype(np.int32)
+    batch = tok.pad([encoded[r] for r in rows], return_tensors="np", return_sequence_id=True)
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    sid = batch["sequence_id"] if (ids == tok.chain_break_token_id).any() else None
     return ids, (None if attn.all() else attn), sid
 
 

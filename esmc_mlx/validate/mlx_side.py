@@ -18,7 +18,7 @@ from ..runtime.load import compute_dtype_for_device, load
 from ..runtime.model import Layer, MaskedLMHead, attention_mask_for
 from ..runtime.quantized import quantize_modules
 from .panel import Batch
-from .reference import Outputs
+from .reference import Outputs, collect, unpad
 from .weights import ArtifactWeights
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -31,11 +31,7 @@ def compute_dtype(artifact: ArtifactWeights, override: str | None = None) -> mx.
 
 
 def _unpad(batch: Batch, logits: mx.array, hidden: mx.array, sink: dict) -> None:
-    lengths = batch.attention_mask.sum(axis=1)
-    logits = np.array(logits.astype(mx.float32))
-    hidden = np.array(hidden.astype(mx.float32))
-    for r, row in enumerate(batch.rows):
-        sink[row] = (logits[r, : lengths[r]].copy(), hidden[r, : lengths[r]].copy())
+    unpad(batch, np.array(logits.astype(mx.float32)), np.array(hidden.astype(mx.float32)), sink)
 
 
 def _call_args(batch: Batch) -> dict:
@@ -56,7 +52,7 @@ def run_full(artifact: ArtifactWeights, batches: list[Batch], n_inputs: int, dty
             on_step()
     del model
     mx.clear_cache()
-    return Outputs([sink[i][0] for i in range(n_inputs)], [sink[i][1] for i in range(n_inputs)])
+    return collect(sink, n_inputs)
 
 
 class _Holder(nn.Module):
@@ -119,4 +115,4 @@ def run_layered(artifact: ArtifactWeights, batches: list[Batch], n_inputs: int, 
         _unpad(batch, logits, hidden, sink)
         states[b] = None
     mx.clear_cache()
-    return Outputs([sink[i][0] for i in range(n_inputs)], [sink[i][1] for i in range(n_inputs)])
+    return collect(sink, n_inputs)

@@ -30,6 +30,7 @@ class Outputs:
 
 
 def hf_config(config: ESMCConfig):
+    """transformers' EsmcConfig for ``config``, with sdpa attention."""
     from transformers import EsmcConfig
 
     fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
@@ -38,15 +39,19 @@ def hf_config(config: ESMCConfig):
     return cfg
 
 
-def _collect(outputs: dict[int, tuple], n: int) -> Outputs:
+def collect(outputs: dict[int, tuple], n: int) -> Outputs:
     return Outputs([outputs[i][0] for i in range(n)], [outputs[i][1] for i in range(n)])
 
 
-def _unpad(batch: Batch, logits, hidden, sink: dict) -> None:
+def unpad(batch: Batch, logits: np.ndarray, hidden: np.ndarray, sink: dict) -> None:
+    """Store each row of a padded batch's fp32 outputs, cut to its length, under its input index."""
     lengths = batch.attention_mask.sum(axis=1)
-    logits, hidden = logits.float().numpy(), hidden.float().numpy()
     for r, row in enumerate(batch.rows):
         sink[row] = (logits[r, : lengths[r]].copy(), hidden[r, : lengths[r]].copy())
+
+
+def _unpad(batch: Batch, logits, hidden, sink: dict) -> None:
+    unpad(batch, logits.float().numpy(), hidden.float().numpy(), sink)
 
 
 def _tensors(batch: Batch):
@@ -81,7 +86,7 @@ def run_full(get: Callable[[list[str]], dict], config: ESMCConfig, batches: list
             if on_step:
                 on_step()
     del model
-    return _collect(sink, n_inputs)
+    return collect(sink, n_inputs)
 
 
 def run_layered(get: Callable[[list[str]], dict], config: ESMCConfig, batches: list[Batch], n_inputs: int,
@@ -133,7 +138,7 @@ def run_layered(get: Callable[[list[str]], dict], config: ESMCConfig, batches: l
             hidden = norm(states[b])
             _unpad(batch, head(hidden), hidden, sink)
             states[b] = None
-    return _collect(sink, n_inputs)
+    return collect(sink, n_inputs)
 
 
 def fp32_bytes(config: ESMCConfig) -> int:
