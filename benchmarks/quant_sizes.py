@@ -66,31 +66,27 @@ def source_row(source: Path) -> dict:
             "storage": "bfloat16", "peak_rss_bytes": None, "seconds": None, "parameters": facts["parameters"]}
 
 
+def _rows(results: dict, shapes: list[str], specs, cells) -> list[str]:
+    """One markdown row per spec measured for any shape; ``cells(result)`` gives a shape's two cells."""
+    rows = []
+    for spec in specs:
+        if any(spec in results[s] for s in shapes):
+            row = [c for s in shapes for c in (cells(results[s][spec]) if spec in results[s] else ["not run", ""])]
+            rows.append(f"| {spec} | " + " | ".join(row) + " |")
+    return rows
+
+
 def table(results: dict) -> str:
     shapes = [s for s in SHAPES if s in results]
     specs = ["bf16 (source)", *SPECS]
     lines = ["| spec | " + " | ".join(f"{s} size | {s} bpw" for s in shapes) + " |",
              "|---|" + "---:|---:|" * len(shapes)]
-    for spec in specs:
-        if not any(spec in results[s] for s in shapes):
-            continue
-        cells = []
-        for s in shapes:
-            r = results[s].get(spec)
-            cells += [f"{r['size_bytes'] / 1e9:.3f} GB", f"{r['bits_per_weight']:.3f}"] if r else ["not run", ""]
-        lines.append(f"| {spec} | " + " | ".join(cells) + " |")
+    lines += _rows(results, shapes, specs, lambda r: [f"{r['size_bytes'] / 1e9:.3f} GB", f"{r['bits_per_weight']:.3f}"])
     lines += ["", "Peak RSS and wall time of each conversion (child process, 2 shared x86 cores, "
                   "source read from local disk, includes hashing the source):", "",
               "| spec | " + " | ".join(f"{s} peak RSS | {s} time" for s in shapes) + " |",
               "|---|" + "---:|---:|" * len(shapes)]
-    for spec in SPECS:
-        if not any(spec in results[s] for s in shapes):
-            continue
-        cells = []
-        for s in shapes:
-            r = results[s].get(spec)
-            cells += [f"{r['peak_rss_bytes'] / 2**30:.2f} GiB", f"{r['seconds']:.0f} s"] if r else ["not run", ""]
-        lines.append(f"| {spec} | " + " | ".join(cells) + " |")
+    lines += _rows(results, shapes, SPECS, lambda r: [f"{r['peak_rss_bytes'] / 2**30:.2f} GiB", f"{r['seconds']:.0f} s"])
     return "\n".join(lines)
 
 
