@@ -58,6 +58,9 @@ quantize_head_option = click.option(
 force_option = click.option("--force", is_flag=True, help="Replace an existing output directory.")
 shard_size_option = click.option("--shard-size", default="1GB", show_default=True,
                                  help="Largest safetensors shard; bounds the converter's memory.")
+reference_device_option = click.option(
+    "--reference-device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True,
+    help="Where the torch reference of validation runs (fp32; auto: CUDA, else MPS, else the CPU).")
 
 convert_options = [
     click.argument("source"),
@@ -80,6 +83,7 @@ convert_options = [
     click.option("--validate/--no-validate", "validate", default=None,
                  help="Validate the output against SOURCE (report in OUT/validation/). Default: on when "
                       "torch and transformers are installed."),
+    reference_device_option,
 ]
 
 
@@ -104,9 +108,12 @@ def _parse_size(text: str) -> int:
 
 
 def run_convert(source, output, dtype, q, group_size, revision, force, shard_size, upload_repo=None, private=False,
-                quantize_head=False, validate=None, **_):
+                quantize_head=False, validate=None, reference_device="auto", **_):
     from .convert import convert
+    from .validate.core import validation_available
 
+    if validate and not validation_available():  # before converting, not after
+        raise click.ClickException("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
     out = output or _default_out(source, q, dtype)
     if upload_repo:  # a missing token or a foreign namespace fails now, not after an hour of converting
         from .hub.push import check_push_access
@@ -115,7 +122,7 @@ def run_convert(source, output, dtype, q, group_size, revision, force, shard_siz
     convert(source, out, dtype=dtype, q=q, group_size=group_size, quantize_head=quantize_head, revision=revision, force=force,
             shard_bytes=_parse_size(shard_size), command=_command_line())
     click.echo(f"Wrote {out}")
-    _validate_after_convert(out, source, revision, validate)
+    _validate_after_convert(out, source, revision, validate, reference_device)
     if upload_repo:  # keep last: after conversion and validation
         from .hub.push import push_artifact
 
@@ -123,7 +130,8 @@ def run_convert(source, output, dtype, q, group_size, revision, force, shard_siz
     return out
 
 
-def _validate_after_convert(out: Path, source: str, revision: str | None, wanted: bool | None) -> None:
+def _validate_after_convert(out: Path, source: str, revision: str | None, wanted: bool | None,
+                            reference_device: str = "auto") -> None:
     from .validate.core import validation_available
 
     if wanted is False:
@@ -136,7 +144,7 @@ def _validate_after_convert(out: Path, source: str, revision: str | None, wanted
     from .validate import validate
 
     click.echo(f"Validating {out} against {source} ...")
-    report = validate(out, source, revision=revision, progress=True)
+    report = validate(out, source, revision=revision, progress=True, reference_device=reference_device)
     click.echo(report.summary())
     click.echo(f"Report: {report.directory / 'report.md'}")
     if not report.passed:
@@ -273,14 +281,16 @@ def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
               help="MLX compute dtype (default: as `load` picks; float32 on the CPU).")
 @click.option("--revision", help="Hub revision of the reference.")
+@reference_device_option
 def validate(mlx_dir, reference, sequences, report_dir, max_length, quick, threshold, quality_gate, mode, dtype,
-             revision):
+             revision, reference_device):
     from .validate import validate as run_validation
 
     report = run_validation(mlx_dir, reference, sequences=sequences, report_dir=report_dir,
                             thresholds=_parse_thresholds(threshold), max_length=max_length or (256 if quick else None),
                             marginal_positions=8 if quick else 24, mode=mode, quality_gate=quality_gate,
-                            compute_dtype=dtype, revision=revision, progress=True)
+                            compute_dtype=dtype, revision=revision, progress=True,
+                            reference_device=reference_device)
     click.echo(report.summary())
     click.echo(f"Report: {report.directory / 'report.md'}")
     if not report.passed:

@@ -23,6 +23,13 @@ FAST = {"max_length": 40, "marginal_positions": 6}  # the bundled panel, cropped
 TINY = PACKAGED / "esmc-tiny"
 
 
+@pytest.fixture(autouse=True)
+def reference_cache(tmp_path, monkeypatch):
+    """Every test its own cache of the original's outputs (none in the user's ~/.cache)."""
+    monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 def run(artifact, source, tmp_path, **kw):
     return validate(artifact, str(source), report_dir=tmp_path / "report", **{**FAST, "plot": False, **kw})
 
@@ -88,6 +95,15 @@ def test_bundled_panel_has_what_the_issue_asks():
     chained = [b for b in batches if b.sequence_id is not None]
     assert len(chained) == 1 and chained[0].sequence_id.max() == 1
     assert all(b.input_ids.size <= 4096 or len(b.rows) == 1 for b in batches)
+    # designed for cost: little padding, one long record, marginal rows short windows
+    padded = sum(b.input_ids.size for b in batches)
+    assert padded <= 1.1 * panel.tokens, (padded, panel.tokens)
+    assert sum(n > 256 for n in lengths) == 1 and len(records) >= 14
+    assert all(len(i.tokens) <= 64 for i in marginal)
+    for i in marginal:  # the recorded position is the masked one, and the wild type is the record's
+        record = next(r for r in records if r.name == i.marginal[0])
+        assert i.tokens[i.marginal[1]] == "<mask>" and i.marginal[2] in record.tokens
+    assert panel.digest != build_panel(max_length=256).digest
 
 
 def test_user_fasta_replaces_the_panel(tmp_path):
@@ -182,9 +198,12 @@ def test_damaged_artifact_fails_naming_the_check(kind, caught_by, converted, q4,
     artifact = damaged_copy(q4 if kind == "scale_zeroed" else converted, tmp_path, kind)
     report = run(artifact, checkpoints["published"], tmp_path)
     assert not report.passed and caught_by in failed(report), report.summary()
-    # the runtime still computes what torch computes on those (damaged) weights: the two
-    # questions are answered separately
-    assert report.check("fidelity_logits").passed
+    if caught_by == "config":  # fails fast: no forward pass runs on a contradicting config
+        assert report.data["stopped_before_panel"] == "config" and report.data["fidelity"] is None
+    else:
+        # the runtime still computes what torch computes on those (damaged) weights: the two
+        # questions are answered separately
+        assert report.check("fidelity_logits").passed
     data = json.loads((tmp_path / "report" / "report.json").read_text())
     assert data["passed"] is False and any(c["name"] == caught_by and not c["passed"] for c in data["checks"])
     assert "FAILED" in (tmp_path / "report" / "report.md").read_text()
@@ -198,6 +217,83 @@ def test_missing_tensor_fails_without_a_traceback(converted, checkpoints, tmp_pa
     assert {"weights", "artifact_loads"} <= failed(report)
     assert "esmc.layers.1.self_attn.k_norm.weight missing" in report.check("weights").detail
     assert json.loads((tmp_path / "report" / "report.json").read_text())["passed"] is False
+
+
+def test_config_mismatch_fails_before_any_panel_work(converted, checkpoints, tmp_path, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a forward pass ran on a config that contradicts the reference")
+
+    for name in ("run_full", "run_layered", "layered_steps"):
+        monkeypatch.setattr(mlx_side, name, refuse)
+        monkeypatch.setattr(reference, name, refuse)
+    artifact = damaged_copy(converted, tmp_path, "wrong_heads")
+    report = run(artifact, checkpoints["published"], tmp_path)
+    assert failed(report) == {"config"} and report.data["stopped_before_panel"] == "config"
+    data = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert data["passed"] is False and "num_attention_heads: artifact 4, reference 2" in data["checks"][0]["detail"]
+    assert "Stopped before any forward pass (config)" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_nan_weights_fail_fast_with_a_clear_report(converted, checkpoints, tmp_path, monkeypatch):
+    artifact = tmp_path / "nan"
+    shutil.copytree(converted, artifact)
+
+    def poison(w):
+        t = w["esmc.layers.1.mlp.up_proj.weight"]
+        w["esmc.layers.1.mlp.up_proj.weight"] = mx.where(mx.arange(t.size).reshape(t.shape) == 7, mx.nan, t)
+
+    edit_weights(artifact, poison)
+    monkeypatch.setattr(mlx_side, "run_full", lambda *a, **k: pytest.fail("the panel ran on NaN weights"))
+    report = run(artifact, checkpoints["published"], tmp_path, plot=True)
+    assert not report.passed and failed(report) == {"weights"}
+    assert "esmc.layers.1.mlp.up_proj.weight: NaN or Inf in the artifact" in report.check("weights").detail
+    data = json.loads((tmp_path / "report" / "report.json").read_text())  # valid JSON: no NaN in it
+    assert data["passed"] is False and data["stopped_before_panel"] == "non-finite weights"
+    assert "FAILED" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_overflowing_outputs_fail_and_the_report_is_still_json(converted, checkpoints, tmp_path):
+    artifact = tmp_path / "overflow"
+    shutil.copytree(converted, artifact)
+    name = "esmc.layers.0.post_attention_layernorm.weight"
+    edit_weights(artifact, lambda w: w.__setitem__(name, w[name] * 1e30))  # finite weights, Inf/NaN outputs
+    report = run(artifact, checkpoints["published"], tmp_path, plot=True)
+    assert {"weights", "finite_outputs"} <= failed(report), report.summary()
+    assert "NaN or Inf in the outputs" in report.check("finite_outputs").detail
+    data = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert data["passed"] is False and "finite_outputs" in {c["name"] for c in data["checks"] if not c["passed"]}
+
+
+def test_reference_cache_hit_is_identical_and_misses_on_change(q4, checkpoints, tmp_path, reference_cache):
+    first = run(q4, checkpoints["published"], tmp_path)
+    assert first.data["reference_cache"]["hit"] is False and "torch_original" in first.data["resources"]["timings"]
+    assert len(list((reference_cache / "reference").glob("*.npz"))) == 1
+    second = run(q4, checkpoints["published"], tmp_path)
+    assert second.data["reference_cache"]["hit"] is True
+    assert "torch_original" not in second.data["resources"]["timings"]  # the original's pass skipped
+    assert second.data["checks"] == first.data["checks"]
+    assert second.data["quality"] == first.data["quality"] and second.data["fidelity"] == first.data["fidelity"]
+    # another panel misses
+    assert run(q4, checkpoints["published"], tmp_path, max_length=30).data["reference_cache"]["hit"] is False
+    # a changed source file misses (same path, same size, new bytes)
+    changed = tmp_path / "changed"
+    shutil.copytree(checkpoints["published"], changed)
+    assert run(q4, changed, tmp_path).data["reference_cache"]["hit"] is True  # a copy: same bytes, same entry
+    weights = dict(mx.load(str(changed / "model.safetensors")))
+    weights["esmc.norm.weight"] = weights["esmc.norm.weight"] * 1.5
+    mx.save_safetensors(str(changed / "model.safetensors"), weights, metadata={"format": "pt"})
+    assert run(q4, changed, tmp_path).data["reference_cache"]["hit"] is False
+    assert run(q4, checkpoints["published"], tmp_path, cache=False).data["reference_cache"] == {"used": False}
+
+
+def test_layered_report_equals_full_report(q4, checkpoints, tmp_path):
+    full = run(q4, checkpoints["published"], tmp_path, mode="full", cache=False)
+    layered = run(q4, checkpoints["published"], tmp_path, mode="layered", cache=False)
+    assert layered.data["reference_mode"]["torch"] == "layered" and "sweep" in layered.data["resources"]["timings"]
+    for c in full.checks:
+        other = layered.check(c.name)
+        assert other.passed == c.passed
+        assert c.value == pytest.approx(other.value, rel=1e-3, abs=1e-6), c.name
 
 
 def test_quality_gate_on_catches_damage_through_the_outputs(converted, checkpoints, tmp_path):
@@ -298,3 +394,44 @@ def test_trained_tiny_4bit_passes_and_a_perturbed_fp32_fails_quality(tmp_path):
     # names it; the lossless row's hidden-state bound sees it too
     assert {"weights", "hidden_rel_err"} <= failed(report), report.summary()
     assert "esmc.layers.1.mlp.up_proj.weight" in report.check("weights").detail
+
+
+# --- several precisions of one source --------------------------------------------------------------
+def test_convert_many_reads_once_and_writes_what_convert_writes(checkpoints, tmp_path, monkeypatch):
+    from esmc_mlx.convert import sources
+    from esmc_mlx.convert.many import convert_many
+
+    reads: list[str] = []
+    opened = sources.open_checkpoint
+
+    def counting(src):
+        ckpt = opened(src)
+        read = ckpt.read
+        ckpt.read = lambda name: reads.append(name) or read(name)
+        return ckpt
+
+    monkeypatch.setattr("esmc_mlx.convert.many.open_checkpoint", counting)
+    outs = convert_many(str(checkpoints["published"]), tmp_path / "many", ["4", "mxfp4", None], progress=False)
+    assert list(outs) == ["4bit", "mxfp4", "float"] and all(p.parent == tmp_path / "many" for p in outs.values())
+    assert len(reads) == len(set(reads))  # every source tensor read once for the three outputs
+    for label, q in (("4bit", "4"), ("mxfp4", "mxfp4"), ("float", None)):
+        alone = convert(str(checkpoints["published"]), tmp_path / f"alone-{label}", q=q, progress=False)
+        a, b = mx.load(str(outs[label] / "model.safetensors")), mx.load(str(alone / "model.safetensors"))
+        assert set(a) == set(b) and all(mx.array_equal(a[k], b[k]).item() for k in a), label
+        ca, cb = (json.loads((d / "config.json").read_text()) for d in (outs[label], alone))
+        assert ca.get("quantization") == cb.get("quantization")
+    with pytest.raises(Exception, match="already exist"):
+        convert_many(str(checkpoints["published"]), tmp_path / "many", ["4"], progress=False)
+    # the second precision's validation takes the original's outputs from the cache
+    first = run(outs["mxfp4"], checkpoints["published"], tmp_path)
+    second = run(outs["4bit"], checkpoints["published"], tmp_path)
+    assert not first.data["reference_cache"]["hit"] and second.data["reference_cache"]["hit"]
+
+
+def test_explicit_validate_without_torch_fails_before_converting(checkpoints, tmp_path, monkeypatch):
+    import esmc_mlx.validate.core as core
+
+    monkeypatch.setattr(core, "validation_available", lambda: False)
+    out = tmp_path / "never"
+    result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(out), "--validate"])
+    assert result.exit_code == 1 and "--validate needs torch" in result.output and not out.exists()
