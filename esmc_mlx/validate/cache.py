@@ -38,9 +38,11 @@ def cache_root() -> Path | None:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "esmc-mlx"
 
 
-def file_hashes(files: list[Path]) -> dict[str, str]:
+def file_hashes(files: list[Path], known: dict[str, str] | None = None, known_at: float | None = None) -> dict[str, str]:
     """sha256 of each file, remembered in ``<cache>/hashes.json`` by (path, size, mtime); the
-    files are hashed in parallel threads (hashlib releases the GIL)."""
+    files are hashed in parallel threads (hashlib releases the GIL). ``known``: hashes the
+    converter recorded (file name -> sha256) at time ``known_at``, taken for a file not modified
+    since then (a 12 GB checkpoint is not hashed twice in one ``esmc-convert``)."""
     from ..convert.sources import sha256
 
     root = cache_root()
@@ -55,11 +57,15 @@ def file_hashes(files: list[Path]) -> dict[str, str]:
         return f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
 
     stamps = {f: stamp(f) for f in files}
+    old = set(memo)
+    for f in files:
+        if stamps[f] not in memo and known and known_at and f.name in known and f.stat().st_mtime < known_at:
+            memo[stamps[f]] = known[f.name]
     todo = [f for f in files if stamps[f] not in memo]
     with ThreadPoolExecutor(max_workers=min(8, len(todo) or 1)) as pool:
         for f, digest in zip(todo, pool.map(sha256, todo)):
             memo[stamps[f]] = digest
-    if memo_path and todo:
+    if memo_path and any(stamps[f] not in old for f in files):
         try:
             _write_atomic(memo_path, json.dumps(memo, indent=0).encode())
         except OSError:  # a read-only cache only costs the hashing next time
@@ -67,11 +73,13 @@ def file_hashes(files: list[Path]) -> dict[str, str]:
     return {f.name: memo[stamps[f]] for f in files}
 
 
-def key(files: list[Path], config: dict, panel_digest: str, device: str) -> str:
+def key(files: list[Path], config: dict, panel_digest: str, device: str, known: dict[str, str] | None = None,
+        known_at: float | None = None) -> str:
     import torch
     import transformers
 
-    facts = {"version": CACHE_VERSION, "files": file_hashes(files), "config": config, "panel": panel_digest,
+    facts = {"version": CACHE_VERSION, "files": file_hashes(files, known, known_at), "config": config,
+             "panel": panel_digest,
              "torch": torch.__version__, "transformers": transformers.__version__, "device": device}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 

@@ -307,7 +307,10 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
         orig_out = None
         if cache:
             t = time.perf_counter()
-            entry = ref_cache.key(source.files, source.config.to_dict(), panel.digest, device.type)
+            recorded = ((artifact.raw.get("esmc_mlx") or {}).get("source") or {})
+            known = recorded.get("files") if recorded.get("id") == source.id else None
+            entry = ref_cache.key(source.files, source.config.to_dict(), panel.digest, device.type, known,
+                                  (Path(mlx_dir) / "config.json").stat().st_mtime)
             orig_out = ref_cache.load(entry, n)
             timings["cache"] = round(time.perf_counter() - t, 2)
             cache_info = {"used": True, "hit": orig_out is not None, "entry": entry,
