@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .artifact import expected_shapes
 from .config import ESMCConfig
 from .convert.mapping import GATE_UP, QKV
 
@@ -20,7 +21,6 @@ SHAPES = {  # published ESMC sizes: hidden, heads, layers
     "600M": ESMCConfig(1152, 18, 36, 3072),
     "6B": ESMCConfig(2560, 40, 80, 6912),
 }
-LAYOUTS = ("published", "esm", "legacy")
 
 
 def tiny_config(**overrides) -> ESMCConfig:
@@ -135,8 +135,6 @@ def write_random_checkpoint(directory: Path, config: ESMCConfig, dtype: str = "b
     import torch
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
-
-    from .convert import expected_shapes
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ import json
 import re
 from pathlib import Path
 
+from ..artifact import describe, precision_label, safetensors_header, weight_files
 from ..errors import HubError
 
 # The card's last line. A README.md without it was written by a person and is never overwritten.
@@ -102,9 +103,6 @@ def _fmt(x) -> str:
 # --- facts ------------------------------------------------------------------------------------
 def artifact_facts(model_dir: Path) -> dict:
     """config.json, provenance and storage facts the card and the push summary need."""
-    from ..convert.sources import safetensors_header
-    from ..info import describe
-
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     if not config_path.is_file():
@@ -118,7 +116,7 @@ def artifact_facts(model_dir: Path) -> dict:
     except Exception as e:  # a config or shard that does not parse: say which artifact, not a traceback
         raise HubError(f"{model_dir}: cannot describe the artifact ({e})") from None
     quantized, linear = set(), set()
-    for shard in sorted(model_dir.glob("model*.safetensors")):
+    for shard in weight_files(model_dir):
         for name, meta in safetensors_header(shard).items():
             if name.endswith(".scales"):
                 quantized.add(name[: -len(".scales")])
@@ -134,19 +132,6 @@ def base_model_of(meta: dict) -> str | None:
     if REPO_ID.match(source_id) and not source_id.startswith("esmc-mlx/") and not Path(source_id).exists():
         return source_id
     return None
-
-
-def precision_label(config: dict) -> str:
-    """The storage precision in words: "mxfp4", "4-bit affine", "mixed 3/6-bit affine", "bfloat16"."""
-    q = config.get("quantization") or {}
-    if not q:
-        return config.get("dtype", "float32")
-    mode = q.get("mode", "affine")
-    overrides = [v for v in q.values() if isinstance(v, dict)]
-    if overrides:
-        bits = sorted({int(q["bits"]), *(int(v.get("bits", q["bits"])) for v in overrides)})
-        return f"mixed {'/'.join(map(str, bits))}-bit {mode}"
-    return mode if mode in MODE_TAGS else f"{q['bits']}-bit {mode}"
 
 
 def _tags(config: dict) -> list[str]:
@@ -172,7 +157,7 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
     """
     from huggingface_hub import ModelCardData, constants
 
-    from .. import __version__
+    from .._version import __version__
 
     model_dir = Path(model_dir)
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
@@ -371,13 +356,3 @@ def _rebase_links(markdown: str, prefix: str) -> str:
 def _demote_headings(markdown: str) -> str:
     """Nest the report's own headings under the card's "## Validation"."""
     return "\n".join(("##" + line) if re.match(r"^#{1,4} ", line) else line for line in markdown.splitlines())
-
-
-def write_card(model_dir: Path, repo_id: str | None = None) -> Path | None:
-    """Write README.md into ``model_dir`` unless a hand-written README.md (without the esmc-mlx
-    marker line) is there. Returns the path written, or None when a hand-written card was kept."""
-    path = Path(model_dir) / "README.md"
-    if path.exists() and MARKER not in path.read_text(errors="replace"):
-        return None
-    path.write_text(render_card(model_dir, repo_id))
-    return path
