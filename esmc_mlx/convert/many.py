@@ -20,12 +20,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import __version__
-from ..errors import ConvertError
+from .._version import __version__
+from ..artifact import FLOAT_DTYPES
+from ..errors import ConvertError, QuantizeError
 from ..quantize import QuantParams, QuantPlan, parse_spec, quantize_tensor, refuse_quantized
-from . import DTYPES, check_tensors, copy_tokenizer, source_record, write_config
-from . import mapping
-from .sources import open_checkpoint, resolve
+from ..resolve import resolve
+from . import check_tensors, copy_tokenizer, mapping, source_record, write_config
+from .sources import open_checkpoint
 from .writer import DEFAULT_SHARD_BYTES, ShardWriter, staged_directory
 
 
@@ -48,8 +49,8 @@ def convert_many(source: str, out_dir: str | Path, specs: list[str | None], dtyp
     from tqdm.auto import tqdm
 
     out_dir = Path(out_dir)
-    if dtype is not None and dtype not in DTYPES:
-        raise ConvertError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise ConvertError(f"--dtype {dtype!r}: choose one of {', '.join(FLOAT_DTYPES)}")
     labels = [spec_label(q, dtype, group_size) for q in specs]
     if not labels or len(set(labels)) != len(labels):
         raise ConvertError(f"give each precision once: {', '.join(labels) or 'none given'}")
@@ -60,6 +61,8 @@ def convert_many(source: str, out_dir: str | Path, specs: list[str | None], dtyp
     for q in specs:
         if q:
             parse_spec(q, group_size)
+    if (group_size is not None or quantize_head) and not any(specs):
+        raise QuantizeError("--group-size and --quantize-head need --q SPEC")
     src = resolve(source, revision)
     try:
         ckpt = open_checkpoint(src)
@@ -68,7 +71,7 @@ def convert_many(source: str, out_dir: str | Path, specs: list[str | None], dtyp
     refuse_quantized(ckpt.shapes, str(src.path))
     origin = f"{src.path / 'config.json'}" if (src.path / "config.json").exists() else "the inferred config"
     check_tensors(ckpt, origin)
-    out_dtype = DTYPES[dtype] if dtype else ckpt.dtype
+    out_dtype = FLOAT_DTYPES[dtype] if dtype else ckpt.dtype
     plans = [QuantPlan.parse(q, group_size, ckpt.config, quantize_head) if q else None for q in specs]
     out_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:

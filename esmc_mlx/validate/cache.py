@@ -43,7 +43,7 @@ def file_hashes(files: list[Path], known: dict[str, str] | None = None, known_at
     files are hashed in parallel threads (hashlib releases the GIL). ``known``: hashes the
     converter recorded (file name -> sha256) at time ``known_at``, taken for a file not modified
     since then (a 12 GB checkpoint is not hashed twice in one ``esmc-convert``)."""
-    from ..convert.sources import sha256
+    from ..artifact import sha256
 
     root = cache_root()
     memo_path = root / "hashes.json" if root else None
