@@ -422,6 +422,11 @@ def test_convert_many_reads_once_and_writes_what_convert_writes(checkpoints, tmp
         assert ca.get("quantization") == cb.get("quantization")
     with pytest.raises(Exception, match="already exist"):
         convert_many(str(checkpoints["published"]), tmp_path / "many", ["4"], progress=False)
+    # the command line: --q repeated, one sub-directory per spec, each validated
+    result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(tmp_path / "cli"),
+                                               "--q", "8", "--q", "mxfp8", "--no-validate"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == ["8bit", "mxfp8"]
     # the second precision's validation takes the original's outputs from the cache
     first = run(outs["mxfp4"], checkpoints["published"], tmp_path)
     second = run(outs["4bit"], checkpoints["published"], tmp_path)
@@ -429,9 +434,9 @@ def test_convert_many_reads_once_and_writes_what_convert_writes(checkpoints, tmp
 
 
 def test_explicit_validate_without_torch_fails_before_converting(checkpoints, tmp_path, monkeypatch):
-    import esmc_mlx.validate.core as core
+    import esmc_mlx.pipeline as pipeline
 
-    monkeypatch.setattr(core, "validation_available", lambda: False)
+    monkeypatch.setattr(pipeline, "validation_available", lambda: False)
     out = tmp_path / "never"
     result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(out), "--validate"])
     assert result.exit_code == 1 and "--validate needs torch" in result.output and not out.exists()
