@@ -97,7 +97,7 @@ def convert_validate_many(source: str, output: str | Path | None, specs: list[st
     dirs = convert_many(source, out, specs, dtype=dtype, group_size=group_size, quantize_head=quantize_head,
                         revision=revision, force=force, shard_bytes=shard_bytes, command=command)
     results = []
-    for label, directory in dirs.items():
+    for directory in dirs.values():
         log(f"Wrote {directory}")
         results.append(PipelineResult(directory, _validate(directory, source, revision, validate_output,
                                                            reference_device, log)))

@@ -163,12 +163,19 @@ def test_correct_artifact_passes_with_a_complete_report(converted, checkpoints, 
     assert all({"name", "value", "threshold", "passed"} <= set(c) for c in data["checks"])
     assert all(data["versions"][k] for k in ("esmc_mlx", "mlx", "torch", "transformers"))
     assert data["reference_mode"]["torch"] == "full" and data["reference_mode"]["torch_dtype"] == "float32"
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    assert data["reference_mode"]["torch_device"].startswith(device)  # auto: the fastest device present
+    # lossless: the artifact's weights are the original's, so one torch pass serves both questions
+    assert "torch_artifact" in data["reference_mode"]["shared"] and "torch_artifact" not in data["resources"]["timings"]
     assert set(data["artifact"]["files"]) == {"config.json", "model.safetensors"}  # what was validated
     assert all(len(h) == 64 for h in data["artifact"]["files"].values())
     # random weights: quality is computed, reported, and informational
     assert data["quality"]["reference_trained"] is False and data["quality"]["enforced"] is False
     md = (tmp_path / "report" / "report.md").read_text()
     assert "PASSED" in md and "](per_position.png)" in md and "informational" in md
+    assert f"fp32 on {device}" in md
     assert (tmp_path / "report" / "per_position.png").stat().st_size > 10_000
 
 
@@ -431,6 +438,23 @@ def test_convert_many_reads_once_and_writes_what_convert_writes(checkpoints, tmp
     first = run(outs["mxfp4"], checkpoints["published"], tmp_path)
     second = run(outs["4bit"], checkpoints["published"], tmp_path)
     assert not first.data["reference_cache"]["hit"] and second.data["reference_cache"]["hit"]
+
+
+def test_reference_device_option(converted, checkpoints, tmp_path):
+    import torch
+
+    runner = CliRunner()
+    absent = "cuda" if not torch.cuda.is_available() else None
+    if absent:
+        result = runner.invoke(main, ["validate", str(converted), "--reference", str(checkpoints["published"]),
+                                      "--reference-device", absent, "--report", str(tmp_path / "r")])
+        assert result.exit_code == 1 and "--reference-device cuda" in result.output and "no CUDA" in result.output
+    result = runner.invoke(main, ["validate", str(converted), "--reference", str(checkpoints["published"]),
+                                  "--reference-device", "cpu", "--max-length", "30", "--report", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "c" / "report.json").read_text())["reference_mode"]["torch_device"] == "cpu (fp32)"
+    bad = runner.invoke(main, ["validate", str(converted), "--reference", "x", "--reference-device", "tpu"])
+    assert bad.exit_code == 2
 
 
 def test_explicit_validate_without_torch_fails_before_converting(checkpoints, tmp_path, monkeypatch):

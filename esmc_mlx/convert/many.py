@@ -23,7 +23,13 @@ import mlx.core as mx
 from .._version import __version__
 from ..artifact import FLOAT_DTYPES
 from ..errors import ConvertError, QuantizeError
-from ..quantize import QuantParams, QuantPlan, parse_spec, quantize_tensor, refuse_quantized
+from ..quantize import (
+    QuantParams,
+    QuantPlan,
+    parse_spec,
+    quantize_tensor,
+    refuse_quantized,
+)
 from ..resolve import resolve
 from . import check_tensors, copy_tokenizer, mapping, source_record, write_config
 from .sources import open_checkpoint

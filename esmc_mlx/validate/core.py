@@ -257,7 +257,6 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
     source = SourceWeights(reference, revision)
     panel = build_panel(sequences, max_length=max_length, marginal_positions=marginal_positions)
     batches = panel.batches(max_tokens)
-    importing = _import_torch()
     dtype = mlx_side.compute_dtype(artifact, compute_dtype)
     dtype_name = str(dtype).split(".")[-1]
     precision = th.precision_class(artifact.raw, source.dtype)
@@ -281,134 +280,139 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
         return out
 
     checks = [compare_configs(artifact, source)]
-    data: dict = {"weights": None}
-    fidelity = quality = None
-    torch_mode = mlx_mode = device = None
-    mode_reason, shared, cache_info = "", {}, {"used": False}
-    stopped = None  # why the panel did not run
-    if not checks[0].passed:
-        stopped = "config"
-    else:
-        phase("weights")
-        weights_check, weights_data = timed("weights", compare_weights, artifact, source, bounds.values["weights"],
-                                            on_step=bar.update)
-        checks.append(weights_check)
-        data["weights"] = _rounded(weights_data)
-        if weights_data["non_finite"]:
-            stopped = "non-finite weights"
-    if stopped is None:
-        importing.join()
-        import torch  # noqa: F401  (imported by now; raises here if the background import failed)
+    importing = _import_torch() if checks[0].passed else None
+    try:
+        data: dict = {"weights": None}
+        fidelity = quality = None
+        torch_mode = mlx_mode = device = None
+        mode_reason, shared, cache_info = "", {}, {"used": False}
+        stopped = None  # why the panel did not run
+        if not checks[0].passed:
+            stopped = "config"
+        else:
+            phase("weights")
+            weights_check, weights_data = timed("weights", compare_weights, artifact, source, bounds.values["weights"],
+                                                on_step=bar.update)
+            checks.append(weights_check)
+            data["weights"] = _rounded(weights_data)
+            if weights_data["non_finite"]:
+                stopped = "non-finite weights"
+        if stopped is None:
+            importing.join()
+            import torch  # noqa: F401  (imported by now; raises here if the background import failed)
 
-        device = torch_ref.pick_device(reference_device)
-        torch_mode, mode_reason = choose_mode(mode, source.config, torch_ref.device_memory(device))
-        mlx_mode = torch_mode
-        lossless = (weights_check.value == 0 and not weights_data["problems"]
-                    and artifact.config.to_dict() == source.config.to_dict())
-        entry = None
-        orig_out = None
-        if cache:
-            t = time.perf_counter()
-            recorded = ((artifact.raw.get("esmc_mlx") or {}).get("source") or {})
-            known = recorded.get("files") if recorded.get("id") == source.id else None
-            entry = ref_cache.key(source.files, source.config.to_dict(), panel.digest, device.type, known,
-                                  (Path(mlx_dir) / "config.json").stat().st_mtime)
-            orig_out = ref_cache.load(entry, n)
-            timings["cache"] = round(time.perf_counter() - t, 2)
-            cache_info = {"used": True, "hit": orig_out is not None, "entry": entry,
-                          "path": str(ref_cache.path_for(entry) or "")}
-        if lossless:
-            shared["torch_artifact"] = "torch_original (the artifact's weights are the original's, bit for bit)"
-        passes = ["mlx"] + ([] if lossless else ["torch_artifact"]) + ([] if orig_out is not None else ["torch_original"])
-        bar.total = bar.n + ((n_layers + 2) if torch_mode == "layered" else len(passes) * len(batches))
-        bar.refresh()
-        art_names, src_names = names_for(artifact.config, ""), names_for(source.config, "")
-        outs: dict[str, Outputs] = {}
-        try:
-            if torch_mode == "layered":
-                phase("layered sweep: " + ", ".join(passes))
-                steps = {"mlx": lambda: mlx_side.layered_steps(artifact, batches, n, dtype),
-                         "torch_artifact": lambda: torch_ref.layered_steps(artifact.get_many, artifact.config,
-                                                                           batches, n, art_names, device),
-                         "torch_original": lambda: torch_ref.layered_steps(source.get_many, source.config,
-                                                                           batches, n, src_names, device)}
-                outs = timed("sweep", _lockstep, {p: steps[p]() for p in passes}, artifact, bar.update)
-            else:
-                phase("MLX")
-                outs["mlx"] = timed("mlx", mlx_side.run_full, artifact, batches, n, dtype, on_step=bar.update)
-                if "torch_artifact" in passes:
-                    phase(f"torch on the artifact's weights ({device.type})")
-                    outs["torch_artifact"] = timed("torch_artifact", torch_ref.run_full, artifact.get_many,
-                                                   artifact.config, batches, n, art_names, bar.update, device)
-        except _ArtifactFailed as e:
-            checks.append(Check("artifact_loads", "integrity", None, None, False, detail=str(e)))
-        except (ValueError, KeyError, RuntimeError, EsmcMlxError) as e:
-            checks.append(Check("artifact_loads", "integrity", None, None, False, detail=f"{type(e).__name__}: {e}"))
-        if "mlx" in outs and (lossless or "torch_artifact" in outs):
-            if "torch_original" in passes and "torch_original" not in outs:
-                phase(f"torch on the original ({device.type})")
-                outs["torch_original"] = timed("torch_original", torch_ref.run_full, source.get_many, source.config,
-                                               batches, n, src_names, bar.update, device)
-            orig_out = outs.get("torch_original", orig_out)
-            if entry and "torch_original" in outs and non_finite(orig_out, panel) is None:
-                ref_cache.store(entry, orig_out)
-            art_out = orig_out if lossless else outs["torch_artifact"]
-            mlx_out = outs["mlx"]
-            bad = [f"{label}: NaN or Inf in the outputs for {where!r}"
-                   for label, out in (("MLX", mlx_out), ("torch on the artifact's weights", art_out),
-                                      ("torch on the original", orig_out))
-                   if (where := non_finite(out, panel))]
-            if bad:
-                checks.append(Check("finite_outputs", "integrity", None, None, False, detail="; ".join(bad)))
-            phase("metrics")
-            fidelity = fidelity_metrics(panel, mlx_out, art_out)
-            quality = quality_metrics(panel, mlx_out, orig_out)
-            del mlx_out, art_out, orig_out, outs
-            for key, name in (("logits_rel_l2", "fidelity_logits"), ("hidden_rel_l2", "fidelity_hidden")):
-                checks.append(Check(name, "fidelity", fidelity[key], bounds.values[name],
-                                    bounds.passes(name, fidelity[key]),
-                                    detail=f"MLX ({dtype_name}) vs torch fp32 on the artifact's weights"))
-            trained = quality["identity_accuracy"]["original"] >= th.TRAINED_IDENTITY_ACCURACY
-            enforce = {"auto": trained, "on": True, "off": False}[quality_gate]
-            for name in th.QUALITY_COLUMNS[1:]:
-                checks.append(Check(name, "quality", quality[name], bounds.values[name],
-                                    bounds.passes(name, quality[name]), enforced=enforce))
-            quality["enforced"] = enforce
-            quality["reference_trained"] = trained
-    bar.close()
-    passed = all(c.passed for c in checks if c.enforced)
-    data.update({
-        "passed": passed,
-        "checks": [c.as_dict() for c in checks],
-        "stopped_before_panel": stopped,
-        "artifact": {"path": str(Path(mlx_dir).resolve()), "dtype": artifact.dtype,
-                     "quantization": artifact.record, "precision": precision,
-                     "config": artifact.config.to_dict() if artifact.config else None,
-                     "files": artifact_files(Path(mlx_dir))},
-        "reference": source.describe(),
-        "precision": precision,
-        "thresholds": bounds.values,
-        "quality_gate": quality_gate,
-        "reference_mode": {"torch": torch_mode, "mlx": mlx_mode, "torch_dtype": "float32",
-                           "torch_device": torch_ref.describe_device(device) if device is not None else None,
-                           "mlx_compute_dtype": dtype_name, "reason": mode_reason, "shared": shared},
-        "reference_cache": cache_info,
-        "fidelity": _rounded(fidelity),
-        "quality": _rounded(quality),
-        "panel": panel.describe(),
-        "versions": versions(),
-        "platform": platform_info(),
-        "resources": {"seconds": round(time.perf_counter() - started, 2), "timings": timings,
-                      "peak_rss_bytes": peak_rss()},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    })
-    report = Report(passed, checks, data)
-    if write:
-        from .report import write_report
+            device = torch_ref.pick_device(reference_device)
+            torch_mode, mode_reason = choose_mode(mode, source.config, torch_ref.device_memory(device))
+            mlx_mode = torch_mode
+            lossless = (weights_check.value == 0 and not weights_data["problems"]
+                        and artifact.config.to_dict() == source.config.to_dict())
+            entry = None
+            orig_out = None
+            if cache:
+                t = time.perf_counter()
+                recorded = ((artifact.raw.get("esmc_mlx") or {}).get("source") or {})
+                known = recorded.get("files") if recorded.get("id") == source.id else None
+                entry = ref_cache.key(source.files, source.config.to_dict(), panel.digest, device.type, known,
+                                      (Path(mlx_dir) / "config.json").stat().st_mtime)
+                orig_out = ref_cache.load(entry, n)
+                timings["cache"] = round(time.perf_counter() - t, 2)
+                cache_info = {"used": True, "hit": orig_out is not None, "entry": entry,
+                              "path": str(ref_cache.path_for(entry) or "")}
+            if lossless:
+                shared["torch_artifact"] = "torch_original (the artifact's weights are the original's, bit for bit)"
+            passes = ["mlx"] + ([] if lossless else ["torch_artifact"]) + ([] if orig_out is not None else ["torch_original"])
+            bar.total = bar.n + ((n_layers + 2) if torch_mode == "layered" else len(passes) * len(batches))
+            bar.refresh()
+            art_names, src_names = names_for(artifact.config, ""), names_for(source.config, "")
+            outs: dict[str, Outputs] = {}
+            try:
+                if torch_mode == "layered":
+                    phase("layered sweep: " + ", ".join(passes))
+                    steps = {"mlx": lambda: mlx_side.layered_steps(artifact, batches, n, dtype),
+                             "torch_artifact": lambda: torch_ref.layered_steps(artifact.get_many, artifact.config,
+                                                                               batches, n, art_names, device),
+                             "torch_original": lambda: torch_ref.layered_steps(source.get_many, source.config,
+                                                                               batches, n, src_names, device)}
+                    outs = timed("sweep", _lockstep, {p: steps[p]() for p in passes}, artifact, bar.update)
+                else:
+                    phase("MLX")
+                    outs["mlx"] = timed("mlx", mlx_side.run_full, artifact, batches, n, dtype, on_step=bar.update)
+                    if "torch_artifact" in passes:
+                        phase(f"torch on the artifact's weights ({device.type})")
+                        outs["torch_artifact"] = timed("torch_artifact", torch_ref.run_full, artifact.get_many,
+                                                       artifact.config, batches, n, art_names, bar.update, device)
+            except _ArtifactFailed as e:
+                checks.append(Check("artifact_loads", "integrity", None, None, False, detail=str(e)))
+            except (ValueError, KeyError, RuntimeError, EsmcMlxError) as e:
+                checks.append(Check("artifact_loads", "integrity", None, None, False, detail=f"{type(e).__name__}: {e}"))
+            if "mlx" in outs and (lossless or "torch_artifact" in outs):
+                if "torch_original" in passes and "torch_original" not in outs:
+                    phase(f"torch on the original ({device.type})")
+                    outs["torch_original"] = timed("torch_original", torch_ref.run_full, source.get_many, source.config,
+                                                   batches, n, src_names, bar.update, device)
+                orig_out = outs.get("torch_original", orig_out)
+                if entry and "torch_original" in outs and non_finite(orig_out, panel) is None:
+                    ref_cache.store(entry, orig_out)
+                art_out = orig_out if lossless else outs["torch_artifact"]
+                mlx_out = outs["mlx"]
+                bad = [f"{label}: NaN or Inf in the outputs for {where!r}"
+                       for label, out in (("MLX", mlx_out), ("torch on the artifact's weights", art_out),
+                                          ("torch on the original", orig_out))
+                       if (where := non_finite(out, panel))]
+                if bad:
+                    checks.append(Check("finite_outputs", "integrity", None, None, False, detail="; ".join(bad)))
+                phase("metrics")
+                fidelity = fidelity_metrics(panel, mlx_out, art_out)
+                quality = quality_metrics(panel, mlx_out, orig_out)
+                del mlx_out, art_out, orig_out, outs
+                for key, name in (("logits_rel_l2", "fidelity_logits"), ("hidden_rel_l2", "fidelity_hidden")):
+                    checks.append(Check(name, "fidelity", fidelity[key], bounds.values[name],
+                                        bounds.passes(name, fidelity[key]),
+                                        detail=f"MLX ({dtype_name}) vs torch fp32 on the artifact's weights"))
+                trained = quality["identity_accuracy"]["original"] >= th.TRAINED_IDENTITY_ACCURACY
+                enforce = {"auto": trained, "on": True, "off": False}[quality_gate]
+                for name in th.QUALITY_COLUMNS[1:]:
+                    checks.append(Check(name, "quality", quality[name], bounds.values[name],
+                                        bounds.passes(name, quality[name]), enforced=enforce))
+                quality["enforced"] = enforce
+                quality["reference_trained"] = trained
+        bar.close()
+        passed = all(c.passed for c in checks if c.enforced)
+        data.update({
+            "passed": passed,
+            "checks": [c.as_dict() for c in checks],
+            "stopped_before_panel": stopped,
+            "artifact": {"path": str(Path(mlx_dir).resolve()), "dtype": artifact.dtype,
+                         "quantization": artifact.record, "precision": precision,
+                         "config": artifact.config.to_dict() if artifact.config else None,
+                         "files": artifact_files(Path(mlx_dir))},
+            "reference": source.describe(),
+            "precision": precision,
+            "thresholds": bounds.values,
+            "quality_gate": quality_gate,
+            "reference_mode": {"torch": torch_mode, "mlx": mlx_mode, "torch_dtype": "float32",
+                               "torch_device": torch_ref.describe_device(device) if device is not None else None,
+                               "mlx_compute_dtype": dtype_name, "reason": mode_reason, "shared": shared},
+            "reference_cache": cache_info,
+            "fidelity": _rounded(fidelity),
+            "quality": _rounded(quality),
+            "panel": panel.describe(),
+            "versions": versions(),
+            "platform": platform_info(),
+            "resources": {"seconds": round(time.perf_counter() - started, 2), "timings": timings,
+                          "peak_rss_bytes": peak_rss()},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        })
+        report = Report(passed, checks, data)
+        if write:
+            from .report import write_report
 
-        report.directory = write_report(report, panel, Path(report_dir) if report_dir else Path(mlx_dir) / "validation",
-                                        draw=plot)
-    return report
+            report.directory = write_report(report, panel, Path(report_dir) if report_dir else Path(mlx_dir) / "validation",
+                                            draw=plot)
+        return report
+    finally:
+        if importing is not None:  # never leave an import running into interpreter shutdown
+            importing.join()
 
 
 class _ArtifactFailed(Exception):

@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from ..config import ESMCConfig
+from ..errors import ValidationError
 from .panel import Batch
 
 
@@ -41,8 +42,6 @@ def pick_device(name: str = "auto"):
     Silicon), else the CPU. On CUDA, TF32 is switched off for matmuls and convolutions: the
     reference computes in true fp32. Raises ValidationError for an unknown or absent device."""
     import torch
-
-    from .weights import ValidationError
 
     if name not in DEVICES:
         raise ValidationError(f"reference device {name!r}: choose one of {', '.join(DEVICES)}")
