@@ -3,6 +3,10 @@
     python benchmarks/validate_speed.py                                  # esmc-tiny --q 4, CPU
     python benchmarks/validate_speed.py --shape 6B --device gpu --json 6b.json   # H200 host
 
+The load average before and after is recorded: on a machine shared with other jobs, torch's
+OpenMP threads spin against them (measured: a 2-thread torch pass 7-14x slower than 1 thread at
+load 8 on 2 cores); ``--env OMP_NUM_THREADS=1`` shows what the work itself costs there.
+
 Every step is its own child process (``python -m esmc_mlx.cli ...``), timed from outside, its
 peak RSS and CPU time read from ``os.wait4``; in one run:
   1. ``convert SOURCE --q Q --no-validate``: the conversion alone;
@@ -63,34 +67,39 @@ def report_seconds(out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="tiny", choices=["tiny", "300M", "600M", "6B"])
+    parser.add_argument("--shape", default="tiny", choices=["tiny", "random-tiny", "300M", "600M", "6B"],
+                        help="tiny: the packaged trained esmc-tiny; the others: random weights of that shape "
+                             "(random-tiny: the test suite's 2-layer shape, a smoke test of this script)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"], help="where the torch reference runs")
     parser.add_argument("--q", help="first precision (default: 4 for tiny, mxfp4 otherwise)")
     parser.add_argument("--second-q", help="second precision (default: mxfp4 for tiny, 4 otherwise)")
     parser.add_argument("--work", type=Path, help="scratch directory (default: a temporary one, deleted)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["quick", "layered", "second"])
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set in every child's environment (e.g. OMP_NUM_THREADS=1 on a shared machine)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
     q1 = args.q or ("4" if args.shape == "tiny" else "mxfp4")
     q2 = args.second_q or ("mxfp4" if args.shape == "tiny" else "4")
     work = args.work or Path(tempfile.mkdtemp(prefix="validate-speed-"))
     work.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    env = dict(os.environ, **dict(item.split("=", 1) for item in args.env))
     device = ["--reference-device", "cuda" if args.device == "gpu" else "cpu"]
     results: dict = {"shape": args.shape, "device": args.device, "q": q1, "second_q": q2,
                      "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()},
-                     "steps": {}}
+                     "env": args.env, "load_average_before": os.getloadavg(), "steps": {}}
     steps = results["steps"]
     try:
         if args.shape == "tiny":
             source = "tiny"
         else:
             import esmc_mlx  # noqa: F401
-            from esmc_mlx.testing import SHAPES, write_random_checkpoint
+            from esmc_mlx.testing import SHAPES, tiny_config, write_random_checkpoint
 
-            source = str(work / f"random-{args.shape}")
+            source = str(work / "source")
             t = time.perf_counter()
-            write_random_checkpoint(Path(source), SHAPES[args.shape], dtype="bfloat16", progress=True)
+            config = tiny_config() if args.shape == "random-tiny" else SHAPES[args.shape]
+            write_random_checkpoint(Path(source), config, dtype="bfloat16", progress=True)
             results["random_checkpoint_s"] = round(time.perf_counter() - t, 1)
 
         def cache(name: str) -> dict:  # a fresh, empty reference cache per name
@@ -139,6 +148,7 @@ def main() -> None:
     summary["ratio_cpu"] = round(summary["validation_cpu_s"] / steps["convert"]["cpu_s"], 1)
     if summary["second_validation_s"]:
         summary["second_precision_speedup"] = round(summary["validation_s"] / summary["second_validation_s"], 2)
+    summary["load_average_before_after"] = [round(results["load_average_before"][0], 1), round(os.getloadavg()[0], 1)]
     results["summary"] = summary
     print(json.dumps(summary, indent=1))
     failed = [k for k, v in steps.items() if v["exit"]]

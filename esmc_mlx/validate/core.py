@@ -297,13 +297,23 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
             data["weights"] = _rounded(weights_data)
             if weights_data["non_finite"]:
                 stopped = "non-finite weights"
+        outs: dict[str, Outputs] = {}
+        failure = None
+        if stopped is None and choose_mode(mode, source.config)[0] == "full":
+            # MLX needs no torch: its pass runs while torch and transformers are still importing
+            phase("MLX")
+            try:
+                outs["mlx"] = timed("mlx", mlx_side.run_full, artifact, batches, n, dtype, on_step=bar.update)
+            except (ValueError, KeyError, RuntimeError, EsmcMlxError) as e:
+                failure = f"{type(e).__name__}: {e}"
         if stopped is None:
+            phase("importing torch")
             importing.join()
             import torch  # noqa: F401  (imported by now; raises here if the background import failed)
 
             device = torch_ref.pick_device(reference_device)
             torch_mode, mode_reason = choose_mode(mode, source.config, torch_ref.device_memory(device))
-            mlx_mode = torch_mode
+            mlx_mode = "full" if "mlx" in outs or failure else torch_mode
             lossless = (weights_check.value == 0 and not weights_data["problems"]
                         and artifact.config.to_dict() == source.config.to_dict())
             entry = None
@@ -320,12 +330,14 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
                               "path": str(ref_cache.path_for(entry) or "")}
             if lossless:
                 shared["torch_artifact"] = "torch_original (the artifact's weights are the original's, bit for bit)"
-            passes = ["mlx"] + ([] if lossless else ["torch_artifact"]) + ([] if orig_out is not None else ["torch_original"])
+            passes = (([] if "mlx" in outs else ["mlx"]) + ([] if lossless else ["torch_artifact"])
+                      + ([] if orig_out is not None else ["torch_original"]))
             bar.total = bar.n + ((n_layers + 2) if torch_mode == "layered" else len(passes) * len(batches))
             bar.refresh()
             art_names, src_names = names_for(artifact.config, ""), names_for(source.config, "")
-            outs: dict[str, Outputs] = {}
             try:
+                if failure:
+                    raise _ArtifactFailed(failure)
                 if torch_mode == "layered":
                     phase("layered sweep: " + ", ".join(passes))
                     steps = {"mlx": lambda: mlx_side.layered_steps(artifact, batches, n, dtype),
@@ -333,14 +345,11 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
                                                                                batches, n, art_names, device),
                              "torch_original": lambda: torch_ref.layered_steps(source.get_many, source.config,
                                                                                batches, n, src_names, device)}
-                    outs = timed("sweep", _lockstep, {p: steps[p]() for p in passes}, artifact, bar.update)
-                else:
-                    phase("MLX")
-                    outs["mlx"] = timed("mlx", mlx_side.run_full, artifact, batches, n, dtype, on_step=bar.update)
-                    if "torch_artifact" in passes:
-                        phase(f"torch on the artifact's weights ({device.type})")
-                        outs["torch_artifact"] = timed("torch_artifact", torch_ref.run_full, artifact.get_many,
-                                                       artifact.config, batches, n, art_names, bar.update, device)
+                    outs.update(timed("sweep", _lockstep, {p: steps[p]() for p in passes}, artifact, bar.update))
+                elif "torch_artifact" in passes:
+                    phase(f"torch on the artifact's weights ({device.type})")
+                    outs["torch_artifact"] = timed("torch_artifact", torch_ref.run_full, artifact.get_many,
+                                                   artifact.config, batches, n, art_names, bar.update, device)
             except _ArtifactFailed as e:
                 checks.append(Check("artifact_loads", "integrity", None, None, False, detail=str(e)))
             except (ValueError, KeyError, RuntimeError, EsmcMlxError) as e:
