@@ -136,6 +136,24 @@ def test_layered_torch_reference_equals_the_full_model(checkpoints, reference_mo
         assert rel_l2(full.logits[row], direct[r, : len(full.logits[row])]) <= 1e-6
 
 
+def test_weights_travel_to_the_device_exactly(q4, checkpoints, tmp_path):
+    """Off the CPU, weights bf16 holds exactly go as bf16 and are widened there: same fp32 values."""
+    import torch
+
+    from esmc_mlx.validate.weights import to_device, to_torch
+
+    mxfp4 = convert(str(checkpoints["published"]), tmp_path / "mxfp4", q="mxfp4", progress=False)
+    for directory in (q4, mxfp4):
+        artifact = ArtifactWeights(directory)
+        for name, a in artifact.get_mx(names_for(artifact.config, "esmc.layers.0.")).items():
+            narrowed, plain = to_device(a, "cpu", narrow=True), to_torch(a)
+            assert narrowed.dtype == torch.float32 and torch.equal(narrowed, plain), name
+    exact = mx.array([1.5, -0.25, 3.0e-3], dtype=mx.bfloat16).astype(mx.float32)
+    inexact = mx.array([1.0 + 2.0**-12, 0.1])
+    for a in (exact, inexact):
+        assert torch.equal(to_device(a, "cpu", narrow=True), to_torch(a))
+
+
 @pytest.mark.parametrize("which", ["fp32", "q4"])
 def test_layered_mlx_equals_the_runtime(which, converted, q4):
     artifact = ArtifactWeights(converted if which == "fp32" else q4)

@@ -41,6 +41,22 @@ def to_torch(array: mx.array):
     return torch.from_numpy(np.array(array.astype(mx.float32), copy=True))
 
 
+def to_device(array: mx.array, device, narrow: bool | None = None):
+    """An fp32 mx.array as an fp32 torch tensor on ``device``. Off the CPU (``narrow`` None),
+    a tensor that bf16 holds exactly (dequantized mxfp4/nvfp4/mxfp8 weights, bf16-born floats)
+    travels as bf16 and is widened there: half the bytes over the bus, the same fp32 values."""
+    import torch
+
+    if narrow is None:
+        narrow = torch.device(device).type != "cpu"
+    if narrow:
+        half = array.astype(mx.bfloat16)
+        if mx.array_equal(half.astype(mx.float32), array).item():
+            bits = torch.from_numpy(np.array(half.view(mx.int16), copy=True))
+            return bits.view(torch.bfloat16).to(device).float()
+    return to_torch(array).to(device)
+
+
 class SourceWeights:
     """The original checkpoint: alias, Hub repo id, directory or legacy ``.pth``."""
 
@@ -201,7 +217,7 @@ class ArtifactWeights:
     def get_many(self, names: list[str], device: str = "cpu") -> dict:
         """Parameters by MLX name as fp32 torch tensors on ``device`` (``....weight`` of a
         quantized module comes back dequantized)."""
-        return {n: to_torch(a).to(device) for n, a in self.get_mx(names).items()}
+        return {n: to_device(a, device) for n, a in self.get_mx(names).items()}
 
     def get_mx(self, names: list[str]) -> dict[str, mx.array]:
         """Parameters by MLX name, fp32 MLX arrays, quantized ones dequantized."""
