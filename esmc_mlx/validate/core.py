@@ -146,25 +146,20 @@ def compare_weights(artifact: ArtifactWeights, source: SourceWeights, bound: flo
         problems += [f"{n} missing from the artifact" for n in group if not artifact.has(n)]
         theirs = source.get_mx(present)
         mine = artifact.get_mx(present)
-        stats = {}
+        pairs = {}
         for n in present:
             if tuple(mine[n].shape) != tuple(theirs[n].shape):
                 problems.append(f"{n}: shape {tuple(mine[n].shape)} in the artifact, "
                                 f"{tuple(theirs[n].shape)} in the reference")
                 continue
-            a, b = mine[n], theirs[n].astype(mx.float32)
-            d = a - b
-            stats[n] = mx.stack([mx.sum(d * d), mx.sum(b * b), mx.all(mx.isfinite(a)).astype(mx.float32),
-                                 mx.all(mx.isfinite(b)).astype(mx.float32)])
-        mx.eval(stats)
-        for n, s in stats.items():
-            num, den, finite_a, finite_b = s.tolist()
+            pairs[n] = (mine[n], theirs[n].astype(mx.float32))
+        for n, (num, den, finite_a, finite_b) in _sums_of_squares(pairs).items():
             if not (finite_a and finite_b):
                 where = " and ".join(w for w, ok in (("the artifact", finite_a), ("the reference", finite_b)) if not ok)
                 non_finite.append(f"{n}: NaN or Inf in {where}")
                 continue
             per_tensor[n] = math.sqrt(num / den) if den > 0 else math.sqrt(num)
-        del theirs, mine, stats
+        del theirs, mine, pairs
         if on_step:
             on_step()
     problems = non_finite + problems
@@ -190,6 +185,32 @@ def compare_weights(artifact: ArtifactWeights, source: SourceWeights, bound: flo
     return (Check("weights", "integrity", value, bound, passed, detail=detail),
             {"max_rel_err": value, "worst": worst, "problems": problems, "non_finite": non_finite,
              "per_tensor": per_tensor})
+
+
+def _sums_of_squares(pairs: dict[str, tuple[mx.array, mx.array]]) -> dict[str, tuple[float, float, bool, bool]]:
+    """For each (artifact, reference) pair of fp32 tensors: sum((a - b)^2), sum(b^2) and whether
+    each is free of NaN/Inf. On a GPU, MLX evaluates them all at once; on the CPU, numpy does
+    (its BLAS dot products run 10-20x faster than MLX's CPU reductions: measured 7 ms against
+    130 ms for a 2.5M-element tensor)."""
+    if mx.default_device() == mx.gpu:
+        stats = {n: mx.stack([mx.sum(mx.square(a - b)), mx.sum(mx.square(b)), mx.all(mx.isfinite(a)),
+                              mx.all(mx.isfinite(b))]) for n, (a, b) in pairs.items()}
+        mx.eval(stats)
+        return {n: (s[0].item(), s[1].item(), bool(s[2].item()), bool(s[3].item())) for n, s in stats.items()}
+    out = {}
+    for n, (a, b) in pairs.items():
+        a, b = np.asarray(a).ravel(), np.asarray(b).ravel()
+        with np.errstate(over="ignore", invalid="ignore"):  # judged below, by the values
+            d = a - b
+            num, den = float(np.dot(d, d)), float(np.dot(b, b))
+        if not (math.isfinite(num) and math.isfinite(den)):  # NaN/Inf, or squares past fp32's range
+            finite_a, finite_b = bool(np.isfinite(a).all()), bool(np.isfinite(b).all())
+            if finite_a and finite_b:
+                num, den = (float(np.dot(x, x)) for x in (d.astype(np.float64), b.astype(np.float64)))
+            out[n] = (num, den, finite_a, finite_b)
+        else:
+            out[n] = (num, den, True, True)
+    return out
 
 
 def _import_torch() -> threading.Thread:
