@@ -17,6 +17,7 @@ pass run (importing them takes 3-8 s on a small CPU, as long as the panel itself
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -257,7 +258,7 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
     ValidationError / ConvertError / FastaError when validation cannot run at all (missing
     files, bad options, torch not installed, no such device).
     """
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     if mode not in MODES:
         raise ValidationError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
     if quality_gate not in QUALITY_GATES:
@@ -302,6 +303,8 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
 
     checks = [compare_configs(artifact, source)]
     importing = _import_torch() if checks[0].passed else None
+    stack = contextlib.ExitStack()  # torch's thread count, restored on the way out
+    threads = None
     try:
         data: dict = {"weights": None}
         fidelity = quality = None
@@ -356,6 +359,8 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
             bar.total = bar.n + ((n_layers + 2) if torch_mode == "layered" else len(passes) * len(batches))
             bar.refresh()
             art_names, src_names = names_for(artifact.config, ""), names_for(source.config, "")
+            own_load = (time.process_time() - started_cpu) / max(time.perf_counter() - started, 1e-3)
+            threads = stack.enter_context(torch_ref.cpu_threads(device, own_load))
             try:
                 if failure:
                     raise _ArtifactFailed(failure)
@@ -422,6 +427,7 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
             "quality_gate": quality_gate,
             "reference_mode": {"torch": torch_mode, "mlx": mlx_mode, "torch_dtype": "float32",
                                "torch_device": torch_ref.describe_device(device) if device is not None else None,
+                               "torch_threads": threads,
                                "mlx_compute_dtype": dtype_name, "reason": mode_reason, "shared": shared},
             "reference_cache": cache_info,
             "fidelity": _rounded(fidelity),
@@ -441,6 +447,7 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
                                             draw=plot)
         return report
     finally:
+        stack.close()
         if importing is not None:  # never leave an import running into interpreter shutdown
             importing.join()
 
