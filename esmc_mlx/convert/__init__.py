@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 from .. import __version__
 from ..config import ESMCConfig
 from ..errors import ConvertError, QuantizeError
+from ..privacy import public_command, public_source_id
 from ..quantize import QuantParams, QuantPlan, parse_spec, quantize_tensor, refuse_quantized
 from ..runtime.model import ESMC
 from ..runtime.tokenizer import ESMCTokenizer
@@ -118,7 +119,7 @@ def convert(
         extra = {
             "source": source_record(src, ckpt, progress),
             "converter": {"name": "esmc-mlx", "version": __version__},
-            "command": command,
+            "command": public_command(command),  # typed paths cut to basenames (issue 12, rule 9)
             "quantization": {"spec": plan.spec, "quantize_head": plan.quantize_head} if plan else None,
             "seconds": round(time.perf_counter() - started, 2),
         }
@@ -162,7 +163,7 @@ def source_record(src: Source, ckpt: Checkpoint, progress: bool) -> dict:
     files = {}
     for f in tqdm(ckpt.files, desc="hashing source", unit="file", disable=not progress or len(ckpt.files) < 2):
         files[f.name] = sha256(f)
-    return {"id": src.id, "revision": src.revision, "files": files}
+    return {"id": public_source_id(src.id), "revision": src.revision, "files": files}
 
 
 def write_config(directory: Path, config: ESMCConfig, dtype: mx.Dtype, quantization: dict | None,
