@@ -15,7 +15,7 @@ Users, tokens and faults are set on ``server.state`` (``server.reset()`` starts 
 
     server = HubServer().start()
     server.state.add_user("alice", token="hf_alice", orgs=["my-org"])
-    server.state.faults.fail_lfs_puts = 2  # the next two LFS uploads time out (408)
+    server.state.faults.fail_lfs_puts = 2  # the next two LFS uploads fail (524)
     ...  # point HF_ENDPOINT at server.url before importing huggingface_hub
 """
 
@@ -118,8 +118,10 @@ class Token:
 class Faults:
     """Failure injection; counters are decremented as faults fire."""
 
-    fail_lfs_puts: int = 0  # the next N LFS PUTs (all of them if negative) time out: 408, nothing stored
-    fail_lfs_oids: set[str] = dataclasses.field(default_factory=set)  # every PUT of these sha256s times out
+    # An LFS PUT that fails answers 524 (a proxy timeout, as Cloudflare says it): transient for esmc-mlx,
+    # which retries, but not in the client's own retry list (it would wait 1+2+4+8+8 s first).
+    fail_lfs_puts: int = 0  # the next N LFS PUTs (all of them if negative) fail, nothing stored
+    fail_lfs_oids: set[str] = dataclasses.field(default_factory=set)  # every PUT of these sha256s fails
     fail_commits: int = 0  # the next N commit requests answer 500 without committing
     reject_commits: int = 0  # the next N commit requests answer 422 (a refusal: retrying won't help)
     drop_commit_responses: int = 0  # the next N commits succeed, but the connection closes before the answer
@@ -236,17 +238,9 @@ class Handler(BaseHTTPRequestHandler):
     def state(self) -> HubState:
         return self.server.state
 
-    def _read_body(self) -> bytes:
-        if self.headers.get("Transfer-Encoding", "").lower() != "chunked":
-            length = int(self.headers.get("Content-Length") or 0)
-            return self.rfile.read(length) if length else b""
-        chunks = []
-        while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
-            chunks.append(self.rfile.read(size))
-            self.rfile.readline()
-        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-            pass
-        return b"".join(chunks)
+    def _read_body(self) -> bytes:  # the client sends Content-Length (files too), never chunks
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
 
     def _dispatch(self, method: str) -> None:
         url = urlsplit(self.path)
@@ -480,7 +474,7 @@ class Handler(BaseHTTPRequestHandler):
             faults = self.state.faults
             if oid in faults.fail_lfs_oids or faults.fail_lfs_puts:
                 faults.fail_lfs_puts -= 1 if faults.fail_lfs_puts > 0 else 0
-                raise HttpError(408, "Request Timeout")
+                raise HttpError(524, "A timeout occurred")
             if hashlib.sha256(self.body).hexdigest() != oid or len(self.body) != size:
                 raise HttpError(400, "uploaded content does not match the announced sha256/size")
             repo = self.state.repos.get(repo_id)

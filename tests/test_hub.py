@@ -253,7 +253,7 @@ def test_repo_of_someone_else(hub, checkpoints, tmp_path):
 
 # --- failures during the push ----------------------------------------------------------------------------
 def test_failed_upload_names_the_file_and_publishes_nothing(hub, checkpoints, tmp_path):
-    def lose(path: Path) -> None:  # every upload of this file's content times out
+    def lose(path: Path) -> None:  # every upload of this file's content fails
         hub.state.faults.fail_lfs_oids = {hashlib.sha256(path.read_bytes()).hexdigest()}
 
     # Some shards got through: nothing is committed, the (empty) repo stays so that a re-run resumes.
@@ -264,7 +264,7 @@ def test_failed_upload_names_the_file_and_publishes_nothing(hub, checkpoints, tm
     assert result.exit_code == 1
     error = result.output.strip()
     assert error.startswith("Error: push to alice/tiny@main failed:") and "\n" not in error  # one line
-    assert f"Error while uploading '{lost.name}'" in error and "408" in error
+    assert f"Error while uploading '{lost.name}'" in error and "524" in error
     assert "Nothing was committed" in error and "stays empty" in error
     assert [c.title for c in commits("alice/tiny")] == ["initial commit"]
     hub.state.faults.fail_lfs_oids = set()
@@ -307,7 +307,7 @@ def test_refused_commit_takes_back_the_repo_and_branch_it_created(hub, checkpoin
 def test_transient_failures_are_retried(hub, checkpoints, tmp_path):
     artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a", q=None, shard_bytes=200_000)
     faults = hub.state.faults
-    faults.fail_lfs_puts, faults.fail_commits = 2, 1  # uploads time out, then the commit fails once
+    faults.fail_lfs_puts, faults.fail_commits = 2, 1  # two uploads fail, then the commit fails once
     result = push_artifact(artifact, "alice/tiny")
     assert result.created and faults.fail_lfs_puts == 0 and faults.fail_commits == 0
     assert len(commits("alice/tiny")) == 2

@@ -1,7 +1,7 @@
 """The model card (README.md) of a published artifact, written from the artifact itself.
 
 Everything on the card is read from the directory: config.json (architecture, dtype,
-quantization, provenance: source repo, revision, file hashes, the exact conversion command,
+quantization, provenance: source repo, revision, file hashes, the conversion command,
 license), the safetensors headers (which layers are quantized), ``esmc_mlx.info.describe``
 (bits per weight, size) and ``validation/`` (report.json, report.md, plots). Nothing is typed
 by hand, so the card cannot drift from the weights it describes.
