@@ -328,7 +328,7 @@ def test_offline_mode(hub, checkpoints, tmp_path):
     push_artifact(artifact, "alice/tiny")
     np.save(tmp_path / "online.npy", logits("alice/tiny"))  # downloads into the cache
 
-    script = GUARD + f"""
+    script = GUARD + """
 import sys
 import numpy as np
 from esmc_mlx import load
