@@ -33,9 +33,11 @@ from pathlib import Path
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, get_token, is_offline_mode
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
+from .._version import __version__
+from ..artifact import human_size, precision_label
 from ..errors import HubError
 from ..privacy import private_findings
-from .card import MARKER, Validation, base_model_of, precision_label, read_validation, render_card
+from .card import MARKER, Validation, base_model_of, read_validation, render_card
 from .repo_id import check_repo_id
 
 ATTEMPTS = 3  # tries of the whole commit on a transient failure (the client also retries each request)
@@ -72,11 +74,11 @@ class PushResult:
         return sum(size for _, size in self.files)
 
     def summary(self) -> str:
-        size = f"{len(self.files)} files, {_human(self.total_bytes)}"
+        size = f"{len(self.files)} files, {human_size(self.total_bytes)}"
         where = self.repo_id + (f" (branch {self.revision})" if self.revision != "main" else "")
         if self.dry_run:
             lines = [f"Dry run: nothing was uploaded. A push would {'create' if self.created else 'update'} {where}:"]
-            lines += [f"  + {path} ({_human(n)})" for path, n in self.files]
+            lines += [f"  + {path} ({human_size(n)})" for path, n in self.files]
             lines += [f"  - {path} (in the repo, not in the artifact)" for path in self.deletions]
         elif self.unchanged:
             lines = [f"Nothing to push: {where} already holds this artifact (commit {self.commit_oid[:12]})."]
@@ -256,8 +258,6 @@ def push_artifact(
     unless the failure looked transient (then the repo stays, empty, so that running the push again
     resumes; the message says which).
     """
-    from .. import __version__
-
     model_dir = Path(model_dir)
     check_repo_id(repo_id)
     branch = revision or "main"
@@ -512,10 +512,3 @@ def _describe(error: BaseException, api: HfApi, action: str, user: str | None = 
     detail = said if cause.endswith(said) else f"{said.rstrip('.')} ({cause})"
     return f"cannot reach the Hub at {api.endpoint} while {action}: {detail}."
 
-
-def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
