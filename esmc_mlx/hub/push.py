@@ -45,8 +45,9 @@ RETRY_WAITS = (5.0, 20.0)  # seconds before the 2nd and the 3rd attempt
 # Paths a push owns in the repo: deleted there when the artifact no longer has them.
 OWNED_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "validation/*")
 SKIPPED_NAMES = {"__pycache__", ".DS_Store", ".git", ".cache", ".ipynb_checkpoints"}
-# Files esmc-mlx writes into an artifact; checked for private data before a push sends them.
-WRITTEN_BY_US = ("config.json", "validation/*.json", "validation/*.md")
+# The text files of an artifact (what esmc-mlx writes, and the tokenizer files it copies from the
+# source); checked for private data before a push sends them. A hand-written README.md is yours.
+TEXT_FILES = ("*.json", "*.txt", "validation/*.json", "validation/*.md")
 
 
 @dataclasses.dataclass
@@ -150,15 +151,16 @@ def check_validation(model_dir: Path, repo_id: str, allow_unvalidated: bool) -> 
 
 
 def check_private(model_dir: Path, card: str | None, tokens: list[str]) -> None:
-    """Refuse to send a file esmc-mlx wrote (or the generated card) that holds a token, the home
-    directory, an absolute path, the user or the host name. esmc-mlx writes none of these since
-    issue 12; an artifact from an older version can."""
-    texts = {p.relative_to(model_dir).as_posix(): p for pattern in WRITTEN_BY_US for p in sorted(model_dir.glob(pattern))}
+    """Refuse to send a text file of the artifact (or the generated card) that holds a token, the
+    home directory, an absolute path, the user or the host name. esmc-mlx writes none of these
+    since issue 12; an artifact from an older version, or a copied tokenizer file, can."""
+    texts = {p.relative_to(model_dir).as_posix(): p for pattern in TEXT_FILES for p in sorted(model_dir.glob(pattern))}
     for name, path in texts.items():
         found = private_findings(path.read_text(errors="replace"), tokens)
         if found:
             fix = ("run `esmc-mlx validate` again to rewrite it" if name.startswith("validation/")
-                   else "convert again with this esmc-mlx, or edit the file")
+                   else "convert again with this esmc-mlx, or edit the file" if name == "config.json"
+                   else "edit the file")
             raise HubError(f"refusing to push {model_dir}: {name} holds {' and '.join(found)}, which must not leave "
                            f"this machine; {fix}.")
     if card is not None and (found := private_findings(card, tokens)):
@@ -318,9 +320,7 @@ def push_artifact(
                     + [CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(model_dir / p)) for p, _ in files])
 
         oid, commit_url, pr_url = _commit(api, repo_id, operations, message, description, branch, create_pr, head)
-    except KeyboardInterrupt:  # leave everything as it is: nothing is committed, a re-run resumes
-        raise
-    except Exception as error:
+    except Exception as error:  # (Ctrl-C is not one: it leaves everything as it is for a re-run to resume)
         transient = not _permanent(error)
         what = str(error) if isinstance(error, HubError) else _describe(error, api, "pushing", access.user, repo_id)
         state = _after_failure(api, repo_id, branch, exists, created_repo, created_branch, keep_repo=transient)
