@@ -53,9 +53,9 @@ def test_epoch_batches_cover_every_sequence_within_the_token_budget():
 
 
 def test_mlm_mask_touches_only_residues_in_80_10_10(tok):
-    chunks = [np.full(n, 5, dtype=np.int64) for n in (500, 300, 700)]  # all "A"
+    chunks = [np.full(n, 5, dtype=np.int64) for n in (500, 300, 700)] * 10  # all "A": 15,000 residues
     ids = tt.batch_tensor(chunks, tok)
-    assert ids.shape == (3, 704) and ids[0, 0] == tok.cls_id and ids[1, 301] == tok.eos_id
+    assert ids.shape == (30, 704) and ids[0, 0] == tok.cls_id and ids[1, 301] == tok.eos_id
     inputs, labels = tt.mlm_mask(ids, tok, torch.Generator().manual_seed(0))
     picked = labels != -100
     residue = tt.residue_positions(ids, tok)
