@@ -207,7 +207,7 @@ def write_report(report, panel: Panel, directory: Path, draw: bool = True) -> Pa
     directory.mkdir(parents=True, exist_ok=True)
     # The files may be published: local paths become relative to the artifact or basenames
     # (issue 12, rule 9); report.data, in memory, keeps them.
-    root = report.data["artifact"]["path"]
+    root = (report.data.get("artifact") or {}).get("path")
     public = scrub(report.data, root)
     (directory / "report.json").write_text(json.dumps(public, indent=1, allow_nan=False) + "\n")
     drew = draw and plot(report, panel, directory / PLOT_NAME)
