@@ -197,7 +197,13 @@ def _sums_of_squares(pairs: dict[str, tuple[mx.array, mx.array]]) -> dict[str, t
         stats = {n: mx.stack([mx.sum(mx.square(a - b)), mx.sum(mx.square(b)), mx.all(mx.isfinite(a)),
                               mx.all(mx.isfinite(b))]) for n, (a, b) in pairs.items()}
         mx.eval(stats)
-        return {n: (s[0].item(), s[1].item(), bool(s[2].item()), bool(s[3].item())) for n, s in stats.items()}
+        out = {n: (s[0].item(), s[1].item(), bool(s[2].item()), bool(s[3].item())) for n, s in stats.items()}
+        overflow = {n: pairs[n] for n, v in out.items() if v[2] and v[3] and not math.isfinite(v[0] + v[1])}
+        return {**out, **_sums_of_squares_numpy(overflow)}
+    return _sums_of_squares_numpy(pairs)
+
+
+def _sums_of_squares_numpy(pairs: dict[str, tuple[mx.array, mx.array]]) -> dict[str, tuple[float, float, bool, bool]]:
     out = {}
     for n, (a, b) in pairs.items():
         a, b = np.asarray(a).ravel(), np.asarray(b).ravel()
