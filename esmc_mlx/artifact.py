@@ -125,8 +125,15 @@ def weight_files(directory: Path) -> list[Path]:
     return files
 
 
+# bytes per element of each safetensors dtype (the format's spec)
+SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+                        "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
 def safetensors_header(path: Path) -> dict:
-    """Parse and sanity-check a safetensors header; raise ConvertError if the file is damaged.
+    """Parse and check a safetensors header; raise ConvertError naming the file (and tensor) if
+    it is damaged: every tensor needs a known dtype, a shape, and data_offsets that match its
+    size and lie inside the file.
 
     Hand-written because mx.load of a truncated file fails late and without naming the file;
     this check is a few lines of the documented format (8-byte length, JSON, data).
@@ -140,15 +147,42 @@ def safetensors_header(path: Path) -> dict:
             header = json.loads(f.read(length))
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    except (OSError, struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError) as e:
+    except (OSError, struct.error, ValueError, UnicodeDecodeError) as e:
         raise ConvertError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    end = 0
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        problem = _tensor_entry_problem(t)
+        if problem:
+            raise ConvertError(f"{path}: corrupt safetensors header: tensor {name!r} {problem}")
+        end = max(end, t["data_offsets"][1])
     if 8 + length + end != size:
         raise ConvertError(
             f"{path}: truncated or corrupt safetensors file (header describes {8 + length + end} bytes, "
             f"file has {size})"
         )
     return header
+
+
+def _tensor_entry_problem(t) -> str | None:
+    if not isinstance(t, dict):
+        return "is not an object"
+    dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
+    if dtype not in SAFETENSORS_ITEMSIZE:
+        return f"has an unknown dtype {dtype!r}"
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        return f"has no valid shape ({shape!r})"
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(n, int) for n in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        return f"has no valid data_offsets ({offsets!r})"
+    count = 1
+    for n in shape:
+        count *= n
+    if offsets[1] - offsets[0] != count * SAFETENSORS_ITEMSIZE[dtype]:
+        return (f"has data_offsets {offsets} ({offsets[1] - offsets[0]} bytes) but {dtype} {shape} needs "
+                f"{count * SAFETENSORS_ITEMSIZE[dtype]} bytes")
+    return None
 
 
 def sha256(path: Path, chunk: int = 16 << 20) -> str:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import shlex
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -12,7 +14,7 @@ import click
 from ._version import __version__
 from .artifact import describe
 from .convert import quantize_directory
-from .errors import EsmcMlxError
+from .errors import EsmcMlxError, EsmcMlxWarning
 from .hub.push import push_artifact
 from .pipeline import convert_validate_push
 from .tasks.distributed import World
@@ -22,27 +24,49 @@ from .validate import validate as run_validation
 SOURCE_HELP = "SOURCE: an alias (300M, 600M, 6B, tiny), a Hub repo id, a local directory or a legacy .pth file."
 
 
+def _error_line(error: BaseException) -> click.ClickException | None:
+    """The `Error: ...` line for a failure the user can act on, or None for a bug (traceback)."""
+    if isinstance(error, EsmcMlxError):
+        return click.ClickException(str(error))
+    if isinstance(error, OSError):  # the disk, permissions, a path that vanished: name the path
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return click.ClickException(f"the disk is full: could not write {error.filename or 'the output'}; "
+                                        "free some space and run again")
+        where = f"{error.filename}: " if error.filename else ""
+        return click.ClickException(f"{where}{error.strerror or error}")
+    return None
+
+
+def _run(invoke, ctx):
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", EsmcMlxWarning)
+        warnings.showwarning = _show_warning
+        try:
+            return invoke(ctx)
+        except (EsmcMlxError, OSError) as e:
+            line = _error_line(e)
+            raise line from None
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    if issubclass(category, EsmcMlxWarning):
+        click.echo(f"Warning: {message}", err=True)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
 class FriendlyErrors(click.Group):
-    """Turn the library's errors into `Error: message` and exit code 1, without a traceback."""
+    """Turn the library's errors (and the system's: disk full, permissions) into `Error: message`
+    and exit code 1, without a traceback; its warnings into `Warning: message` lines."""
 
     def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except EsmcMlxError as e:
-            raise click.ClickException(str(e)) from None
+        return _run(super().invoke, ctx)
 
 
 def _friendly(command):
     """Same as FriendlyErrors, for the stand-alone `esmc-convert` command."""
     original = command.invoke
-
-    def invoke(ctx):
-        try:
-            return original(ctx)
-        except EsmcMlxError as e:
-            raise click.ClickException(str(e)) from None
-
-    command.invoke = invoke
+    command.invoke = lambda ctx: _run(original, ctx)
     return command
 
 
@@ -58,6 +82,7 @@ quantize_head_option = click.option(
          "they are <1% of the weights and carry the output distribution).")
 force_option = click.option("--force", is_flag=True, help="Replace an existing output directory.")
 shard_size_option = click.option("--shard-size", default="1GB", show_default=True,
+                                 callback=lambda ctx, param, value: _parse_size(value),
                                  help="Largest safetensors shard; bounds the converter's memory.")
 
 convert_options = [
@@ -93,21 +118,31 @@ def _apply(options):
     return decorate
 
 
+MIN_SHARD_BYTES = 1 << 20  # smaller shards only multiply files; a model tensor can be larger anyway
+
+
 def _parse_size(text: str) -> int:
     units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "B": 1}
     text = text.strip().upper()
+    size = None
     for unit, factor in units.items():
-        if text.endswith(unit) and text[: -len(unit)].replace(".", "", 1).isdigit():
-            return int(float(text[: -len(unit)]) * factor)
-    if text.isdigit():
-        return int(text)
-    raise click.BadParameter(f"{text!r}: use a size like 512MB or 2GB", param_hint="--shard-size")
+        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            size = int(float(text[: -len(unit)]) * factor)
+            break
+    if size is None and text.isdigit():
+        size = int(text)
+    if size is None:
+        raise click.BadParameter(f"{text!r}: use a size like 512MB or 2GB", param_hint="--shard-size")
+    if size < MIN_SHARD_BYTES:
+        raise click.BadParameter(f"{text!r}: a shard must hold at least 1MB (use e.g. 512MB or 2GB)",
+                                 param_hint="--shard-size")
+    return size
 
 
 def run_convert(source, output, dtype, q, group_size, revision, force, shard_size, upload_repo=None, private=False,
                 quantize_head=False, validate=None):
     convert_validate_push(source, output, dtype=dtype, q=q, group_size=group_size, quantize_head=quantize_head,
-                          revision=revision, force=force, shard_bytes=_parse_size(shard_size),
+                          revision=revision, force=force, shard_bytes=shard_size,
                           validate_output=validate, upload_repo=upload_repo, private=private,
                           command=_command_line(), log=click.echo)
 
@@ -165,7 +200,7 @@ Examples:
 @shard_size_option
 def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size):
     quantize_directory(model_dir, output, q, group_size=group_size, quantize_head=quantize_head, force=force,
-                 shard_bytes=_parse_size(shard_size), command=_command_line())
+                 shard_bytes=shard_size, command=_command_line())
     click.echo(f"Wrote {output}")
 
 
@@ -221,7 +256,7 @@ def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
               help="FASTA to use instead of the bundled panel (two-chain and <mask> inputs are derived from it).")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write the report here (default: MLX_DIR/validation).")
-@click.option("--max-length", type=int, help="Crop sequences to this many residues (faster on big models).")
+@click.option("--max-length", type=click.IntRange(1), help="Crop sequences to this many residues (faster on big models).")
 @click.option("--quick", is_flag=True, help="Crop to 256 residues and score 8 positions: a fast first look.")
 @click.option("--threshold", "threshold", multiple=True, metavar="NAME=VALUE",
               help="Override a bound (repeatable): weights, fidelity_logits, fidelity_hidden, kl_mean, kl_max, "
