@@ -39,7 +39,7 @@ def _error_line(error: BaseException) -> click.ClickException | None:
 
 def _run(invoke, ctx):
     with warnings.catch_warnings():
-        warnings.simplefilter("always", EsmcMlxWarning)
+        warnings.simplefilter("default", EsmcMlxWarning)  # once per message
         warnings.showwarning = _show_warning
         try:
             return invoke(ctx)

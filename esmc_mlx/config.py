@@ -18,6 +18,7 @@ from .errors import ConfigError
 
 HEAD_DIM = 64  # every released ESMC uses 64-wide heads (300M 960/15, 600M 1152/18, 6B 2560/40)
 VOCAB_SIZE = 64  # logits width; the tokenizer uses the first 33 ids
+TRAINED_LENGTH = 2048  # residues: ESMC's training crop; longer inputs run, but outside what it learned
 
 
 def default_intermediate_size(hidden_size: int) -> int:

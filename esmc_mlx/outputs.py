@@ -146,13 +146,17 @@ def lock_path(target: Path) -> Path:
 
 
 @contextlib.contextmanager
-def output_lock(target: str | Path) -> Iterator[None]:
+def output_lock(target: str | Path, create_parent: bool = True) -> Iterator[None]:
     """Hold an exclusive lock on the output path ``target`` (a file ``.NAME.lock`` beside it,
     removed on release). A second holder fails at once with OutputError naming the first's PID.
-    The kernel drops the lock when its process dies, so a killed run never blocks the next."""
+    The kernel drops the lock when its process dies, so a killed run never blocks the next.
+    ``create_parent=False``: a missing parent folder is an error instead."""
     target = Path(target)
     path = lock_path(target)
-    ensure_parent(target)
+    if create_parent:
+        ensure_parent(target)
+    elif not target.parent.is_dir():
+        raise OutputError(f"{target}: no such directory {target.parent}")
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -182,7 +186,7 @@ def output_lock(target: str | Path) -> Iterator[None]:
         os.close(fd)
 
 
-def locked(parameter: str, when: Callable[[dict], bool] = lambda args: True):
+def locked(parameter: str, when: Callable[[dict], bool] = lambda args: True, create_parent: bool = True):
     """Decorator: hold ``output_lock`` on the function's argument ``parameter`` (when it is not
     None and ``when(arguments)``) for the whole call, leftovers of dead runs cleaned first."""
 
@@ -196,7 +200,7 @@ def locked(parameter: str, when: Callable[[dict], bool] = lambda args: True):
             target = bound.arguments.get(parameter)
             if target is None or not when(bound.arguments):
                 return function(*args, **kwargs)
-            with output_lock(target):
+            with output_lock(target, create_parent):
                 clean_leftovers(Path(target))
                 return function(*args, **kwargs)
 

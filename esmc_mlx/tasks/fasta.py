@@ -10,6 +10,8 @@ error, as are empty records, text before the first header and IDs seen twice.
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import zlib
 from pathlib import Path
 
 from ..errors import FastaError
@@ -70,15 +72,19 @@ def parse_fasta(text: str, source: str = "<string>") -> list[Record]:
 
 
 def read_fasta(path: str | Path) -> list[Record]:
-    """Read a FASTA file (plain or .gz). Raises FastaError; a missing file too."""
+    """Read a FASTA file, plain or gzip-compressed (whatever its name), with or without a
+    byte-order mark. Raises FastaError; a missing file too."""
     path = Path(path)
     try:
-        if path.suffix == ".gz":
-            import gzip
-
-            text = gzip.decompress(path.read_bytes()).decode()
-        else:
-            text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
+        data = path.read_bytes()
+        if data[:2] == b"\x1f\x8b":  # gzip's magic number: .gz, .fa.gz, .fasta.gzip ...
+            data = gzip.decompress(data)
+    except (OSError, EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise FastaError(f"{path}: cannot read FASTA ({e})") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError:  # a description in a Windows code page: residues are ASCII either way
+        text = data.decode("latin-1")
+    if "\x00" in text:
+        raise FastaError(f"{path}: a binary file, not FASTA")
     return parse_fasta(text, str(path))

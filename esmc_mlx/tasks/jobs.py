@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
-import os
 import time
 from pathlib import Path
 from typing import Sequence
@@ -16,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import EsmcMlxError, JobError, ScoringError
+from ..outputs import atomic_file, check_file_target, locked
 from ..runtime.load import load
 from ..vocab import check_sequence
 from .distributed import World
@@ -46,6 +46,7 @@ def _model(model, name: str | None):
     return model, name
 
 
+@locked("out", when=lambda args: World.of(args["group"]).is_root)
 def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, per_residue: bool = False,
                 batch_tokens: int = DEFAULT_BATCH_TOKENS, dtype: str = "float32", force: bool = False,
                 flush_every: int = 256, flush_seconds: float = 60.0, group=None, progress: bool = False,
@@ -157,7 +158,9 @@ def read_mutants_csv(path: str | Path, mutant_column: str = "mutant") -> tuple[l
     """(column names, rows, a 'file, line N: ' prefix per row). Raises JobError."""
     path = Path(path)
     try:
-        with open(path, newline="") as f:
+        # utf-8-sig: spreadsheet programs start the file with a byte-order mark; newline="" lets
+        # the csv module read CRLF rows (and line breaks inside quoted fields)
+        with open(path, newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f)
             columns = list(reader.fieldnames or [])
             rows, where = [], []
@@ -185,6 +188,7 @@ def resolve_sequence(text: str) -> str:
     return check_sequence(text.strip(), "--sequence", label="sequence")
 
 
+@locked("out", when=lambda args: World.of(args["group"]).is_root, create_parent=False)
 def score_csv(model, sequence: str, mutations_csv: str | Path, out: str | Path | None, *,
               methods: Sequence[str] = ("masked_marginal", "wt_marginal"), batch_size: int = DEFAULT_BATCH_SIZE,
               offset: int = 1, mutant_column: str = "mutant", dms_column: str = "DMS_score",
@@ -201,6 +205,8 @@ def score_csv(model, sequence: str, mutations_csv: str | Path, out: str | Path |
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise ScoringError(f"unknown scoring method {unknown or methods!r}; choose from {', '.join(METHODS)}")
+    if out is not None and world.is_root:
+        check_file_target(out)  # a missing or unwritable folder fails now, not after the scoring
     wt = resolve_sequence(sequence)
     columns, rows, where = read_mutants_csv(mutations_csv, mutant_column)
     mutants = [row[mutant_column] or "" for row in rows]
@@ -223,13 +229,11 @@ def score_csv(model, sequence: str, mutations_csv: str | Path, out: str | Path |
     out_path = Path(out) if out is not None else None
     if world.is_root and out_path is not None:
         header = columns + [m for m in result.scores if m not in columns]
-        tmp = out_path.with_name(f".{out_path.name}.tmp")
-        with open(tmp, "w", newline="") as f:
+        with atomic_file(out_path, "w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
             writer.writeheader()
             for i, row in enumerate(rows):
                 writer.writerow({**row, **{m: _fmt(v[i]) for m, v in result.scores.items()}})
-        os.replace(tmp, out_path)
     return ScoreSummary(out_path, len(rows), list(result.scores), correlations,
                         dms_column if dms_column in columns else None, result.wt_pppl, result.passes,
                         world.rank, world.size)

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -28,11 +29,15 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import JobError
+from ..outputs import atomic_file
 from .fasta import Record
 
 FORMAT = "esmc-mlx-embeddings"
 FORMAT_VERSION = 1
 FLUSH_BYTES = 256 << 20  # also flush once this much is buffered (per-residue outputs of big models)
+# what an embeddings directory may hold: its files, parts, merge staging, temporary files
+_OURS = re.compile(r"manifest\.json|index\.tsv|mean\.npy|per_residue\.npy|offsets\.npy|parts|\.merge"
+                   r"|\.esmc-mlx|\..+\.tmp(-\d+-[0-9a-f]+)?")
 SETTINGS_KEYS = ("layer", "per_residue", "dtype", "hidden_size", "num_hidden_layers")
 
 
@@ -62,15 +67,30 @@ class EmbeddingStore:
         return data
 
     def open(self, settings: dict, force: bool) -> None:
-        """Create the directory, or check that an existing one holds the same settings."""
-        existing = self.manifest() if self.out.exists() else None
-        if self.out.exists() and existing is None and any(self.out.iterdir()):
+        """Create the directory, or check that an existing one holds the same settings. With
+        ``force``, clear an embeddings directory (also one a failed first run left without a
+        manifest); a directory holding anything else is never cleared."""
+        created = not self.out.exists()
+        try:
+            self._open(settings, force)
+        except BaseException:
+            if created:  # leave nothing behind a run that could not even start
+                shutil.rmtree(self.out, ignore_errors=True)
+            raise
+
+    def _open(self, settings: dict, force: bool) -> None:
+        if self.out.exists() and not self.out.is_dir():
+            raise JobError(f"{self.out} is a file; give a directory for the embeddings")
+        foreign = [p.name for p in self.out.iterdir() if not _OURS.fullmatch(p.name)] if self.out.exists() else []
+        existing = self.manifest() if self.out.exists() and not (force and not foreign) else None
+        if foreign and existing is None:
             raise JobError(f"{self.out} exists, is not empty and is not an esmc-mlx embeddings directory")
-        if existing is not None and force:
-            for name in ("parts", ".merge"):
-                shutil.rmtree(self.out / name, ignore_errors=True)
-            for name in ("manifest.json", "index.tsv", "mean.npy", "per_residue.npy", "offsets.npy"):
-                (self.out / name).unlink(missing_ok=True)
+        if force and self.out.exists():
+            if foreign or _foreign_manifest(self.manifest_path):
+                raise JobError(f"--force will not clear {self.out}: it holds files esmc-mlx did not write "
+                               f"({', '.join(sorted(foreign or ['manifest.json'])[:5])}); move them out first")
+            for p in self.out.iterdir():
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
             existing = None
         if existing is not None:
             differ = [f"{k}: {existing.get(k)!r} there, {settings[k]!r} now" for k in SETTINGS_KEYS
@@ -82,10 +102,9 @@ class EmbeddingStore:
         self._write_manifest(dict(existing or {}, **settings, complete=False))
 
     def _write_manifest(self, data: dict) -> None:
-        tmp = self.out / ".manifest.json.tmp"
-        tmp.write_text(json.dumps(dict(format=FORMAT, version=FORMAT_VERSION, **{
-            k: v for k, v in data.items() if k not in ("format", "version")}), indent=2) + "\n")
-        os.replace(tmp, self.manifest_path)
+        with atomic_file(self.manifest_path) as f:
+            f.write(json.dumps(dict(format=FORMAT, version=FORMAT_VERSION, **{
+                k: v for k, v in data.items() if k not in ("format", "version")}), indent=2) + "\n")
 
     def _merged(self) -> dict | None:
         """The merged files, if present and consistent: ids, hashes, lengths, arrays (mmap)."""
@@ -126,13 +145,11 @@ class EmbeddingStore:
                    residues: np.ndarray | None) -> Path:
         self._count += 1
         path = self.parts / f"part-{self.run_id}-{self._count:06d}.npz"
-        tmp = self.parts / f".{path.name}.tmp"
         arrays = {"ids": np.array(ids), "sha1": np.array(hashes), "mean": mean, "lengths": lengths}
         if residues is not None:
             arrays["residues"] = residues
-        with open(tmp, "wb") as f:
+        with atomic_file(path, "wb") as f:
             np.savez(f, **arrays)
-        os.replace(tmp, path)
         return path
 
     def merge(self, records: list[Record], settings: dict) -> int:
@@ -204,6 +221,15 @@ class EmbeddingStore:
         if self.parts.exists() and not any(self.parts.iterdir()):
             self.parts.rmdir()
         return dropped
+
+
+def _foreign_manifest(path: Path) -> bool:
+    """A manifest.json some other tool wrote (ours may be unreadable after a crash; theirs parses)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return not (isinstance(data, dict) and data.get("format") == FORMAT)
 
 
 def _load_part(path: Path) -> dict:
