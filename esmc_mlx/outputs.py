@@ -96,6 +96,22 @@ def write_error(error: OSError, path: Path) -> OutputError:
     return OutputError(f"cannot write {error.filename or path}: {error.strerror or error}")
 
 
+def current_umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it: put it straight back
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(directory: Path) -> None:
+    """Give everything under ``directory`` the modes the user's umask asks for: MLX creates its
+    files 0644 (then masked), so a umask of 002 would otherwise not get group-writable files."""
+    mask = current_umask()
+    for root, dirs, files in os.walk(directory):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
+
+
 def _listing(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
 
@@ -376,6 +392,7 @@ class StagedDirectory:
 
     def publish(self) -> Path:
         write_marker(self.path, self.kind)
+        apply_umask(self.path)
         if os.path.lexists(self.out):  # --force, checked: swap, then delete the old one
             old = self.out.parent / f".{self.out.name}.old-{os.getpid()}-{_token()}"
             os.replace(self.out, old)
@@ -389,6 +406,7 @@ class StagedDirectory:
     def keep_failed(self) -> Path:
         """Move the staging aside as ``OUT.failed-<time>`` (named in the caller's error)."""
         write_marker(self.path, self.kind)
+        apply_umask(self.path)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         dest = self.out.parent / f"{self.out.name}.failed-{stamp}"
         n = 1

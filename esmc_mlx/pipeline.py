@@ -66,7 +66,7 @@ def convert_validate_push(source: str, output: str | Path | None = None, *, dtyp
         elif not validation_available():
             log("Note: not validated (torch/transformers not installed); run `esmc-mlx validate` later.")
         else:
-            log(f"Validating the new {out} against {source} ...")
+            log(f"Validating the conversion against {source} before it goes to {out} ...")
             result.report = validate(stage.path, source, revision=revision, progress=True, artifact_path=out)
             log(result.report.summary())
             if not result.report.passed:

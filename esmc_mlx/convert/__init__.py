@@ -162,24 +162,24 @@ def write_tensors(ckpt: Checkpoint, directory: Path, dtype: mx.Dtype, plan: Quan
 
     writer = ShardWriter(directory, shard_bytes)
     quantized: dict[str, QuantParams] = {}
-    bar = tqdm(total=len(ckpt.shapes), unit="tensor", desc="converting", disable=not progress)
-    for source_name, tensor in ckpt.tensors():
-        if mapping.IGNORED.match(source_name):
+    # a context: on an error the bar ends its line, so the Error line starts on its own
+    with tqdm(total=len(ckpt.shapes), unit="tensor", desc="converting", disable=not progress) as bar:
+        for source_name, tensor in ckpt.tensors():
+            if mapping.IGNORED.match(source_name):
+                bar.update()
+                continue
+            for name, t in mapping.rename(source_name, tensor):
+                check_finite(source_name, t, dtype)
+                t = t.astype(dtype)
+                params = plan.params_for(name, t.shape) if plan else None
+                if params is None:
+                    writer.add(name, t)
+                else:
+                    for qname, qt in quantize_tensor(name, t, params).items():
+                        writer.add(qname, qt)
+                    quantized[name[: -len(".weight")]] = params
             bar.update()
-            continue
-        for name, t in mapping.rename(source_name, tensor):
-            check_finite(source_name, t, dtype)
-            t = t.astype(dtype)
-            params = plan.params_for(name, t.shape) if plan else None
-            if params is None:
-                writer.add(name, t)
-            else:
-                for qname, qt in quantize_tensor(name, t, params).items():
-                    writer.add(qname, qt)
-                quantized[name[: -len(".weight")]] = params
-        bar.update()
-        bar.set_postfix_str(f"{writer.total_bytes / 2**20:,.0f} MiB written")
-    bar.close()
+            bar.set_postfix_str(f"{writer.total_bytes / 2**20:,.0f} MiB written")
     writer.close()
     return quantized
 
@@ -225,7 +225,7 @@ def copy_tokenizer(src: Source, directory: Path) -> None:
     found = [source_dir / f for f in TOKENIZER_FILES if (source_dir / f).exists()]
     if "tokenizer.json" in {f.name for f in found}:
         for f in found:
-            shutil.copy2(f, directory / f.name)
+            shutil.copyfile(f, directory / f.name)  # not copy2: the output takes the umask, not the source's mode
     else:
         write_tokenizer_files(directory)
 
