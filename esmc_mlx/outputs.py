@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from ._version import __version__
+from .artifact import GENERATED_CARD_LINE
 from .errors import EsmcMlxWarning, OutputError
 
 MARKER = ".esmc-mlx"
@@ -42,7 +43,7 @@ MARKER = ".esmc-mlx"
 # "converter": "esmc-mlx"); --force accepts such a directory while it holds nothing else.
 _LEGACY_MODEL_FILES = re.compile(
     r"config\.json|tokenizer(_config)?\.json|special_tokens_map\.json|model(-\d{5}-of-\d{5})?\.safetensors"
-    r"|model\.safetensors\.index\.json|validation")
+    r"|model\.safetensors\.index\.json")
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>partial|old|tmp)-(?P<pid>\d+)-[0-9a-f]{6}")
 # esmc-mlx 0.x before the lock named its staging with tempfile's 8 random characters and no PID
 _LEGACY_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>partial|old)-[a-z0-9_]{8}")
@@ -259,16 +260,33 @@ def _legacy_model_directory(directory: Path) -> bool:
         return False
 
 
+def _later_product(directory: Path, name: str) -> bool:
+    """What esmc-mlx adds to a model directory after writing it, recognized by content: the
+    report folder of ``validate`` and the model card ``push`` generates (a hand-written
+    README.md is the user's)."""
+    path = directory / name
+    if name == "validation":
+        return (path / "report.json").is_file()
+    if name == "README.md":
+        try:
+            return path.read_text(errors="replace").rstrip().endswith(GENERATED_CARD_LINE)
+        except OSError:
+            return False
+    return False
+
+
 def foreign_entries(directory: Path) -> list[str] | None:
     """Entries of ``directory`` esmc-mlx did not write; None if esmc-mlx did not write it at all."""
     directory = Path(directory)
     present = sorted(p.name for p in directory.iterdir() if p.name != MARKER)
     marker = read_marker(directory)
     if marker is not None:
-        return [n for n in present if n not in set(marker.get("entries", []))]
-    if _legacy_model_directory(directory):
-        return [n for n in present if not _LEGACY_MODEL_FILES.fullmatch(n)]
-    return None
+        ours = set(marker.get("entries", []))
+    elif _legacy_model_directory(directory):
+        ours = {n for n in present if _LEGACY_MODEL_FILES.fullmatch(n)}
+    else:
+        return None
+    return [n for n in present if n not in ours and not _later_product(directory, n)]
 
 
 # --- checks before any work -----------------------------------------------------------------------

@@ -46,8 +46,8 @@ def convert_validate_push(source: str, output: str | Path | None = None, *, dtyp
     ``validate_output``: True validates (ValidationError if torch is missing, before converting),
     False skips, None validates when torch and transformers are installed. Raises the library's
     errors; a failed validation raises ValidationError naming where the failed artifact and its
-    report are kept (``OUT.failed-<time>``), leaves an existing ``output`` as it was, and uploads
-    nothing.
+    report are kept: beside an existing ``output``, which stays as it was, as ``OUT.failed-<time>``;
+    at ``output`` when there was none. Nothing is uploaded.
     """
     out = Path(output) if output else default_output(source, q, dtype)
     if validate_output and not validation_available():  # fail before an hour of converting
@@ -70,18 +70,22 @@ def convert_validate_push(source: str, output: str | Path | None = None, *, dtyp
             result.report = validate(stage.path, source, revision=revision, progress=True, artifact_path=out)
             log(result.report.summary())
             if not result.report.passed:
-                failed = stage.keep_failed()
-                kept = f"The old {out} is unchanged. " if os.path.lexists(out) else ""
+                failed = ", ".join(c.name for c in result.report.failed)
+                if not os.path.lexists(out):  # nothing to keep: the failed artifact goes where asked
+                    stage.publish()
+                    raise ValidationError(
+                        f"validation failed ({failed}). The artifact stays at {out} with its failing report in "
+                        f"{out / 'validation'}; it will not be uploaded.")
+                kept = stage.keep_failed()
                 raise ValidationError(
-                    f"validation failed ({', '.join(c.name for c in result.report.failed)}). {kept}The new "
-                    f"artifact is kept at {failed} with its failing report in {failed / 'validation'}; "
-                    "it will not be uploaded.")
+                    f"validation failed ({failed}). The old {out} is unchanged; the new artifact is kept at "
+                    f"{kept} with its failing report in {kept / 'validation'}; it will not be uploaded.")
         stage.publish()
-    log(f"Wrote {out}")
-    if result.report is not None:
-        result.report.directory = out / "validation"
-        log(f"Report: {result.report.directory / 'report.md'}")
-    if upload_repo:  # last: after conversion and validation
-        result.push = push_artifact(out, upload_repo, private=private)
-        log(result.push.summary())
+        log(f"Wrote {out}")
+        if result.report is not None:
+            result.report.directory = out / "validation"
+            log(f"Report: {result.report.directory / 'report.md'}")
+        if upload_repo:  # last, and still under the lock: no other run replaces OUT mid-upload
+            result.push = push_artifact(out, upload_repo, private=private)
+            log(result.push.summary())
     return result

@@ -170,6 +170,21 @@ def test_force_replaces_an_esmc_mlx_output_and_one_from_before_the_marker(old_ou
     assert (out / outputs.MARKER).exists() and debris(tmp_path) == []
 
 
+def test_force_knows_what_validate_and_push_add_and_keeps_a_hand_written_card(old_output, checkpoints, tmp_path):
+    from esmc_mlx.artifact import GENERATED_CARD_LINE
+
+    out, _ = old_output
+    (out / "validation").mkdir()
+    (out / "validation" / "report.json").write_text("{}")
+    (out / "README.md").write_text(f"# card\n\n{GENERATED_CARD_LINE}\n")  # what push generates
+    assert convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate").exit_code == 0
+    (out / "README.md").write_text("# My own card, a day of work\n")
+    before = snapshot(out)
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
+    one_error_line(result, "README.md", "esmc-mlx did not write")
+    assert snapshot(out) == before
+
+
 def test_without_force_an_existing_output_is_refused_before_any_work(old_output, checkpoints, monkeypatch):
     out, before = old_output
     monkeypatch.setattr("esmc_mlx.convert.resolve", lambda *a: pytest.fail("resolved the source"))
@@ -201,13 +216,22 @@ def test_failed_validation_keeps_the_old_output_and_puts_the_new_one_beside_it(o
     out, before = old_output
     _failing_validation(monkeypatch)
     result = convert_cli(checkpoints["published"], "-o", out, "--force", "--dtype", "float16")
-    line = one_error_line(result, "validation failed", f"The old {out} is unchanged", "out.failed-")
+    line = one_error_line(result, "validation failed (kl_mean)", f"The old {out} is unchanged", "out.failed-")
     assert snapshot(out) == before
     failed = [p for p in tmp_path.iterdir() if p.name.startswith("out.failed-")]
     assert len(failed) == 1 and str(failed[0]) in line
     assert (failed[0] / "validation" / "report.json").exists() and (failed[0] / outputs.MARKER).exists()
     assert json.loads((failed[0] / "config.json").read_text())["dtype"] == "float16"
     assert debris(tmp_path) == []
+
+
+def test_a_failed_validation_without_an_old_output_stays_where_asked(checkpoints, tmp_path, monkeypatch):
+    _failing_validation(monkeypatch)
+    out = tmp_path / "new"
+    result = convert_cli(checkpoints["published"], "-o", out)
+    one_error_line(result, "validation failed (kl_mean)", f"stays at {out}", "will not be uploaded")
+    assert (out / "validation" / "report.json").exists() and (out / outputs.MARKER).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new"]
 
 
 def test_a_crash_in_validation_keeps_the_old_output(old_output, checkpoints, tmp_path, monkeypatch):
@@ -228,6 +252,18 @@ def test_a_passing_validation_swaps_in_the_validated_artifact(old_output, checkp
     assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
     assert "validation" in json.loads((out / outputs.MARKER).read_text())["entries"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_ctrl_c_during_conversion_keeps_the_old_output(old_output, checkpoints, tmp_path, monkeypatch):
+    out, before = old_output
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("esmc_mlx.convert.write_config", interrupted)  # after every shard was written
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
+    assert result.exit_code == 1 and "Aborted" in result.output and "Traceback" not in result.output
+    assert snapshot(out) == before and debris(tmp_path) == []
 
 
 def test_a_nan_source_with_force_keeps_the_old_output(old_output, checkpoints, tmp_path):
@@ -688,7 +724,8 @@ def test_pth_messages_never_advise_unsafe_loading(tmp_path):
 # --- rule 8: inputs people really have; nonsense values refused; the umask ---------------------------
 def test_a_spreadsheet_csv_with_bom_and_crlf(converted, tmp_path):
     csv_in = tmp_path / "excel.csv"
-    csv_in.write_bytes("\ufeffmutant,DMS_score\r\nM1A,0.5\r\nK2R,0.1\r\nT3S,0.9\r\n".encode("utf-8"))
+    # a byte-order mark, CRLF, and the empty rows a spreadsheet leaves below the data
+    csv_in.write_bytes("\ufeffmutant,DMS_score\r\nM1A,0.5\r\nK2R,0.1\r\nT3S,0.9\r\n,\r\n,,\r\n".encode("utf-8"))
     out = tmp_path / "scored.csv"
     result = cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", out, "--no-progress")
     assert result.exit_code == 0, result.output

@@ -165,6 +165,8 @@ def read_mutants_csv(path: str | Path, mutant_column: str = "mutant") -> tuple[l
             columns = list(reader.fieldnames or [])
             rows, where = [], []
             for row in reader:
+                if not any((v or "").strip() if isinstance(v, str) else any(v) for v in row.values()):
+                    continue  # ",,," rows a spreadsheet leaves below the data: not a mutant
                 rows.append(row)
                 where.append(f"{path}, line {reader.line_num}: ")
     except (OSError, UnicodeDecodeError, csv.Error) as e:
