@@ -15,12 +15,12 @@ import re
 from pathlib import Path
 
 from ..artifact import GENERATED_CARD_LINE as MARKER  # the card's last line
-from ..artifact import describe, precision_label, safetensors_header, weight_files
+from ..artifact import (FP_MODES, describe, precision_label, quantization_record, quantized_bits,
+                        safetensors_header, weight_files)
 from ..errors import HubError
 
 PROJECT_URL = "https://pypi.org/project/esmc-mlx/"
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-MODE_TAGS = {"mxfp4": "mxfp4", "mxfp8": "mxfp8", "nvfp4": "nvfp4"}
 
 
 @dataclasses.dataclass
@@ -135,13 +135,13 @@ def base_model_of(meta: dict) -> str | None:
 
 def _tags(config: dict) -> list[str]:
     tags = ["mlx", "esmc", "protein", "protein-language-model", "biology"]
-    q = config.get("quantization") or {}
-    overrides = [v for v in q.values() if isinstance(v, dict)]
-    if overrides:
-        bits = sorted({int(q["bits"]), *(int(v.get("bits", q["bits"])) for v in overrides)})
+    q = quantization_record(config) or {}
+    bits = quantized_bits(q) if q else []
+    if len(bits) > 1:
         tags += ["mixed_" + "_".join(map(str, bits)), "mixed-precision", "quantized"]
     elif q:
-        tags += [MODE_TAGS.get(q.get("mode", "affine"), f"{q['bits']}-bit"), "quantized"]
+        mode = q.get("mode", "affine")
+        tags += [mode if mode in FP_MODES else f"{q['bits']}-bit", "quantized"]
     else:
         tags.append(config.get("dtype", "float32"))
     return list(dict.fromkeys(tags))
