@@ -89,7 +89,38 @@ def read_config(directory: Path) -> dict:
         raise ConvertError(f"{path}: unreadable config ({e})") from None
     if not isinstance(raw, dict):
         raise ConvertError(f"{path}: not a JSON object")
+    problem = _artifact_fields_problem(raw)
+    if problem:
+        raise ConvertError(f"{path}: {problem}")
     return raw
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _artifact_fields_problem(raw: dict) -> str | None:
+    """What is wrong with the fields esmc-mlx reads beyond the architecture (dtype, the
+    quantization record, provenance), so that a damaged config fails here and not deep inside."""
+    if "dtype" in raw and raw["dtype"] not in FLOAT_DTYPES:
+        return f"dtype {raw['dtype']!r} is not one of {', '.join(FLOAT_DTYPES)}"
+    if not isinstance(raw.get("esmc_mlx", {}), dict):
+        return "esmc_mlx is not an object"
+    for key in ("quantization", "quantization_config"):
+        record = raw.get(key)
+        if record is None:
+            continue
+        if not isinstance(record, dict):
+            return f"{key} is not an object"
+        if not (_positive_int(record.get("bits")) and _positive_int(record.get("group_size"))):
+            return f"{key} needs positive integers bits and group_size, got {record.get('bits')!r} and " \
+                   f"{record.get('group_size')!r}"
+        if not isinstance(record.get("mode", "affine"), str):
+            return f"{key} mode {record['mode']!r} is not a name"
+        for layer, params in record.items():
+            if isinstance(params, dict) and not all(_positive_int(params.get(k, 1)) for k in ("bits", "group_size")):
+                return f"{key} entry {layer!r} has bits / group_size that are not positive integers"
+    return None
 
 
 def read_model_config(directory: Path) -> tuple[dict, ESMCConfig]:
@@ -101,6 +132,19 @@ def read_model_config(directory: Path) -> tuple[dict, ESMCConfig]:
         raise ConvertError(f"{Path(directory) / 'config.json'}: {e}") from None
 
 
+def index_files(index: Path) -> list[Path]:
+    """The files a ``model.safetensors.index.json`` names, beside it; ConvertError for an index
+    that cannot be read or that names a file elsewhere (``../other/model.safetensors``)."""
+    try:
+        names = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ConvertError(f"{index}: unreadable index ({type(e).__name__}: {e})") from None
+    elsewhere = sorted(n for n in names if not isinstance(n, str) or Path(n).name != n or n in (".", ".."))
+    if elsewhere:
+        raise ConvertError(f"{index} names files outside its directory: {', '.join(map(str, elsewhere))}")
+    return sorted(index.parent / n for n in names)
+
+
 def weight_files(directory: Path) -> list[Path]:
     """The safetensors files that make up the model in ``directory``: those its index names, or
     the single ``model.safetensors``. Any other ``model*.safetensors`` beside them (a stray
@@ -108,11 +152,7 @@ def weight_files(directory: Path) -> list[Path]:
     directory = Path(directory)
     index = directory / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({directory / name for name in weight_map.values()})
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ConvertError(f"{index}: unreadable index ({e})") from None
+        files = index_files(index)
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ConvertError(f"{index} names shards that are missing: {', '.join(missing)}")

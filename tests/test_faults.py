@@ -620,6 +620,41 @@ def test_nonsense_config_values(old_output, checkpoints, tmp_path, field, value)
         esmc_mlx.load(out)
 
 
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.__setitem__("quantization", {"bits": 4}), "quantization needs positive integers bits and group_size"),
+    (lambda c: c.__setitem__("quantization", "yes"), "quantization is not an object"),
+    (lambda c: c.__setitem__("quantization_config", {"bits": 4, "group_size": 64, "x.y": {"bits": "4"}}),
+     "entry 'x.y'"),
+    (lambda c: c.__setitem__("esmc_mlx", "converted"), "esmc_mlx is not an object"),
+    (lambda c: c.__setitem__("dtype", "int8"), "dtype 'int8' is not one of float32, bfloat16, float16"),
+])
+def test_damaged_artifact_config_fields(old_output, tmp_path, edit, message):
+    out, _ = old_output
+    config = json.loads((out / "config.json").read_text())
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config))
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n")
+    for result in (cli("info", out), cli("embed", out, fasta, "-o", tmp_path / "emb"),
+                   cli("quantize", out, "-o", tmp_path / "q", "--q", "4")):
+        one_error_line(result, "config.json", message)
+    assert not (tmp_path / "emb").exists() and not (tmp_path / "q").exists() and debris(tmp_path) == []
+
+
+def test_an_index_naming_files_elsewhere_is_refused(old_output, tmp_path):
+    out, _ = old_output
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.replace(out / "model.safetensors", elsewhere / "model.safetensors")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: "../elsewhere/model.safetensors" for k in index["weight_map"]}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    one_error_line(cli("info", out), "names files outside its directory", "../elsewhere/model.safetensors")
+    with pytest.raises(ConvertError, match="outside its directory"):
+        esmc_mlx.load(out)
+    one_error_line(convert_cli(out, "-o", tmp_path / "o"), "outside its directory")
+
+
 def test_info_on_folders_that_are_not_models(tmp_path):
     (tmp_path / "empty").mkdir()
     one_error_line(cli("info", tmp_path / "empty"), "no config.json")

@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from ..artifact import INDEX_FILE, SAFETENSORS_DTYPES, safetensors_header
+from ..artifact import INDEX_FILE, SAFETENSORS_DTYPES, index_files, safetensors_header
 from ..config import ESMCConfig
 from ..errors import ConfigError, ConvertError
 from ..resolve import Source
@@ -24,10 +24,7 @@ def _safetensors_files(directory: Path) -> list[Path]:
     index = directory / INDEX_FILE
     present = set(directory.glob("*.safetensors"))
     if index.is_file():
-        try:
-            files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ConvertError(f"{index}: unreadable index ({type(e).__name__}: {e})") from None
+        files = index_files(index)
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise ConvertError(f"{index} names shards that are missing: {', '.join(missing)}")
