@@ -80,7 +80,9 @@ quantize_head_option = click.option(
     "--quantize-head", is_flag=True,
     help="Also quantize the token embedding and the LM head (default: they stay in the float dtype; "
          "they are <1% of the weights and carry the output distribution).")
-force_option = click.option("--force", is_flag=True, help="Replace an existing output directory.")
+force_option = click.option("--force", is_flag=True,
+                            help="Replace an existing output directory that esmc-mlx wrote (never anything else; "
+                                 "see docs/reliability.md).")
 shard_size_option = click.option("--shard-size", default="1GB", show_default=True,
                                  callback=lambda ctx, param, value: _parse_size(value),
                                  help="Largest safetensors shard; bounds the converter's memory.")

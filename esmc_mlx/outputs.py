@@ -286,7 +286,12 @@ def foreign_entries(directory: Path) -> list[str] | None:
         ours = {n for n in present if _LEGACY_MODEL_FILES.fullmatch(n)}
     else:
         return None
-    return [n for n in present if n not in ours and not _later_product(directory, n)]
+    return [n for n in present if n not in ours and not _later_product(directory, n) and not _own_leftover(n)]
+
+
+def _own_leftover(name: str) -> bool:
+    """A lock or temporary file esmc-mlx makes beside what it writes (a killed run leaves them)."""
+    return bool(name.startswith(".") and (name.endswith(".lock") or _LEFTOVER.fullmatch(name)))
 
 
 # --- checks before any work -----------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ValidationError
-from ..outputs import add_to_marker, atomic_file
+from ..outputs import add_to_marker, atomic_file, output_lock
 from .panel import Panel
 
 PLOT_NAME = "per_position.png"
@@ -214,12 +214,13 @@ def write_report(report, panel: Panel, directory: Path, draw: bool = True) -> Pa
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValidationError(f"cannot create the report folder {directory}: {e.strerror}") from None
-    with atomic_file(directory / "report.json") as f:
-        f.write(json.dumps(report.data, indent=1, allow_nan=False) + "\n")
-    drew = draw and plot(report, panel, directory / PLOT_NAME)
-    if not drew and (directory / PLOT_NAME).exists():
-        (directory / PLOT_NAME).unlink()
-    with atomic_file(directory / "report.md") as f:
-        f.write(markdown(report, PLOT_NAME if drew else None))
+    with output_lock(directory):  # two validations of one artifact never mix their files
+        with atomic_file(directory / "report.json") as f:
+            f.write(json.dumps(report.data, indent=1, allow_nan=False) + "\n")
+        drew = draw and plot(report, panel, directory / PLOT_NAME)
+        if not drew and (directory / PLOT_NAME).exists():
+            (directory / PLOT_NAME).unlink()
+        with atomic_file(directory / "report.md") as f:
+            f.write(markdown(report, PLOT_NAME if drew else None))
     add_to_marker(directory.parent, directory.name)
     return directory
