@@ -118,23 +118,25 @@ def _listing(names: list[str], limit: int = 5) -> str:
 
 
 # --- leftovers of killed runs -----------------------------------------------------------------------
-def leftovers(target: Path) -> list[tuple[Path, str, int]]:
-    """(path, kind, pid) of every staging, swapped-out or temporary sibling of ``target``."""
-    target = Path(target)
+def leftovers(target: Path | None = None, folder: Path | None = None) -> list[tuple[Path, Path, str, int]]:
+    """(path, the output it was for, kind, pid) of every staging, swapped-out or temporary
+    sibling of ``target`` (or of anything in ``folder``)."""
+    folder = Path(folder) if folder is not None else Path(target).parent
+    pattern = f".{glob.escape(Path(target).name)}.*-*" if target is not None else ".*-*"
     found = []
-    for path in target.parent.glob(f".{glob.escape(target.name)}.*-*"):
+    for path in folder.glob(pattern):
         m = _LEFTOVER.fullmatch(path.name) or _LEGACY_LEFTOVER.fullmatch(path.name)
-        if m and m["name"] == target.name:
-            found.append((path, m["kind"], int(m.groupdict().get("pid") or 0)))
+        if m and (target is None or m["name"] == Path(target).name):
+            found.append((path, path.parent / m["name"], m["kind"], int(m.groupdict().get("pid") or 0)))
     return found
 
 
-def clean_leftovers(target: Path) -> list[Path]:
-    """Remove what runs that are gone left beside ``target`` and warn naming each. A swapped-out
-    old output (a run killed between its two renames) is put back when ``target`` is missing."""
-    target = Path(target)
+def clean_leftovers(target: Path | None = None, folder: Path | None = None) -> list[Path]:
+    """Remove what runs that are gone left beside ``target`` (or anywhere in ``folder``) and
+    warn naming each. A swapped-out old output (a run killed between its two renames) is put
+    back when ``target`` is missing."""
     removed = []
-    for path, kind, pid in leftovers(target):
+    for path, target, kind, pid in leftovers(target, folder):
         if _alive(pid):
             continue
         if kind == "old" and not os.path.lexists(target):

@@ -504,6 +504,26 @@ def test_embed_debris_of_a_failed_first_run_is_cleared(converted, tmp_path):
     assert snapshot(other) == before
 
 
+def test_temporary_files_of_killed_jobs_are_removed_by_the_next_run(converted, tmp_path):
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n")
+    emb = tmp_path / "emb"
+    assert cli("embed", converted, fasta, "-o", emb, "--no-progress").exit_code == 0
+    dead = 999999999  # no such process
+    (emb / "parts").mkdir()
+    (emb / "parts" / f".part-x.npz.tmp-{dead}-abcdef").write_bytes(b"half a part")
+    (emb / f".manifest.json.tmp-{dead}-abcdef").write_text("{")
+    csv_in = tmp_path / "m.csv"
+    csv_in.write_text("mutant\nM1A\n")
+    (tmp_path / f".scored.csv.tmp-{dead}-abcdef").write_text("half a csv")
+    result = cli("embed", converted, fasta, "-o", emb, "--no-progress")
+    assert result.exit_code == 0 and result.output.count("Warning: removed") == 2, result.output
+    result = cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", tmp_path / "scored.csv",
+                 "--no-progress")
+    assert result.exit_code == 0 and f".scored.csv.tmp-{dead}-abcdef" in result.output, result.output
+    assert debris(tmp_path, emb, emb / "parts") == []
+
+
 def test_a_failed_embed_into_a_new_folder_leaves_nothing(converted, tmp_path, monkeypatch):
     fasta = tmp_path / "in.fasta"
     fasta.write_text(f">a\n{SEQ}\n")

@@ -169,8 +169,8 @@ def write_tensors(ckpt: Checkpoint, directory: Path, dtype: mx.Dtype, plan: Quan
                 bar.update()
                 continue
             for name, t in mapping.rename(source_name, tensor):
-                check_finite(source_name, t, dtype)
-                t = t.astype(dtype)
+                t, source = t.astype(dtype), t
+                check_finite(source_name, source, t)
                 params = plan.params_for(name, t.shape) if plan else None
                 if params is None:
                     writer.add(name, t)
@@ -184,17 +184,19 @@ def write_tensors(ckpt: Checkpoint, directory: Path, dtype: mx.Dtype, plan: Quan
     return quantized
 
 
-def check_finite(source_name: str, tensor: mx.array, dtype: mx.Dtype) -> None:
-    """NaN or Inf in a weight would reach every output silently: refuse it where it enters
-    (one reduction per tensor; the tensor is evaluated for the shard writer anyway)."""
-    if not mx.isfinite(tensor).all().item():
-        bad = int((~mx.isfinite(tensor)).sum().item())
+def check_finite(source_name: str, source: mx.array, cast: mx.array) -> None:
+    """NaN or Inf would reach every output silently: refuse them where they enter. One reduction
+    over the cast tensor (evaluated for the shard writer anyway); the source is read again
+    only to say whether it was damaged or the cast overflowed."""
+    if mx.isfinite(cast).all().item():
+        return
+    if not mx.isfinite(source).all().item():
+        bad = int((~mx.isfinite(source)).sum().item())
         raise ConvertError(f"tensor {source_name} of the checkpoint holds {bad} NaN or Inf value(s) out of "
-                           f"{tensor.size}; the checkpoint is damaged")
-    if tensor.dtype != dtype and not mx.isfinite(tensor.astype(dtype)).all().item():
-        big = mx.abs(tensor).max().item()
-        raise ConvertError(f"tensor {source_name} overflows {dtype_name(dtype)} (largest magnitude {big:.4g}); "
-                           "convert to float32 or bfloat16 instead")
+                           f"{source.size}; the checkpoint is damaged")
+    big = mx.abs(source.astype(mx.float32)).max().item()
+    raise ConvertError(f"tensor {source_name} overflows {dtype_name(cast.dtype)} (largest magnitude {big:.4g}); "
+                       "convert to float32 or bfloat16 instead")
 
 
 def source_record(src: Source, ckpt: Checkpoint, progress: bool) -> dict:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import JobError
-from ..outputs import atomic_file
+from ..outputs import atomic_file, clean_leftovers
 from .fasta import Record
 
 FORMAT = "esmc-mlx-embeddings"
@@ -99,6 +99,8 @@ class EmbeddingStore:
                 raise JobError(f"{self.out} holds embeddings made with other settings ({'; '.join(differ)}); "
                                "use another output directory or --force to start over")
         self.parts.mkdir(parents=True, exist_ok=True)
+        for folder in (self.out, self.parts):  # temporary files of runs that were killed
+            clean_leftovers(folder=folder)
         self._write_manifest(dict(existing or {}, **settings, complete=False))
 
     def _write_manifest(self, data: dict) -> None:
