@@ -24,17 +24,17 @@ from .validate import validate as run_validation
 SOURCE_HELP = "SOURCE: an alias (300M, 600M, 6B, tiny), a Hub repo id, a local directory or a legacy .pth file."
 
 
-def _error_line(error: BaseException) -> click.ClickException | None:
-    """The `Error: ...` line for a failure the user can act on, or None for a bug (traceback)."""
+def _error_line(error: EsmcMlxError | OSError) -> click.ClickException:
+    """The `Error: ...` line: the library's message, or for the system's errors (the disk,
+    permissions, a path that vanished) what happened to which path. Anything else is a bug and
+    keeps its traceback."""
     if isinstance(error, EsmcMlxError):
         return click.ClickException(str(error))
-    if isinstance(error, OSError):  # the disk, permissions, a path that vanished: name the path
-        if error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return click.ClickException(f"the disk is full: could not write {error.filename or 'the output'}; "
-                                        "free some space and run again")
-        where = f"{error.filename}: " if error.filename else ""
-        return click.ClickException(f"{where}{error.strerror or error}")
-    return None
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return click.ClickException(f"the disk is full: could not write {error.filename or 'the output'}; "
+                                    "free some space and run again")
+    where = f"{error.filename}: " if error.filename else ""
+    return click.ClickException(f"{where}{error.strerror or error}")
 
 
 def _run(invoke, ctx):
@@ -44,8 +44,7 @@ def _run(invoke, ctx):
         try:
             return invoke(ctx)
         except (EsmcMlxError, OSError) as e:
-            line = _error_line(e)
-            raise line from None
+            raise _error_line(e) from None
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):

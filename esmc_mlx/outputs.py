@@ -297,22 +297,28 @@ def _own_leftover(name: str) -> bool:
 
 
 # --- checks before any work -----------------------------------------------------------------------
-def ensure_parent(target: Path) -> None:
-    """Create ``target``'s parent directory; OutputError if it cannot be created or written."""
+def ensure_parent(target: Path, create: bool = True) -> None:
+    """Create ``target``'s parent directory (or, with ``create=False``, check that it could be
+    created: nothing is made before the work is known to start); OutputError if it cannot be
+    created or written."""
     parent = Path(target).parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"cannot create {parent}: {e.strerror}") from None
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"{parent} is not writable")
+    if create:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"cannot create {parent}: {e.strerror}") from None
+    existing = next(p for p in (parent, *parent.parents) if p.exists() or p == Path(p.anchor))
+    if not existing.is_dir():
+        raise OutputError(f"cannot create {parent}: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputError(f"{existing} is not writable")
 
 
 def _is_within(inner: Path, outer: Path) -> bool:
     return inner == outer or outer in inner.parents
 
 
-def check_target(out: str | Path, force: bool, sources: Iterable[str | Path] = ()) -> None:
+def check_target(out: str | Path, force: bool, sources: Iterable[str | Path] = (), create_parent: bool = False) -> None:
     """Fail before any work when the output directory ``out`` cannot be (re)placed: it exists and
     ``force`` is off; it is or contains one of ``sources``; or, with ``force``, it is a file, a
     link, the current directory or one holding it, a directory esmc-mlx did not write, or one
@@ -341,7 +347,7 @@ def check_target(out: str | Path, force: bool, sources: Iterable[str | Path] = (
         if foreign:
             raise OutputError(f"{refuse} it holds files esmc-mlx did not write ({_listing(foreign)}); move them "
                               "out first")
-    ensure_parent(out)
+    ensure_parent(out, create_parent)
 
 
 def check_file_target(path: str | Path, option: str = "-o") -> None:
@@ -401,7 +407,7 @@ class StagedDirectory:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "StagedDirectory":
-        check_target(self.out, self.force, self.sources)
+        check_target(self.out, self.force, self.sources, create_parent=True)
         with self._stack:
             self._stack.enter_context(output_lock(self.out))
             clean_leftovers(self.out)

@@ -735,6 +735,12 @@ def test_score_into_a_missing_folder_fails_before_scoring(converted, tmp_path, m
     assert not (tmp_path / "nope").exists()
 
 
+def test_a_failed_conversion_creates_no_folders(tmp_path):
+    result = convert_cli(tmp_path / "missing", "-o", tmp_path / "new" / "deeper" / "out")
+    one_error_line(result, "no such file or directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_output_under_a_file_and_on_a_read_only_file_system(checkpoints, tmp_path):
     (tmp_path / "a_file").write_text("")
     one_error_line(convert_cli(checkpoints["published"], "-o", tmp_path / "a_file" / "out"), "cannot create", "a_file")
