@@ -172,6 +172,7 @@ def output_lock(target: str | Path, create_parent: bool = True) -> Iterator[None
     ``create_parent=False``: a missing parent folder is an error instead."""
     target = Path(target)
     path = lock_path(target)
+    made = _first_missing(target) if create_parent else None
     if create_parent:
         ensure_parent(target)
     elif not target.parent.is_dir():
@@ -180,12 +181,14 @@ def output_lock(target: str | Path, create_parent: bool = True) -> Iterator[None
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:
+            _remove_made(target, made)
             raise write_error(e, path) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
+            _remove_made(target, made)
             raise OutputError(f"{target} is being written by another esmc-mlx run (PID {holder}); wait for it "
                               f"to finish or choose another output") from None
         try:  # the previous holder may have removed the file between our open and our lock
@@ -203,6 +206,7 @@ def output_lock(target: str | Path, create_parent: bool = True) -> Iterator[None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # while still holding it: whoever opened the old file fails its check above
         os.close(fd)
+        _remove_made(target, made)
 
 
 def locked(parameter: str, when: Callable[[dict], bool] = lambda args: True, create_parent: bool = True):
@@ -314,6 +318,25 @@ def ensure_parent(target: Path, create: bool = True) -> None:
         raise OutputError(f"{existing} is not writable")
 
 
+def _first_missing(target: Path) -> Path | None:
+    """The topmost folder above ``target`` that does not exist yet (what creating it would make)."""
+    missing = [p for p in (Path(target).parent, *Path(target).parent.parents) if not p.exists()]
+    return missing[-1] if missing else None
+
+
+def _remove_made(target: Path, top: Path | None) -> None:
+    """Remove the (empty) folders made for ``target`` down from ``top``, when nothing came of it."""
+    if top is None or os.path.lexists(target):
+        return
+    for folder in (Path(target).parent, *Path(target).parent.parents):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        if folder == top:
+            return
+
+
 def _is_within(inner: Path, outer: Path) -> bool:
     return inner == outer or outer in inner.parents
 
@@ -404,21 +427,27 @@ class StagedDirectory:
         self.kind = kind
         self.path: Path | None = None
         self.done: Path | None = None  # where the staging went: out, or the failed copy
+        self._made: Path | None = None  # the topmost folder made for out, removed if nothing came of it
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "StagedDirectory":
-        check_target(self.out, self.force, self.sources, create_parent=True)
-        with self._stack:
-            self._stack.enter_context(output_lock(self.out))
-            clean_leftovers(self.out)
-            check_target(self.out, self.force, self.sources)  # another run may have finished meanwhile
-            path = self.out.parent / f".{self.out.name}.partial-{os.getpid()}-{_token()}"
-            try:
-                path.mkdir()  # mode 0777 & ~umask
-            except OSError as e:
-                raise write_error(e, path) from None
-            self.path = path
-            self._stack = self._stack.pop_all()
+        self._made = _first_missing(self.out)
+        try:
+            check_target(self.out, self.force, self.sources, create_parent=True)
+            with self._stack:
+                self._stack.enter_context(output_lock(self.out))
+                clean_leftovers(self.out)
+                check_target(self.out, self.force, self.sources)  # another run may have finished meanwhile
+                path = self.out.parent / f".{self.out.name}.partial-{os.getpid()}-{_token()}"
+                try:
+                    path.mkdir()  # mode 0777 & ~umask
+                except OSError as e:
+                    raise write_error(e, path) from None
+                self.path = path
+                self._stack = self._stack.pop_all()
+        except BaseException:
+            _remove_made(self.out, self._made)
+            raise
         return self
 
     def publish(self) -> Path:
@@ -456,6 +485,8 @@ class StagedDirectory:
                 shutil.rmtree(self.path, ignore_errors=True)
         finally:
             self._stack.close()
+            if self.done is None:
+                _remove_made(self.out, self._made)
         if full:
             raise disk_full_error(Path(getattr(error, "filename", None) or self.path)) from None
         return False

@@ -735,10 +735,15 @@ def test_score_into_a_missing_folder_fails_before_scoring(converted, tmp_path, m
     assert not (tmp_path / "nope").exists()
 
 
-def test_a_failed_conversion_creates_no_folders(tmp_path):
+def test_failed_runs_leave_no_folders_they_made(checkpoints, converted, tmp_path):
     result = convert_cli(tmp_path / "missing", "-o", tmp_path / "new" / "deeper" / "out")
     one_error_line(result, "no such file or directory")
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    bad = edited_checkpoint(checkpoints["published"], tmp_path / "nan",
+                            lambda s: s["esmc.norm.weight"].__setitem__(0, float("nan")))
+    one_error_line(convert_cli(bad, "-o", tmp_path / "new" / "out", "--no-validate"), "esmc.norm.weight")
+    (tmp_path / "bad.fasta").write_text("not fasta\n")
+    one_error_line(cli("embed", converted, tmp_path / "bad.fasta", "-o", tmp_path / "new" / "emb"), "bad.fasta")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.fasta", "nan"]
 
 
 def test_output_under_a_file_and_on_a_read_only_file_system(checkpoints, tmp_path):
