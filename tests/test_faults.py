@@ -313,6 +313,25 @@ def test_a_second_conversion_to_the_same_output_fails_naming_the_holder(old_outp
     assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
 
 
+def test_two_real_conversions_to_one_output(tmp_path):
+    """Two esmc-convert processes started together: one writes, the other stops with a message
+    (the lock's, or "already exists" when the first finished before it got there); never two
+    "Wrote" lines for one directory."""
+    src = testing.write_random_checkpoint(tmp_path / "src", testing.tiny_config(**KILL_CONFIG), dtype="float32")
+    env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
+    command = [shutil.which("esmc-convert") or "esmc-convert", str(src), "-o", str(tmp_path / "out"),
+               "--no-validate", "--shard-size", "8MB"]
+    procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    assert sorted(rc for rc, _, _ in results) == [0, 1], results
+    loser = next(err for rc, _, err in results if rc == 1)
+    assert "being written by another esmc-mlx run (PID" in loser or "already exists" in loser, loser
+    assert sum("Wrote" in out for _, out, _ in results) == 1
+    assert esmc_mlx.load(tmp_path / "out")[0] is not None
+    assert debris(tmp_path) == []
+
+
 def test_a_lock_is_per_path_and_released_after_errors(checkpoints, tmp_path):
     with outputs.output_lock(tmp_path / "a"):
         with pytest.raises(OutputError, match=f"PID {os.getpid()}"):
