@@ -371,10 +371,11 @@ def test_converter_refuses_a_stray_safetensors_beside_indexed_shards(tmp_path, t
     assert not (tmp_path / "out").exists() and debris(tmp_path) == []
 
 
-def test_quantize_info_and_load_refuse_a_stray_file_in_an_artifact(old_output, tmp_path):
+def test_quantize_info_validate_and_load_refuse_a_stray_file_in_an_artifact(old_output, checkpoints, tmp_path):
     out, _ = old_output
     shutil.copy(out / "model.safetensors", out / "model_old.safetensors")
-    for result in (cli("quantize", out, "-o", tmp_path / "q4", "--q", "4"), cli("info", out)):
+    for result in (cli("quantize", out, "-o", tmp_path / "q4", "--q", "4"), cli("info", out),
+                   cli("validate", out, "--reference", checkpoints["published"])):
         one_error_line(result, "model_old.safetensors")
     with pytest.raises(ConvertError, match="model_old.safetensors"):
         esmc_mlx.load(out)
