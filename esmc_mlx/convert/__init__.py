@@ -21,6 +21,7 @@ from ..artifact import FLOAT_DTYPES, dtype_name, expected_shapes, read_config, s
 from ..config import ESMCConfig
 from ..errors import ConvertError, QuantizeError
 from ..outputs import StagedDirectory, check_target
+from ..privacy import public_command, public_source_id, scrub
 from ..quantize import QuantParams, QuantPlan, parse_spec, quantize_tensor, refuse_quantized
 from ..resolve import Source, resolve
 from ..vocab import write_tokenizer_files
@@ -112,10 +113,11 @@ def write_artifact(job: Conversion, directory: Path, shard_bytes: int = DEFAULT_
     overrides = write_tensors(job.ckpt, directory, job.dtype, job.plan, shard_bytes, progress)
     plan = job.plan
     extra = {
+        # an older parent's record may hold local paths: scrub keeps only their basenames
         "source": dict(source_record(job.src, job.ckpt, progress),
-                       **({"derived_from": job.derived_from} if job.derived_from else {})),
+                       **({"derived_from": scrub(job.derived_from)} if job.derived_from else {})),
         "converter": {"name": "esmc-mlx", "version": __version__},
-        "command": job.command,
+        "command": public_command(job.command),  # typed paths cut to basenames (issue 12, rule 9)
         "quantization": {"spec": plan.spec, "quantize_head": plan.quantize_head} if plan else None,
         "seconds": round(time.perf_counter() - started, 2),
     }
@@ -222,7 +224,7 @@ def source_record(src: Source, ckpt: Checkpoint, progress: bool) -> dict:
     files = {}
     for f in tqdm(ckpt.files, desc="hashing source", unit="file", disable=not progress or len(ckpt.files) < 2):
         files[f.name] = sha256(f)
-    return {"id": src.id, "revision": src.revision, "files": files}
+    return {"id": public_source_id(src.id), "revision": src.revision, "files": files}
 
 
 def write_config(directory: Path, config: ESMCConfig, dtype: mx.Dtype, quantization: dict | None,

@@ -1,7 +1,7 @@
 """The model card (README.md) of a published artifact, written from the artifact itself.
 
 Everything on the card is read from the directory: config.json (architecture, dtype,
-quantization, provenance: source repo, revision, file hashes, the exact conversion command,
+quantization, provenance: source repo, revision, file hashes, the conversion command,
 license), the safetensors headers (which layers are quantized), ``esmc_mlx.info.describe``
 (bits per weight, size) and ``validation/`` (report.json, report.md, plots). Nothing is typed
 by hand, so the card cannot drift from the weights it describes.
@@ -18,9 +18,9 @@ from ..artifact import GENERATED_CARD_LINE as MARKER  # the card's last line
 from ..artifact import (FP_MODES, describe, precision_label, quantization_record, quantized_bits,
                         safetensors_header, weight_files)
 from ..errors import HubError
+from .repo_id import is_repo_id
 
 PROJECT_URL = "https://pypi.org/project/esmc-mlx/"
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 @dataclasses.dataclass
@@ -128,7 +128,7 @@ def artifact_facts(model_dir: Path) -> dict:
 def base_model_of(meta: dict) -> str | None:
     """The source's Hub repo id, when the artifact was converted from one (not a local path)."""
     source_id = (meta.get("source") or {}).get("id") or ""
-    if REPO_ID.match(source_id) and not source_id.startswith("esmc-mlx/") and not Path(source_id).exists():
+    if is_repo_id(source_id) and not source_id.startswith("esmc-mlx/"):  # esmc-mlx/...: a bundled model
         return source_id
     return None
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..errors import ValidationError
 from ..outputs import add_to_marker, atomic_file, output_lock
+from ..privacy import public_source_id, scrub
 from .panel import Panel
 
 PLOT_NAME = "per_position.png"
@@ -197,7 +198,7 @@ def plot(report, panel: Panel, path: Path) -> bool:
                    title_fontsize=7.5, frameon=False)
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     a = d["artifact"]
-    fig.suptitle(f"{Path(a['path']).name} ({_describe_precision(a)}) vs {d['reference']['id']}: "
+    fig.suptitle(f"{Path(a['path']).name} ({_describe_precision(a)}) vs {public_source_id(d['reference']['id'])}: "
                  f"{'PASSED' if report.passed else 'FAILED'}", fontsize=11, x=0.07, ha="left")
     try:
         with atomic_file(path, "wb") as f:
@@ -214,13 +215,17 @@ def write_report(report, panel: Panel, directory: Path, draw: bool = True) -> Pa
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValidationError(f"cannot create the report folder {directory}: {e.strerror}") from None
+    # The files may be published: local paths become relative to the artifact or basenames
+    # (issue 12, rule 9); report.data, in memory, keeps them.
+    root = (report.data.get("artifact") or {}).get("path")
+    public = scrub(report.data, root)
     with output_lock(directory):  # two validations of one artifact never mix their files
         with atomic_file(directory / "report.json") as f:
-            f.write(json.dumps(report.data, indent=1, allow_nan=False) + "\n")
+            f.write(json.dumps(public, indent=1, allow_nan=False) + "\n")
         drew = draw and plot(report, panel, directory / PLOT_NAME)
         if not drew and (directory / PLOT_NAME).exists():
             (directory / PLOT_NAME).unlink()
         with atomic_file(directory / "report.md") as f:
-            f.write(markdown(report, PLOT_NAME if drew else None))
+            f.write(scrub(markdown(report, PLOT_NAME if drew else None), root))
     add_to_marker(directory.parent, directory.name)
     return directory
