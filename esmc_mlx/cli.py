@@ -5,7 +5,9 @@ from __future__ import annotations
 import errno
 import json
 import shlex
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -37,14 +39,29 @@ def _error_line(error: EsmcMlxError | OSError) -> click.ClickException:
     return click.ClickException(f"{where}{error.strerror or error}")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's time limit, `kill`): unwound like Ctrl-C, so that every writer
+    removes its staging and releases its lock on the way out."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def _run(invoke, ctx):
-    with warnings.catch_warnings():
-        warnings.simplefilter("default", EsmcMlxWarning)  # once per message
-        warnings.showwarning = _show_warning
-        try:
-            return invoke(ctx)
-        except (EsmcMlxError, OSError) as e:
-            raise _error_line(e) from None
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default", EsmcMlxWarning)  # once per message
+            warnings.showwarning = _show_warning
+            try:
+                return invoke(ctx)
+            except (EsmcMlxError, OSError) as e:
+                raise _error_line(e) from None
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):

@@ -485,6 +485,25 @@ def test_a_killed_conversion_is_cleaned_up_and_named_by_the_next_run(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 
 
+def test_a_terminated_conversion_cleans_up_itself(tmp_path):
+    """SIGTERM (a scheduler's time limit) unwinds like Ctrl-C: the run removes its own staging."""
+    src = testing.write_random_checkpoint(tmp_path / "src", testing.tiny_config(**KILL_CONFIG), dtype="float32")
+    env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
+    command = [shutil.which("esmc-convert") or "esmc-convert", str(src), "-o", str(tmp_path / "out"),
+               "--no-validate", "--shard-size", "1MB"]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if [p for p in tmp_path.glob(".out.partial-*") if list(p.glob("shard-*"))]:
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the conversion finished before it could be terminated"
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "Aborted" in err and "Traceback" not in err, err
+    assert debris(tmp_path) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
 def test_leftovers_of_older_versions_and_a_half_swapped_output(old_output, checkpoints, tmp_path):
     out, before = old_output
     legacy = tmp_path / ".out.partial-k3j_x9a2"  # tempfile's name, no PID: from a version without locks
