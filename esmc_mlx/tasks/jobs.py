@@ -1,5 +1,5 @@
-"""The two jobs behind ``esmc-mlx embed`` and ``esmc-mlx score``: resumable embedding of a
-FASTA file into a directory (``store.EmbeddingStore``), and scoring a CSV of mutants. Both run
+"""The jobs behind ``esmc-mlx embed``, ``scan`` and ``score``: resumable embedding of a FASTA
+file into a directory (``store.EmbeddingStore``), saturation scans, and scoring a CSV of mutants. Both run
 unchanged under ``mlx.launch``: every rank reads the input and takes a slice, rank 0 alone writes.
 """
 
@@ -19,9 +19,11 @@ from ..errors import EsmcMlxError, JobError, ScoringError
 from ..runtime.load import load
 from ..vocab import check_sequence
 from .distributed import World
-from .fasta import read_fasta
+from .fasta import iter_fasta, read_fasta
+from .heatmap import check_plotting
 from .mutations import apply, parse_mutants
-from .scoring import DEFAULT_BATCH_SIZE, DEFAULT_BATCH_TOKENS, METHODS, encode, iter_embeddings, length_batches, \
+from .scan import scan as run_scan
+from .scoring import DEFAULT_BATCH_SIZE, DEFAULT_BATCH_TOKENS, DEFAULT_WINDOW, METHODS, encode, iter_embeddings, length_batches, \
     resolve_layer, score_mutations
 from .stats import spearman
 from .store import FLUSH_BYTES, EmbeddingStore, sequence_hash
@@ -138,6 +140,42 @@ def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, p
     return EmbedSummary(Path(out), len(records), skipped, computed, dropped, world.rank, world.size)
 
 
+# --- esmc-mlx scan ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class ScanSummary:
+    out: Path
+    scanned: list[tuple[str, int, int]]  # (name, residues, forward passes) per protein
+    rank: int = 0
+    world_size: int = 1
+
+
+def scan_job(model, out: str | Path, *, sequence: str | None = None, fasta: str | Path | None = None,
+             name: str = "sequence", method: str = "masked_marginal", batch_size: int = DEFAULT_BATCH_SIZE,
+             window: int | None = DEFAULT_WINDOW, offset: int = 1, plot: bool = True, per_row: int = 100,
+             group=None, progress: bool = False) -> ScanSummary:
+    """Scan ``sequence`` (literal, or a FASTA file with one record) or every record of
+    ``fasta`` and write each protein's files into ``out`` (see ``Scan.write``); rank 0 writes.
+    Raises FastaError, ScoringError, JobError (matplotlib missing with ``plot``)."""
+    if (sequence is None) == (fasta is None):
+        raise JobError("give exactly one of --sequence and --fasta")
+    if fasta is not None:
+        records = [(r.id, r.sequence) for r in iter_fasta(fasta)]  # all checked before the model loads
+    else:
+        records = [(name, resolve_sequence(sequence))]
+    if plot and World.of(group).is_root:
+        check_plotting()
+    model, _ = _model(model, None)
+    world, scanned = World.of(group), []
+    for ident, seq in records:
+        result = run_scan(model, seq, method=method, batch_size=batch_size, window=window, offset=offset,
+                          name=ident, group=world.group, progress=progress)
+        if world.is_root:
+            result.write(out, plot=plot, per_row=per_row)
+        scanned.append((ident, len(result.positions), result.passes))
+    return ScanSummary(Path(out), scanned, world.rank, world.size)
+
+
 # --- esmc-mlx score ---------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -177,7 +215,7 @@ def read_mutants_csv(path: str | Path, mutant_column: str = "mutant") -> tuple[l
 def resolve_sequence(text: str) -> str:
     """A wild-type sequence given literally or as a FASTA file with one record."""
     path = Path(text).expanduser()
-    if path.is_file():
+    if _is_file(path):
         records = read_fasta(path)
         if len(records) != 1:
             raise JobError(f"{path}: holds {len(records)} records; the wild type must be a single sequence")
@@ -185,9 +223,19 @@ def resolve_sequence(text: str) -> str:
     return check_sequence(text.strip(), "--sequence", label="sequence")
 
 
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` names a file; False for text no file system accepts as a name (a
+    protein of more than ~255 residues given literally raises OSError "File name too long")."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def score_csv(model, sequence: str, mutations_csv: str | Path, out: str | Path | None, *,
               methods: Sequence[str] = ("masked_marginal", "wt_marginal"), batch_size: int = DEFAULT_BATCH_SIZE,
-              offset: int = 1, mutant_column: str = "mutant", dms_column: str = "DMS_score",
+              offset: int = 1, multi: str = "sum", window: int | None = DEFAULT_WINDOW,
+              mutant_column: str = "mutant", dms_column: str = "DMS_score",
               group=None, progress: bool = False) -> ScoreSummary:
     """Score the mutants of a CSV and write it back (to ``out``) with one column per method.
     ``sequence``: the wild type, or a FASTA file holding it. ``model``: a loaded ESMC, or a
@@ -213,7 +261,7 @@ def score_csv(model, sequence: str, mutations_csv: str | Path, out: str | Path |
                                "applied to the wild type (wrong --sequence or --offset?)")
     model, _ = _model(model, None)
     result = score_mutations(model, wt, mutants, methods=methods, batch_size=batch_size, offset=offset,
-                             group=world.group, progress=progress, where=where)
+                             multi=multi, window=window, group=world.group, progress=progress, where=where)
     correlations = {}
     if dms_column in columns:
         measured = np.array([_float(row[dms_column]) for row in rows])
