@@ -281,10 +281,21 @@ def push(mlx_dir, repo_id, private, revision, commit_message, create_pr, dry_run
         click.echo("\n--- README.md (model card) ---\n" + result.card)
 
 
-EMBED_HELP = """Embed every sequence of a FASTA file: mean-pooled and, with --per-residue, per-residue
-embeddings from hidden state --layer, written to the directory OUT (mean.npy, index.tsv,
-per_residue.npy + offsets.npy; see docs/scoring.md). Results are flushed as they come: rerun
-the same command to resume an interrupted run. Sequences are batched by length.
+EMBED_HELP = """Embed every sequence of a FASTA file into the directory OUT: for each hidden state
+of --layers, each pooling of --pool, all from one forward pass per batch (see docs/scoring.md).
+Results are flushed as they come: rerun the same command to resume an interrupted run. The
+FASTA is read as a stream (memory does not grow with the file beyond ~100 bytes per record);
+sequences are batched by length.
+
+\b
+--layers  hidden states: 0 = token embeddings, i = after block i, -1 = final (after the
+          last norm); a comma list (6,12,-1) or all. --layer N is the one-layer spelling.
+--pool    mean, max (over the residues, <cls>/<eos>/padding excluded), cls (the <cls>
+          token's row), per-residue (every residue's row); a comma list. --per-residue
+          adds per-residue.
+--format  npy: NAME.npy per array (memory-mappable); safetensors: sharded
+          embeddings-*.safetensors + index; h5: embeddings.h5 (needs esmc-mlx[h5]).
+          NAME is the pool for one layer, layer{i}_{pool} for several.
 
 Runs data-parallel under MLX's launcher, each rank taking a slice, rank 0 writing:
 
@@ -295,6 +306,7 @@ Runs data-parallel under MLX's launcher, each rank taking a slice, rank 0 writin
 Examples:
   esmc-mlx embed esmc-300m-mlx proteome.fasta -o proteome-emb
   esmc-mlx embed esmc-300m-mlx designs.fasta -o designs-emb --layer 20 --per-residue
+  esmc-mlx embed esmc-300m-mlx designs.fasta -o designs-emb --layers 6,12,-1 --pool mean,max,cls --format h5
 """
 
 
@@ -303,18 +315,26 @@ Examples:
 @click.argument("fasta", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Output directory (created; an existing one is resumed).")
+@click.option("--layers", metavar="LIST", help="Hidden states, e.g. 6,12,-1 or all (default: --layer).")
 @click.option("--layer", default=-1, show_default=True,
-              help="Hidden state: 0 = token embeddings, i = after block i, -1 = final (after the last norm).")
-@click.option("--per-residue", is_flag=True, help="Also store every residue's embedding.")
+              help="One hidden state: 0 = token embeddings, i = after block i, -1 = final (after the last norm).")
+@click.option("--pool", "pools", metavar="LIST", help="Poolings: mean,max,cls,per-residue (default: mean).")
+@click.option("--per-residue", is_flag=True, help="Also store every residue's embedding (= adding per-residue to --pool).")
+@click.option("--format", "storage", type=click.Choice(["npy", "safetensors", "h5"]), default="npy", show_default=True,
+              help="How the arrays are stored.")
 @click.option("--batch-tokens", default=4096, show_default=True, type=click.IntRange(1),
               help="Padded tokens per forward pass (rows x longest row).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
               help="Storage dtype of the embeddings.")
 @click.option("--force", is_flag=True, help="Discard what OUT holds and start over.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def embed(model, fasta, output, layer, per_residue, batch_tokens, dtype, force, no_progress):
-    s = embed_fasta(model, fasta, output, layer=layer, per_residue=per_residue, batch_tokens=batch_tokens,
-                    dtype=dtype, force=force, group=World.current(), progress=not no_progress)
+def embed(model, fasta, output, layers, layer, pools, per_residue, storage, batch_tokens, dtype, force, no_progress):
+    pool_list = pools.split(",") if pools else ["mean"]
+    if per_residue:
+        pool_list.append("per_residue")
+    s = embed_fasta(model, fasta, output, layers=layers if layers else layer, pools=pool_list, storage=storage,
+                    batch_tokens=batch_tokens, dtype=dtype, force=force, group=World.current(),
+                    progress=not no_progress)
     if s.rank == 0:
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
         click.echo(f"Embedded {s.computed} sequences{ranks} ({s.skipped} already done, {s.total} in all) -> {s.out}")

@@ -79,14 +79,24 @@ def _progress(total: int, unit: str, desc: str, enabled: bool):
 
 # --- embeddings ------------------------------------------------------------------------------
 
+POOLS = ("mean", "max", "cls", "per_residue")
+
+
 @dataclasses.dataclass
 class Embeddings:
-    """``mean``: (N, d) float32, row i for sequence i. ``per_residue``: N arrays (L_i, d) when
-    asked for. ``layer``: the hidden-state index used (0 = token embeddings, n_layers = final)."""
+    """``pooled[(layer, pool)]``: (N, d) float32 for pools mean / max / cls, or N arrays (L_i, d)
+    for per_residue, for every hidden-state index in ``layers`` (0 = token embeddings,
+    n_layers = final) and pool asked for. ``mean``, ``per_residue`` and ``layer``: those of the
+    first layer (None when not asked for), as before several layers could be asked."""
 
-    mean: np.ndarray
+    mean: np.ndarray | None
     per_residue: list[np.ndarray] | None
     layer: int
+    pooled: dict = dataclasses.field(default_factory=dict)
+    layers: tuple[int, ...] = ()
+
+    def get(self, pool: str = "mean", layer: int | None = None):
+        return self.pooled[(self.layer if layer is None else layer, pool)]
 
 
 def resolve_layer(layer: int, num_layers: int) -> int:
@@ -96,6 +106,37 @@ def resolve_layer(layer: int, num_layers: int) -> int:
         raise ScoringError(f"layer {layer} is out of range: this model has hidden states 0..{num_layers} "
                            f"(0 = token embeddings, {num_layers} or -1 = final)")
     return layer % (num_layers + 1)
+
+
+def resolve_layers(layers, num_layers: int) -> tuple[int, ...]:
+    """``"all"``, ``"6,12,-1"``, an int or a list of ints -> distinct hidden-state indices, in
+    the order given."""
+    if isinstance(layers, str):
+        text = layers.strip().lower()
+        if text == "all":
+            return tuple(range(num_layers + 1))
+        try:
+            layers = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ScoringError(f"layers {layers!r}: give 'all' or comma-separated integers like 6,12,-1") from None
+    if isinstance(layers, int):
+        layers = [layers]
+    out = tuple(dict.fromkeys(resolve_layer(int(x), num_layers) for x in layers))
+    if not out:
+        raise ScoringError("no layer given")
+    return out
+
+
+def resolve_pools(pools) -> tuple[str, ...]:
+    """``"mean,max,cls,per-residue"`` or a list -> distinct pool names (``per-residue`` and
+    ``per_residue`` both accepted)."""
+    if isinstance(pools, str):
+        pools = pools.split(",")
+    out = tuple(dict.fromkeys(p.strip().lower().replace("-", "_") for p in pools if p.strip()))
+    unknown = [p for p in out if p not in POOLS]
+    if unknown or not out:
+        raise ScoringError(f"unknown pooling {unknown or pools!r}; choose from mean, max, cls, per-residue")
+    return out
 
 
 def length_batches(token_lengths: Sequence[int], batch_tokens: int) -> list[np.ndarray]:
@@ -116,52 +157,70 @@ def length_batches(token_lengths: Sequence[int], batch_tokens: int) -> list[np.n
     return batches
 
 
-def iter_embeddings(model, encoded: list[np.ndarray], batches: Sequence[Sequence[int]], *, layer: int = -1,
-                    per_residue: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, list[np.ndarray] | None]]:
-    """For each batch of indices into ``encoded`` (token ids with <cls>/<eos>): the indices,
-    their mean embeddings (n, d) float32 and, with ``per_residue``, their (L_i, d) rows."""
-    index = resolve_layer(layer, model.config.num_hidden_layers)
-    final = index == model.config.num_hidden_layers
+def iter_embeddings(model, encoded: list[np.ndarray], batches: Sequence[Sequence[int]], *,
+                    layers=(-1,), pools=("mean",)) -> Iterator[tuple[np.ndarray, dict]]:
+    """For each batch of indices into ``encoded`` (token ids with <cls>/<eos>): the indices and
+    ``{(layer, pool): value}`` for every layer and pool, from one forward pass: pooled values
+    (n, d) float32, per-residue values a list of (L_i, d) float32 arrays. Pools over the residue
+    rows (between <cls> and <eos>, padding excluded): mean, max; cls is the <cls> row."""
+    n_layers = model.config.num_hidden_layers
+    layers, pools = resolve_layers(list(layers), n_layers), resolve_pools(pools)
+    need_all = any(i != n_layers for i in layers)
     for rows in batches:
         rows = np.asarray(rows)
         ids, attn, sid = _pack(encoded, rows)
-        out = _forward(model, ids, attn, sid, output_hidden_states=not final)
-        h = (out.last_hidden_state if final else out.hidden_states[index]).astype(mx.float32)
+        out = _forward(model, ids, attn, sid, output_hidden_states=need_all)
         lengths = np.array([len(encoded[r]) - 2 for r in rows])
         positions = np.arange(ids.shape[1])[None, :]
-        inside = ((positions >= 1) & (positions <= lengths[:, None])).astype(np.float32)
-        mean = (h * mx.array(inside)[..., None]).sum(axis=1) / mx.array(lengths[:, None].astype(np.float32))
-        if per_residue:
-            mx.eval(mean, h)
-            full = np.array(h)
-            yield rows, np.array(mean), [full[k, 1 : 1 + n].copy() for k, n in enumerate(lengths)]
-        else:
-            mx.eval(mean)
-            yield rows, np.array(mean), None
+        inside = mx.array((positions >= 1) & (positions <= lengths[:, None]))[..., None]
+        lazy = {}
+        for i in layers:
+            h = (out.last_hidden_state if i == n_layers else out.hidden_states[i]).astype(mx.float32)
+            for pool in pools:
+                if pool == "mean":
+                    lazy[(i, pool)] = (h * inside).sum(axis=1) / mx.array(lengths[:, None].astype(np.float32))
+                elif pool == "max":
+                    lazy[(i, pool)] = mx.where(inside, h, mx.array(-np.inf, mx.float32)).max(axis=1)
+                elif pool == "cls":
+                    lazy[(i, pool)] = h[:, 0]
+                else:
+                    lazy[(i, pool)] = h
+        mx.eval(*lazy.values())
+        values = {}
+        for key, v in lazy.items():
+            v = np.array(v)
+            values[key] = [v[k, 1 : 1 + n].copy() for k, n in enumerate(lengths)] if key[1] == "per_residue" else v
+        yield rows, values
 
 
-def embed(model, sequences: str | Sequence[str], *, layer: int = -1, per_residue: bool = False,
-          batch_tokens: int = DEFAULT_BATCH_TOKENS, tokenizer=None, progress: bool = False) -> Embeddings:
-    """Mean-pooled (and optionally per-residue) embeddings of ``sequences`` from hidden state
-    ``layer`` (0 = token embeddings, -1 = final). Sequences are batched by length, at most
-    ``batch_tokens`` padded tokens a pass. Raises TokenizerError for characters outside the
-    vocabulary, ScoringError for a layer the model does not have."""
+def embed(model, sequences: str | Sequence[str], *, layer: int = -1, per_residue: bool = False, layers=None,
+          pools=None, batch_tokens: int = DEFAULT_BATCH_TOKENS, tokenizer=None, progress: bool = False) -> Embeddings:
+    """Embeddings of ``sequences`` from the hidden states ``layers`` (0 = token embeddings, -1 =
+    final; default: ``layer``) pooled as ``pools`` (mean, max, cls, per_residue; default: mean,
+    plus per_residue with ``per_residue``), all from one forward pass per batch. Sequences are
+    batched by length, at most ``batch_tokens`` padded tokens a pass. Raises TokenizerError for
+    characters outside the vocabulary, ScoringError for a layer the model does not have."""
     if isinstance(sequences, str):
         sequences = [sequences]
+    n_layers = model.config.num_hidden_layers
+    layers = resolve_layers(layer if layers is None else layers, n_layers)
+    pools = resolve_pools(pools if pools is not None else ("mean", "per_residue") if per_residue else ("mean",))
     encoded = encode(sequences, tokenizer)
-    d = model.config.hidden_size
-    mean = np.zeros((len(encoded), d), dtype=np.float32)
-    residues: list[np.ndarray | None] = [None] * len(encoded)
+    d, n = model.config.hidden_size, len(encoded)
+    pooled = {(i, p): ([None] * n if p == "per_residue" else np.zeros((n, d), np.float32))
+              for i in layers for p in pools}
     batches = length_batches([len(e) for e in encoded], batch_tokens)
-    with _progress(len(encoded), "seq", "embed", progress) as bar:
-        for rows, m, per in iter_embeddings(model, encoded, batches, layer=layer, per_residue=per_residue):
-            mean[rows] = m
-            if per is not None:
-                for r, p in zip(rows, per):
-                    residues[r] = p
+    with _progress(n, "seq", "embed", progress) as bar:
+        for rows, values in iter_embeddings(model, encoded, batches, layers=layers, pools=pools):
+            for key, v in values.items():
+                if key[1] == "per_residue":
+                    for r, x in zip(rows, v):
+                        pooled[key][r] = x
+                else:
+                    pooled[key][rows] = v
             bar.update(len(rows))
-    return Embeddings(mean, residues if per_residue else None,
-                      resolve_layer(layer, model.config.num_hidden_layers))
+    first = layers[0]
+    return Embeddings(pooled.get((first, "mean")), pooled.get((first, "per_residue")), first, pooled, layers)
 
 
 # --- masked and unmasked log-probabilities ---------------------------------------------------
