@@ -1,0 +1,132 @@
+"""Embeddings of several layers and poolings from one pass, against numpy on transformers'
+hidden states; the three storage formats, each resumable; the FASTA read as a stream."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import EsmcTokenizer
+
+from esmc_mlx import load
+from esmc_mlx.cli import main as cli
+from esmc_mlx.errors import FastaError, JobError, ScoringError
+from esmc_mlx.tasks.fasta import iter_fasta
+from esmc_mlx.tasks.jobs import embed_fasta
+from esmc_mlx.tasks.store import read_embeddings
+from esmc_mlx.testing import random_sequences
+from tests.test_scoring import Counting, write_fasta
+
+HF_TOK = EsmcTokenizer()
+SEQS = ["MKTAYIAKQRQISFVKSHFSRQ", "MK", "ACDEFGHIKLMNPQRSTVWYXBZUO", "GSHMSLFDKLG"]
+
+
+@pytest.fixture(scope="module")
+def model(converted):
+    return load(converted)[0]
+
+
+def torch_hidden(ref, seq):
+    with torch.no_grad():
+        out = ref(input_ids=torch.tensor(HF_TOK(seq)["input_ids"]).long()[None], output_hidden_states=True)
+    return [h[0].numpy() for h in out.hidden_states]  # each (L + 2, d), <cls> first
+
+
+def test_every_pooling_of_every_layer_matches_numpy_on_transformers(model, reference_model):
+    counting = Counting(model)
+    got = counting.embed(SEQS, layers="all", pools="mean,max,cls,per-residue", batch_tokens=60)
+    passes = counting.calls
+    assert got.layers == (0, 1, 2)
+    for i, seq in enumerate(SEQS):
+        hidden = torch_hidden(reference_model, seq)
+        for layer in (0, 1, 2):
+            h = hidden[layer]
+            residues = h[1:-1]
+            np.testing.assert_allclose(got.get("mean", layer)[i], residues.mean(0), rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(got.get("max", layer)[i], residues.max(0), rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(got.get("cls", layer)[i], h[0], rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(got.get("per_residue", layer)[i], residues, rtol=1e-4, atol=1e-4)
+    # one pass per batch, however many layers and pools
+    counting.calls = 0
+    counting.embed(SEQS, layer=-1, batch_tokens=60)
+    assert counting.calls == passes
+    with pytest.raises(ScoringError, match="unknown pooling"):
+        model.embed(SEQS, pools="mean,median")
+    with pytest.raises(ScoringError, match="out of range"):
+        model.embed(SEQS, layers="0,7")
+
+
+@pytest.mark.parametrize("storage", ["npy", "safetensors", "h5"])
+def test_storage_formats_round_trip_and_resume(model, storage, tmp_path, monkeypatch):
+    import esmc_mlx.tasks.store as store
+
+    monkeypatch.setattr(store, "SHARD_BYTES", 20_000)  # several safetensors shards
+    seqs = random_sequences(12, 4, 40, seed=31)
+    fasta = write_fasta(tmp_path / "in.fa", seqs)
+    kwargs = dict(layers=[0, -1], pools=["mean", "max", "cls", "per_residue"], storage=storage, batch_tokens=64,
+                  chunk_records=5)
+    interrupted = Counting(model, fail_after=2)
+    with pytest.raises(KeyboardInterrupt):
+        embed_fasta(interrupted, fasta, tmp_path / "out", flush_every=1, **kwargs)
+    counting = Counting(model)
+    summary = embed_fasta(counting, fasta, tmp_path / "out", **kwargs)
+    assert summary.skipped > 0 and summary.skipped + summary.computed == 12
+    want = model.embed(seqs, layers=[0, -1], pools=["mean", "max", "cls", "per_residue"])
+    stored = read_embeddings(tmp_path / "out")
+    assert stored.ids == [f"s{i}" for i in range(12)]
+    for layer in (0, 2):
+        for pool in ("mean", "max", "cls"):
+            np.testing.assert_allclose(np.asarray(stored.get(pool, layer)), want.get(pool, layer), atol=1e-5)
+        for i in range(12):
+            np.testing.assert_allclose(stored.per_residue(i, layer), want.get("per_residue", layer)[i], atol=1e-5)
+    if storage == "safetensors":
+        index = json.loads((tmp_path / "out" / "embeddings.safetensors.index.json").read_text())
+        assert len(index["shards"]) > 1
+    # a grown FASTA computes only the new records, and keeps the stored ones
+    grown = write_fasta(tmp_path / "grown.fa", seqs + ["MKVLAAGIVGW"])
+    counting = Counting(model)
+    summary = embed_fasta(counting, grown, tmp_path / "out", **kwargs)
+    assert (summary.skipped, summary.computed) == (12, 1)
+    again = read_embeddings(tmp_path / "out")
+    np.testing.assert_allclose(np.asarray(again.get("mean", 2))[:12], want.get("mean", 2), atol=1e-5)
+    np.testing.assert_allclose(again.per_residue("s12", 0), model.embed("MKVLAAGIVGW", layer=0,
+                                                                         per_residue=True).per_residue[0], atol=1e-5)
+    with pytest.raises(JobError, match="other settings"):
+        embed_fasta(model, grown, tmp_path / "out", **dict(kwargs, pools=["mean"]))
+
+
+def test_chunked_streaming_gives_the_same_embeddings(model, tmp_path):
+    seqs = random_sequences(10, 4, 40, seed=32)
+    fasta = write_fasta(tmp_path / "in.fa", seqs)
+    embed_fasta(model, fasta, tmp_path / "a", chunk_records=3, pools=["mean", "per_residue"])
+    embed_fasta(model, fasta, tmp_path / "b", chunk_records=1000, pools=["mean", "per_residue"])
+    a, b = read_embeddings(tmp_path / "a"), read_embeddings(tmp_path / "b")
+    np.testing.assert_allclose(a.mean, b.mean, atol=1e-5)  # batches differ: padding
+    np.testing.assert_allclose(a.residues, b.residues, atol=1e-5)
+
+
+def test_fasta_is_read_as_a_stream(tmp_path):
+    path = tmp_path / "big.fa"
+    path.write_text(">a\nMKV\n>b\nMKJ\n")
+    records = iter_fasta(path)
+    assert next(records).id == "a"  # the bad record further on is not read yet
+    with pytest.raises(FastaError, match="record 'b': invalid character 'J'"):
+        next(records)
+
+
+def test_cli_layers_pools_and_formats(converted, model, tmp_path):
+    fasta = write_fasta(tmp_path / "in.fa", SEQS)
+    runner = CliRunner()
+    r = runner.invoke(cli, ["embed", str(converted), str(fasta), "-o", str(tmp_path / "st"), "--layers", "1,-1",
+                            "--pool", "mean,cls", "--per-residue", "--format", "safetensors", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    stored = read_embeddings(tmp_path / "st")
+    want = model.embed(SEQS, layers=[1, -1], pools=["mean", "cls", "per_residue"])
+    np.testing.assert_allclose(np.asarray(stored.get("cls", 1)), want.get("cls", 1), atol=1e-5)
+    np.testing.assert_allclose(stored.per_residue(2, 2), want.get("per_residue", 2)[2], atol=1e-5)
+    assert sorted(p.name for p in (tmp_path / "st").glob("*.safetensors")) == ["embeddings-00001-of-00001.safetensors"]
+    r = runner.invoke(cli, ["embed", str(converted), str(fasta), "-o", str(tmp_path / "bad"), "--pool", "median"])
+    assert r.exit_code == 1 and "Error: unknown pooling" in r.output
