@@ -130,3 +130,23 @@ def test_cli_layers_pools_and_formats(converted, model, tmp_path):
     assert sorted(p.name for p in (tmp_path / "st").glob("*.safetensors")) == ["embeddings-00001-of-00001.safetensors"]
     r = runner.invoke(cli, ["embed", str(converted), str(fasta), "-o", str(tmp_path / "bad"), "--pool", "median"])
     assert r.exit_code == 1 and "Error: unknown pooling" in r.output
+
+
+def test_a_version_1_directory_resumes(model, tmp_path):
+    """Directories written before layers/pools/formats (one layer, mean.npy) still resume."""
+    seqs = random_sequences(4, 4, 30, seed=33)
+    fasta = write_fasta(tmp_path / "in.fa", seqs)
+    out = tmp_path / "old"
+    out.mkdir()
+    from esmc_mlx.tasks.store import sequence_hash
+
+    mean = model.embed(seqs[:3], layer=1).mean
+    np.save(out / "mean.npy", mean)
+    (out / "index.tsv").write_text("id\tlength\tsha1\n" + "".join(
+        f"s{i}\t{len(s)}\t{sequence_hash(s)}\n" for i, s in enumerate(seqs[:3])))
+    (out / "manifest.json").write_text(json.dumps({
+        "format": "esmc-mlx-embeddings", "version": 1, "layer": 1, "per_residue": False, "dtype": "float32",
+        "hidden_size": 128, "num_hidden_layers": 2, "complete": True, "count": 3}))
+    summary = embed_fasta(model, fasta, out, layer=1)
+    assert (summary.skipped, summary.computed) == (3, 1)
+    np.testing.assert_allclose(read_embeddings(out).mean, model.embed(seqs, layer=1).mean, atol=1e-5)

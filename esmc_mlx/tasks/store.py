@@ -89,6 +89,9 @@ class EmbeddingStore:
             raise JobError(f"{self.manifest_path}: unreadable ({e}); use --force to start over") from None
         if data.get("format") != FORMAT:
             raise JobError(f"{self.out}: not an esmc-mlx embeddings directory")
+        if data.get("version") == 1 and "layer" in data:  # one layer, mean (+ per_residue), npy
+            pools = ["mean"] + (["per_residue"] if data.get("per_residue") else [])
+            data.update(layers=[data["layer"]], pools=pools, storage="npy", arrays=pools)
         return data
 
     def open(self, settings: dict, force: bool) -> None:
