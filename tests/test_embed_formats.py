@@ -126,6 +126,8 @@ def test_cli_layers_pools_and_formats(converted, model, tmp_path):
     stored = read_embeddings(tmp_path / "st")
     want = model.embed(SEQS, layers=[1, -1], pools=["mean", "cls", "per_residue"])
     np.testing.assert_allclose(np.asarray(stored.get("cls", 1)), want.get("cls", 1), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(stored.get("mean", -1)), want.get("mean", -1), atol=1e-5)
+    np.testing.assert_array_equal(want.get("mean", -1), want.get("mean", 2))
     np.testing.assert_allclose(stored.per_residue(2, 2), want.get("per_residue", 2)[2], atol=1e-5)
     assert sorted(p.name for p in (tmp_path / "st").glob("*.safetensors")) == ["embeddings-00001-of-00001.safetensors"]
     r = runner.invoke(cli, ["embed", str(converted), str(fasta), "-o", str(tmp_path / "bad"), "--pool", "median"])

@@ -94,9 +94,12 @@ class Embeddings:
     layer: int
     pooled: dict = dataclasses.field(default_factory=dict)
     layers: tuple[int, ...] = ()
+    num_layers: int = 0
 
     def get(self, pool: str = "mean", layer: int | None = None):
-        return self.pooled[(self.layer if layer is None else layer, pool)]
+        """The embeddings of ``pool`` at hidden state ``layer`` (-1 = final; default: the first)."""
+        layer = self.layer if layer is None else resolve_layer(layer, self.num_layers)
+        return self.pooled[(layer, pool.replace("-", "_"))]
 
 
 def resolve_layer(layer: int, num_layers: int) -> int:
@@ -220,7 +223,8 @@ def embed(model, sequences: str | Sequence[str], *, layer: int = -1, per_residue
                     pooled[key][rows] = v
             bar.update(len(rows))
     first = layers[0]
-    return Embeddings(pooled.get((first, "mean")), pooled.get((first, "per_residue")), first, pooled, layers)
+    return Embeddings(pooled.get((first, "mean")), pooled.get((first, "per_residue")), first, pooled, layers,
+                      n_layers)
 
 
 # --- masked and unmasked log-probabilities ---------------------------------------------------

@@ -389,11 +389,16 @@ class StoredEmbeddings:
     offsets: np.ndarray | None = None
     layers: tuple[int, ...] = ()
     pools: tuple[str, ...] = ()
+    num_layers: int = 0
 
     def get(self, pool: str = "mean", layer: int | None = None):
         """The array of ``pool`` at hidden state ``layer`` (needed when several were stored)."""
         names = array_names(self.layers, self.pools)
-        key = (self.layers[0] if layer is None and len(self.layers) == 1 else layer, pool.replace("-", "_"))
+        if layer is None and len(self.layers) == 1:
+            layer = self.layers[0]
+        elif layer is not None and layer < 0:
+            layer += self.num_layers + 1  # -1 = final
+        key = (layer, pool.replace("-", "_"))
         if key not in names:
             raise JobError(f"no {pool} embeddings of layer {layer} here (stored: layers {list(self.layers)}, "
                            f"pools {list(self.pools)})")
@@ -423,4 +428,4 @@ def read_embeddings(out: str | Path) -> StoredEmbeddings:
     if not manifest or not manifest.get("complete") or merged is None:
         raise JobError(f"{out}: no completed embeddings (run esmc-mlx embed again to finish it)")
     return StoredEmbeddings(merged["ids"], merged["arrays"], merged["offsets"], tuple(manifest["layers"]),
-                            tuple(manifest["pools"]))
+                            tuple(manifest["pools"]), int(manifest.get("num_hidden_layers", 0)))
