@@ -355,9 +355,10 @@ Methods (log-probabilities: log_softmax over the full logits row; docs/scoring.m
                    Salazar et al. 2020)
 \b
 Multi-mutants (--multi, masked-marginal):
-  sum    add the single-site masked marginals (additive; ProteinGym's ESM scoring)
+  sum    add the single-site masked marginals (one site masked at a time, as esm's
+         variant-prediction predict.py and ProteinGym's ESM scoring do)
   joint  mask all mutated sites together in one copy, sum their log-ratios from it
-         (ProteinGym discussion of multi-mutant masking; Meier et al. 2021 supplement)
+         (the masked-marginal formula of Meier et al. 2021, conditioned on x_-M)
 \b
 Long sequences (--window, residues): a wild type longer than the window is scored through
 a window of that width centred on each site (ProteinGym's scoring_window="optimal");
