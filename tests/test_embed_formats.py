@@ -96,6 +96,13 @@ def test_storage_formats_round_trip_and_resume(model, storage, tmp_path, monkeyp
                                                                          per_residue=True).per_residue[0], atol=1e-5)
     with pytest.raises(JobError, match="other settings"):
         embed_fasta(model, grown, tmp_path / "out", **dict(kwargs, pools=["mean"]))
+    # a shrunk FASTA drops the IDs it no longer holds, computing nothing
+    shrunk = write_fasta(tmp_path / "shrunk.fa", seqs[:10])
+    summary = embed_fasta(Counting(model), shrunk, tmp_path / "out", **kwargs)
+    assert (summary.computed, summary.dropped) == (0, 3)
+    last = read_embeddings(tmp_path / "out")
+    assert last.ids == [f"s{i}" for i in range(10)]
+    np.testing.assert_allclose(last.per_residue("s9", 0), want.get("per_residue", 0)[9], atol=1e-5)
 
 
 def test_chunked_streaming_gives_the_same_embeddings(model, tmp_path):

@@ -26,7 +26,7 @@ from .scan import scan as run_scan
 from .scoring import DEFAULT_BATCH_SIZE, DEFAULT_BATCH_TOKENS, DEFAULT_WINDOW, METHODS, encode, iter_embeddings, \
     length_batches, resolve_layers, resolve_pools, score_mutations
 from .stats import spearman
-from .store import FLUSH_BYTES, FORMATS, EmbeddingStore, array_names, require_h5py, sequence_hash
+from .store import FLUSH_BYTES, FORMATS, EmbeddingStore, IdIndex, array_names, require_h5py, sequence_hash
 
 CHUNK_RECORDS = 8192  # FASTA records read, sorted by length and embedded at a time
 
@@ -80,8 +80,8 @@ def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, p
     for r in iter_fasta(fasta):  # before loading a model: bad input fails fast
         ids.append(r.id)
         lengths.append(len(r.sequence))
-        hashes.append(sequence_hash(r.sequence))
-    lengths = np.array(lengths, dtype=np.int64)
+        hashes.append(sequence_hash(r.sequence).encode())
+    lengths, hashes = np.array(lengths, dtype=np.int64), np.array(hashes, dtype="S40")
     model, model_name = _model(model, model_name)
     n_layers = model.config.num_hidden_layers
     layers = resolve_layers(layer if layers is None else layers, n_layers)
@@ -91,19 +91,18 @@ def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, p
                 "arrays": list(names.values()),
                 "pooling": "mean and max over the tokens between <cls> and <eos>; cls = the <cls> token",
                 "model": model_name, "fasta": str(fasta)}
-    store = EmbeddingStore(out) if world.is_root else None
+    store, id_index = (EmbeddingStore(out) if world.is_root else None), None
     # Rank 0 reads the directory; every rank learns what is left (and whether rank 0 failed).
     status, failure = np.zeros(len(ids) + 1, dtype=np.int32), None
     if store is not None:
         try:
             store.open(settings, force)
-            done = store.done()
-            changed = [i for i, h in zip(ids, hashes) if i in done and done[i] != h]
+            id_index = IdIndex(ids)
+            done, changed = store.status(id_index, hashes)
             if changed:
                 raise JobError(f"{out} holds an embedding of another sequence under the ID {changed[0]!r} "
                                f"({len(changed)} such IDs); use another output directory or --force")
-            status[1:] = [i in done for i in ids]
-            del done
+            status[1:] = done
         except EsmcMlxError as e:
             failure, status[0] = e, 1
     status = world.broadcast(status)
@@ -121,7 +120,7 @@ def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, p
         nonlocal buffer, buffered, buffered_bytes, last_flush
         if store is not None and buffer:
             rows = np.concatenate([b[0] for b in buffer])
-            store.write_part([ids[i] for i in rows], [hashes[i] for i in rows], lengths[rows],
+            store.write_part([ids[i] for i in rows], hashes[rows].astype(str).tolist(), lengths[rows],
                              {name: np.concatenate([b[1][name] for b in buffer]).astype(out_dtype)
                               for name in names.values()})
         buffer, buffered, buffered_bytes, last_flush = [], 0, 0, time.monotonic()
@@ -136,14 +135,14 @@ def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, p
             if not pending:
                 continue
             encoded = encode([chunk[k].sequence for k in pending], names=[chunk[k].id for k in pending])
-            index = np.array([first + k for k in pending], dtype=np.int64)
+            record_of = np.array([first + k for k in pending], dtype=np.int64)
             token_lengths = np.array([len(e) for e in encoded])
             mine = world.shard(np.argsort(-token_lengths, kind="stable"))
             batches = [mine[b] for b in length_batches(token_lengths[mine], batch_tokens)]
             embeddings = iter_embeddings(model, encoded, batches, layers=layers, pools=pools)
             for _ in range(world.max(len(batches))):
                 rows, values = next(embeddings, (np.zeros(0, np.int64), None))
-                rows = index[rows]
+                rows = record_of[rows]
                 ints = world.gather(rows.astype(np.int64))
                 floats = world.gather(_flatten(values, names, d))
                 for got_rows, flat in zip(ints, floats):
@@ -161,7 +160,7 @@ def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, p
         flush()  # keep what was computed, also on Ctrl-C
         bar.close()
     world.barrier()
-    dropped = store.merge(ids, lengths, hashes, settings) if store is not None else 0
+    dropped = store.merge(ids, lengths, hashes, settings, id_index) if store is not None else 0
     return EmbedSummary(Path(out), len(ids), skipped, computed, dropped, world.rank, world.size)
 
 

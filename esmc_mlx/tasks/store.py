@@ -53,6 +53,38 @@ def sequence_hash(sequence: str) -> str:
     return hashlib.sha1(sequence.encode()).hexdigest()
 
 
+class IdIndex:
+    """Where each ID of a FASTA is, without a dict of Python strings: a sorted array of 64-bit
+    keys (blake2b of the ID), each hit checked against the ID itself, so that a key collision
+    can never mix two records up. About 16 bytes a record besides the ID list."""
+
+    def __init__(self, ids: Sequence[str]):
+        self.ids = ids
+        keys = _keys(ids)
+        self.order = np.argsort(keys, kind="stable")
+        self.sorted = keys[self.order]
+        if len(self.sorted) > 1 and (self.sorted[1:] == self.sorted[:-1]).any():
+            raise JobError("two FASTA IDs share a 64-bit key; rename one of them")  # ~1e-5 at 30M records
+
+    def find(self, ids: Sequence[str]) -> np.ndarray:
+        """Positions of ``ids`` in the FASTA, -1 for an ID it does not hold."""
+        if not len(ids):
+            return np.zeros(0, dtype=np.int64)
+        keys = _keys(ids)
+        at = np.minimum(np.searchsorted(self.sorted, keys), len(self.sorted) - 1) if len(self.sorted) else None
+        if at is None:
+            return np.full(len(ids), -1, dtype=np.int64)
+        pos = self.order[at].astype(np.int64)
+        ok = self.sorted[at] == keys
+        ok &= np.array([self.ids[p] == i for p, i in zip(pos, ids)], dtype=bool)
+        return np.where(ok, pos, -1)
+
+
+def _keys(ids: Sequence[str]) -> np.ndarray:
+    return np.array([int.from_bytes(hashlib.blake2b(i.encode(), digest_size=8).digest(), "little") for i in ids],
+                    dtype=np.uint64)
+
+
 def array_names(layers: Sequence[int], pools: Sequence[str]) -> dict[tuple[int, str], str]:
     """(layer, pool) -> stored array name: the pool alone for one layer, else layer{i}_{pool}."""
     return {(i, p): p if len(layers) == 1 else f"layer{i}_{p}" for i in layers for p in pools}
@@ -172,6 +204,27 @@ class EmbeddingStore:
                 done.update(zip(part["ids"].tolist(), part["sha1"].tolist()))
         return done
 
+    def status(self, index: IdIndex, hashes: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        """(done: bool per FASTA record, IDs stored here with another sequence's sha1), reading
+        the merged index and the parts one at a time. ``hashes``: the FASTA's sha1s, bytes."""
+        done = np.zeros(len(hashes), dtype=bool)
+        changed: list[str] = []
+
+        def visit(ids, digests):
+            pos = index.find(ids)
+            hit = pos >= 0
+            same = np.asarray(digests, dtype="S40")[hit] == hashes[pos[hit]]
+            changed.extend(np.asarray(ids, dtype=object)[hit][~same].tolist())
+            done[pos[hit][same]] = True
+
+        merged = self._merged()
+        if merged:
+            visit(merged["ids"], merged["sha1"])
+        for path in self._part_files():
+            with np.load(path) as part:
+                visit(part["ids"].tolist(), part["sha1"])
+        return done, changed
+
     def write_part(self, ids: list[str], hashes: list[str], lengths: np.ndarray, arrays: dict[str, np.ndarray]) -> Path:
         """``arrays``: name -> (n, d) pooled, or (sum of lengths, d) per-residue rows."""
         self._count += 1
@@ -182,30 +235,17 @@ class EmbeddingStore:
         os.replace(tmp, path)
         return path
 
-    def merge(self, ids: list[str], lengths: np.ndarray, hashes: list[str], settings: dict) -> int:
+    def merge(self, ids: list[str], lengths: np.ndarray, hashes, settings: dict, index: IdIndex | None = None) -> int:
         """Write the merged files in FASTA order (``ids``, their residue ``lengths`` and sha1
         ``hashes``) from the old merged files and the parts; delete the parts. Returns how many
-        stored embeddings were dropped (IDs not in the FASTA)."""
-        position = {ident: i for i, ident in enumerate(ids)}
+        stored embeddings were dropped (IDs not in the FASTA). Sources are copied in order
+        (merged files, then parts oldest first), so a later result for an ID wins."""
+        index = index or IdIndex(ids)
         merged = self._merged()
         if merged and not self._part_files() and merged["ids"] == list(ids):
             self._write_manifest(dict(self.manifest() or {}, **settings, complete=True, count=len(ids)))
             return 0  # nothing new: the merged files are already this FASTA's
         dtype, d, names = np.dtype(settings["dtype"]), settings["hidden_size"], settings["arrays"]
-        sources = []  # (loader, ids); later sources win
-        if merged:
-            sources.append((lambda m=merged: m, merged["ids"]))
-        for path in self._part_files():
-            with np.load(path) as part:
-                sources.append((lambda p=path: _load_part(p), part["ids"].tolist()))
-        winner: dict[str, tuple[int, int]] = {}
-        for s, (_, source_ids) in enumerate(sources):
-            for row, ident in enumerate(source_ids):
-                winner[ident] = (s, row)
-        missing = [i for i in ids if i not in winner]
-        if missing:
-            raise JobError(f"cannot merge {self.out}: {len(missing)} records have no embedding yet (e.g. {missing[0]!r})")
-        dropped = sum(1 for ident in winner if ident not in position)
         lengths = np.asarray(lengths, dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         staging = self.out / ".merge"
@@ -214,28 +254,38 @@ class EmbeddingStore:
         out = {n: np.lib.format.open_memmap(staging / f"{n}.npy", mode="w+", dtype=dtype,
                                             shape=(int(offsets[-1]) if is_per_residue(n) else len(ids), d))
                for n in names}
-        for s, (load_source, source_ids) in enumerate(sources):
-            mine = [(row, position[ident]) for row, ident in enumerate(source_ids)
-                    if ident in position and winner[ident] == (s, row)]
-            if not mine:
-                continue
+        filled = np.zeros(len(ids), dtype=bool)
+        dropped: set[str] = set()
+        sources = ([lambda: merged] if merged else []) + [lambda p=p: _load_part(p) for p in self._part_files()]
+        for load_source in sources:
             src = load_source()
+            src_ids = list(src["ids"]) if not isinstance(src["ids"], list) else src["ids"]
+            dest = index.find(src_ids)
+            dropped.update(i for i, p in zip(src_ids, dest) if p < 0)
             src_offsets = src.get("offsets")
             if src_offsets is None:
                 src_offsets = np.concatenate([[0], np.cumsum(src["lengths"])])
-            for row, dest in mine:
+            for row in np.nonzero(dest >= 0)[0]:
+                at = dest[row]
                 for n in names:
                     if is_per_residue(n):
-                        out[n][offsets[dest] : offsets[dest + 1]] = src["arrays"][n][src_offsets[row] : src_offsets[row + 1]]
+                        out[n][offsets[at] : offsets[at + 1]] = src["arrays"][n][src_offsets[row] : src_offsets[row + 1]]
                     else:
-                        out[n][dest] = src["arrays"][n][row]
+                        out[n][at] = src["arrays"][n][row]
+            filled[dest[dest >= 0]] = True
+            del src
+        if not filled.all():
+            missing = ids[int(np.argmin(filled))]
+            shutil.rmtree(staging, ignore_errors=True)
+            raise JobError(f"cannot merge {self.out}: {int((~filled).sum())} records have no embedding yet "
+                           f"(e.g. {missing!r})")
         for array in out.values():
             array.flush()
         del out
         with open(staging / "index.tsv", "w") as f:
             f.write("id\tlength\tsha1\n")
             for ident, n, digest in zip(ids, lengths, hashes):
-                f.write(f"{ident}\t{n}\t{digest}\n")
+                f.write(f"{ident}\t{n}\t{digest.decode() if isinstance(digest, bytes) else digest}\n")
         files = _WRITERS[settings["storage"]](staging, names, offsets)
         for name in files:
             if name != "index.tsv":
@@ -247,14 +297,15 @@ class EmbeddingStore:
             path.unlink()
         if self.parts.exists() and not any(self.parts.iterdir()):
             self.parts.rmdir()
-        return dropped
+        return len(dropped)
 
 
 def _load_part(path: Path) -> dict:
     with np.load(path) as part:
         data = {k: part[k] for k in part.files}
     meta = ("ids", "sha1", "lengths")
-    return {**{k: data[k] for k in meta}, "arrays": {k: v for k, v in data.items() if k not in meta}}
+    return {"ids": data["ids"].tolist(), "sha1": data["sha1"], "lengths": data["lengths"],
+            "arrays": {k: v for k, v in data.items() if k not in meta}}
 
 
 # --- the three formats of the merged arrays ----------------------------------------------------
