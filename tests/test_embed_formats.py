@@ -102,6 +102,10 @@ def test_storage_formats_round_trip_and_resume(model, storage, tmp_path, monkeyp
     assert (summary.computed, summary.dropped) == (0, 3)
     last = read_embeddings(tmp_path / "out")
     assert last.ids == [f"s{i}" for i in range(10)]
+    if storage == "safetensors":  # no shard of the earlier merges is left behind
+        index = json.loads((tmp_path / "out" / "embeddings.safetensors.index.json").read_text())
+        assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == sorted(
+            s["file"] for s in index["shards"])
     np.testing.assert_allclose(last.per_residue("s9", 0), want.get("per_residue", 0)[9], atol=1e-5)
 
 

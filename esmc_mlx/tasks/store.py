@@ -291,6 +291,9 @@ class EmbeddingStore:
             if name != "index.tsv":
                 os.replace(staging / name, self.out / name)
         os.replace(staging / "index.tsv", self.out / "index.tsv")  # last: it makes the rest count
+        for stale in self.out.glob("embeddings-*-of-*.safetensors"):  # shards of an earlier merge
+            if stale.name not in files:
+                stale.unlink()
         shutil.rmtree(staging, ignore_errors=True)
         self._write_manifest(dict(self.manifest() or {}, **settings, complete=True, count=len(ids)))
         for path in self._part_files():
