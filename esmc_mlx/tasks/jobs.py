@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import time
+from array import array
 from pathlib import Path
 from typing import Sequence
 
@@ -26,7 +27,7 @@ from .scan import scan as run_scan
 from .scoring import DEFAULT_BATCH_SIZE, DEFAULT_BATCH_TOKENS, DEFAULT_WINDOW, METHODS, encode, iter_embeddings, \
     length_batches, resolve_layers, resolve_pools, score_mutations
 from .stats import spearman
-from .store import FLUSH_BYTES, FORMATS, EmbeddingStore, IdIndex, array_names, require_h5py, sequence_hash
+from .store import FLUSH_BYTES, FORMATS, EmbeddingStore, IdIndex, IdList, array_names, require_h5py, sequence_hash
 
 CHUNK_RECORDS = 8192  # FASTA records read, sorted by length and embedded at a time
 
@@ -76,12 +77,13 @@ def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, p
     if storage == "h5":
         require_h5py()
     pools = resolve_pools(pools if pools is not None else ("mean", "per_residue") if per_residue else ("mean",))
-    ids, lengths, hashes = [], [], []
+    # Compact per-record metadata (~70 bytes a record with IdIndex): ID, length, sha1.
+    ids, lengths, hashes = IdList(), array("q"), bytearray()
     for r in iter_fasta(fasta):  # before loading a model: bad input fails fast
         ids.append(r.id)
         lengths.append(len(r.sequence))
-        hashes.append(sequence_hash(r.sequence).encode())
-    lengths, hashes = np.array(lengths, dtype=np.int64), np.array(hashes, dtype="S40")
+        hashes += sequence_hash(r.sequence).encode()
+    lengths, hashes = np.frombuffer(lengths, dtype=np.int64), np.frombuffer(bytes(hashes), dtype="S40")
     model, model_name = _model(model, model_name)
     n_layers = model.config.num_hidden_layers
     layers = resolve_layers(layer if layers is None else layers, n_layers)
