@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import conftest_hub  # noqa: F401  (first: points HF_ENDPOINT, HF_HOME at the local test Hub before huggingface_hub loads)
 import pytest
 
 torch = pytest.importorskip("torch")
