@@ -163,3 +163,17 @@ def test_a_version_1_directory_resumes(model, tmp_path):
     summary = embed_fasta(model, fasta, out, layer=1)
     assert (summary.skipped, summary.computed) == (3, 1)
     np.testing.assert_allclose(read_embeddings(out).mean, model.embed(seqs, layer=1).mean, atol=1e-5)
+
+
+def test_missing_optional_dependencies_are_clear_errors(converted, tmp_path, monkeypatch):
+    import sys
+
+    fasta = write_fasta(tmp_path / "in.fa", SEQS[:1])
+    monkeypatch.setitem(sys.modules, "h5py", None)  # import h5py now raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    runner = CliRunner()
+    r = runner.invoke(cli, ["embed", str(converted), str(fasta), "-o", str(tmp_path / "h5"), "--format", "h5"])
+    assert r.exit_code == 1 and "Error: --format h5 needs h5py: pip install 'esmc-mlx[h5]'" in r.output
+    r = runner.invoke(cli, ["scan", str(converted), "--sequence", "MKV", "-o", str(tmp_path / "scan")])
+    assert r.exit_code == 1 and "Error: drawing the heatmap needs matplotlib" in r.output
+    assert not (tmp_path / "scan").exists()
