@@ -4,7 +4,9 @@ Spellings accepted (see docs/formats.md):
   * transformers' ``EsmcConfig``: ``hidden_size``, ``num_attention_heads``,
     ``num_hidden_layers``, ``intermediate_size``, ``rope_parameters`` ...
   * the ``esm`` package's: the same names, fewer fields;
-  * pre-alignment names: ``d_model``, ``n_heads``, ``n_layers``.
+  * pre-alignment names: ``d_model``, ``n_heads``, ``n_layers``;
+  * mlx-lm's ESMC port (``model_type: esmc``): those, plus ``rope_base`` and
+    ``residue_scaling_base`` (must be 36: ESMC divides residuals by sqrt(n_layers / 36)).
 Checkpoints without a config (the legacy ``.pth``) get one from tensor shapes.
 """
 
@@ -99,7 +101,10 @@ class ESMCConfig:
         rope = pick("rope_parameters", "rope_scaling", default={}) or {}
         if not isinstance(rope, dict):
             raise ConfigError(f"rope_parameters must be an object, got {rope!r}")
-        theta = pick("rope_theta", default=rope.get("rope_theta", 10000.0))
+        theta = pick("rope_theta", "rope_base", default=rope.get("rope_theta", 10000.0))
+        if float(pick("residue_scaling_base", default=36)) != 36:
+            raise ConfigError(f"residue_scaling_base {raw['residue_scaling_base']}: ESMC divides residuals by "
+                              "sqrt(n_layers / 36); another base is not ESMC")
         if rope.get("rope_type", "default") != "default":
             raise ConfigError(f"unsupported rope_type {rope['rope_type']!r}: ESMC uses plain RoPE")
         if pick("num_key_value_heads", default=heads) != heads:

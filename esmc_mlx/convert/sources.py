@@ -90,6 +90,8 @@ def open_checkpoint(source: Source) -> Checkpoint:
         # pop: once evaluated, a tensor kept here would stay in memory until the next shard
         return loaded[f].pop(name)
 
+    if detect_layout(shapes) == "mlx-lm" and any(n.endswith(".scales") for n in shapes):
+        shapes, read = _dequantized(shapes, read, source.path)
     return Checkpoint(
         config=_read_config(source.path, shapes),
         shapes=shapes,
@@ -98,6 +100,62 @@ def open_checkpoint(source: Source) -> Checkpoint:
         read=read,
         license=_read_license(source.path),
     )
+
+
+def detect_layout(names) -> str:
+    """Which of the four source layouts these tensor names are (docs/formats.md):
+    ``published`` (transformers), ``esm`` (the esm package, TE names), ``legacy`` (2024-12
+    .pth) or ``mlx-lm`` (mlx-lm's ESMC port); ``unknown`` for anything else."""
+    names = list(names)
+    if any(n.startswith("esmc.layers.") for n in names):
+        return "published"
+    if any(".attn.ln_qkv." in n or ".attn.qkv." in n for n in names):
+        return "mlx-lm"
+    if any(".attn.layernorm_qkv.1." in n for n in names):
+        return "legacy"
+    if any(".attn.layernorm_qkv." in n for n in names):
+        return "esm"
+    return "unknown"
+
+
+def _dequantized(shapes: dict, read: Callable[[str], mx.array], directory: Path):
+    """An mlx-lm-quantized checkpoint seen as float: each ``X.weight`` (packed uint32) with its
+    ``X.scales``/``X.biases`` becomes one dequantized ``X.weight``, using the quantization
+    record of config.json (mlx-lm's: ``group_size``, ``bits``, ``mode``, per-module overrides
+    keyed by module path). The converter then handles it as any float source."""
+    path = directory / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConvertError(f"{path}: unreadable ({e}); an mlx-lm-quantized checkpoint needs its quantization record")
+    record = raw.get("quantization") or raw.get("quantization_config")
+    if not isinstance(record, dict):
+        raise ConvertError(f"{directory}: quantized tensors (*.scales) but no quantization record in {path}")
+    params, out = {}, {}
+    for name, shape in shapes.items():
+        module, _, leaf = name.rpartition(".")
+        quantized = module + ".scales" in shapes and module + ".weight" in shapes
+        if quantized and leaf in ("scales", "biases"):
+            continue  # folded into the weight
+        if not (quantized and leaf == "weight"):
+            out[name] = shape
+            continue
+        p = record.get(module, record)
+        if not isinstance(p, dict) or "bits" not in p or "group_size" not in p:
+            raise ConvertError(f"{path}: no bits/group_size for the quantized tensor {name}")
+        bits, mode = int(p["bits"]), p.get("mode", "affine")
+        params[name] = (module, bits, int(p["group_size"]), mode)
+        out[name] = (shape[0], shape[1] * 32 // bits)
+
+    def read_float(name: str) -> mx.array:
+        if name not in params:
+            return read(name)
+        module, bits, group_size, mode = params[name]
+        weight, scales = read(name), read(module + ".scales")
+        biases = read(module + ".biases") if module + ".biases" in shapes else None
+        return mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits, mode=mode)
+
+    return out, read_float
 
 
 def _dominant(dtypes: set) -> mx.Dtype:
