@@ -6,9 +6,9 @@ from . import _blas  # noqa: E402  (must precede the first `import mlx.core`)
 
 _blas.load_fast_blas()
 
-from .errors import EsmcMlxError, SequenceError, TokenizerError  # noqa: E402
+from .errors import EsmcMlxError, EsmcMlxWarning, SequenceError, TokenizerError  # noqa: E402
 from .runtime import ESMC, ESMCOutput, ESMCTokenizer  # noqa: E402
 from .tasks import ProteinModel, load  # noqa: E402
 
-__all__ = ["ESMC", "ESMCOutput", "ESMCTokenizer", "EsmcMlxError", "ProteinModel", "SequenceError", "TokenizerError",
-           "load", "__version__"]
+__all__ = ["ESMC", "ESMCOutput", "ESMCTokenizer", "EsmcMlxError", "EsmcMlxWarning", "ProteinModel", "SequenceError",
+           "TokenizerError", "load", "__version__"]

@@ -6,14 +6,17 @@ asked (or by default when torch is installed), and publish only a validated arti
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 from pathlib import Path
 from typing import Callable
 
-from .convert import convert
-from .convert.many import convert_many
+from .convert import prepare, write_artifact
+from .convert.many import prepare_many, spec_label, write_many
 from .convert.writer import DEFAULT_SHARD_BYTES
 from .errors import ValidationError
+from .outputs import StagedDirectory, check_target
 from .hub.push import PushResult, check_push_access, push_artifact
 from .validate import Report, validate, validation_available
 
@@ -45,40 +48,51 @@ def convert_validate_push(source: str, output: str | Path | None = None, *, dtyp
     ``validate_output``: True validates (ValidationError if torch is missing, before converting),
     False skips, None validates when torch and transformers are installed; ``reference_device``:
     where validation's torch reference runs (auto, cpu, cuda, mps). Raises the library's
-    errors; a failed validation raises ValidationError after keeping the artifact and its report,
-    and nothing is uploaded.
+    errors; a failed validation raises ValidationError naming where the failed artifact and its
+    report are kept: beside an existing ``output``, which stays as it was, as ``OUT.failed-<time>``;
+    at ``output`` when there was none. Nothing is uploaded.
     """
     out = Path(output) if output else default_output(source, q, dtype)
     if validate_output and not validation_available():  # fail before an hour of converting
         raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
+    check_target(out, force)  # before downloading anything
     if upload_repo:  # a missing token or a foreign namespace fails now, not after converting
         check_push_access(upload_repo)
-    convert(source, out, dtype=dtype, q=q, group_size=group_size, quantize_head=quantize_head, revision=revision,
-            force=force, shard_bytes=shard_bytes, command=command)
-    log(f"Wrote {out}")
-    result = PipelineResult(out, _validate(out, source, revision, validate_output, reference_device, log))
-    if result.report is not None and not result.report.passed:
-        raise ValidationError(
-            f"validation failed ({', '.join(c.name for c in result.report.failed)}). The artifact stays at "
-            f"{out} with its failing report in {result.report.directory}; it will not be uploaded.")
-    if upload_repo:  # last: after conversion and validation
-        result.push = push_artifact(out, upload_repo, private=private)
-        log(result.push.summary())
+    job = prepare(source, dtype, q, group_size, quantize_head, revision, command)
+    result = PipelineResult(out)
+    # The old output stays in place until the new one is proven: convert and validate in the
+    # staging directory, swap in only after validation passed (or was skipped).
+    with StagedDirectory(out, force, sources=job.inputs) as stage:
+        write_artifact(job, stage.path, shard_bytes)
+        if validate_output is False:
+            pass
+        elif not validation_available():
+            log("Note: not validated (torch/transformers not installed); run `esmc-mlx validate` later.")
+        else:
+            log(f"Validating the conversion against {source} before it goes to {out} ...")
+            result.report = validate(stage.path, source, revision=revision, progress=True, artifact_path=out,
+                                     reference_device=reference_device)
+            log(result.report.summary())
+            if not result.report.passed:
+                failed = ", ".join(c.name for c in result.report.failed)
+                if not os.path.lexists(out):  # nothing to keep: the failed artifact goes where asked
+                    stage.publish()
+                    raise ValidationError(
+                        f"validation failed ({failed}). The artifact stays at {out} with its failing report in "
+                        f"{out / 'validation'}; it will not be uploaded.")
+                kept = stage.keep_failed()
+                raise ValidationError(
+                    f"validation failed ({failed}). The old {out} is unchanged; the new artifact is kept at "
+                    f"{kept} with its failing report in {kept / 'validation'}; it will not be uploaded.")
+        stage.publish()
+        log(f"Wrote {out}")
+        if result.report is not None:
+            result.report.directory = out / "validation"
+            log(f"Report: {result.report.directory / 'report.md'}")
+        if upload_repo:  # last, and still under the lock: no other run replaces OUT mid-upload
+            result.push = push_artifact(out, upload_repo, private=private)
+            log(result.push.summary())
     return result
-
-
-def _validate(out: Path, source: str, revision: str | None, wanted: bool | None, reference_device: str,
-              log: Callable[[str], None]) -> Report | None:
-    if wanted is False:
-        return None
-    if not validation_available():
-        log("Note: not validated (torch/transformers not installed); run `esmc-mlx validate` later.")
-        return None
-    log(f"Validating {out} against {source} ...")
-    report = validate(out, source, revision=revision, progress=True, reference_device=reference_device)
-    log(report.summary())
-    log(f"Report: {report.directory / 'report.md'}")
-    return report
 
 
 def convert_validate_many(source: str, output: str | Path | None, specs: list[str | None], *,
@@ -86,24 +100,45 @@ def convert_validate_many(source: str, output: str | Path | None, specs: list[st
                           revision: str | None = None, force: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
                           validate_output: bool | None = None, command: str | None = None,
                           reference_device: str = "auto", log: Callable[[str], None] = print) -> list[PipelineResult]:
-    """Several precisions of ``source`` from one read of it (``convert.many.convert_many``):
-    ``output``/<label> per spec (``4bit``, ``mxfp4``, ...), each validated; the original's
-    outputs on the panel are computed once (validation's reference cache) and reused by the
-    others. Raises ValidationError after every artifact is validated when any fails (all stay
-    on disk with their reports)."""
+    """Several precisions of ``source`` from one read of it (``esmc_mlx.convert.many``):
+    ``output``/<label> per spec (``4bit``, ``mxfp4``, ...; ``spec_label``), each validated in its
+    staging directory before it goes into place, as ``convert_validate_push`` does for one; the
+    original's outputs on the panel are computed for the first and taken from validation's
+    reference cache by the others. Raises ValidationError, once every artifact is validated,
+    naming those that failed and where each is kept."""
     out = Path(output) if output else default_output(source, None, dtype)
-    if validate_output and not validation_available():
+    if validate_output and not validation_available():  # fail before an hour of converting
         raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
-    dirs = convert_many(source, out, specs, dtype=dtype, group_size=group_size, quantize_head=quantize_head,
-                        revision=revision, force=force, shard_bytes=shard_bytes, command=command)
-    results = []
-    for directory in dirs.values():
-        log(f"Wrote {directory}")
-        results.append(PipelineResult(directory, _validate(directory, source, revision, validate_output,
-                                                           reference_device, log)))
-    failed = [r for r in results if r.report is not None and not r.report.passed]
-    if failed:
-        raise ValidationError("validation failed for " + ", ".join(
-            f"{r.out} ({', '.join(c.name for c in r.report.failed)})" for r in failed)
-            + "; the artifacts stay on disk with their failing reports.")
+    labels = [spec_label(q, dtype, group_size) for q in specs]
+    for label in labels:
+        check_target(out / label, force)  # before downloading anything
+    jobs = prepare_many(source, specs, dtype, group_size, quantize_head, revision, command)
+    results, failures = [], []
+    with contextlib.ExitStack() as stack:
+        stages = [stack.enter_context(StagedDirectory(out / label, force, sources=job.inputs))
+                  for label, job in jobs.items()]
+        write_many(list(jobs.values()), [s.path for s in stages], shard_bytes)
+        wanted = validate_output is not False and validation_available()
+        if validate_output is None and not wanted:
+            log("Note: not validated (torch/transformers not installed); run `esmc-mlx validate` later.")
+        for label, stage in zip(jobs, stages):
+            target, report = out / label, None
+            if wanted:
+                log(f"Validating {label} against {source} before it goes to {target} ...")
+                report = validate(stage.path, source, revision=revision, progress=True, artifact_path=target,
+                                  reference_device=reference_device)
+                log(report.summary())
+            if report is not None and not report.passed and os.path.lexists(target):
+                where = stage.keep_failed()  # the old output stays as it was
+            else:
+                where = stage.publish()
+            log(f"Wrote {where}")
+            if report is not None:
+                report.directory = where / "validation"
+                log(f"Report: {report.directory / 'report.md'}")
+                if not report.passed:
+                    failures.append(f"{label} ({', '.join(c.name for c in report.failed)}; kept at {where})")
+            results.append(PipelineResult(where, report))
+    if failures:
+        raise ValidationError("validation failed for " + "; ".join(failures) + ". Nothing is uploaded.")
     return results

@@ -452,27 +452,36 @@ def test_convert_many_reads_once_and_writes_what_convert_writes(checkpoints, tmp
         ckpt.read = lambda name: reads.append(name) or read(name)
         return ckpt
 
-    monkeypatch.setattr("esmc_mlx.convert.many.open_checkpoint", counting)
+    monkeypatch.setattr("esmc_mlx.convert.open_checkpoint", counting)
     outs = convert_many(str(checkpoints["published"]), tmp_path / "many", ["4", "mxfp4", None], progress=False)
     assert list(outs) == ["4bit", "mxfp4", "float"] and all(p.parent == tmp_path / "many" for p in outs.values())
-    assert len(reads) == len(set(reads))  # every source tensor read once for the three outputs
+    # every source tensor read once for the three outputs
+    from esmc_mlx.resolve import resolve
+
+    assert len(reads) == len(set(reads)) == len(opened(resolve(str(checkpoints["published"]))).shapes)
     for label, q in (("4bit", "4"), ("mxfp4", "mxfp4"), ("float", None)):
         alone = convert(str(checkpoints["published"]), tmp_path / f"alone-{label}", q=q, progress=False)
         a, b = mx.load(str(outs[label] / "model.safetensors")), mx.load(str(alone / "model.safetensors"))
         assert set(a) == set(b) and all(mx.array_equal(a[k], b[k]).item() for k in a), label
         ca, cb = (json.loads((d / "config.json").read_text()) for d in (outs[label], alone))
         assert ca.get("quantization") == cb.get("quantization")
-    with pytest.raises(Exception, match="already exist"):
+    with pytest.raises(Exception, match="exists"):
         convert_many(str(checkpoints["published"]), tmp_path / "many", ["4"], progress=False)
-    # the command line: --q repeated, one sub-directory per spec, each validated
-    result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(tmp_path / "cli"),
-                                               "--q", "8", "--q", "mxfp8", "--no-validate"])
-    assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == ["8bit", "mxfp8"]
     # the second precision's validation takes the original's outputs from the cache
     first = run(outs["mxfp4"], checkpoints["published"], tmp_path)
     second = run(outs["4bit"], checkpoints["published"], tmp_path)
     assert not first.data["reference_cache"]["hit"] and second.data["reference_cache"]["hit"]
+    # the command line: --q repeated, one sub-directory per spec, each validated, the original once
+    import esmc_mlx.validate.core as core
+
+    monkeypatch.setattr(core, "build_panel", lambda *a, **k: build_panel(max_length=30, marginal_positions=4))
+    result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(tmp_path / "cli"),
+                                               "--q", "8", "--q", "mxfp8"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "cli").iterdir() if not p.name.startswith(".")) == ["8bit", "mxfp8"]
+    hits = [json.loads((tmp_path / "cli" / d / "validation" / "report.json").read_text())["reference_cache"]["hit"]
+            for d in ("8bit", "mxfp8")]
+    assert hits == [False, True] and result.output.count("Validation PASSED") == 2
 
 
 def test_reference_device_option(converted, checkpoints, tmp_path):

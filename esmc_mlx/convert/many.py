@@ -1,15 +1,14 @@
 """Several precisions of one source from one read of it.
 
 ``convert_many("6B", "out", ["mxfp4", "4", "8"])`` writes ``out/mxfp4``, ``out/4bit`` and
-``out/8bit``: each source tensor is read, renamed and cast once, then handed to every target
-(quantized by each target's plan, written by each target's shard writer). The outputs are the
-same files ``convert`` writes for each spec alone; each is staged and moved into place whole,
-and on any error none of them is left behind.
+``out/8bit``: each source tensor is read, renamed, cast and checked once, then handed to every
+target (quantized by each target's plan, written by each target's shard writer). The outputs are
+the files ``convert`` writes for each spec alone; each is staged and moved into place whole
+(``esmc_mlx.outputs``), and on any error none of them is published.
 
 Naming rule (``spec_label``): an affine bit width N is ``Nbit``, a mode or mixed recipe keeps
 its name (``mxfp4``, ``nvfp4``, ``mixed_4_6``), no spec is the float dtype (``bfloat16``, or
-``float`` for the source's own), and a non-default ``group_size`` adds ``-g<size>``
-(``4bit-g32``).
+``float`` for the source's own), and a ``group_size`` adds ``-g<size>`` (``4bit-g32``).
 """
 
 from __future__ import annotations
@@ -18,22 +17,13 @@ import contextlib
 import time
 from pathlib import Path
 
-import mlx.core as mx
-
 from .._version import __version__
-from ..artifact import FLOAT_DTYPES
-from ..errors import ConvertError, QuantizeError
-from ..quantize import (
-    QuantParams,
-    QuantPlan,
-    parse_spec,
-    quantize_tensor,
-    refuse_quantized,
-)
-from ..resolve import resolve
-from . import check_tensors, copy_tokenizer, mapping, source_record, write_config
-from .sources import open_checkpoint
-from .writer import DEFAULT_SHARD_BYTES, ShardWriter, staged_directory
+from ..errors import ConvertError
+from ..outputs import StagedDirectory, check_target
+from ..privacy import public_command
+from ..quantize import QuantParams, quantize_tensor
+from . import Conversion, check_finite, copy_tokenizer, mapping, prepare, source_record, write_config
+from .writer import DEFAULT_SHARD_BYTES, ShardWriter
 
 
 def spec_label(q: str | None, dtype: str | None = None, group_size: int | None = None) -> str:
@@ -44,56 +34,37 @@ def spec_label(q: str | None, dtype: str | None = None, group_size: int | None =
     return f"{label}-g{group_size}" if group_size else label
 
 
-def convert_many(source: str, out_dir: str | Path, specs: list[str | None], dtype: str | None = None,
-                 group_size: int | None = None, quantize_head: bool = False, revision: str | None = None,
-                 force: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True,
-                 command: str | None = None) -> dict[str, Path]:
-    """Convert ``source`` once into one directory per spec under ``out_dir``; returns
-    ``{spec label: directory}`` in the order given. ``None`` in ``specs`` is the float
-    conversion. Raises ConvertError / QuantizeError as ``convert`` does, before reading any
-    weight for a bad spec or an existing output (without ``force``)."""
-    from tqdm.auto import tqdm
-
-    out_dir = Path(out_dir)
-    if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise ConvertError(f"--dtype {dtype!r}: choose one of {', '.join(FLOAT_DTYPES)}")
+def prepare_many(source: str, specs: list[str | None], dtype: str | None = None, group_size: int | None = None,
+                 quantize_head: bool = False, revision: str | None = None,
+                 command: str | None = None) -> dict[str, Conversion]:
+    """``{label: Conversion}`` for every spec, each checked as ``prepare`` checks one (headers
+    only: nothing is read yet). Raises ConvertError for a spec given twice."""
     labels = [spec_label(q, dtype, group_size) for q in specs]
     if not labels or len(set(labels)) != len(labels):
         raise ConvertError(f"give each precision once: {', '.join(labels) or 'none given'}")
-    targets = {label: out_dir / label for label in labels}
-    existing = [str(p) for p in targets.values() if p.exists()]
-    if existing and not force:
-        raise ConvertError(f"{', '.join(existing)} already exist(s); pass --force to replace")
-    for q in specs:
-        if q:
-            parse_spec(q, group_size)
-    if (group_size is not None or quantize_head) and not any(specs):
-        raise QuantizeError("--group-size and --quantize-head need --q SPEC")
-    src = resolve(source, revision)
-    try:
-        ckpt = open_checkpoint(src)
-    except ValueError as e:
-        raise ConvertError(f"{src.path}: {e}") from None
-    refuse_quantized(ckpt.shapes, str(src.path))
-    origin = f"{src.path / 'config.json'}" if (src.path / "config.json").exists() else "the inferred config"
-    check_tensors(ckpt, origin)
-    out_dtype = FLOAT_DTYPES[dtype] if dtype else ckpt.dtype
-    plans = [QuantPlan.parse(q, group_size, ckpt.config, quantize_head) if q else None for q in specs]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with contextlib.ExitStack() as stack:
-        stagings = [stack.enter_context(staged_directory(targets[label], force)) for label in labels]
-        started = time.perf_counter()
-        writers = [ShardWriter(staging, shard_bytes) for staging in stagings]
-        quantized: list[dict[str, QuantParams]] = [{} for _ in labels]
-        bar = tqdm(total=len(ckpt.shapes), unit="tensor", desc=f"converting to {', '.join(labels)}",
-                   disable=not progress)
-        for source_name, tensor in ckpt.tensors():
+    return {label: prepare(source, dtype, q, group_size if q else None, quantize_head if q else False, revision,
+                           command) for label, q in zip(labels, specs)}
+
+
+def write_many(jobs: list[Conversion], directories: list[Path], shard_bytes: int = DEFAULT_SHARD_BYTES,
+               progress: bool = True) -> None:
+    """Write the artifact of every job (all of one source and dtype) into its (empty, staging)
+    directory, reading the source once."""
+    from tqdm.auto import tqdm
+
+    first = jobs[0]
+    started = time.perf_counter()
+    writers = [ShardWriter(d, shard_bytes) for d in directories]
+    quantized: list[dict[str, QuantParams]] = [{} for _ in jobs]
+    with tqdm(total=len(first.ckpt.shapes), unit="tensor", desc=f"converting to {len(jobs)} precisions",
+              disable=not progress) as bar:
+        for source_name, tensor in first.ckpt.tensors():
             if not mapping.IGNORED.match(source_name):
                 for name, t in mapping.rename(source_name, tensor):
-                    t = t.astype(out_dtype)
-                    mx.eval(t)  # read and cast once, whatever the number of targets
-                    for writer, plan, record in zip(writers, plans, quantized):
-                        params = plan.params_for(name, t.shape) if plan else None
+                    t, source = t.astype(first.dtype), t
+                    check_finite(source_name, source, t)  # evaluates the cast once for every target
+                    for writer, job, record in zip(writers, jobs, quantized):
+                        params = job.plan.params_for(name, t.shape) if job.plan else None
                         if params is None:
                             writer.add(name, t)
                             continue
@@ -101,17 +72,36 @@ def convert_many(source: str, out_dir: str | Path, specs: list[str | None], dtyp
                             writer.add(qname, qt)
                         record[name[: -len(".weight")]] = params
             bar.update()
-        bar.close()
-        for writer in writers:
-            writer.close()
-        provenance = source_record(src, ckpt, progress)  # hashed once for all
-        seconds = round(time.perf_counter() - started, 2)
-        for staging, q, plan, record in zip(stagings, specs, plans, quantized):
-            extra = {"source": provenance, "converter": {"name": "esmc-mlx", "version": __version__},
-                     "command": command,
-                     "quantization": {"spec": plan.spec, "quantize_head": plan.quantize_head} if plan else None,
-                     "seconds": seconds}
-            write_config(staging, ckpt.config, out_dtype, plan.record(record) if plan else None, extra,
-                         license=ckpt.license)
-            copy_tokenizer(src, staging)
-    return targets
+    for writer in writers:
+        writer.close()
+    provenance = source_record(first.src, first.ckpt, progress)  # hashed once for all
+    seconds = round(time.perf_counter() - started, 2)
+    for job, directory, record in zip(jobs, directories, quantized):
+        plan = job.plan
+        extra = {"source": provenance, "converter": {"name": "esmc-mlx", "version": __version__},
+                 "command": public_command(job.command),
+                 "quantization": {"spec": plan.spec, "quantize_head": plan.quantize_head} if plan else None,
+                 "seconds": seconds}
+        write_config(directory, job.ckpt.config, job.dtype, plan.record(record) if plan else None, extra,
+                     license=job.ckpt.license)
+        copy_tokenizer(job.src, directory)
+
+
+def convert_many(source: str, out_dir: str | Path, specs: list[str | None], dtype: str | None = None,
+                 group_size: int | None = None, quantize_head: bool = False, revision: str | None = None,
+                 force: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True,
+                 command: str | None = None) -> dict[str, Path]:
+    """Convert ``source`` once into ``out_dir/<label>`` for every spec; returns ``{label:
+    directory}`` in the order given (``None`` in ``specs``: the float conversion). Raises
+    ConvertError / QuantizeError / OutputError as ``convert`` does, before reading any weight for
+    a bad spec or an existing output (without ``force``)."""
+    out_dir = Path(out_dir)
+    labels = [spec_label(q, dtype, group_size) for q in specs]
+    for label in labels:
+        check_target(out_dir / label, force)
+    jobs = prepare_many(source, specs, dtype, group_size, quantize_head, revision, command)
+    with contextlib.ExitStack() as stack:
+        stages = [stack.enter_context(StagedDirectory(out_dir / label, force, sources=job.inputs))
+                  for label, job in jobs.items()]
+        write_many(list(jobs.values()), [s.path for s in stages], shard_bytes, progress)
+        return {label: stage.publish() for label, stage in zip(jobs, stages)}
