@@ -2,9 +2,9 @@
 
 __version__ = "0.1.0"
 
-from . import _blas  # noqa: E402  (must precede the first `import mlx.core`)
+from . import _blas  # noqa: E402
 
-_blas.load_fast_blas()
+_blas.load_mlx()  # a clear error for a broken MLX install; MLX's CPU GEMMs on OpenBLAS (Linux)
 
 from .runtime import ESMC, ESMCOutput, ESMCTokenizer, TokenizerError, load  # noqa: E402
 
