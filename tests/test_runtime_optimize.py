@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from conftest import requires_torch
 from esmc_mlx import bench
 from esmc_mlx.runtime.model import ESMC
 
@@ -18,6 +19,7 @@ def rel(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def weights(tiny_config):
+    requires_torch()
     return bench.mlx_weights(bench.torch_model(tiny_config, "float32", "cpu", seed=3), mx.float32)
 
 

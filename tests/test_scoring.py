@@ -9,9 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 from click.testing import CliRunner
-from transformers import EsmcTokenizer
 
 from esmc_mlx import load
 from esmc_mlx.cli import main as cli
@@ -24,7 +22,13 @@ from esmc_mlx.testing import random_sequences
 
 WT = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"
 MUTANTS = ["A4G", "K2P:Q11W", "WT", "M1L", "Q33A:E24F:R10C", "T3T"]
-HF_TOK = EsmcTokenizer()
+try:  # the FASTA, mutation and batching tests run without torch; the rest skip (conftest)
+    import torch
+    from transformers import EsmcTokenizer
+
+    HF_TOK = EsmcTokenizer()
+except ImportError:
+    torch = HF_TOK = None
 
 
 @pytest.fixture(scope="module")

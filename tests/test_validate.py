@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
+from conftest import requires_torch
 from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
 from esmc_mlx.convert.sources import PACKAGED
@@ -24,6 +25,7 @@ TINY = PACKAGED / "esmc-tiny"
 
 
 def run(artifact, source, tmp_path, **kw):
+    requires_torch()  # the reference side
     return validate(artifact, str(source), report_dir=tmp_path / "report", **{**FAST, "plot": False, **kw})
 
 
