@@ -70,7 +70,31 @@ def load_mlx() -> None:
         if Path(sys.argv[0]).name in ("esmc-mlx", "esmc-convert"):
             raise SystemExit(f"Error: {message}") from None
         raise ImportError(message) from e
+    _check_cuda_build()
     load_fast_blas()
+
+
+def _check_cuda_build() -> None:
+    """mlx-cpu and mlx-cuda-* both ship mlx/lib/libmlx.so, so with both installed (esmc-mlx on
+    Linux needs mlx[cpu]; its `cuda` extra adds mlx[cuda13]) the one unpacked last wins. Warn,
+    with the fix, when a CUDA package is installed but the file is not its own."""
+    if not sys.platform.startswith("linux"):
+        return
+    from importlib import metadata
+
+    libmlx = _libmlx()
+    for name in ("mlx-cuda-13", "mlx-cuda-12", "mlx-cuda"):
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        record = next((f for f in dist.files or () if str(f) == "mlx/lib/libmlx.so"), None)
+        if libmlx and record is not None and record.size and record.size != libmlx.stat().st_size:
+            warnings.warn(
+                f"esmc_mlx: {name} is installed but {libmlx} is the CPU build (mlx-cpu ships the same "
+                f"file): MLX will not use the GPU. Fix: pip install --force-reinstall --no-deps "
+                f"{name}=={dist.version}", RuntimeWarning, stacklevel=3)
+        return
 
 
 # --- finding and opening the library --------------------------------------------------------
