@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
 
 import click
 
-from . import __version__
+from ._version import __version__
+from .artifact import describe
+from .convert import quantize_directory
 from .errors import EsmcMlxError
+from .hub.push import push_artifact
+from .pipeline import convert_validate_push
+from .tasks.distributed import World
+from .tasks.jobs import embed_fasta, score_csv
+from .validate import validate as run_validation
 
 SOURCE_HELP = "SOURCE: an alias (300M, 600M, 6B, tiny), a Hub repo id, a local directory or a legacy .pth file."
 
@@ -40,13 +48,6 @@ def _friendly(command):
 
 def _command_line() -> str:
     return " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]])
-
-
-def _default_out(source: str, q: str | None, dtype: str | None) -> Path:
-    stem = Path(source.rstrip("/")).name.removesuffix(".pth") or "model"
-    if not stem.lower().startswith("esmc"):
-        stem = f"ESMC-{stem}"
-    return Path(f"{stem}-{q}-mlx" if q else f"{stem}-{dtype}-mlx" if dtype else f"{stem}-mlx")
 
 
 # Options shared by `esmc-convert` / `esmc-mlx convert` and `esmc-mlx quantize`.
@@ -104,45 +105,11 @@ def _parse_size(text: str) -> int:
 
 
 def run_convert(source, output, dtype, q, group_size, revision, force, shard_size, upload_repo=None, private=False,
-                quantize_head=False, validate=None, **_):
-    from .convert import convert
-
-    out = output or _default_out(source, q, dtype)
-    if upload_repo:  # a missing token or a foreign namespace fails now, not after an hour of converting
-        from .hub.push import check_push_access
-
-        check_push_access(upload_repo)
-    convert(source, out, dtype=dtype, q=q, group_size=group_size, quantize_head=quantize_head, revision=revision, force=force,
-            shard_bytes=_parse_size(shard_size), command=_command_line())
-    click.echo(f"Wrote {out}")
-    _validate_after_convert(out, source, revision, validate)
-    if upload_repo:  # keep last: after conversion and validation
-        from .hub.push import push_artifact
-
-        click.echo(push_artifact(out, upload_repo, private=private).summary())
-    return out
-
-
-def _validate_after_convert(out: Path, source: str, revision: str | None, wanted: bool | None) -> None:
-    from .validate.core import validation_available
-
-    if wanted is False:
-        return
-    if not validation_available():
-        if wanted:
-            raise click.ClickException("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
-        click.echo("Note: not validated (torch/transformers not installed); run `esmc-mlx validate` later.")
-        return
-    from .validate import validate
-
-    click.echo(f"Validating {out} against {source} ...")
-    report = validate(out, source, revision=revision, progress=True)
-    click.echo(report.summary())
-    click.echo(f"Report: {report.directory / 'report.md'}")
-    if not report.passed:
-        raise click.ClickException(
-            f"validation failed ({', '.join(c.name for c in report.failed)}). The artifact stays at {out} "
-            f"with its failing report in {report.directory}; it will not be uploaded.")
+                quantize_head=False, validate=None):
+    convert_validate_push(source, output, dtype=dtype, q=q, group_size=group_size, quantize_head=quantize_head,
+                          revision=revision, force=force, shard_bytes=_parse_size(shard_size),
+                          validate_output=validate, upload_repo=upload_repo, private=private,
+                          command=_command_line(), log=click.echo)
 
 
 EXAMPLES = """
@@ -197,9 +164,7 @@ Examples:
 @force_option
 @shard_size_option
 def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size):
-    from .quantize import quantize as quantize_dir
-
-    quantize_dir(model_dir, output, q, group_size=group_size, quantize_head=quantize_head, force=force,
+    quantize_directory(model_dir, output, q, group_size=group_size, quantize_head=quantize_head, force=force,
                  shard_bytes=_parse_size(shard_size), command=_command_line())
     click.echo(f"Wrote {output}")
 
@@ -209,10 +174,6 @@ def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size)
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def info(model_dir, as_json):
-    import json
-
-    from .info import describe
-
     facts = describe(model_dir)
     if as_json:
         click.echo(json.dumps(facts, indent=2))
@@ -275,8 +236,6 @@ def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
 @click.option("--revision", help="Hub revision of the reference.")
 def validate(mlx_dir, reference, sequences, report_dir, max_length, quick, threshold, quality_gate, mode, dtype,
              revision):
-    from .validate import validate as run_validation
-
     report = run_validation(mlx_dir, reference, sequences=sequences, report_dir=report_dir,
                             thresholds=_parse_thresholds(threshold), max_length=max_length or (256 if quick else None),
                             marginal_positions=8 if quick else 24, mode=mode, quality_gate=quality_gate,
@@ -314,8 +273,6 @@ Examples:
 @click.option("--allow-unvalidated", is_flag=True,
               help="Publish even without a passed validation report (the model card says so).")
 def push(mlx_dir, repo_id, private, revision, commit_message, create_pr, dry_run, allow_unvalidated):
-    from .hub.push import push_artifact
-
     result = push_artifact(mlx_dir, repo_id, private=private, revision=revision, commit_message=commit_message,
                            create_pr=create_pr, dry_run=dry_run, allow_unvalidated=allow_unvalidated)
     click.echo(result.summary())
@@ -355,9 +312,6 @@ Examples:
 @click.option("--force", is_flag=True, help="Discard what OUT holds and start over.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def embed(model, fasta, output, layer, per_residue, batch_tokens, dtype, force, no_progress):
-    from .runtime.distributed import World
-    from .runtime.jobs import embed_fasta
-
     s = embed_fasta(model, fasta, output, layer=layer, per_residue=per_residue, batch_tokens=batch_tokens,
                     dtype=dtype, force=force, group=World.current(), progress=not no_progress)
     if s.rank == 0:
@@ -406,9 +360,6 @@ Examples:
 @click.option("--dms-column", default="DMS_score", show_default=True, help="Measured scores, for Spearman's rho.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def score(model, sequence, mutations, output, methods, batch_size, offset, mutant_column, dms_column, no_progress):
-    from .runtime.distributed import World
-    from .runtime.jobs import score_csv
-
     output = output or mutations.with_name(mutations.name.removesuffix(".csv") + ".scored.csv")
     methods = [m.replace("-", "_") for m in methods] or ["masked_marginal", "wt_marginal"]
     s = score_csv(model, sequence, mutations, output, methods=methods, batch_size=batch_size, offset=offset,

@@ -14,12 +14,10 @@ import dataclasses
 import math
 from typing import Any
 
+from .errors import ConfigError
+
 HEAD_DIM = 64  # every released ESMC uses 64-wide heads (300M 960/15, 600M 1152/18, 6B 2560/40)
 VOCAB_SIZE = 64  # logits width; the tokenizer uses the first 33 ids
-
-
-class ConfigError(ValueError):
-    """A config that is missing fields or contradicts itself or the tensors."""
 
 
 def default_intermediate_size(hidden_size: int) -> int:

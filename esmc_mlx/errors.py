@@ -1,8 +1,17 @@
-"""Errors users see. The CLI prints their message and exits non-zero; nothing else is printed."""
+"""Every exception esmc-mlx raises on purpose, as one tree (as huggingface_hub's ``errors.py``).
+
+The CLI prints an ``EsmcMlxError``'s message as one ``Error:`` line and exits non-zero; nothing
+else is printed. Messages name the file, tensor, option or sequence at fault. Classes that
+callers used to catch as ``ValueError`` still are ``ValueError``s.
+"""
 
 
 class EsmcMlxError(Exception):
     """Base class: a problem with the user's input or environment, explained in the message."""
+
+
+class ConfigError(EsmcMlxError, ValueError):
+    """A model config that is missing fields or contradicts itself or the tensors."""
 
 
 class ConvertError(EsmcMlxError):
@@ -15,3 +24,29 @@ class QuantizeError(EsmcMlxError):
 
 class HubError(EsmcMlxError):
     """A Hub request that failed (auth, permissions, network, offline mode)."""
+
+
+class SequenceError(EsmcMlxError, ValueError):
+    """A protein sequence (or FASTA file) that ESMC cannot read: characters outside its vocabulary,
+    empty records, malformed FASTA. The tokenizer and the FASTA reader raise the same class."""
+
+
+# The names the tokenizer and the FASTA reader used before they shared one validator.
+TokenizerError = SequenceError
+FastaError = SequenceError
+
+
+class MutationError(EsmcMlxError):
+    """A mutant string that is malformed or does not fit the wild-type sequence."""
+
+
+class ScoringError(EsmcMlxError):
+    """Bad arguments to a scoring or embedding job (layer, method, batch size)."""
+
+
+class JobError(EsmcMlxError):
+    """An output directory or input file that a job cannot use as asked."""
+
+
+class ValidationError(EsmcMlxError):
+    """Validation could not run as asked (bad threshold name, unreadable reference ...)."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .artifact import expected_shapes
 from .config import ESMCConfig
 from .convert.mapping import GATE_UP, QKV
 
@@ -20,7 +21,6 @@ SHAPES = {  # published ESMC sizes: hidden, heads, layers
     "600M": ESMCConfig(1152, 18, 36, 3072),
     "6B": ESMCConfig(2560, 40, 80, 6912),
 }
-LAYOUTS = ("published", "esm", "legacy")
 
 
 def tiny_config(**overrides) -> ESMCConfig:
@@ -42,15 +42,22 @@ def random_transformers_model(config: ESMCConfig, seed: int = 0, perturb_norms: 
     model = EsmcForMaskedLM(hf_config(config)).eval()
     if not perturb_norms:
         return model
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.05 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * (1.0 / p.shape[-1]) ** 0.5)
+            init_random_(name, p, generator)
     return model
+
+
+def init_random_(name: str, tensor, generator=None, perturb_norms: bool = True):
+    """The one random initialization of tests and benchmarks, in place on a torch tensor:
+    weights N(0, 1/fan_in); norm weights 1 + N(0, 0.1) and biases N(0, 0.05) with
+    ``perturb_norms`` (so that a swapped or dropped one changes the output), else 1 and 0."""
+    if "norm" in name and name.endswith("weight"):
+        return tensor.normal_(1.0, 0.1, generator=generator) if perturb_norms else tensor.fill_(1.0)
+    if name.endswith("bias"):
+        return tensor.normal_(0.0, 0.05, generator=generator) if perturb_norms else tensor.zero_()
+    return tensor.normal_(0.0, tensor.shape[-1] ** -0.5, generator=generator)
 
 
 def relayout(state: dict, layout: str) -> dict:
@@ -131,12 +138,10 @@ def write_checkpoint(model, path: Path, layout: str = "published", dtype: str = 
 def write_random_checkpoint(directory: Path, config: ESMCConfig, dtype: str = "bfloat16",
                             shard_bytes: int = 5 << 30, seed: int = 0, progress: bool = False) -> Path:
     """A published-layout checkpoint of any size, written one tensor at a time (memory stays at
-    one tensor), sharded with an index like the Hub's ESMC-6B. Weights ~ N(0, 1/fan_in)."""
+    one tensor), sharded with an index like the Hub's ESMC-6B. Weights from ``init_random_``."""
     import torch
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
-
-    from .convert import expected_shapes
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -153,14 +158,7 @@ def write_random_checkpoint(directory: Path, config: ESMCConfig, dtype: str = "b
 
     shapes = expected_shapes(config)
     for name, shape in tqdm(shapes.items(), desc="random checkpoint", disable=not progress):
-        t = torch.empty(shape, dtype=torch.float32)
-        if name.endswith("bias"):
-            t.normal_(0, 0.02, generator=generator)
-        elif "norm" in name:
-            t.normal_(1, 0.05, generator=generator)
-        else:
-            t.normal_(0, shape[-1] ** -0.5, generator=generator)
-        t = t.to(getattr(torch, dtype))
+        t = init_random_(name, torch.empty(shape, dtype=torch.float32), generator).to(getattr(torch, dtype))
         if size + t.numel() * t.element_size() > shard_bytes:
             flush()
         current[name] = t

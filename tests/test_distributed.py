@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from esmc_mlx import load
-from esmc_mlx.runtime.jobs import embed_fasta, read_embeddings, score_csv
+from esmc_mlx.tasks.jobs import embed_fasta, score_csv
+from esmc_mlx.tasks.store import read_embeddings
 from esmc_mlx.testing import random_sequences
 
 pytestmark = pytest.mark.skipif(not mx.distributed.is_available(), reason="MLX built without distributed support")

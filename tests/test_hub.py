@@ -344,7 +344,7 @@ def test_hand_written_card_is_kept(hub, checkpoints, tmp_path):
 
 # --- esmc-convert --upload-repo -----------------------------------------------------------------------
 def test_esmc_convert_upload_repo(hub, checkpoints, tmp_path, monkeypatch):
-    import esmc_mlx.convert as convert_module
+    import esmc_mlx.pipeline as convert_module  # the pipeline's convert step
 
     def convert_and_validate(*args, **kwargs):  # a quick stand-in for --validate (tested with the real one above)
         out = convert_module_convert(*args, **kwargs)

@@ -16,10 +16,10 @@ from conftest import requires_torch
 from esmc_mlx import load, testing
 from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
-from esmc_mlx.convert.sources import safetensors_header
+from esmc_mlx.artifact import describe, safetensors_header
 from esmc_mlx.errors import QuantizeError
-from esmc_mlx.info import describe
-from esmc_mlx.quantize import SPECS, QuantPlan, quantize, quantize_tensor
+from esmc_mlx.convert import quantize_directory as quantize
+from esmc_mlx.quantize import SPECS, QuantPlan, quantize_tensor
 from esmc_mlx.runtime import quantized as rq
 
 SEQS = ["MKTAYIAKQRQISFVKSHF", "GSHMSLFDKLG", "ACDEFGHIKLMNPQRSTVWY"]  # 3 x 22 = 66 tokens

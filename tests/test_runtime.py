@@ -103,7 +103,7 @@ def test_runtime_imports_neither_torch_nor_transformers():
     import subprocess
     import sys
 
-    code = ("import sys, esmc_mlx, esmc_mlx.runtime, esmc_mlx.cli, esmc_mlx.info; "
+    code = ("import sys, esmc_mlx, esmc_mlx.runtime, esmc_mlx.cli, esmc_mlx.artifact; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

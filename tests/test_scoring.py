@@ -13,11 +13,13 @@ from click.testing import CliRunner
 
 from esmc_mlx import load
 from esmc_mlx.cli import main as cli
-from esmc_mlx.errors import EsmcMlxError
-from esmc_mlx.runtime.fasta import FastaError, parse_fasta, read_fasta
-from esmc_mlx.runtime.jobs import JobError, embed_fasta, read_embeddings, score_csv, spearman
-from esmc_mlx.runtime.mutations import MutationError, all_singles, parse_mutant
-from esmc_mlx.runtime.scoring import ScoringError, length_batches, pseudo_perplexity, score_mutations
+from esmc_mlx.errors import EsmcMlxError, FastaError, JobError, MutationError, ScoringError
+from esmc_mlx.tasks.fasta import parse_fasta, read_fasta
+from esmc_mlx.tasks.jobs import embed_fasta, score_csv
+from esmc_mlx.tasks.mutations import all_singles, parse_mutant
+from esmc_mlx.tasks.scoring import length_batches, pseudo_perplexity, score_mutations
+from esmc_mlx.tasks.stats import spearman
+from esmc_mlx.tasks.store import read_embeddings
 from esmc_mlx.testing import random_sequences
 
 WT = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"
@@ -352,8 +354,8 @@ def test_errors_are_user_errors():
 
 
 def test_runtime_imports_neither_torch_nor_transformers():
-    code = ("import sys, esmc_mlx.runtime.scoring, esmc_mlx.runtime.jobs, esmc_mlx.runtime.fasta, "
-            "esmc_mlx.runtime.mutations, esmc_mlx.runtime.distributed; "
+    code = ("import sys, esmc_mlx.tasks.scoring, esmc_mlx.tasks.jobs, esmc_mlx.tasks.fasta, "
+            "esmc_mlx.tasks.mutations, esmc_mlx.tasks.distributed; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

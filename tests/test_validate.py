@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from conftest import requires_torch
 from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
-from esmc_mlx.convert.sources import PACKAGED
+from esmc_mlx.resolve import PACKAGED
 from esmc_mlx.validate import ValidationError, validate
 from esmc_mlx.validate import mlx_side, reference, thresholds
 from esmc_mlx.validate.metrics import rel_l2

@@ -13,30 +13,19 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
-from .. import __version__
+from .._version import __version__
+from ..artifact import FLOAT_DTYPES, dtype_name, expected_shapes, read_config, sha256
 from ..config import ESMCConfig
 from ..errors import ConvertError, QuantizeError
 from ..quantize import QuantParams, QuantPlan, parse_spec, quantize_tensor, refuse_quantized
-from ..runtime.model import ESMC
-from ..runtime.tokenizer import ESMCTokenizer
+from ..resolve import Source, resolve
+from ..vocab import write_tokenizer_files
 from . import mapping
-from .sources import Checkpoint, Source, open_checkpoint, resolve, sha256
+from .sources import Checkpoint, open_checkpoint
 from .writer import DEFAULT_SHARD_BYTES, ShardWriter, staged_directory
 
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def dtype_name(dtype: mx.Dtype) -> str:
-    return next(k for k, v in DTYPES.items() if v == dtype)
-
-
-def expected_shapes(config: ESMCConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter the MLX model has, with its shape (the model is the one source of truth;
-    its parameters are lazy and never materialized here)."""
-    return {k: tuple(v.shape) for k, v in tree_flatten(ESMC(config).parameters())}
 
 
 def check_tensors(ckpt: Checkpoint, config_origin: str) -> None:
@@ -84,17 +73,19 @@ def convert(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool = True,
     command: str | None = None,
+    derived_from: dict | None = None,
 ) -> Path:
     """Convert ``source`` (alias, repo id, directory or .pth) to an MLX directory ``out_dir``.
 
     ``dtype``: float32, bfloat16 or float16 (default: the source's). ``q``: a quantization spec
     (see ``esmc_mlx.quantize``); ``quantize_head`` also quantizes the embedding and LM head.
     Raises ConvertError / QuantizeError / HubError with a message naming the file, tensor or
-    option; on error nothing is left at ``out_dir``.
+    option; on error nothing is left at ``out_dir``. ``derived_from``: the provenance of the
+    checkpoint ``source`` was converted from (``quantize_directory`` keeps it for the model card).
     """
     out_dir = Path(out_dir)
-    if dtype is not None and dtype not in DTYPES:
-        raise ConvertError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise ConvertError(f"--dtype {dtype!r}: choose one of {', '.join(FLOAT_DTYPES)}")
     if out_dir.exists() and not force:  # fail before downloading anything
         raise ConvertError(f"{out_dir} already exists; pass --force to replace it")
     if q:
@@ -109,14 +100,14 @@ def convert(
     refuse_quantized(ckpt.shapes, str(src.path))
     origin = f"{src.path / 'config.json'}" if (src.path / "config.json").exists() else "the inferred config"
     check_tensors(ckpt, origin)
-    out_dtype = DTYPES[dtype] if dtype else ckpt.dtype
+    out_dtype = FLOAT_DTYPES[dtype] if dtype else ckpt.dtype
     plan = QuantPlan.parse(q, group_size, ckpt.config, quantize_head) if q else None  # checks widths
 
     with staged_directory(out_dir, force) as staging:
         started = time.perf_counter()
         overrides = write_tensors(ckpt, staging, out_dtype, plan, shard_bytes, progress)
         extra = {
-            "source": source_record(src, ckpt, progress),
+            "source": dict(source_record(src, ckpt, progress), **({"derived_from": derived_from} if derived_from else {})),
             "converter": {"name": "esmc-mlx", "version": __version__},
             "command": command,
             "quantization": {"spec": plan.spec, "quantize_head": plan.quantize_head} if plan else None,
@@ -186,4 +177,21 @@ def copy_tokenizer(src: Source, directory: Path) -> None:
         for f in found:
             shutil.copy2(f, directory / f.name)
     else:
-        ESMCTokenizer().save_pretrained(directory)
+        write_tokenizer_files(directory)
+
+
+def quantize_directory(model_dir: str | Path, out_dir: str | Path, q: str, group_size: int | None = None,
+             quantize_head: bool = False, dtype: str | None = None, force: bool = False,
+             progress: bool = True, command: str | None = None, **convert_kwargs) -> Path:
+    """Quantize an existing float MLX directory (``esmc-mlx quantize``) into ``out_dir``.
+
+    An MLX directory has the published layout's tensor names, so this is the converter's
+    streaming path with the directory as source: one tensor at a time, bounded shards.
+    Raises QuantizeError (bad spec, group size, already quantized) or ConvertError (missing or
+    damaged directory, existing output).
+    """
+    model_dir = Path(model_dir)
+    parse_spec(q, group_size)
+    parent = read_config(model_dir).get("esmc_mlx", {}).get("source")
+    return convert(str(model_dir), out_dir, dtype=dtype, q=q, group_size=group_size, quantize_head=quantize_head,
+                   force=force, progress=progress, command=command, derived_from=parent, **convert_kwargs)

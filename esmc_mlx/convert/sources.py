@@ -1,92 +1,22 @@
-"""Checkpoint sources: resolve what the user typed, then read tensors one at a time, lazily."""
+"""Checkpoint sources (resolved by ``esmc_mlx.resolve``): read tensors one at a time, lazily."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import struct
 from pathlib import Path
 from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from ..config import ConfigError, ESMCConfig
-from ..errors import ConvertError
+from ..artifact import SAFETENSORS_DTYPES, safetensors_header
+from ..config import ESMCConfig
+from ..errors import ConfigError, ConvertError
+from ..resolve import Source
 from . import mapping
-
-ALIASES = {
-    "300M": "biohub/ESMC-300M",
-    "600M": "biohub/ESMC-600M",
-    "6B": "biohub/ESMC-6B",
-}
-PACKAGED = Path(__file__).resolve().parent.parent / "data"
-LOCAL_ALIASES = {"tiny": PACKAGED / "esmc-tiny"}  # ships inside the package, works offline
-SAFETENSORS_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
-
-
-@dataclasses.dataclass
-class Source:
-    """A resolved checkpoint: where its files are and what it was called."""
-
-    path: Path  # a directory, or a .pth file
-    id: str  # what provenance records: repo id, alias target or local path
-    revision: str | None = None
-
-    @property
-    def is_pth(self) -> bool:
-        return self.path.is_file() and self.path.suffix in (".pth", ".pt", ".bin")
-
-
-def resolve(source: str, revision: str | None = None) -> Source:
-    """Turn an alias, Hub repo id, local directory or ``.pth`` path into a ``Source``.
-
-    Raises ConvertError for an unknown alias, a missing path, or a repo the Hub cannot give.
-    """
-    if source in LOCAL_ALIASES:
-        return Source(LOCAL_ALIASES[source], f"esmc-mlx/{source}")
-    repo_id = ALIASES.get(source) or ALIASES.get(source.upper())
-    path = Path(source).expanduser()
-    if repo_id is None and path.exists():
-        return Source(path.resolve(), str(path.resolve()))
-    looks_like_repo = source.count("/") == 1 and not source.startswith((".", "/", "~")) and not source.endswith(
-        (".pth", ".pt", ".safetensors"))
-    if repo_id is None and not looks_like_repo:
-        known = ", ".join([*ALIASES, *LOCAL_ALIASES])
-        raise ConvertError(
-            f"{source!r} is not a model alias ({known}), an existing local path, or a Hub repo id (org/name)"
-        )
-    from ..hub.download import download_checkpoint
-
-    local, commit = download_checkpoint(repo_id or source, revision)
-    return Source(local, repo_id or source, commit)
 
 
 # --- safetensors --------------------------------------------------------------------------
-def safetensors_header(path: Path) -> dict:
-    """Parse and sanity-check a safetensors header; raise ConvertError if the file is damaged.
-
-    Hand-written because mx.load of a truncated file fails late and without naming the file;
-    this check is a few lines of the documented format (8-byte length, JSON, data).
-    """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > size - 8:
-                raise ValueError(f"header length {length} exceeds the file size {size}")
-            header = json.loads(f.read(length))
-    except (struct.error, ValueError, UnicodeDecodeError) as e:
-        raise ConvertError(f"{path}: not a readable safetensors file ({e})") from None
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    if 8 + length + end != size:
-        raise ConvertError(
-            f"{path}: truncated or corrupt safetensors file (header describes {8 + length + end} bytes, "
-            f"file has {size})"
-        )
-    return header
-
-
 def _safetensors_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.exists():
@@ -100,14 +30,6 @@ def _safetensors_files(directory: Path) -> list[Path]:
     if not files:
         raise ConvertError(f"{directory}: no *.safetensors checkpoint found (nor a .pth)")
     return files
-
-
-def sha256(path: Path, chunk: int = 16 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @dataclasses.dataclass

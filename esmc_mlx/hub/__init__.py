@@ -1,8 +1,7 @@
-"""Hugging Face Hub I/O: downloading sources, publishing artifacts with a model card."""
+"""Hugging Face Hub publishing: the model card and one atomic push (downloads live in
+``esmc_mlx.resolve``)."""
 
-from .card import read_validation, render_card, write_card
-from .download import download_checkpoint
+from .card import read_validation, render_card
 from .push import PushResult, check_push_access, push_artifact
 
-__all__ = ["PushResult", "check_push_access", "download_checkpoint", "push_artifact", "read_validation",
-           "render_card", "write_card"]
+__all__ = ["PushResult", "check_push_access", "push_artifact", "read_validation", "render_card"]

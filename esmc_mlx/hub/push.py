@@ -38,7 +38,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from ..errors import HubError
-from .card import MARKER, Validation, base_model_of, precision_label, read_validation, render_card
+from ..artifact import human_size, precision_label
+from .card import MARKER, Validation, base_model_of, read_validation, render_card
 
 ATTEMPTS = 3  # tries per file upload and for the commit (the client also retries each request)
 RETRY_WAITS = (5.0, 20.0)  # seconds before the 2nd and the 3rd attempt
@@ -74,11 +75,11 @@ class PushResult:
         return sum(size for _, size in self.files)
 
     def summary(self) -> str:
-        size = f"{len(self.files)} files, {_human(self.total_bytes)}"
+        size = f"{len(self.files)} files, {human_size(self.total_bytes)}"
         where = self.repo_id + (f" (branch {self.revision})" if self.revision != "main" else "")
         if self.dry_run:
             lines = [f"Dry run: nothing was uploaded. A push would {'create' if self.created else 'update'} {where}:"]
-            lines += [f"  + {path} ({_human(n)})" for path, n in self.files]
+            lines += [f"  + {path} ({human_size(n)})" for path, n in self.files]
             lines += [f"  - {path} (in the repo, not in the artifact)" for path in self.deletions]
         elif self.unchanged:
             lines = [f"Nothing to push: {where} already holds this artifact (commit {self.commit_oid[:12]})."]
@@ -240,7 +241,7 @@ def push_artifact(
     part of the upload reached it (then the repo stays, empty, so that running the push again
     resumes; the message says which).
     """
-    from .. import __version__
+    from .._version import __version__
 
     model_dir = Path(model_dir)
     check_repo_id(repo_id)
@@ -421,7 +422,7 @@ def _upload(api, repo_id: str, additions: list, branch: str, create_pr: bool, ac
         if not pending:
             return
     sizes = {op.path_in_repo: op.upload_info.size for op in additions}
-    failed = "\n".join(f"  {p} ({_human(sizes[p])}): {_root_cause(e)}" for p, e in sorted(failures.items()))
+    failed = "\n".join(f"  {p} ({human_size(sizes[p])}): {_root_cause(e)}" for p, e in sorted(failures.items()))
     uploaded = [op.path_in_repo for op in additions if op._upload_mode == "lfs" and op._is_uploaded]
     done = f"; {len(uploaded)} other large file{'s' if len(uploaded) != 1 else ''} did upload" if uploaded else ""
     raise Unfinished(f"upload to {repo_id} failed after {ATTEMPTS} attempts; these files were not uploaded:\n"
@@ -582,11 +583,3 @@ def _repo_url(repo_id: str, branch: str) -> str:
     from huggingface_hub import constants
 
     return f"{constants.ENDPOINT}/{repo_id}" + (f"/tree/{branch}" if branch != "main" else "")
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"

@@ -15,12 +15,11 @@ through the head, so its error is not averaged away across 30-80 blocks as a blo
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-from pathlib import Path
 
 import mlx.core as mx
 
+from ..artifact import expected_shapes
 from ..config import ESMCConfig
 from ..errors import QuantizeError
 
@@ -89,8 +88,6 @@ class QuantPlan:
         divides (raises QuantizeError naming the layer otherwise)."""
         spec, default = parse_spec(spec, group_size)
         plan = cls(spec, default, config, quantize_head)
-        from ..convert import expected_shapes  # the model is the one list of parameters
-
         for name, shape in expected_shapes(config).items():
             plan.params_for(name, shape)
         return plan
@@ -151,32 +148,3 @@ def refuse_quantized(names, where: str) -> None:
     if any(n.endswith(".scales") for n in names):
         raise QuantizeError(
             f"{where} is already quantized; quantize from the float checkpoint (or a float MLX directory) instead")
-
-
-def quantize(model_dir: str | Path, out_dir: str | Path, q: str, group_size: int | None = None,
-             quantize_head: bool = False, dtype: str | None = None, force: bool = False,
-             progress: bool = True, command: str | None = None, **convert_kwargs) -> Path:
-    """Quantize an existing float MLX directory (``esmc-mlx quantize``) into ``out_dir``.
-
-    An MLX directory has the published layout's tensor names, so this is the converter's
-    streaming path with the directory as source: one tensor at a time, bounded shards.
-    Raises QuantizeError (bad spec, group size, already quantized) or ConvertError (missing or
-    damaged directory, existing output).
-    """
-    from ..convert import convert
-    from ..errors import ConvertError
-
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise ConvertError(f"{model_dir}: not an MLX model directory (no config.json)")
-    parse_spec(q, group_size)
-    parent = json.loads((model_dir / "config.json").read_text()).get("esmc_mlx", {}).get("source")
-    out = convert(str(model_dir), out_dir, dtype=dtype, q=q, group_size=group_size,
-                  quantize_head=quantize_head, force=force, progress=progress, command=command,
-                  **convert_kwargs)
-    if parent:  # keep the original checkpoint's provenance (the model card names it)
-        config_path = Path(out) / "config.json"
-        config = json.loads(config_path.read_text())
-        config["esmc_mlx"]["source"]["derived_from"] = parent
-        config_path.write_text(json.dumps(config, indent=2) + "\n")
-    return out

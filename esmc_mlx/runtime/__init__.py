@@ -1,11 +1,8 @@
-"""The MLX runtime: model, tokenizer, load(). Imports neither torch nor transformers."""
+"""The MLX runtime: model, quantized layers, tokenizer, load(). Imports neither torch nor
+transformers, and nothing above it (the tasks users run on a model live in ``esmc_mlx.tasks``)."""
 
 from .load import load
 from .model import ESMC, ESMCOutput
-from .tokenizer import ESMCTokenizer, TokenizerError
-from .fasta import read_fasta
-from .jobs import embed_fasta, read_embeddings, score_csv
-from .scoring import Embeddings, MutationScores, pseudo_perplexity
+from .tokenizer import ESMCTokenizer
 
-__all__ = ["ESMC", "ESMCOutput", "ESMCTokenizer", "Embeddings", "MutationScores", "TokenizerError", "embed_fasta",
-           "load", "pseudo_perplexity", "read_embeddings", "read_fasta", "score_csv"]
+__all__ = ["ESMC", "ESMCOutput", "ESMCTokenizer", "load"]

@@ -306,19 +306,6 @@ class ESMC(nn.Module):
     def dtype(self) -> mx.Dtype:
         return self.esmc.norm.weight.dtype
 
-    # The jobs users run; implemented in scoring.py, exposed here as the Python API.
-    def embed(self, sequences, **kwargs):
-        """Mean-pooled (and optionally per-residue) embeddings; see ``scoring.embed``."""
-        from .scoring import embed
-
-        return embed(self, sequences, **kwargs)
-
-    def score_mutations(self, sequence, mutations, **kwargs):
-        """Masked-marginal / wild-type-marginal variant scores; see ``scoring.score_mutations``."""
-        from .scoring import score_mutations
-
-        return score_mutations(self, sequence, mutations, **kwargs)
-
     def __call__(
         self,
         input_ids: mx.array,

@@ -8,8 +8,8 @@ Every report answers two questions (docs/validation.md):
 Needs esmc-mlx[torch]; nothing in the runtime imports this package.
 """
 
-from .core import Check, Report, validate
+from ..errors import ValidationError
+from .core import Check, Report, validate, validation_available
 from .thresholds import FIDELITY, QUALITY
-from .weights import ValidationError
 
-__all__ = ["Check", "FIDELITY", "QUALITY", "Report", "ValidationError", "validate"]
+__all__ = ["Check", "FIDELITY", "QUALITY", "Report", "ValidationError", "validate", "validation_available"]

@@ -68,8 +68,6 @@ def table(result: dict) -> str:
 
 
 def main() -> None:
-    import esmc_mlx  # noqa: F401  (fast BLAS before mlx)
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="tiny")
     parser.add_argument("--json", type=Path)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import _blas
+from ..artifact import sha256, weight_files
 from ..config import ESMCConfig
 from ..errors import EsmcMlxError
 from . import thresholds as th
@@ -29,7 +31,8 @@ from .metrics import quality as quality_metrics
 from .metrics import rel_l2
 from .panel import build_panel
 from .reference import fp32_bytes
-from .weights import ArtifactWeights, SourceWeights, ValidationError, names_for
+from ..errors import ValidationError
+from .weights import ArtifactWeights, SourceWeights, names_for
 
 MODES = ("auto", "full", "layered")
 QUALITY_GATES = ("auto", "on", "off")
@@ -286,16 +289,14 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
 def artifact_files(directory: Path) -> dict[str, str]:
     """sha256 of config.json and every weight file: what this report is about (a push can
     check that the files it uploads are the ones validated)."""
-    from ..convert.sources import sha256
-
-    files = [directory / "config.json", *sorted(directory.glob("model*.safetensors"))]
+    files = [directory / "config.json", *weight_files(directory)]
     return {f.name: sha256(f) for f in files if f.exists()}
 
 
 def versions() -> dict:
     import mlx.core as mx
 
-    from .. import __version__
+    from .._version import __version__
 
     out = {"esmc_mlx": __version__, "mlx": mx.__version__, "numpy": np.__version__,
            "python": platform.python_version()}
@@ -309,8 +310,6 @@ def versions() -> dict:
 
 def platform_info() -> dict:
     import mlx.core as mx
-
-    from .. import _blas
 
     return {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
             "platform": platform.platform(), "processor": platform.processor() or None,

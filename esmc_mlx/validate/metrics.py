@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..runtime.tokenizer import AMINO_ACIDS, VOCAB, ESMCTokenizer
+from ..runtime.tokenizer import ESMCTokenizer
+from ..vocab import AMINO_ACIDS, VOCAB
 from .panel import Panel
 from .reference import Outputs
 
@@ -90,7 +91,7 @@ def masked_marginals(panel: Panel, out: Outputs) -> np.ndarray:
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
     if len(a) < 3:
         return float("nan")
-    from ..runtime.jobs import spearman as rank_correlation  # equals scipy's spearmanr (tested)
+    from ..tasks.stats import spearman as rank_correlation  # equals scipy's spearmanr (tested)
 
     return rank_correlation(a, b)
 

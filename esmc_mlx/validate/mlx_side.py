@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..artifact import FLOAT_DTYPES
 from ..runtime.load import compute_dtype_for_device, load
 from ..runtime.model import Layer, MaskedLMHead, attention_mask_for
 from ..runtime.quantized import quantize_modules
@@ -21,13 +22,12 @@ from .panel import Batch
 from .reference import Outputs, collect, unpad
 from .weights import ArtifactWeights
 
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 def compute_dtype(artifact: ArtifactWeights, override: str | None = None) -> mx.Dtype:
     if override:
-        return DTYPES[override]
-    return compute_dtype_for_device(DTYPES.get(artifact.dtype, mx.float32))
+        return FLOAT_DTYPES[override]
+    return compute_dtype_for_device(FLOAT_DTYPES.get(artifact.dtype, mx.float32))
 
 
 def _unpad(batch: Batch, logits: mx.array, hidden: mx.array, sink: dict) -> None:

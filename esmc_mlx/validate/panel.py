@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime.fasta import read_fasta
-from ..runtime.tokenizer import AMINO_ACIDS, ESMCTokenizer
+from ..tasks.fasta import read_fasta
+from ..runtime.tokenizer import ESMCTokenizer
+from ..vocab import AMINO_ACIDS
 
 PANEL_PATH = Path(__file__).resolve().parent.parent / "data" / "panel.fasta"
 MASK = "<mask>"

@@ -111,7 +111,3 @@ def resolve(precision: str, compute_dtype: str, overrides: dict[str, float] | No
             raise KeyError(f"unknown threshold {name!r}; known: {', '.join(sorted(values))}")
         values[name] = float(bound)
     return Thresholds(precision, compute_dtype, values)
-
-
-def names() -> list[str]:
-    return ["fidelity_logits", "fidelity_hidden", *QUALITY_COLUMNS]

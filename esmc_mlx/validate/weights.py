@@ -11,27 +11,22 @@ the 6B keeps one layer of each in memory at a time.
 
 from __future__ import annotations
 
-import glob
 import json
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from ..config import ConfigError, ESMCConfig
+from ..artifact import expected_shapes, quantization_record, safetensors_header, weight_files
+from ..config import ESMCConfig
 from ..convert import mapping
-from ..convert.sources import Source, open_checkpoint, resolve, safetensors_header
-from ..errors import EsmcMlxError
-
-
-class ValidationError(EsmcMlxError):
-    """Validation could not run (unreadable artifact or reference, bad options)."""
+from ..convert.sources import open_checkpoint
+from ..errors import ConfigError, ConvertError, ValidationError
+from ..resolve import Source, resolve
 
 
 def names_for(config: ESMCConfig, prefix: str) -> list[str]:
     """Parameter names (MLX / transformers spelling) under ``prefix`` for this architecture."""
-    from ..convert import expected_shapes
-
     return [n for n in expected_shapes(config) if n.startswith(prefix)]
 
 
@@ -126,11 +121,12 @@ class ArtifactWeights:
             self.config: ESMCConfig | None = ESMCConfig.from_dict(self.raw)
         except ConfigError as e:
             self.config, self.config_error = None, f"{path}: {e}"
-        self.record: dict | None = self.raw.get("quantization") or self.raw.get("quantization_config")
+        self.record: dict | None = quantization_record(self.raw)
         self.dtype = self.raw.get("dtype", "float32")
-        files = sorted(glob.glob(str(self.directory / "model*.safetensors")))
-        if not files:
-            raise ValidationError(f"{self.directory}: no model*.safetensors weights")
+        try:
+            files = weight_files(self.directory)
+        except ConvertError as e:
+            raise ValidationError(str(e)) from None
         self._where: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for f in files:

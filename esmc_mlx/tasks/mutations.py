@@ -10,15 +10,12 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ..errors import EsmcMlxError
+from ..errors import MutationError
+from ..vocab import AMINO_ACIDS
 
-AMINO_ACIDS_20 = "ACDEFGHIKLMNPQRSTVWY"
+AMINO_ACIDS_20 = "".join(sorted(AMINO_ACIDS))  # alphabetical, as DMS tables list them
 WILD_TYPE_NAMES = frozenset({"", "wt", "_wt", "wildtype", "wild_type", "wild-type"})
 _SITE_RE = re.compile(r"^([A-Za-z])(-?\d+)([A-Za-z])$")
-
-
-class MutationError(EsmcMlxError):
-    """A mutant string that is malformed or disagrees with the wild-type sequence."""
 
 
 @dataclasses.dataclass(frozen=True)

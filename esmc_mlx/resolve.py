@@ -1,10 +1,23 @@
-"""Downloads through huggingface_hub (honours HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE, the cache)."""
+"""What the user typed -> a local checkpoint: aliases, local paths, and Hub downloads through
+huggingface_hub (honours HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE and the cache).
+
+One vocabulary of sources for every command: ``esmc-convert``, ``load``, ``embed``, ``score``
+and ``validate --reference`` all resolve through ``resolve``."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from ..errors import HubError
+from .errors import ConvertError, HubError
+
+ALIASES = {
+    "300M": "biohub/ESMC-300M",
+    "600M": "biohub/ESMC-600M",
+    "6B": "biohub/ESMC-6B",
+}
+PACKAGED = Path(__file__).resolve().parent / "data"
+LOCAL_ALIASES = {"tiny": PACKAGED / "esmc-tiny"}  # ships inside the package, works offline
 
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.md", "*.txt", "*.png", "*.pth"]
 
@@ -49,3 +62,38 @@ def download_checkpoint(repo_id: str, revision: str | None = None) -> tuple[Path
                        "Run the same command again: finished files are kept in the cache.") from None
     commit = local.name if len(local.name) == 40 else None  # snapshots/<commit sha>
     return local, commit
+
+
+@dataclasses.dataclass
+class Source:
+    """A resolved checkpoint: where its files are and what it was called."""
+
+    path: Path  # a directory, or a .pth file
+    id: str  # what provenance records: repo id, alias target or local path
+    revision: str | None = None
+
+    @property
+    def is_pth(self) -> bool:
+        return self.path.is_file() and self.path.suffix in (".pth", ".pt", ".bin")
+
+
+def resolve(source: str, revision: str | None = None) -> Source:
+    """Turn an alias, Hub repo id, local directory or ``.pth`` path into a ``Source``.
+
+    Raises ConvertError for an unknown alias, a missing path, or a repo the Hub cannot give.
+    """
+    if source in LOCAL_ALIASES:
+        return Source(LOCAL_ALIASES[source], f"esmc-mlx/{source}")
+    repo_id = ALIASES.get(source) or ALIASES.get(source.upper())
+    path = Path(source).expanduser()
+    if repo_id is None and path.exists():
+        return Source(path.resolve(), str(path.resolve()))
+    looks_like_repo = source.count("/") == 1 and not source.startswith((".", "/", "~")) and not source.endswith(
+        (".pth", ".pt", ".safetensors"))
+    if repo_id is None and not looks_like_repo:
+        known = ", ".join([*ALIASES, *LOCAL_ALIASES])
+        raise ConvertError(
+            f"{source!r} is not a model alias ({known}), an existing local path, or a Hub repo id (org/name)"
+        )
+    local, commit = download_checkpoint(repo_id or source, revision)
+    return Source(local, repo_id or source, commit)

@@ -27,11 +27,11 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..errors import EsmcMlxError
+from ..errors import ScoringError
+from ..runtime.tokenizer import ESMCTokenizer
+from ..vocab import check_sequence
 from .distributed import World
-from .fasta import check_sequence
 from .mutations import Substitution, apply, parse_mutants
-from .tokenizer import ESMCTokenizer
 
 METHODS = ("masked_marginal", "wt_marginal", "pppl")
 DEFAULT_BATCH_SIZE = 32  # masked copies per forward pass
@@ -40,13 +40,9 @@ DEFAULT_BATCH_TOKENS = 4096  # padded tokens per embedding batch
 _TOKENIZER = ESMCTokenizer()
 
 
-class ScoringError(EsmcMlxError):
-    """Bad arguments to a scoring or embedding job (layer, method, batch size)."""
-
-
 # --- shared plumbing ------------------------------------------------------------------------
 
-def _encode(sequences: Sequence[str], tokenizer=None, names: Sequence[str] | None = None) -> list[np.ndarray]:
+def encode(sequences: Sequence[str], tokenizer=None, names: Sequence[str] | None = None) -> list[np.ndarray]:
     tok = tokenizer or _TOKENIZER
     return [np.asarray(tok.encode(s, name=names[i] if names else None), dtype=np.int32)
             for i, s in enumerate(sequences)]
@@ -148,7 +144,7 @@ def embed(model, sequences: str | Sequence[str], *, layer: int = -1, per_residue
     vocabulary, ScoringError for a layer the model does not have."""
     if isinstance(sequences, str):
         sequences = [sequences]
-    encoded = _encode(sequences, tokenizer)
+    encoded = encode(sequences, tokenizer)
     d = model.config.hidden_size
     mean = np.zeros((len(encoded), d), dtype=np.float32)
     residues: list[np.ndarray | None] = [None] * len(encoded)
@@ -182,7 +178,7 @@ def token_log_probs(model, sequences: Sequence[str], seq_index, mask_pos, *, bat
         raise ScoringError(f"batch_size must be positive, got {batch_size}")
     world = world or World()
     seq_index, mask_pos = np.asarray(seq_index, dtype=np.int64), np.asarray(mask_pos, dtype=np.int64)
-    encoded = _encode(sequences)
+    encoded = encode(sequences)
     lengths = np.array([len(e) - 2 for e in encoded], dtype=np.int64)
     rows_per_job = np.where(mask_pos >= 0, 1, lengths[seq_index])
     order = np.argsort(lengths[seq_index], kind="stable")  # similar lengths share a batch

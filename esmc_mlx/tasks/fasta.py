@@ -12,15 +12,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..errors import EsmcMlxError
-
-# One-letter tokens of ESMC's vocabulary that may appear in a sequence: the 20 amino acids,
-# the ambiguity/rare codes X B Z U O, gaps '.' '-' and the chain break '|'.
-RESIDUE_ALPHABET = frozenset("LAGVSERTIDPKQNFYMHWCXBUZO.-|")
-
-
-class FastaError(EsmcMlxError):
-    """A FASTA file that cannot be read as protein sequences for ESMC."""
+from ..errors import FastaError
+from ..vocab import check_sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,20 +22,6 @@ class Record:
     sequence: str
     description: str = ""
     line: int = 0  # 1-based line of the header
-
-
-def check_sequence(sequence: str, name: str, where: str = "", label: str = "record") -> str:
-    """Upper-case ``sequence`` and raise FastaError naming ``name`` and each bad position."""
-    sequence = sequence.upper()
-    bad = [(i + 1, c) for i, c in enumerate(sequence) if c not in RESIDUE_ALPHABET]
-    if bad:
-        shown = ", ".join(f"{c!r} at position {i}" for i, c in bad[:10])
-        more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
-        raise FastaError(
-            f"{where}{label} {name!r}: invalid character {shown}{more}. Allowed: the 20 amino acids, "
-            "X B Z U O, '-', '.', '|' (chain break)."
-        )
-    return sequence
 
 
 def parse_fasta(text: str, source: str = "<string>") -> list[Record]:

@@ -1,0 +1,105 @@
+"""ESMC's vocabulary: the 33 tokens, the residue alphabet, the one sequence validator, and the
+tokenizer files that transformers' ``AutoTokenizer`` loads.
+
+Ids are those of transformers' ``EsmcTokenizer`` (tests compare them). Everything that reads a
+sequence (the tokenizer, the FASTA reader, ``--sequence`` options) checks it with
+``check_sequence`` and so gets the same error for the same bad residue.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from .errors import SequenceError
+
+VOCAB = (
+    "<cls>", "<pad>", "<eos>", "<unk>",
+    "L", "A", "G", "V", "S", "E", "R", "T", "I", "D", "P", "K", "Q", "N", "F", "Y", "M", "H", "W", "C",
+    "X", "B", "U", "Z", "O",  # ambiguity codes and the rare residues
+    ".", "-", "|",  # gap, insertion, chain break
+    "<mask>",
+)
+TOKEN_TO_ID = {t: i for i, t in enumerate(VOCAB)}
+SPECIAL_TOKENS = ("<cls>", "<pad>", "<eos>", "<unk>", "|", "<mask>")
+AMINO_ACIDS = "LAGVSERTIDPKQNFYMHWC"  # the 20 standard residues, in vocabulary order
+# One-letter tokens that may appear in a sequence read from a file: the 20 amino acids, the
+# ambiguity/rare codes X B Z U O, gaps '.' '-' and the chain break '|'.
+RESIDUE_ALPHABET = frozenset("LAGVSERTIDPKQNFYMHWCXBUZO.-|")
+ALLOWED_TEXT = "the 20 amino acids, X B Z U O, '.', '-', '|' (chain break)"
+_TOKEN_RE = re.compile(r"<[a-z]+>|.", re.DOTALL)
+
+
+def split_tokens(sequence: str, name: str | None = None, where: str = "", label: str = "sequence",
+                 special_tokens: bool = False) -> list[str]:
+    """The tokens of ``sequence`` (lower-case residues read as upper case).
+
+    ``special_tokens``: also accept ``<mask>`` and the other ``<...>`` vocabulary tokens (the
+    tokenizer does; a FASTA file does not). Raises SequenceError naming the sequence and each
+    bad character with its 1-based position, or an empty sequence.
+    """
+    allowed = TOKEN_TO_ID if special_tokens else RESIDUE_ALPHABET
+    tokens, bad = [], []
+    for match in _TOKEN_RE.finditer(sequence):
+        token = match.group()
+        if len(token) == 1 and token not in allowed and token.upper() in allowed:
+            token = token.upper()
+        if token not in allowed:
+            bad.append(f"{token!r} at position {match.start() + 1}")
+        tokens.append(token)
+    named = f"{where}{label}" + (f" {name!r}" if name else "")
+    if bad:
+        shown = ", ".join(bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        extra = ", <mask>" if special_tokens else ""
+        raise SequenceError(f"{named}: invalid character {shown}. Allowed: {ALLOWED_TEXT}{extra}.")
+    if not tokens:
+        raise SequenceError(f"{named}: empty sequence")
+    return tokens
+
+
+def check_sequence(sequence: str, name: str | None = None, where: str = "", label: str = "record") -> str:
+    """``sequence`` upper-cased, or SequenceError naming ``name`` and each bad position."""
+    return "".join(split_tokens(sequence, name, where, label))
+
+
+def write_tokenizer_files(directory: str | Path) -> list[Path]:
+    """Write tokenizer.json and tokenizer_config.json (loadable by ``AutoTokenizer``)."""
+    directory = Path(directory)
+    specials = [
+        {"id": TOKEN_TO_ID[t], "content": t, "single_word": False, "lstrip": False,
+         "rstrip": False, "normalized": False, "special": True}
+        for t in SPECIAL_TOKENS
+    ]
+    tokenizer_json = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": specials,
+        "normalizer": None,
+        "pre_tokenizer": None,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<cls>", "type_id": 0}},
+                       {"Sequence": {"id": "A", "type_id": 0}},
+                       {"SpecialToken": {"id": "<eos>", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {t: {"id": t, "ids": [TOKEN_TO_ID[t]], "tokens": [t]} for t in ("<cls>", "<eos>")},
+        },
+        "decoder": None,
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": False, "vocab": dict(TOKEN_TO_ID), "merges": []},
+    }
+    config = {
+        "tokenizer_class": "EsmcTokenizer",
+        "backend": "tokenizers",
+        "bos_token": "<cls>", "cls_token": "<cls>", "eos_token": "<eos>", "pad_token": "<pad>",
+        "unk_token": "<unk>", "mask_token": "<mask>", "chain_break_token": "|",
+        "extra_special_tokens": [],
+        "model_max_length": 1000000000000000019884624838656,
+    }
+    paths = [directory / "tokenizer.json", directory / "tokenizer_config.json"]
+    for path, payload in zip(paths, (tokenizer_json, config)):
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+    return paths
