@@ -55,6 +55,7 @@ print(json.dumps({"exported": exported, "serves": _blas.mlx_blas_library(), "loa
     assert r["err"] < 1e-3
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_torch_keeps_its_own_sgemm():
     requires_torch()
     code = """

@@ -23,6 +23,7 @@ def weights(tiny_config):
     return bench.mlx_weights(bench.torch_model(tiny_config, "float32", "cpu", seed=3), mx.float32)
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_fused_compiled_equals_plain(tiny_config, weights):
     plain = bench.mlx_model(tiny_config, weights)
     fast = bench.mlx_model(tiny_config, weights, fuse=True, compile=True)

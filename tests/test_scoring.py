@@ -90,6 +90,7 @@ def torch_scores(ref, sequence, mutants):
 
 # --- scores ----------------------------------------------------------------------------------
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_scores_match_torch(model, reference_model):
     got = model.score_mutations(WT, MUTANTS, methods=["masked_marginal", "wt_marginal", "pppl"], batch_size=7)
     want = torch_scores(reference_model, WT, MUTANTS)
@@ -321,6 +322,7 @@ def test_spearman_matches_scipy():
 
 # --- command line ----------------------------------------------------------------------------
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_cli_score_and_embed(converted, model, tmp_path):
     csv_in = tmp_path / "dms.csv"
     csv_in.write_text("mutant,DMS_score\n" + "".join(f"{m},{i * 0.5}\n" for i, m in enumerate(MUTANTS)))
