@@ -167,10 +167,12 @@ def _weaker_than_cpu(core: str | None, kernel: str | None) -> bool:
 
 # --- pointing libmlx.so's BLAS imports at it ------------------------------------------------
 def _libmlx() -> Path | None:
-    spec = importlib.util.find_spec("mlx")
-    if not spec or not spec.submodule_search_locations:
+    """The libmlx.so that the loaded mlx.core uses (its RUNPATH is $ORIGIN/lib; `mlx` is a
+    namespace package, so only mlx.core's own location is certain)."""
+    core = sys.modules.get("mlx.core")
+    if core is None or not getattr(core, "__file__", None):
         return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "lib" / "libmlx.so"
+    path = Path(core.__file__).parent / "lib" / "libmlx.so"
     return path if path.exists() else None
 
 

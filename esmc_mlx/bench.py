@@ -30,6 +30,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .config import ESMCConfig
+from .errors import EsmcMlxError
 from .quantize import BLOCK_LINEAR  # what `esmc-convert --q` quantizes by default
 from .runtime.model import ESMC
 
@@ -374,7 +375,7 @@ def _side(kind: str, job: dict, log) -> dict:
     for line in proc.stdout:
         log(line.rstrip("\n"))
     if proc.wait() != 0:
-        raise RuntimeError(f"the {kind} side of the benchmark failed (exit {proc.returncode}); its error is above")
+        raise EsmcMlxError(f"the {kind} side of the benchmark failed (exit {proc.returncode}); its error is above")
     return json.loads((Path(job["dir"]) / f"{kind}.json").read_text())
 
 
