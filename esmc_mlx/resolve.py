@@ -29,7 +29,7 @@ def download_checkpoint(repo_id: str, revision: str | None = None) -> tuple[Path
     when the repo does not exist, is gated or private without a token, or cannot be reached
     (offline mode or network down) and is not completely cached.
     """
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants, is_offline_mode, snapshot_download
     from huggingface_hub import errors as hf_errors
 
     where = f"{repo_id}" + (f"@{revision}" if revision else "")
@@ -44,7 +44,7 @@ def download_checkpoint(repo_id: str, revision: str | None = None) -> tuple[Path
     except hf_errors.LocalEntryNotFoundError as e:  # IncompleteSnapshotError is one too
         incomplete = isinstance(e, getattr(hf_errors, "IncompleteSnapshotError", ()))
         cached = "only partly in the local cache" if incomplete else "not in the local cache"
-        if constants.HF_HUB_OFFLINE:
+        if is_offline_mode():
             raise HubError(
                 f"{where}: offline mode is on (HF_HUB_OFFLINE is set) and the model is {cached} "
                 f"({constants.HF_HUB_CACHE}). Download it once with the network on, or unset HF_HUB_OFFLINE."

@@ -7,6 +7,7 @@ the rest run anywhere, e.g. on a Mac with the runtime alone.
 
 from __future__ import annotations
 
+import conftest_hub  # noqa: F401  (first: points HF_ENDPOINT, HF_HOME at the local test Hub before huggingface_hub loads)
 import pytest
 
 from esmc_mlx import testing

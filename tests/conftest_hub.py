@@ -1,15 +1,24 @@
-"""Fixtures that point the real ``huggingface_hub`` client at the local test Hub (tests/hub_server.py).
+"""The local test Hub (tests/hub_server.py) for the real ``huggingface_hub`` client, configured the
+public way: environment variables.
 
-Import them into a test module: ``from conftest_hub import hub, no_remote_network  # noqa: F401``.
+``huggingface_hub`` reads HF_ENDPOINT, HF_HOME, HF_HUB_DISABLE_XET, ... once, when it is imported.
+So this module starts one server for the whole session and sets those variables when it is
+imported, and tests/conftest.py imports it before anything imports huggingface_hub: every Hub
+request of the test session goes to 127.0.0.1. The ``hub`` fixture gives each test a fresh Hub
+(users, repos, faults) and an empty cache. What is read at import only (HF_HUB_OFFLINE) is tested
+in a subprocess, which gets the environment before it imports anything.
 
-``huggingface_hub`` reads HF_ENDPOINT, HF_HOME, HF_HUB_OFFLINE, HF_HUB_DISABLE_XET, ... once, at
-import, into ``huggingface_hub.constants``; the fixture sets the environment variables (for
-anything that reads them later, and for subprocesses) and patches those constants.
+Import the fixtures into a test module: ``from conftest_hub import hub, no_remote_network  # noqa: F401``.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import socket
+import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -18,6 +27,20 @@ import pytest
 from hub_server import HubServer
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+SERVER = HubServer().start()
+HOME = Path(tempfile.mkdtemp(prefix="esmc-mlx-test-hf-home-"))
+ENV = {
+    "HF_ENDPOINT": SERVER.url, "HF_HOME": str(HOME), "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1",
+}
+if "huggingface_hub" in sys.modules:  # too late: its constants hold the real Hub
+    raise RuntimeError("tests/conftest_hub.py must be imported before huggingface_hub (see tests/conftest.py)")
+os.environ.update(ENV)
+for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN_PATH"):
+    os.environ.pop(name, None)
+atexit.register(shutil.rmtree, HOME, ignore_errors=True)
+atexit.register(SERVER.stop)
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +64,7 @@ def no_remote_network(monkeypatch):
 
 
 class LocalHub(types.SimpleNamespace):
-    """What the ``hub`` fixture yields: server, url, state, home, and helpers to switch identity."""
+    """What the ``hub`` fixture yields: server, url, state, home (HF_HOME), token_path."""
 
     def use_token(self, token: str | None) -> None:
         if token is None:
@@ -49,61 +72,27 @@ class LocalHub(types.SimpleNamespace):
         else:
             self.monkeypatch.setenv("HF_TOKEN", token)
 
-    def set_offline(self, offline: bool = True) -> None:
-        from huggingface_hub import constants
-
-        self.monkeypatch.setenv("HF_HUB_OFFLINE", "1" if offline else "0")
-        self.monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
-
 
 @pytest.fixture
-def hub(tmp_path_factory, monkeypatch):
+def hub(monkeypatch):
     """A fresh local Hub with users alice (write token ``hf_alice``, member of ``my-org``), bob
     (write token ``hf_bob``), a read-only token ``hf_read`` and a fine-grained token without write
-    scopes ``hf_fine`` (both alice's). HF_TOKEN is alice's; HF_HOME is a fresh temporary folder."""
-    from huggingface_hub import constants
-    from huggingface_hub import utils as hf_utils
-    from huggingface_hub.utils import _http
-
-    home = Path(tmp_path_factory.mktemp("hf_home"))
-    server = HubServer().start()
-    state = server.state
+    scopes ``hf_fine`` (both alice's). HF_TOKEN is alice's; the cache under HF_HOME is empty."""
+    state = SERVER.reset()
     state.add_user("alice", token="hf_alice", orgs=("my-org",))
     state.add_user("bob", token="hf_bob")
-    state.tokens["hf_read"] = type(state.tokens["hf_alice"])("alice", "read")
-    state.tokens["hf_fine"] = type(state.tokens["hf_alice"])("alice", "fineGrained")
+    state.add_user("alice", token="hf_read", role="read", orgs=("my-org",))
+    state.add_user("alice", token="hf_fine", role="fineGrained", orgs=("my-org",))
 
-    env = {
-        "HF_ENDPOINT": server.url, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
-        "HF_TOKEN": "hf_alice", "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1",
-    }
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    patches = {
-        "ENDPOINT": server.url,
-        "HUGGINGFACE_CO_URL_TEMPLATE": server.url + "/{repo_id}/resolve/{revision}/{filename}",
-        "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_ASSETS_CACHE": str(home / "assets"),
-        "HF_TOKEN_PATH": str(home / "token"), "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
-        "HF_XET_CACHE": str(home / "xet"), "AGENT_HARNESSES_PATH": str(home / ".agent_harnesses.json"),
-        "HF_HUB_OFFLINE": False, "HF_HUB_DISABLE_XET": True, "HF_HUB_DISABLE_TELEMETRY": True,
-    }
-    for k, v in patches.items():
-        monkeypatch.setattr(constants, k, v)
-    # The client's own retries sleep 1, 2, 4, 8 s: keep them, but without the waiting.
-    sleeps: list[float] = []
-    monkeypatch.setattr(_http, "time", types.SimpleNamespace(sleep=sleeps.append))
-    _http.close_session()  # no pooled connection from an earlier test's server
-    bars_were_on = not hf_utils.are_progress_bars_disabled()
-    hf_utils.disable_progress_bars()
-    try:
-        yield LocalHub(server=server, url=server.url, state=state, home=home, monkeypatch=monkeypatch,
-                       client_sleeps=sleeps)
-    finally:
-        _http.close_session()
-        server.stop()
-        if bars_were_on:
-            hf_utils.enable_progress_bars()
+    def clean():
+        for entry in HOME.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
+    clean()
+    monkeypatch.setenv("HF_TOKEN", "hf_alice")
+    yield LocalHub(server=SERVER, url=SERVER.url, state=state, home=HOME, token_path=HOME / "token",
+                   monkeypatch=monkeypatch)
+    clean()
 
 
 # For a subprocess (python -c GUARD + "..."): the same loopback-only guard, installed first.

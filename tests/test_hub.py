@@ -215,7 +215,7 @@ def test_no_token_then_the_stored_login(hub, checkpoints, tmp_path):
     assert result.exit_code == 1 and "Error: cannot push to alice/tiny: no Hugging Face token" in result.output
     assert "hf auth login" in result.output and writes(hub) == []
 
-    (hub.home / "token").write_text("hf_alice")  # what `hf auth login` stores
+    hub.token_path.write_text("hf_alice")  # what `hf auth login` stores (HF_HOME/token)
     assert push_artifact(artifact, "alice/tiny").created
 
 
@@ -236,7 +236,7 @@ def test_fine_grained_token_without_write_access_to_an_existing_repo(hub, checkp
     artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
     hub.state.create_repo("alice/tiny")
     hub.use_token("hf_fine")
-    with pytest.raises(HubError, match=r"alice has no write access to alice/tiny \(403.*\nalice/tiny is unchanged"):
+    with pytest.raises(HubError, match=r"alice has no write access to alice/tiny \(403.*alice/tiny is unchanged\.$"):
         push_artifact(artifact, "alice/tiny")
     assert len(commits("alice/tiny")) == 1
 
@@ -253,18 +253,9 @@ def test_repo_of_someone_else(hub, checkpoints, tmp_path):
 
 
 # --- failures during the push ----------------------------------------------------------------------------
-def test_network_down_mid_upload_names_the_file_and_publishes_nothing(hub, checkpoints, tmp_path):
-    def lose(path: Path) -> None:  # every PUT of this file's content loses its connection
-        hub.state.faults.drop_lfs_oids = {hashlib.sha256(path.read_bytes()).hexdigest()}
-
-    # Nothing got through: the repo this push created is deleted again.
-    single = make_artifact(str(checkpoints["published"]), tmp_path / "single", q=None)
-    hub.state.faults.drop_lfs_puts = -1  # the network is down for every upload
-    with pytest.raises(HubError, match="not uploaded:\n  model.safetensors .*Server disconnected") as failed:
-        push_artifact(single, "alice/single")
-    assert "The repo alice/single that this push created was deleted again." in str(failed.value)
-    assert "alice/single" not in hub.state.repos and hub.client_sleeps  # the client retried before we did
-    hub.state.faults.drop_lfs_puts = 0
+def test_failed_upload_names_the_file_and_publishes_nothing(hub, checkpoints, tmp_path):
+    def lose(path: Path) -> None:  # every upload of this file's content fails
+        hub.state.faults.fail_lfs_oids = {hashlib.sha256(path.read_bytes()).hexdigest()}
 
     # Some shards got through: nothing is committed, the (empty) repo stays so that a re-run resumes.
     artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a", q=None, shard_bytes=200_000)
@@ -272,10 +263,12 @@ def test_network_down_mid_upload_names_the_file_and_publishes_nothing(hub, check
     lose(lost)
     result = CliRunner().invoke(main, ["push", str(artifact), "alice/tiny"])
     assert result.exit_code == 1
-    assert f"these files were not uploaded:\n  {lost.name}" in result.output
-    assert "Nothing was committed" in result.output and "stays empty" in result.output
+    error = result.output.strip()
+    assert error.startswith("Error: push to alice/tiny@main failed:") and "\n" not in error  # one line
+    assert f"Error while uploading '{lost.name}'" in error and "524" in error
+    assert "Nothing was committed" in error and "stays empty" in error
     assert [c.title for c in commits("alice/tiny")] == ["initial commit"]
-    hub.state.faults.drop_lfs_oids = set()
+    hub.state.faults.fail_lfs_oids = set()
     puts = len(hub.state.lfs_puts)
     assert push_artifact(artifact, "alice/tiny").commit_oid
     assert len(hub.state.lfs_puts) - puts == 1  # only the shard that had failed is sent again
@@ -287,21 +280,37 @@ def test_network_down_mid_upload_names_the_file_and_publishes_nothing(hub, check
     lost = next(p for p in sorted(artifact.glob("model-*.safetensors"))
                 if hashlib.sha256(p.read_bytes()).hexdigest() not in stored)
     lose(lost)
-    with pytest.raises(HubError, match=f"not uploaded:\n  {lost.name}") as failed:
+    with pytest.raises(HubError, match=f"Error while uploading '{lost.name}'") as failed:
         push_artifact(artifact, "alice/tiny")
     assert "alice/tiny is unchanged" in str(failed.value) and "deleted again" not in str(failed.value)
     assert commits("alice/tiny")[0].commit_id == head
-    hub.state.faults.drop_lfs_oids = set()
+    hub.state.faults.fail_lfs_oids = set()
     push_artifact(artifact, "alice/tiny")
     np.testing.assert_array_equal(logits("alice/tiny"), logits(artifact))
+
+
+def test_refused_commit_takes_back_the_repo_and_branch_it_created(hub, checkpoints, tmp_path):
+    artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
+    hub.state.faults.reject_commits = 1  # 422: retrying would not help
+    with pytest.raises(HubError, match=r"422.*file too large.*the repo alice/tiny that this push created was "
+                                       "deleted again") as refused:
+        push_artifact(artifact, "alice/tiny")
+    assert "alice/tiny" not in hub.state.repos and "\n" not in str(refused.value)
+
+    hub.state.create_repo("alice/tiny")
+    hub.state.faults.fail_commits = 3  # 500 on every attempt: transient, but it never clears
+    with pytest.raises(HubError, match=r"500.*alice/tiny is unchanged \(the branch dev that this push created was "
+                                       r"deleted again\). Run the same command again"):
+        push_artifact(artifact, "alice/tiny", revision="dev")
+    assert set(hub.state.repos["alice/tiny"].refs) == {"main"} and len(commits("alice/tiny")) == 1
 
 
 def test_transient_failures_are_retried(hub, checkpoints, tmp_path):
     artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a", q=None, shard_bytes=200_000)
     faults = hub.state.faults
-    faults.drop_lfs_puts, faults.fail_commits = 7, 1  # more drops than one request's retries
+    faults.fail_lfs_puts, faults.fail_commits = 2, 1  # two uploads fail, then the commit fails once
     result = push_artifact(artifact, "alice/tiny")
-    assert result.created and faults.drop_lfs_puts == 0 and faults.fail_commits == 0
+    assert result.created and faults.fail_lfs_puts == 0 and faults.fail_commits == 0
     assert len(commits("alice/tiny")) == 2
 
     make_artifact(str(checkpoints["published"]), artifact, q="8")
@@ -311,17 +320,40 @@ def test_transient_failures_are_retried(hub, checkpoints, tmp_path):
 
 
 def test_offline_mode(hub, checkpoints, tmp_path):
+    """HF_HUB_OFFLINE is read when huggingface_hub is imported: a fresh process gets it."""
+    import os
+    import subprocess
+    import sys
+
     artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
     push_artifact(artifact, "alice/tiny")
-    expected = logits("alice/tiny")  # downloads into the cache
+    np.save(tmp_path / "online.npy", logits("alice/tiny"))  # downloads into the cache
 
-    hub.set_offline()
+    script = GUARD + """
+import sys
+import numpy as np
+from esmc_mlx import load
+from esmc_mlx.errors import EsmcMlxError
+from esmc_mlx.hub.push import push_artifact
+from esmc_mlx.testing import random_sequences
+model, tokenizer = load("alice/tiny")
+batch = tokenizer(random_sequences(3, seed=1))
+np.save(sys.argv[1], np.array(model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits))
+for call in (lambda: load("alice/never-downloaded"), lambda: push_artifact(sys.argv[2], "alice/tiny")):
+    try:
+        call()
+        print("no error")
+    except EsmcMlxError as e:
+        print("Error:", str(e).splitlines()[0])
+"""
     requests = len(hub.state.log)
-    np.testing.assert_array_equal(logits("alice/tiny"), expected)  # from the cache
-    with pytest.raises(HubError, match="offline mode is on .*not in the local cache"):
-        load("alice/never-downloaded")
-    with pytest.raises(HubError, match="offline mode is on"):
-        push_artifact(artifact, "alice/tiny")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "offline.npy"), str(artifact)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "offline.npy"), np.load(tmp_path / "online.npy"))  # the cache
+    not_cached, push = done.stdout.strip().splitlines()[-2:]
+    assert "offline mode is on" in not_cached and "not in the local cache" in not_cached
+    assert "offline mode is on" in push
     assert len(hub.state.log) == requests
 
 
@@ -380,7 +412,7 @@ def test_esmc_convert_upload_repo_checks_access_before_converting(hub, checkpoin
 
 @pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_a_fresh_process_takes_endpoint_and_token_from_the_environment(hub, checkpoints, tmp_path):
-    """Without the fixture's patching: huggingface_hub reads HF_ENDPOINT, HF_TOKEN, HF_HOME at import."""
+    """huggingface_hub reads HF_ENDPOINT, HF_HOME, HF_HUB_OFFLINE at import and HF_TOKEN when asked."""
     import os
     import subprocess
     import sys
@@ -394,6 +426,92 @@ def test_a_fresh_process_takes_endpoint_and_token_from_the_environment(hub, chec
     done = subprocess.run([*command, "bob/other"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_TOKEN": "hf_bob", "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 1 and "offline mode is on" in done.stderr
+
+
+# --- nothing private leaves the machine (issue 12, rule 9) -------------------------------------------------
+MARK = "Q7privatemark"
+
+
+def sent_or_stored(hub) -> list[bytes]:
+    """Every request target and body the Hub received, and every file, object and commit text it holds."""
+    return hub.state.received + hub.state.stored_bytes()
+
+
+def test_nothing_private_is_uploaded(hub, checkpoints, tmp_path, monkeypatch):
+    home = tmp_path / f"home-{MARK}"  # a home, a user name and working directories that carry the marker
+    work = home / f"models-{MARK}"
+    work.mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    for name in ("USER", "LOGNAME", "USERNAME"):
+        monkeypatch.setenv(name, f"user-{MARK}")
+    monkeypatch.chdir(work)
+    source = work / "ckpt"
+    shutil.copytree(checkpoints["published"], source)
+    panel = work / "panel.fasta"
+    panel.write_text(">a\nMKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ\n>b\nMVLSPADKTNVKAAWGKVGAHAGEYGAEALERMF\n")
+    out = work / "ESMC-tiny-4bit"
+    convert(str(source), out, q="4", progress=False,
+            command=f"esmc-convert {source} -o {out} --q 4 --upload-repo alice/tiny --shard-size=~/x/y")
+    validated = CliRunner().invoke(main, ["validate", str(out), "--reference", str(source), "--sequences", str(panel)])
+    assert validated.exit_code == 0, validated.output
+    assert MARK in str(out) and MARK in validated.output  # the local output names the local paths
+
+    result = push_artifact(out, "alice/tiny")
+    received = sent_or_stored(hub)
+    assert any(b"ESMC-tiny-4bit" in b for b in received) and len(hub.state.stored_bytes()) > 5
+    for secret in (MARK, str(tmp_path), "hf_alice"):  # tokens travel in the Authorization header only
+        assert not [b[:200] for b in received if secret.encode() in b], secret
+    config = json.loads((out / "config.json").read_text())["esmc_mlx"]
+    assert config["source"]["id"] == "ckpt" and len(config["source"]["files"]["model.safetensors"]) == 64
+    assert config["command"] == "esmc-convert ckpt -o ESMC-tiny-4bit --q 4 --upload-repo alice/tiny --shard-size=y"
+    report = json.loads((out / "validation" / "report.json").read_text())
+    assert report["artifact"]["path"] == "ESMC-tiny-4bit" and report["reference"]["id"] == "ckpt"
+    assert report["panel"]["source"] == "panel.fasta"
+    assert "esmc-convert ckpt -o ESMC-tiny-4bit" in result.card
+
+
+@pytest.mark.parametrize("where, leak, found", [
+    ("config.json", "command", "a local absolute path"),
+    ("validation/report.json", "token", "an access token"),
+])
+def test_an_artifact_holding_private_data_is_not_sent(hub, checkpoints, tmp_path, where, leak, found):
+    """What an older esmc-mlx wrote (or a hand edit) is caught before anything is sent."""
+    artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
+    path = artifact / where
+    data = json.loads(path.read_text())
+    if leak == "command":
+        data["esmc_mlx"]["command"] = f"esmc-convert {tmp_path}/ckpt --q 4"
+    else:
+        data["note"] = "pushed with hf_alice"
+    path.write_text(json.dumps(data))
+    with pytest.raises(HubError, match=f"refusing to push .*: {where} holds {found}"):
+        push_artifact(artifact, "alice/tiny")
+    assert hub.state.log == []
+
+
+def test_public_forms_of_paths_and_commands(tmp_path, monkeypatch):
+    from esmc_mlx.privacy import public_command, public_source_id, scrub
+
+    monkeypatch.setenv("HOME", "/home/Jane Doe")
+    assert public_source_id("/data/x/esmc_300m.pth") == "esmc_300m.pth" and public_source_id("biohub/ESMC-6B") == \
+        "biohub/ESMC-6B"
+    assert public_command("esmc-convert '/data/my models/ckpt' -o ./out --q 4 --upload-repo my-org/x") == \
+        "esmc-convert ckpt -o out --q 4 --upload-repo my-org/x"
+    report = {"a": "/home/Jane Doe/m/art/model.safetensors: truncated", "b": ["see https://hf.co/a/b, 1/2"],
+              "c": f"{tmp_path}/art/validation/r.png", "n": 3.5}
+    assert scrub(report, tmp_path / "art") == {"a": "model.safetensors: truncated", "b": ["see https://hf.co/a/b, 1/2"],
+                                               "c": "validation/r.png", "n": 3.5}
+
+
+@pytest.mark.parametrize("bad", ["no-slash", "a/b/c", "org/na--me", "org/-name", "org/name.git", ""])
+def test_one_repo_id_check_for_push_and_card(hub, checkpoints, tmp_path, bad):
+    from esmc_mlx.hub.card import base_model_of
+
+    artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
+    with pytest.raises(HubError, match="is not a Hub repo id"):
+        push_artifact(artifact, bad)
+    assert base_model_of({"source": {"id": bad}}) is None and base_model_of({"source": {"id": "biohub/x"}}) == "biohub/x"
+    assert hub.state.log == []
 
 
 # --- card and server details ----------------------------------------------------------------------------

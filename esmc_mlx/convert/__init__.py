@@ -18,6 +18,7 @@ from .._version import __version__
 from ..artifact import FLOAT_DTYPES, dtype_name, expected_shapes, read_config, sha256
 from ..config import ESMCConfig
 from ..errors import ConvertError, QuantizeError
+from ..privacy import public_command, public_source_id, scrub
 from ..quantize import QuantParams, QuantPlan, parse_spec, quantize_tensor, refuse_quantized
 from ..resolve import Source, resolve
 from ..vocab import write_tokenizer_files
@@ -107,9 +108,11 @@ def convert(
         started = time.perf_counter()
         overrides = write_tensors(ckpt, staging, out_dtype, plan, shard_bytes, progress)
         extra = {
-            "source": dict(source_record(src, ckpt, progress), **({"derived_from": derived_from} if derived_from else {})),
+            # an older parent's record may hold local paths: scrub keeps only their basenames
+            "source": dict(source_record(src, ckpt, progress),
+                           **({"derived_from": scrub(derived_from)} if derived_from else {})),
             "converter": {"name": "esmc-mlx", "version": __version__},
-            "command": command,
+            "command": public_command(command),  # typed paths cut to basenames (issue 12, rule 9)
             "quantization": {"spec": plan.spec, "quantize_head": plan.quantize_head} if plan else None,
             "seconds": round(time.perf_counter() - started, 2),
         }
@@ -153,7 +156,7 @@ def source_record(src: Source, ckpt: Checkpoint, progress: bool) -> dict:
     files = {}
     for f in tqdm(ckpt.files, desc="hashing source", unit="file", disable=not progress or len(ckpt.files) < 2):
         files[f.name] = sha256(f)
-    return {"id": src.id, "revision": src.revision, "files": files}
+    return {"id": public_source_id(src.id), "revision": src.revision, "files": files}
 
 
 def write_config(directory: Path, config: ESMCConfig, dtype: mx.Dtype, quantization: dict | None,

@@ -3,5 +3,6 @@
 
 from .card import read_validation, render_card
 from .push import PushResult, check_push_access, push_artifact
+from .repo_id import check_repo_id
 
-__all__ = ["PushResult", "check_push_access", "push_artifact", "read_validation", "render_card"]
+__all__ = ["PushResult", "check_push_access", "check_repo_id", "push_artifact", "read_validation", "render_card"]

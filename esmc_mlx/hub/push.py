@@ -1,30 +1,25 @@
 """Publish an artifact directory to the Hub: every check first, then one commit with its model card.
 
 1. Local, no network: the directory is a complete artifact; its validation passed (or
-   ``allow_unvalidated``); the model card renders.
+   ``allow_unvalidated``); the model card renders; what esmc-mlx wrote (config.json, validation/,
+   the card) holds no token, home directory, absolute path, user or host name.
 2. Access, read-only requests: not offline; a token exists (HF_TOKEN or ``hf auth login``); the Hub
    accepts it; it is not read-only; the namespace is the user's or one of their organizations.
-3. Create the repo (or find it); create the branch that ``revision`` names if it is new.
-4. Upload the LFS files (weights, plots) one by one, several at a time; each is retried, and a file
-   that still fails is named.
-5. One commit: README.md, config, weights, tokenizer, validation/, and the deletion of weight shards
-   and validation files the repo holds but this artifact does not (so a re-push never mixes shards).
+3. Create the repo if it is new; create the branch that ``revision`` names if it is new.
+4. One ``HfApi.create_commit``: README.md, config, weights, tokenizer, validation/, and the deletion
+   of weight shards and validation files the repo holds but this artifact does not (so a re-push
+   never mixes shards), on top of the head read in step 2 (``parent_commit``).
 
-Nothing is committed unless every file is uploaded, so a failure leaves the repo as it was. A
-branch created in step 3 is deleted again; so is a repo, unless part of the upload reached it: then
-it stays empty (no commit) so that running the push again resumes, and the error says so.
+``create_commit`` uploads every file first and commits only when all are on the Hub, so a failure
+leaves the repo as it was: nothing is committed. Files that did reach the Hub are not sent again
+by the next push. Only huggingface_hub's public API is used (``HfApi`` methods, the public
+``CommitOperationAdd/Delete``, the exceptions of ``huggingface_hub.errors``), so its settings apply:
+HF_ENDPOINT, HF_TOKEN or the stored login, HF_HUB_OFFLINE, Xet storage when hf_xet is installed.
 
-All Hub traffic goes through ``huggingface_hub`` (HfApi.whoami / create_repo / create_branch /
-preupload_lfs_files / create_commit), which honours HF_ENDPOINT, HF_TOKEN or the stored login,
-HF_HUB_OFFLINE and, when hf_xet is installed, uploads through Xet storage.
-
-Why not ``upload_folder`` / ``upload_large_folder``: ``upload_folder`` is ``create_commit`` over the
-folder's files, but reports a failure as one error for the whole folder, and we must name the files
-that did not upload and retry only those. ``upload_large_folder`` (gone from huggingface_hub 2.x,
-whose ``upload_folder`` took over its resumable Xet pipeline) commits in several parts and cannot
-open a pull request or set a commit message: a failed run would leave a half-published repo. An
-artifact has a handful of files (the 6B in bf16 is about 20), far below one commit's limits, and a
-re-run after a failure skips every object already uploaded.
+Why not ``upload_folder``: with hf_xet installed (huggingface_hub's default) it runs a pipelined
+upload that commits a large folder in several batches, and it opens pull requests only against
+main; a failed run could leave half an artifact published. An artifact is a handful of files (the
+6B in bf16 is about 20), far below one commit's limits.
 """
 
 from __future__ import annotations
@@ -32,22 +27,27 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
-import re
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from ..errors import HubError
-from ..artifact import human_size, precision_label
-from .card import MARKER, Validation, base_model_of, read_validation, render_card
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, get_token, is_offline_mode
+from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
-ATTEMPTS = 3  # tries per file upload and for the commit (the client also retries each request)
+from .._version import __version__
+from ..artifact import human_size, precision_label
+from ..errors import HubError
+from ..privacy import private_findings
+from .card import MARKER, Validation, base_model_of, read_validation, render_card
+from .repo_id import check_repo_id
+
+ATTEMPTS = 3  # tries of the whole commit on a transient failure (the client also retries each request)
 RETRY_WAITS = (5.0, 20.0)  # seconds before the 2nd and the 3rd attempt
-UPLOAD_WORKERS = 4
 # Paths a push owns in the repo: deleted there when the artifact no longer has them.
 OWNED_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "validation/*")
 SKIPPED_NAMES = {"__pycache__", ".DS_Store", ".git", ".cache", ".ipynb_checkpoints"}
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+# The text files of an artifact (what esmc-mlx writes, and the tokenizer files it copies from the
+# source); checked for private data before a push sends them. A hand-written README.md is yours.
+TEXT_FILES = ("*.json", "*.txt", "validation/*.json", "validation/*.md")
 
 
 @dataclasses.dataclass
@@ -84,10 +84,10 @@ class PushResult:
         elif self.unchanged:
             lines = [f"Nothing to push: {where} already holds this artifact (commit {self.commit_oid[:12]})."]
         elif self.pr_url:
-            lines = [f"Opened a pull request on {where}: {self.pr_url}", f"  commit {self.commit_oid}, {size}"]
+            lines = [f"Opened a pull request on {where}: {self.pr_url}", f"  commit {self.commit_url}, {size}"]
         else:
             lines = [f"{'Created' if self.created else 'Updated'} {where}: {self.url}",
-                     f"  commit {self.commit_oid}, {size}" + (f", {len(self.deletions)} stale files removed"
+                     f"  commit {self.commit_url}, {size}" + (f", {len(self.deletions)} stale files removed"
                                                               if self.deletions else "")]
         lines.append(f"  validation: {self.validation.headline()}")
         lines.append("  model card: " + ("generated README.md" if self.card_generated else "your README.md (kept)"))
@@ -97,12 +97,7 @@ class PushResult:
         return "\n".join(lines)
 
 
-# --- checks ---------------------------------------------------------------------------------------
-def check_repo_id(repo_id: str) -> None:
-    if not REPO_ID.match(repo_id or ""):
-        raise HubError(f"{repo_id!r} is not a Hub repo id: use ORG/NAME (letters, digits, '-', '_', '.')")
-
-
+# --- local checks -----------------------------------------------------------------------------------
 def artifact_files(model_dir: Path) -> list[tuple[str, int]]:
     """The files a push uploads, as (posix path relative to the directory, size); checks that the
     weights the index names are all there. Hidden files and caches are left out."""
@@ -155,13 +150,38 @@ def check_validation(model_dir: Path, repo_id: str, allow_unvalidated: bool) -> 
     )
 
 
+def check_private(model_dir: Path, card: str | None, tokens: list[str]) -> None:
+    """Refuse to send a text file of the artifact (or the generated card) that holds a token, the
+    home directory, an absolute path, the user or the host name. esmc-mlx writes none of these
+    since issue 12; an artifact from an older version, or a copied tokenizer file, can."""
+    texts = {p.relative_to(model_dir).as_posix(): p for pattern in TEXT_FILES for p in sorted(model_dir.glob(pattern))}
+    for name, path in texts.items():
+        found = private_findings(path.read_text(errors="replace"), tokens)
+        if found:
+            fix = ("run `esmc-mlx validate` again to rewrite it" if name.startswith("validation/")
+                   else "convert again with this esmc-mlx, or edit the file" if name == "config.json"
+                   else "edit the file")
+            raise HubError(f"refusing to push {model_dir}: {name} holds {' and '.join(found)}, which must not leave "
+                           f"this machine; {fix}.")
+    if card is not None and (found := private_findings(card, tokens)):
+        raise HubError(f"refusing to push {model_dir}: the model card would hold {' and '.join(found)}; "
+                       "edit or delete README.md.")
+
+
+def _check_card(card: str, readme: Path) -> None:
+    try:
+        ModelCard(card, ignore_metadata_errors=False)
+    except Exception as e:
+        raise HubError(f"{readme}: the model card does not parse ({e}); fix or delete it") from None
+
+
+# --- access -----------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Access:
     """Who is pushing, established with read-only requests."""
 
-    api: object  # huggingface_hub.HfApi bound to the token
+    api: HfApi  # bound to the token
     user: str
-    role: str | None  # the token's role: "write", "read", "fineGrained" or None when not reported
     orgs: dict[str, str | None]  # organization -> role in it
 
 
@@ -172,26 +192,22 @@ def check_push_access(repo_id: str, token: str | None = None) -> Access:
     read-only, or ``repo_id``'s namespace is neither the user's nor one of their organizations (saying
     whose repo it is when it exists). ``esmc-convert --upload-repo`` calls it before converting.
     """
-    from huggingface_hub import HfApi, constants, get_token
-
     check_repo_id(repo_id)
-    if constants.HF_HUB_OFFLINE:
+    api = HfApi(token=token)
+    tokens_url = f"{api.endpoint}/settings/tokens"
+    if is_offline_mode():
         raise HubError(f"cannot push to {repo_id}: offline mode is on (HF_HUB_OFFLINE is set). "
                        "Unset it, or set HF_HUB_OFFLINE=0, to publish.")
-    token = token or get_token()
-    tokens_url = f"{constants.ENDPOINT}/settings/tokens"
-    if not token:
+    if not (token or get_token()):
         raise HubError(f"cannot push to {repo_id}: no Hugging Face token. Log in with `hf auth login` or set "
                        f"HF_TOKEN to a token with write access ({tokens_url}).")
-    api = HfApi(token=token)
     try:
         me = api.whoami()
     except Exception as e:
-        status, message = _http_status(e)
-        if status == 401:
+        if _status(e) == 401:
             raise HubError(f"cannot push to {repo_id}: the Hub rejected the token (401 Unauthorized: invalid or "
                            f"expired). Log in again with `hf auth login` or set HF_TOKEN ({tokens_url}).") from None
-        raise HubError(f"cannot push to {repo_id}: {_network_or_http(e, 'checking the token')}") from None
+        raise HubError(f"cannot push to {repo_id}: {_describe(e, api, 'checking the token')}") from None
     user = me.get("name") or "?"
     role = ((me.get("auth") or {}).get("accessToken") or {}).get("role")
     orgs = {o.get("name"): o.get("roleInOrg") for o in me.get("orgs") or [] if isinstance(o, dict)}
@@ -200,16 +216,19 @@ def check_push_access(repo_id: str, token: str | None = None) -> Access:
                        f"access ({tokens_url}) and log in with it (`hf auth login`) or set HF_TOKEN.")
     namespace, name = repo_id.split("/")
     if namespace != user and namespace not in orgs:
-        exists = _exists(api, repo_id)
+        try:
+            exists = bool(api.repo_exists(repo_id))
+        except Exception:
+            exists = False
         whose = (f"{repo_id} already exists and belongs to {namespace!r}" if exists
                  else f"{namespace!r} is not your user name")
         member = f" or one of your organizations ({', '.join(sorted(orgs))})" if orgs else ""
         raise HubError(f"cannot push to {repo_id} as {user}: {whose}, and you can only write under {user!r}"
                        f"{member}. Push to {user}/{name}, or ask an admin of {namespace!r} for write access.")
-    if namespace in orgs and orgs[namespace] == "read":
+    if orgs.get(namespace) == "read":
         raise HubError(f"cannot push to {repo_id}: {user} has the read role in {namespace!r}; ask one of its "
                        "admins for write access.")
-    return Access(api, user, role, orgs)
+    return Access(api, user, orgs)
 
 
 # --- push -------------------------------------------------------------------------------------------
@@ -234,15 +253,13 @@ def push_artifact(
     push would upload, without writing anything anywhere.
 
     Raises HubError, before any upload, for an incomplete artifact, a missing or failed validation
-    (unless ``allow_unvalidated``), offline mode, a missing, invalid or read-only token, a namespace
-    the user cannot write to, or a repo they cannot write to; after uploads start, for files that
-    still fail after retries (named in the message) or a commit the Hub refuses. On failure nothing
-    is committed; a branch this call created is deleted again, and so is a repo it created unless
-    part of the upload reached it (then the repo stays, empty, so that running the push again
+    (unless ``allow_unvalidated``), private data in the files esmc-mlx wrote, offline mode, a
+    missing, invalid or read-only token, or a namespace the user cannot write to; after uploads
+    start, when the commit fails (with what the Hub said, the repo and the branch). On failure
+    nothing is committed; a branch this call created is deleted again, and so is a repo it created
+    unless the failure looked transient (then the repo stays, empty, so that running the push again
     resumes; the message says which).
     """
-    from .._version import __version__
-
     model_dir = Path(model_dir)
     check_repo_id(repo_id)
     branch = revision or "main"
@@ -252,27 +269,26 @@ def push_artifact(
     generated = not (readme.is_file() and MARKER not in readme.read_text(errors="replace"))
     card = render_card(model_dir, repo_id) if generated else readme.read_text(errors="replace")
     _check_card(card, readme)
+    check_private(model_dir, card if generated else None, [t for t in (token, get_token()) if t])
     if generated and not any(path == "README.md" for path, _ in files):
         files = sorted([*files, ("README.md", len(card.encode()))])
 
     access = check_push_access(repo_id, token)
     api = access.api
-    exists, is_private = _repo_visibility(api, repo_id)
+    exists = _repo_exists(api, repo_id)
     head = _branch_head(api, repo_id, branch) if exists else None
     if revision and create_pr and head is None:
         raise HubError(f"cannot open a pull request against {repo_id}@{branch}: no such branch")
     local = {path for path, _ in files}
     remote = _remote_files(api, repo_id, head) if head else []
     deletions = sorted(p for p in remote if p not in local and any(fnmatch.fnmatch(p, pat) for pat in OWNED_PATTERNS))
-    result = PushResult(repo_id, _repo_url(repo_id, branch), branch, files, deletions, card, generated, validation,
+    url = f"{api.endpoint}/{repo_id}" + (f"/tree/{branch}" if branch != "main" else "")
+    result = PushResult(repo_id, url, branch, files, deletions, card, generated, validation,
                         dry_run=dry_run, created=not exists)
     if not generated:
         result.notes.append("README.md has no esmc-mlx marker line, so it was published as written")
     if not validation.passed:
-        result.notes.append(f"published with --allow-unvalidated: validation {validation.headline()}")
-    if exists and private and is_private is False:
-        result.notes.append(f"{repo_id} exists and is public; --private only applies when a push creates the repo "
-                            "(change the visibility in the repo's settings)")
+        result.notes.append(f"published with --allow-unvalidated: the card says {validation.headline()}")
     if exists and head is None and not create_pr:
         result.notes.append(f"branch {branch} is new: it starts from main")
     if dry_run:
@@ -280,190 +296,111 @@ def push_artifact(
 
     if generated:
         readme.write_text(card)
+    config = json.loads((model_dir / "config.json").read_text())
+    meta = config.get("esmc_mlx") or {}
+    message = commit_message or (f"{'Update' if exists else 'Upload'} {repo_id.split('/')[1]}: "
+                                 f"ESMC {precision_label(config)} for MLX (esmc-mlx {__version__})")
+    description = "\n".join(filter(None, [
+        f"Converted with: `{meta['command']}`" if meta.get("command") else None,
+        f"Validation: {validation.headline()}",
+        f"Pushed with esmc-mlx {__version__}",
+    ]))
     created_repo = created_branch = False
     try:
         if not exists:
-            created_repo = _create_repo(api, repo_id, private, access)
-            result.created = created_repo
+            created_repo = result.created = _create_repo(access, repo_id, private)
         if head is None and branch != "main":
-            _call(lambda: api.create_branch(repo_id, branch=branch), repo_id, access, f"creating branch {branch}")
+            api.create_branch(repo_id, branch=branch, exist_ok=True)
             created_branch = True
         if head is None:
             head = _branch_head(api, repo_id, branch)
-        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
-        additions = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(model_dir / p)) for p, _ in files]
-        deletes = [CommitOperationDelete(path_in_repo=p) for p in deletions]
-        _upload(api, repo_id, additions, branch, create_pr, access)
-        config = json.loads((model_dir / "config.json").read_text())
-        meta = config.get("esmc_mlx") or {}
-        message = commit_message or (f"{'Update' if exists else 'Upload'} {repo_id.split('/')[1]}: "
-                                     f"ESMC {precision_label(config)} for MLX (esmc-mlx {__version__})")
-        description = "\n".join(filter(None, [
-            f"Converted with: `{meta['command']}`" if meta.get("command") else None,
-            f"Validation: {validation.headline()}",
-            f"Pushed with esmc-mlx {__version__}",
-        ]))
-        info = _commit(api, repo_id, deletes + additions, message, description, branch, create_pr, head, access)
-    except KeyboardInterrupt:  # leave everything as it is: nothing is committed, a re-run resumes
-        raise
-    except BaseException as error:
-        resumable = isinstance(error, Unfinished) and error.resumable
-        state = _after_failure(api, repo_id, branch, exists, created_repo, created_branch and not created_repo,
-                               resumable)
-        if isinstance(error, HubError):
-            raise HubError(f"{error}\n{state}") from None
-        raise
-    result.commit_oid, result.commit_url = info.oid, info.commit_url
-    result.pr_url = getattr(info, "pr_url", None)
-    result.unchanged = info.oid == head and not result.pr_url
+        def operations() -> list:  # fresh objects per attempt: create_commit consumes them
+            return ([CommitOperationDelete(path_in_repo=p) for p in deletions]
+                    + [CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(model_dir / p)) for p, _ in files])
+
+        oid, commit_url, pr_url = _commit(api, repo_id, operations, message, description, branch, create_pr, head)
+    except Exception as error:  # (Ctrl-C is not one: it leaves everything as it is for a re-run to resume)
+        transient = not _permanent(error)
+        what = str(error) if isinstance(error, HubError) else _describe(error, api, "pushing", access.user, repo_id)
+        state = _after_failure(api, repo_id, branch, exists, created_repo, created_branch, keep_repo=transient)
+        raise HubError(f"push to {repo_id}@{branch} failed: {what} Nothing was committed; {state}") from None
+    result.commit_oid, result.commit_url, result.pr_url = oid, commit_url, pr_url
+    result.unchanged = oid == head and not pr_url
     return result
 
 
 # --- steps ------------------------------------------------------------------------------------------
-def _check_card(card: str, readme: Path) -> None:
-    from huggingface_hub import ModelCard
-
+def _repo_exists(api: HfApi, repo_id: str) -> bool:
     try:
-        ModelCard(card, ignore_metadata_errors=False)
-    except Exception as e:
-        raise HubError(f"{readme}: the model card does not parse ({e}); fix or delete it") from None
-
-
-def _exists(api, repo_id: str) -> bool:
-    try:
-        return bool(api.repo_exists(repo_id))
-    except Exception:
-        return False
-
-
-def _repo_visibility(api, repo_id: str) -> tuple[bool, bool | None]:
-    from huggingface_hub.errors import RepositoryNotFoundError
-
-    try:
-        info = api.repo_info(repo_id)
+        api.repo_info(repo_id)
     except RepositoryNotFoundError:
-        return False, None
+        return False
     except Exception as e:
-        raise HubError(f"cannot push to {repo_id}: {_network_or_http(e, 'looking the repo up')}") from None
-    return True, getattr(info, "private", None)
+        raise HubError(f"cannot push to {repo_id}: {_describe(e, api, 'looking the repo up')}") from None
+    return True
 
 
-def _branch_head(api, repo_id: str, branch: str) -> str | None:
-    from huggingface_hub.errors import RevisionNotFoundError
-
+def _branch_head(api: HfApi, repo_id: str, branch: str) -> str | None:
     try:
         return api.repo_info(repo_id, revision=branch).sha
     except RevisionNotFoundError:
         return None
     except Exception as e:
-        raise HubError(f"cannot push to {repo_id}: {_network_or_http(e, f'looking up branch {branch}')}") from None
+        raise HubError(f"cannot push to {repo_id}: {_describe(e, api, f'looking up branch {branch}')}") from None
 
 
-def _remote_files(api, repo_id: str, commit: str) -> list[str]:
-    from huggingface_hub.hf_api import RepoFile
+def _remote_files(api: HfApi, repo_id: str, commit: str) -> list[str]:
+    from huggingface_hub import RepoFile
 
     try:
         return [f.path for f in api.list_repo_tree(repo_id, recursive=True, revision=commit) if isinstance(f, RepoFile)]
     except Exception as e:
-        raise HubError(f"cannot push to {repo_id}: {_network_or_http(e, 'listing its files')}") from None
+        raise HubError(f"cannot push to {repo_id}: {_describe(e, api, 'listing its files')}") from None
 
 
-def _create_repo(api, repo_id: str, private: bool, access: Access) -> bool:
-    """Create the repo; False when it appeared meanwhile (409)."""
+def _create_repo(access: Access, repo_id: str, private: bool) -> bool:
+    """Create the repo; False when it appeared meanwhile (409: someone else's, never deleted by us)."""
     try:
-        api.create_repo(repo_id, private=private, exist_ok=False)
+        access.api.create_repo(repo_id, private=private, exist_ok=False)
         return True
     except Exception as e:
-        status, message = _http_status(e)
+        status = _status(e)
         if status == 409:
             return False
         if status in (401, 403):
-            raise HubError(f"the Hub refused to create {repo_id} for {access.user} ({status}: {message}). "
+            raise HubError(f"the Hub refused to create {repo_id} for {access.user} ({status}: {_server_message(e)}). "
                            f"The token needs write access to {repo_id.split('/')[0]!r}; fine-grained tokens "
                            "need the repo-creation permission for that namespace.") from None
-        raise HubError(f"cannot create {repo_id}: {_network_or_http(e, 'creating the repo')}") from None
+        raise HubError(f"cannot create {repo_id}: {_describe(e, access.api, 'creating the repo')}") from None
 
 
-class Unfinished(HubError):
-    """Uploads or the commit failed; ``resumable``: some data reached the Hub, and a re-run of the
-    same push skips it (uploaded LFS objects belong to the repo until a commit uses them)."""
-
-    def __init__(self, message: str, resumable: bool = False):
-        super().__init__(message)
-        self.resumable = resumable
-
-
-def _upload(api, repo_id: str, additions: list, branch: str, create_pr: bool, access: Access) -> None:
-    """Upload every LFS file (a no-op for small files, which travel inside the commit), several at
-    a time, each retried ATTEMPTS times. Raises Unfinished naming the files that never made it."""
-    # hf_xet parallelizes inside each file and shares one session: hand it one file at a time.
-    workers = 1 if _xet_in_use() else UPLOAD_WORKERS
-    pending, failures = list(additions), {}
-    for attempt in range(ATTEMPTS):
-        if attempt:
-            time.sleep(RETRY_WAITS[min(attempt - 1, len(RETRY_WAITS) - 1)])
-        failures, fatal = {}, None
-        with ThreadPoolExecutor(max_workers=min(workers, len(pending))) as pool:
-            futures = {pool.submit(api.preupload_lfs_files, repo_id, [op], revision=branch, create_pr=create_pr): op
-                       for op in pending}
-            for future in as_completed(futures):
-                op = futures[future]
-                try:
-                    future.result()
-                except Exception as e:
-                    if _permanent(e):
-                        fatal = fatal or (op, e)
-                    failures[op.path_in_repo] = e
-        if fatal:
-            op, e = fatal
-            raise Unfinished(_explain(e, repo_id, access, f"uploading {op.path_in_repo}"))
-        pending = [op for op in pending if op.path_in_repo in failures]
-        if not pending:
-            return
-    sizes = {op.path_in_repo: op.upload_info.size for op in additions}
-    failed = "\n".join(f"  {p} ({human_size(sizes[p])}): {_root_cause(e)}" for p, e in sorted(failures.items()))
-    uploaded = [op.path_in_repo for op in additions if op._upload_mode == "lfs" and op._is_uploaded]
-    done = f"; {len(uploaded)} other large file{'s' if len(uploaded) != 1 else ''} did upload" if uploaded else ""
-    raise Unfinished(f"upload to {repo_id} failed after {ATTEMPTS} attempts; these files were not uploaded:\n"
-                     f"{failed}\nNothing was committed{done}.", resumable=bool(uploaded))
-
-
-def _xet_in_use() -> bool:
-    try:
-        from huggingface_hub.utils._runtime import is_xet_available
-    except ImportError:
-        return False
-    return bool(is_xet_available())
-
-
-def _commit(api, repo_id: str, operations: list, message: str, description: str, branch: str, create_pr: bool,
-            head: str | None, access: Access):
+def _commit(api: HfApi, repo_id: str, operations, message: str, description: str, branch: str, create_pr: bool,
+            head: str | None) -> tuple[str, str, str | None]:
+    """One ``create_commit`` (it uploads every file, then commits), tried ATTEMPTS times while the
+    failure looks transient; a commit whose answer was lost is recognised, not made twice.
+    Returns (commit id, commit URL, pull-request URL or None)."""
     prs_before = _pr_refs(api, repo_id) if create_pr else None
-    last = None
     for attempt in range(ATTEMPTS):
         if attempt:
             time.sleep(RETRY_WAITS[min(attempt - 1, len(RETRY_WAITS) - 1)])
-        try:
-            return api.create_commit(
-                repo_id, operations=operations, commit_message=message, commit_description=description,
-                revision=branch, create_pr=create_pr, parent_commit=None if create_pr else head)
-        except Exception as e:
-            status, _ = _http_status(e)
-            if status == 412:
-                raise Unfinished(f"{repo_id}@{branch} changed while this push ran (someone else committed). "
-                                 "Nothing was committed.", resumable=True) from None
-            if _permanent(e):
-                raise Unfinished(_explain(e, repo_id, access, "committing") + " Nothing was committed.") from None
-            last = e
             landed = _landed(api, repo_id, branch, head, message, prs_before)
-            if landed is not None:  # the Hub committed, the answer was lost on the way back
+            if landed:
                 return landed
-    raise Unfinished(f"the commit to {repo_id} failed after {ATTEMPTS} attempts ({_root_cause(last)}). Every file "
-                     "was uploaded, but nothing was committed.", resumable=True)
+        try:
+            info = api.create_commit(
+                repo_id, operations=operations(), commit_message=message, commit_description=description,
+                revision=branch, create_pr=create_pr, parent_commit=None if create_pr else head)
+            return info.oid, info.commit_url, info.pr_url
+        except Exception as e:
+            if _status(e) == 412:
+                raise HubError(f"{repo_id}@{branch} changed while this push ran (someone else committed).") from None
+            if _permanent(e) or attempt == ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
-def _pr_refs(api, repo_id: str) -> dict[str, str]:
+def _pr_refs(api: HfApi, repo_id: str) -> dict[str, str]:
     try:
         refs = api.list_repo_refs(repo_id, include_pull_requests=True)
         return {r.ref: r.target_commit for r in refs.pull_requests or []}
@@ -471,12 +408,10 @@ def _pr_refs(api, repo_id: str) -> dict[str, str]:
         return {}
 
 
-def _landed(api, repo_id: str, branch: str, head: str | None, message: str, prs_before: dict[str, str] | None):
+def _landed(api: HfApi, repo_id: str, branch: str, head: str | None, message: str,
+            prs_before: dict[str, str] | None) -> tuple[str, str, str | None] | None:
     """The commit this push made if the Hub has it although the request failed (the answer was lost),
     else None. ``prs_before``: the pull-request refs before the commit, or None when not opening one."""
-    from huggingface_hub import constants
-    from huggingface_hub.hf_api import CommitInfo
-
     try:
         if prs_before is None:
             sha = api.repo_info(repo_id, revision=branch).sha
@@ -486,100 +421,94 @@ def _landed(api, repo_id: str, branch: str, head: str | None, message: str, prs_
         for ref, sha in candidates:
             commits = api.list_repo_commits(repo_id, revision=sha)
             if commits and commits[0].title == message:
-                number = ref.rsplit("/", 1)[-1] if ref else None
-                return CommitInfo(
-                    commit_url=f"{constants.ENDPOINT}/{repo_id}/commit/{sha}", commit_message=message,
-                    commit_description="", oid=sha, _endpoint=constants.ENDPOINT,
-                    pr_url=f"{constants.ENDPOINT}/{repo_id}/discussions/{number}" if number else None)
+                pr_url = f"{api.endpoint}/{repo_id}/discussions/{ref.rsplit('/', 1)[-1]}" if ref else None
+                return sha, f"{api.endpoint}/{repo_id}/commit/{sha}", pr_url
     except Exception:
         return None
     return None
 
 
-def _after_failure(api, repo_id: str, branch_name: str, existed: bool, repo: bool, branch: bool,
-                   resumable: bool) -> str:
-    """Put back what this push created, and say in which state the repo is left."""
-    again = "Run the same command again to finish: what already uploaded is not sent again."
+def _after_failure(api: HfApi, repo_id: str, branch: str, existed: bool, repo: bool, created_branch: bool,
+                   keep_repo: bool) -> str:
+    """Put back what this push created, and say in which state the repo is left. ``keep_repo``: the
+    failure looked transient, so a repo this push created stays for the next run to resume."""
+    again = " Run the same command again to finish: files that reached the Hub are not sent again." if keep_repo else ""
     try:
-        if repo and resumable:  # keep it: deleting it would throw the uploaded data away
-            return (f"{repo_id} was created by this push and stays empty (no commit) until it finishes. {again} "
-                    "Or delete the repo if you give up.")
+        if repo and keep_repo:
+            return f"{repo_id}, created by this push, stays empty (no commit of it).{again} Or delete the repo."
         if repo:
             api.delete_repo(repo_id)
-            return f"The repo {repo_id} that this push created was deleted again."
-        if branch:
-            api.delete_branch(repo_id, branch=branch_name)
-            return (f"{repo_id} is unchanged; the branch {branch_name} that this push created was deleted again."
-                    + (f" {again}" if resumable else ""))
+            return f"the repo {repo_id} that this push created was deleted again."
+        if created_branch:
+            api.delete_branch(repo_id, branch=branch)
+            return f"{repo_id} is unchanged (the branch {branch} that this push created was deleted again).{again}"
     except Exception as e:
-        what = f"repo {repo_id}" if repo else f"branch {branch_name} of {repo_id}"
-        return f"This push created the {what} and could not delete it again ({_root_cause(e)}); delete it on the Hub."
+        what = f"repo {repo_id}" if repo else f"branch {branch} of {repo_id}"
+        return f"this push created the {what} and could not delete it again ({_root_cause(e)}); delete it on the Hub."
     if not existed:
-        return "Nothing was created on the Hub."
-    return f"{repo_id} is unchanged." + (f" {again}" if resumable else "")
+        return "nothing was created on the Hub."
+    return f"{repo_id} is unchanged.{again}"
 
 
-def _call(fn, repo_id: str, access: Access, action: str):
-    try:
-        return fn()
-    except Exception as e:
-        raise HubError(_explain(e, repo_id, access, action)) from None
-
-
-# --- errors ------------------------------------------------------------------------------------------
-def _http_status(error: BaseException) -> tuple[int | None, str]:
-    """(HTTP status, server message) of the first HfHubHTTPError in the exception's chain."""
-    from huggingface_hub.errors import HfHubHTTPError
-
+# --- errors -----------------------------------------------------------------------------------------
+def _http_error(error: BaseException) -> HfHubHTTPError | None:
+    """The first HfHubHTTPError in the exception's chain (the client wraps some, e.g. an LFS upload's)."""
     seen = error
     while seen is not None:
-        if isinstance(seen, HfHubHTTPError) and getattr(seen, "response", None) is not None:
-            message = getattr(seen, "server_message", None) or seen.response.headers.get("X-Error-Message") or ""
-            return seen.response.status_code, message.strip() or str(seen).splitlines()[0]
+        if isinstance(seen, HfHubHTTPError) and seen.response is not None:
+            return seen
         seen = seen.__cause__ or seen.__context__
-    return None, ""
+    return None
+
+
+def _status(error: BaseException) -> int | None:
+    http = _http_error(error)
+    return http.response.status_code if http is not None else None
+
+
+def _server_message(error: BaseException) -> str:
+    http = _http_error(error)
+    if http is None:
+        return ""
+    message = http.server_message or http.response.headers.get("X-Error-Message") or str(http)
+    return message.strip().splitlines()[0]
 
 
 def _permanent(error: BaseException) -> bool:
-    """A 4xx answer (other than timeouts and rate limits) or a malformed request: retrying won't help."""
-    status, _ = _http_status(error)
+    """A 4xx answer (other than timeouts and rate limits), a refusal of ours, or a malformed request:
+    retrying won't help."""
+    if isinstance(error, HubError):
+        return True
+    status = _status(error)
     if status is not None:
         return 400 <= status < 500 and status not in (408, 429)
     return isinstance(error, ValueError)
 
 
-def _root_cause(error: BaseException | None) -> str:
-    while error is not None and (error.__cause__ or error.__context__) is not None:
+def _root_cause(error: BaseException) -> str:
+    while (error.__cause__ or error.__context__) is not None:
         error = error.__cause__ or error.__context__
-    return f"{type(error).__name__}: {error}" if error is not None else "unknown error"
+    return f"{type(error).__name__}: {error}"
 
 
-def _explain(error: BaseException, repo_id: str, access: Access, action: str) -> str:
-    from huggingface_hub import constants
-
-    status, message = _http_status(error)
+def _describe(error: BaseException, api: HfApi, action: str, user: str | None = None,
+              repo_id: str | None = None) -> str:
+    """What went wrong, in one sentence: what the client said (it names the file of a failed
+    upload), the HTTP status and the Hub's message, or the network error."""
+    status = _status(error)
+    said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if status == 401:
         return (f"the Hub rejected the token while {action} (401 Unauthorized: invalid or expired). Log in again "
-                f"with `hf auth login` or set HF_TOKEN ({constants.ENDPOINT}/settings/tokens).")
-    if status == 403:
-        return (f"{access.user} has no write access to {repo_id} (403 Forbidden while {action}: {message}). "
-                f"Use a token with write access to {repo_id.split('/')[0]!r}, or push to {access.user}/"
+                f"with `hf auth login` or set HF_TOKEN ({api.endpoint}/settings/tokens).")
+    if status == 403 and user and repo_id:
+        return (f"{user} has no write access to {repo_id} (403 Forbidden while {action}: {_server_message(error)}). "
+                f"Use a token with write access to {repo_id.split('/')[0]!r}, or push to {user}/"
                 f"{repo_id.split('/')[1]}.")
-    if status == 404:
-        return f"{repo_id} or its branch was not found while {action} (404: {message})."
-    return _network_or_http(error, action)
-
-
-def _network_or_http(error: BaseException, action: str) -> str:
-    from huggingface_hub import constants
-
-    status, message = _http_status(error)
     if status is not None:
-        return f"the Hub answered {status} while {action}: {message}"
-    return f"cannot reach the Hub at {constants.ENDPOINT} while {action} ({_root_cause(error)})"
+        http = _http_error(error)
+        detail = _server_message(error) if http is error else f"{said.rstrip('.')} ({status}: {_server_message(error)})"
+        return f"the Hub answered {status} while {action}: {detail}."
+    cause = _root_cause(error)
+    detail = said if cause.endswith(said) else f"{said.rstrip('.')} ({cause})"
+    return f"cannot reach the Hub at {api.endpoint} while {action}: {detail}."
 
-
-def _repo_url(repo_id: str, branch: str) -> str:
-    from huggingface_hub import constants
-
-    return f"{constants.ENDPOINT}/{repo_id}" + (f"/tree/{branch}" if branch != "main" else "")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..privacy import public_source_id, scrub
 from .panel import Panel
 
 PLOT_NAME = "per_position.png"
@@ -195,7 +196,7 @@ def plot(report, panel: Panel, path: Path) -> bool:
                    title_fontsize=7.5, frameon=False)
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     a = d["artifact"]
-    fig.suptitle(f"{Path(a['path']).name} ({_describe_precision(a)}) vs {d['reference']['id']}: "
+    fig.suptitle(f"{Path(a['path']).name} ({_describe_precision(a)}) vs {public_source_id(d['reference']['id'])}: "
                  f"{'PASSED' if report.passed else 'FAILED'}", fontsize=11, x=0.07, ha="left")
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -204,9 +205,13 @@ def plot(report, panel: Panel, path: Path) -> bool:
 
 def write_report(report, panel: Panel, directory: Path, draw: bool = True) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "report.json").write_text(json.dumps(report.data, indent=1, allow_nan=False) + "\n")
+    # The files may be published: local paths become relative to the artifact or basenames
+    # (issue 12, rule 9); report.data, in memory, keeps them.
+    root = (report.data.get("artifact") or {}).get("path")
+    public = scrub(report.data, root)
+    (directory / "report.json").write_text(json.dumps(public, indent=1, allow_nan=False) + "\n")
     drew = draw and plot(report, panel, directory / PLOT_NAME)
     if not drew and (directory / PLOT_NAME).exists():
         (directory / PLOT_NAME).unlink()
-    (directory / "report.md").write_text(markdown(report, PLOT_NAME if drew else None))
+    (directory / "report.md").write_text(scrub(markdown(report, PLOT_NAME if drew else None), root))
     return directory
