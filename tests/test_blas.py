@@ -133,3 +133,19 @@ def test_broken_mlx_in_python_is_an_import_error_naming_the_fix(broken_mlx):
     out = subprocess.run([sys.executable, "-c", "import esmc_mlx"], env={**os.environ, **broken_mlx},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "ImportError: MLX is installed without a working backend" in out.stderr
+
+
+def test_cpu_libmlx_in_place_of_the_cuda_one_is_named(tmp_path):
+    """mlx-cpu and mlx-cuda-13 ship the same mlx/lib/libmlx.so: with a CUDA package recorded as
+    installed but another file in place, the warning names the reinstall that fixes it."""
+    info = tmp_path / "mlx_cuda_13-0.32.4.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-cuda-13\nVersion: 0.32.4\n")
+    (info / "RECORD").write_text("mlx/lib/libmlx.so,sha256=x,145673817\n")
+    out = python("import warnings; warnings.simplefilter('always'); import esmc_mlx",
+                 {"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])})
+    assert out.returncode == 0, out.stderr
+    assert "MLX will not use the GPU" in out.stderr
+    assert "pip install --force-reinstall --no-deps mlx-cuda-13==0.32.4" in out.stderr
+    clean = python("import warnings; warnings.simplefilter('always'); import esmc_mlx")
+    assert "MLX will not use the GPU" not in clean.stderr
