@@ -31,6 +31,7 @@ from mlx.utils import tree_flatten
 
 from .config import ESMCConfig
 from .errors import EsmcMlxError
+from .outputs import atomic_file
 from .quantize import BLOCK_LINEAR  # what `esmc-convert --q` quantizes by default
 from .runtime.model import ESMC
 
@@ -294,8 +295,11 @@ def plot(results: dict, path: Path, title: str | None = None) -> Path | None:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_file(path, "wb") as f:  # whole or not at all, a full disk named
+            fig.savefig(f, dpi=120, format="png")
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -303,7 +307,8 @@ def write(results: dict, out_dir: Path, stem: str = "bench") -> tuple[Path, Path
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{stem}.json"
-    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    with atomic_file(path) as f:
+        f.write(json.dumps(results, indent=2, default=str) + "\n")
     return path, plot(results, out_dir / f"{stem}.png")
 
 

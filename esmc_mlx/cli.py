@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import shlex
+import signal
 import sys
+import threading
+import warnings
 from pathlib import Path
 
 import click
@@ -12,37 +16,74 @@ import click
 from ._version import __version__
 from .artifact import describe
 from .convert import quantize_directory
-from .errors import EsmcMlxError
+from .errors import EsmcMlxError, EsmcMlxWarning
 from .hub.push import push_artifact
 from .pipeline import convert_validate_push
 from .tasks.distributed import World
-from .tasks.jobs import embed_fasta, score_csv
+from .tasks.jobs import embed_fasta, scan_job, score_csv
+from .tasks.scoring import DEFAULT_WINDOW
 from .validate import validate as run_validation
 
 SOURCE_HELP = "SOURCE: an alias (300M, 600M, 6B, tiny), a Hub repo id, a local directory or a legacy .pth file."
 
 
+def _error_line(error: EsmcMlxError | OSError) -> click.ClickException:
+    """The `Error: ...` line: the library's message, or for the system's errors (the disk,
+    permissions, a path that vanished) what happened to which path. Anything else is a bug and
+    keeps its traceback."""
+    if isinstance(error, EsmcMlxError):
+        return click.ClickException(str(error))
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return click.ClickException(f"the disk is full: could not write {error.filename or 'the output'}; "
+                                    "free some space and run again")
+    where = f"{error.filename}: " if error.filename else ""
+    return click.ClickException(f"{where}{error.strerror or error}")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's time limit, `kill`): unwound like Ctrl-C, so that every writer
+    removes its staging and releases its lock on the way out."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def _run(invoke, ctx):
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default", EsmcMlxWarning)  # once per message
+            warnings.showwarning = _show_warning
+            try:
+                return invoke(ctx)
+            except (EsmcMlxError, OSError) as e:
+                raise _error_line(e) from None
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    if issubclass(category, EsmcMlxWarning):
+        click.echo(f"Warning: {message}", err=True)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
 class FriendlyErrors(click.Group):
-    """Turn the library's errors into `Error: message` and exit code 1, without a traceback."""
+    """Turn the library's errors (and the system's: disk full, permissions) into `Error: message`
+    and exit code 1, without a traceback; its warnings into `Warning: message` lines."""
 
     def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except EsmcMlxError as e:
-            raise click.ClickException(str(e)) from None
+        return _run(super().invoke, ctx)
 
 
 def _friendly(command):
     """Same as FriendlyErrors, for the stand-alone `esmc-convert` command."""
     original = command.invoke
-
-    def invoke(ctx):
-        try:
-            return original(ctx)
-        except EsmcMlxError as e:
-            raise click.ClickException(str(e)) from None
-
-    command.invoke = invoke
+    command.invoke = lambda ctx: _run(original, ctx)
     return command
 
 
@@ -56,8 +97,11 @@ quantize_head_option = click.option(
     "--quantize-head", is_flag=True,
     help="Also quantize the token embedding and the LM head (default: they stay in the float dtype; "
          "they are <1% of the weights and carry the output distribution).")
-force_option = click.option("--force", is_flag=True, help="Replace an existing output directory.")
+force_option = click.option("--force", is_flag=True,
+                            help="Replace an existing output directory that esmc-mlx wrote (never anything else; "
+                                 "see docs/reliability.md).")
 shard_size_option = click.option("--shard-size", default="1GB", show_default=True,
+                                 callback=lambda ctx, param, value: _parse_size(value),
                                  help="Largest safetensors shard; bounds the converter's memory.")
 
 convert_options = [
@@ -93,21 +137,31 @@ def _apply(options):
     return decorate
 
 
+MIN_SHARD_BYTES = 1 << 20  # smaller shards only multiply files; a model tensor can be larger anyway
+
+
 def _parse_size(text: str) -> int:
     units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "B": 1}
     text = text.strip().upper()
+    size = None
     for unit, factor in units.items():
-        if text.endswith(unit) and text[: -len(unit)].replace(".", "", 1).isdigit():
-            return int(float(text[: -len(unit)]) * factor)
-    if text.isdigit():
-        return int(text)
-    raise click.BadParameter(f"{text!r}: use a size like 512MB or 2GB", param_hint="--shard-size")
+        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            size = int(float(text[: -len(unit)]) * factor)
+            break
+    if size is None and text.isdigit():
+        size = int(text)
+    if size is None:
+        raise click.BadParameter(f"{text!r}: use a size like 512MB or 2GB", param_hint="--shard-size")
+    if size < MIN_SHARD_BYTES:
+        raise click.BadParameter(f"{text!r}: a shard must hold at least 1MB (use e.g. 512MB or 2GB)",
+                                 param_hint="--shard-size")
+    return size
 
 
 def run_convert(source, output, dtype, q, group_size, revision, force, shard_size, upload_repo=None, private=False,
                 quantize_head=False, validate=None):
     convert_validate_push(source, output, dtype=dtype, q=q, group_size=group_size, quantize_head=quantize_head,
-                          revision=revision, force=force, shard_bytes=_parse_size(shard_size),
+                          revision=revision, force=force, shard_bytes=shard_size,
                           validate_output=validate, upload_repo=upload_repo, private=private,
                           command=_command_line(), log=click.echo)
 
@@ -165,7 +219,7 @@ Examples:
 @shard_size_option
 def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size):
     quantize_directory(model_dir, output, q, group_size=group_size, quantize_head=quantize_head, force=force,
-                 shard_bytes=_parse_size(shard_size), command=_command_line())
+                 shard_bytes=shard_size, command=_command_line())
     click.echo(f"Wrote {output}")
 
 
@@ -221,7 +275,7 @@ def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
               help="FASTA to use instead of the bundled panel (two-chain and <mask> inputs are derived from it).")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write the report here (default: MLX_DIR/validation).")
-@click.option("--max-length", type=int, help="Crop sequences to this many residues (faster on big models).")
+@click.option("--max-length", type=click.IntRange(1), help="Crop sequences to this many residues (faster on big models).")
 @click.option("--quick", is_flag=True, help="Crop to 256 residues and score 8 positions: a fast first look.")
 @click.option("--threshold", "threshold", multiple=True, metavar="NAME=VALUE",
               help="Override a bound (repeatable): weights, fidelity_logits, fidelity_hidden, kl_mean, kl_max, "
@@ -280,10 +334,21 @@ def push(mlx_dir, repo_id, private, revision, commit_message, create_pr, dry_run
         click.echo("\n--- README.md (model card) ---\n" + result.card)
 
 
-EMBED_HELP = """Embed every sequence of a FASTA file: mean-pooled and, with --per-residue, per-residue
-embeddings from hidden state --layer, written to the directory OUT (mean.npy, index.tsv,
-per_residue.npy + offsets.npy; see docs/scoring.md). Results are flushed as they come: rerun
-the same command to resume an interrupted run. Sequences are batched by length.
+EMBED_HELP = """Embed every sequence of a FASTA file into the directory OUT: for each hidden state
+of --layers, each pooling of --pool, all from one forward pass per batch (see docs/scoring.md).
+Results are flushed as they come: rerun the same command to resume an interrupted run. The
+FASTA is read as a stream (memory does not grow with the file beyond ~100 bytes per record);
+sequences are batched by length.
+
+\b
+--layers  hidden states: 0 = token embeddings, i = after block i, -1 = final (after the
+          last norm); a comma list (6,12,-1) or all. --layer N is the one-layer spelling.
+--pool    mean, max (over the residues, <cls>/<eos>/padding excluded), cls (the <cls>
+          token's row), per-residue (every residue's row); a comma list. --per-residue
+          adds per-residue.
+--format  npy: NAME.npy per array (memory-mappable); safetensors: sharded
+          embeddings-*.safetensors + index; h5: embeddings.h5 (needs esmc-mlx[h5]).
+          NAME is the pool for one layer, layer{i}_{pool} for several.
 
 Runs data-parallel under MLX's launcher, each rank taking a slice, rank 0 writing:
 
@@ -294,6 +359,7 @@ Runs data-parallel under MLX's launcher, each rank taking a slice, rank 0 writin
 Examples:
   esmc-mlx embed esmc-300m-mlx proteome.fasta -o proteome-emb
   esmc-mlx embed esmc-300m-mlx designs.fasta -o designs-emb --layer 20 --per-residue
+  esmc-mlx embed esmc-300m-mlx designs.fasta -o designs-emb --layers 6,12,-1 --pool mean,max,cls --format h5
 """
 
 
@@ -302,18 +368,26 @@ Examples:
 @click.argument("fasta", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Output directory (created; an existing one is resumed).")
+@click.option("--layers", metavar="LIST", help="Hidden states, e.g. 6,12,-1 or all (default: --layer).")
 @click.option("--layer", default=-1, show_default=True,
-              help="Hidden state: 0 = token embeddings, i = after block i, -1 = final (after the last norm).")
-@click.option("--per-residue", is_flag=True, help="Also store every residue's embedding.")
+              help="One hidden state: 0 = token embeddings, i = after block i, -1 = final (after the last norm).")
+@click.option("--pool", "pools", metavar="LIST", help="Poolings: mean,max,cls,per-residue (default: mean).")
+@click.option("--per-residue", is_flag=True, help="Also store every residue's embedding (= adding per-residue to --pool).")
+@click.option("--format", "storage", type=click.Choice(["npy", "safetensors", "h5"]), default="npy", show_default=True,
+              help="How the arrays are stored.")
 @click.option("--batch-tokens", default=4096, show_default=True, type=click.IntRange(1),
               help="Padded tokens per forward pass (rows x longest row).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
               help="Storage dtype of the embeddings.")
 @click.option("--force", is_flag=True, help="Discard what OUT holds and start over.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def embed(model, fasta, output, layer, per_residue, batch_tokens, dtype, force, no_progress):
-    s = embed_fasta(model, fasta, output, layer=layer, per_residue=per_residue, batch_tokens=batch_tokens,
-                    dtype=dtype, force=force, group=World.current(), progress=not no_progress)
+def embed(model, fasta, output, layers, layer, pools, per_residue, storage, batch_tokens, dtype, force, no_progress):
+    pool_list = pools.split(",") if pools else ["mean"]
+    if per_residue:
+        pool_list.append("per_residue")
+    s = embed_fasta(model, fasta, output, layers=layers if layers else layer, pools=pool_list, storage=storage,
+                    batch_tokens=batch_tokens, dtype=dtype, force=force, group=World.current(),
+                    progress=not no_progress)
     if s.rank == 0:
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
         click.echo(f"Embedded {s.computed} sequences{ranks} ({s.skipped} already done, {s.total} in all) -> {s.out}")
@@ -323,14 +397,26 @@ def embed(model, fasta, output, layer, per_residue, batch_tokens, dtype, force, 
 
 SCORE_HELP = """Score mutants against a wild-type sequence and write the CSV back with one column per
 method. Mutants are ProteinGym strings in column --mutant-column: A23G (1-based), multi-mutants
-A23G:L40P (sum of per-site scores), WT for the wild type. With a --dms-column present, prints
-Spearman's rho.
+A23G:L40P, WT for the wild type. With a --dms-column present, prints Spearman's rho.
 
 \b
-Methods (log-probabilities: log_softmax over the full logits row):
+Methods (log-probabilities: log_softmax over the full logits row; docs/scoring.md):
   masked-marginal  sum of log p(mut) - log p(wt), each site masked alone (batched)
-  wt-marginal      the same read from one unmasked pass over the wild type
-  pppl             pseudo-perplexity of each mutated sequence (L masked copies each)
+                   (Meier et al. 2021, ESM-1v)
+  wt-marginal      the same read from one unmasked pass over the wild type (Meier et al. 2021)
+  pppl             pseudo-perplexity of each mutated sequence (L masked copies each;
+                   Salazar et al. 2020)
+\b
+Multi-mutants (--multi, masked-marginal):
+  sum    add the single-site masked marginals (one site masked at a time, as esm's
+         variant-prediction predict.py and ProteinGym's ESM scoring do)
+  joint  mask all mutated sites together in one copy, sum their log-ratios from it
+         (the masked-marginal formula of Meier et al. 2021, conditioned on x_-M)
+\b
+Long sequences (--window, residues): a wild type longer than the window is scored through
+a window of that width centred on each site (ProteinGym's scoring_window="optimal");
+default 2046 = ESMC's 2048-token training length minus <cls>/<eos>. A warning is printed
+for sequences longer than that.
 
 Runs data-parallel under MLX's launcher, each rank taking a slice, rank 0 writing:
 
@@ -341,30 +427,40 @@ Runs data-parallel under MLX's launcher, each rank taking a slice, rank 0 writin
 Examples:
   esmc-mlx score esmc-300m-mlx --sequence MKTAYIAKQR... --mutations BLAT_ECOLX.csv
   esmc-mlx score esmc-300m-mlx --sequence wt.fasta --mutations dms.csv -o scored.csv --method pppl
+  esmc-mlx score esmc-300m-mlx --sequence wt.fasta --mutations multi.csv --multi joint
 """
+
+window_option = click.option(
+    "--window", default=DEFAULT_WINDOW, show_default=True, type=click.IntRange(0),
+    help="Score sequences longer than this many residues in windows of this width centred on each site "
+         "(ProteinGym's scoring_window); 0: never window.")
 
 
 @main.command(help=SCORE_HELP)
 @click.argument("model")
-@click.option("--sequence", required=True, help="Wild-type sequence, or a FASTA file holding one record.")
+@click.option("--sequence", required=True, help="Wild-type sequence (any length), or a FASTA file holding one record.")
 @click.option("--mutations", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="CSV with a column of mutant strings.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Scored CSV (default: <mutations>.scored.csv beside the input).")
 @click.option("--method", "methods", multiple=True, type=click.Choice(["masked-marginal", "wt-marginal", "pppl"]),
               help="Repeat for several (default: masked-marginal and wt-marginal).")
+@click.option("--multi", type=click.Choice(["sum", "joint"]), default="sum", show_default=True,
+              help="Multi-mutants under masked-marginal: sum of single-site marginals, or joint masking of all sites.")
+@window_option
 @click.option("-B", "--batch-size", default=32, show_default=True, type=click.IntRange(1),
               help="Masked copies per forward pass.")
 @click.option("--offset", default=1, show_default=True, help="Number of the sequence's first residue in the mutant strings.")
 @click.option("--mutant-column", default="mutant", show_default=True)
 @click.option("--dms-column", default="DMS_score", show_default=True, help="Measured scores, for Spearman's rho.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def score(model, sequence, mutations, output, methods, batch_size, offset, mutant_column, dms_column, no_progress):
+def score(model, sequence, mutations, output, methods, multi, window, batch_size, offset, mutant_column, dms_column,
+          no_progress):
     output = output or mutations.with_name(mutations.name.removesuffix(".csv") + ".scored.csv")
     methods = [m.replace("-", "_") for m in methods] or ["masked_marginal", "wt_marginal"]
     s = score_csv(model, sequence, mutations, output, methods=methods, batch_size=batch_size, offset=offset,
-                  mutant_column=mutant_column, dms_column=dms_column, group=World.current(),
-                  progress=not no_progress)
+                  multi=multi, window=window or None, mutant_column=mutant_column, dms_column=dms_column,
+                  group=World.current(), progress=not no_progress)
     if s.rank == 0:
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
         click.echo(f"Scored {s.count} mutants ({', '.join(s.methods)}; {s.passes} forward passes{ranks}) -> {s.out}")
@@ -372,6 +468,62 @@ def score(model, sequence, mutations, output, methods, batch_size, offset, mutan
             click.echo(f"Wild-type pseudo-perplexity: {s.wt_pppl:.4f}")
         for method, (rho, n) in s.spearman.items():
             click.echo(f"Spearman {method} vs {s.dms_column}: {rho:.4f} (n={n})")
+
+
+SCAN_HELP = """Saturation scan: score every single substitution of a protein (19 per residue) and
+write, per protein, into OUT:
+
+\b
+  NAME_scan.csv      one row per variant: mutant, position, wt, mut, score, entropy
+  NAME_matrix.npy    L x 20 float32 scores, columns ACDEFGHIKLMNPQRSTVWY, wild type = 0
+  NAME_matrix.csv    the same matrix with position, wt and entropy columns
+  NAME_heatmap.png   positions x amino acids, wild type dotted, 100 positions per row
+
+Scores are log p(mut) - log p(wt): masked-marginal (default; one masked copy per residue,
+--batch-size copies a pass, each giving all 19 substitutions) or wt-marginal (one unmasked
+pass). Entropy: of the predicted distribution over the 20 amino acids (renormalised), in
+nats, at each position. NAME is the FASTA ID (or --name), made file-safe. Longer than
+--window residues: windows centred on each residue. See docs/scoring.md.
+
+Runs data-parallel under MLX's launcher (ranks split the passes, rank 0 writes):
+
+\b
+  mlx.launch --hosts IP1,IP2 -- esmc-mlx scan ...
+
+\b
+Examples:
+  esmc-mlx scan esmc-300m-mlx --sequence MKTAYIAKQRQISFVKSHFSRQ -o scan
+  esmc-mlx scan esmc-300m-mlx --fasta designs.fasta -o scans --method wt-marginal
+"""
+
+
+@main.command(help=SCAN_HELP)
+@click.argument("model")
+@click.option("--sequence", help="The protein (any length), or a FASTA file holding one record.")
+@click.option("--fasta", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Scan every record of this FASTA file.")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output directory (created).")
+@click.option("--method", type=click.Choice(["masked-marginal", "wt-marginal"]), default="masked-marginal",
+              show_default=True)
+@click.option("--name", default="sequence", show_default=True, help="File name stem for --sequence.")
+@window_option
+@click.option("-B", "--batch-size", default=32, show_default=True, type=click.IntRange(1),
+              help="Masked copies per forward pass.")
+@click.option("--offset", default=1, show_default=True, help="Number of the first residue (axis labels, CSV).")
+@click.option("--per-row", default=100, show_default=True, type=click.IntRange(10),
+              help="Heatmap positions per row before wrapping.")
+@click.option("--no-plot", is_flag=True, help="No heatmap (needs no matplotlib).")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def scan(model, sequence, fasta, output, method, name, window, batch_size, offset, per_row, no_plot, no_progress):
+    s = scan_job(model, output, sequence=sequence, fasta=fasta, name=name, method=method.replace("-", "_"),
+                 batch_size=batch_size, window=window or None, offset=offset, plot=not no_plot, per_row=per_row,
+                 group=World.current(), progress=not no_progress)
+    if s.rank == 0:
+        ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
+        for ident, n, passes in s.scanned:
+            click.echo(f"Scanned {ident}: {n} residues x 19 substitutions ({passes} forward passes{ranks})")
+        click.echo(f"Wrote {s.out}")
 
 
 BENCH_HELP = """Time the MLX runtime against transformers on this machine: the same random weights,

@@ -4,7 +4,9 @@ Spellings accepted (see docs/formats.md):
   * transformers' ``EsmcConfig``: ``hidden_size``, ``num_attention_heads``,
     ``num_hidden_layers``, ``intermediate_size``, ``rope_parameters`` ...
   * the ``esm`` package's: the same names, fewer fields;
-  * pre-alignment names: ``d_model``, ``n_heads``, ``n_layers``.
+  * pre-alignment names: ``d_model``, ``n_heads``, ``n_layers``;
+  * mlx-lm's ESMC port (``model_type: esmc``): those, plus ``rope_base`` and
+    ``residue_scaling_base`` (must be 36: ESMC divides residuals by sqrt(n_layers / 36)).
 Checkpoints without a config (the legacy ``.pth``) get one from tensor shapes.
 """
 
@@ -18,11 +20,20 @@ from .errors import ConfigError
 
 HEAD_DIM = 64  # every released ESMC uses 64-wide heads (300M 960/15, 600M 1152/18, 6B 2560/40)
 VOCAB_SIZE = 64  # logits width; the tokenizer uses the first 33 ids
+TRAINED_LENGTH = 2048  # residues: ESMC's training crop; longer inputs run, but outside what it learned
 
 
 def default_intermediate_size(hidden_size: int) -> int:
     """ESMC's SwiGLU width: 8/3 · d rounded up to a multiple of 256."""
     return int(math.ceil(8 * hidden_size / 3 / 256) * 256)
+
+
+def _integer(value: Any, field: str) -> int:
+    """A config integer: 12 or 12.0 (some writers emit floats), never "12a", 12.5 or true."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value != int(value)):
+        raise ConfigError(f"{field} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +47,13 @@ class ESMCConfig:
     layer_norm_eps: float = 1e-5
 
     def __post_init__(self):
+        for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{field} must be a positive integer, got {value!r}")
+        if not (self.layer_norm_eps > 0 and self.rope_theta > 0):
+            raise ConfigError(f"layer_norm_eps and rope_theta must be positive, got {self.layer_norm_eps!r} "
+                              f"and {self.rope_theta!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"hidden_size {self.hidden_size} is not a multiple of "
@@ -75,8 +93,18 @@ class ESMCConfig:
                                   ("num_hidden_layers", layers)] if v is None]
         if missing:
             raise ConfigError(f"config has no {', '.join(missing)} (nor an older spelling of it)")
+        hidden = _integer(hidden, "hidden_size")
+        heads = _integer(heads, "num_attention_heads")
+        layers = _integer(layers, "num_hidden_layers")
+        if heads < 1:
+            raise ConfigError(f"num_attention_heads must be a positive integer, got {heads!r}")
         rope = pick("rope_parameters", "rope_scaling", default={}) or {}
-        theta = pick("rope_theta", default=rope.get("rope_theta", 10000.0))
+        if not isinstance(rope, dict):
+            raise ConfigError(f"rope_parameters must be an object, got {rope!r}")
+        theta = pick("rope_theta", "rope_base", default=rope.get("rope_theta", 10000.0))
+        if float(pick("residue_scaling_base", default=36)) != 36:
+            raise ConfigError(f"residue_scaling_base {raw['residue_scaling_base']}: ESMC divides residuals by "
+                              "sqrt(n_layers / 36); another base is not ESMC")
         if rope.get("rope_type", "default") != "default":
             raise ConfigError(f"unsupported rope_type {rope['rope_type']!r}: ESMC uses plain RoPE")
         if pick("num_key_value_heads", default=heads) != heads:
@@ -84,15 +112,21 @@ class ESMCConfig:
         head_dim = pick("head_dim")
         if head_dim is not None and head_dim * heads != hidden:
             raise ConfigError(f"head_dim {head_dim} x {heads} heads != hidden_size {hidden}")
-        return cls(
-            hidden_size=int(hidden),
-            num_attention_heads=int(heads),
-            num_hidden_layers=int(layers),
-            intermediate_size=int(pick("intermediate_size", "d_ff", default=default_intermediate_size(hidden))),
-            vocab_size=int(pick("vocab_size", default=VOCAB_SIZE)),
-            rope_theta=float(theta),
-            layer_norm_eps=float(pick("layer_norm_eps", default=1e-5)),
-        )
+        try:
+            return cls(
+                hidden_size=hidden,
+                num_attention_heads=heads,
+                num_hidden_layers=layers,
+                intermediate_size=_integer(pick("intermediate_size", "d_ff", default=default_intermediate_size(hidden)),
+                                           "intermediate_size"),
+                vocab_size=_integer(pick("vocab_size", default=VOCAB_SIZE), "vocab_size"),
+                rope_theta=float(theta),
+                layer_norm_eps=float(pick("layer_norm_eps", default=1e-5)),
+            )
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"config has a value that is not a number ({e})") from None
 
     def to_dict(self) -> dict[str, Any]:
         """transformers' EsmcConfig spelling, so the output config loads there too."""

@@ -50,3 +50,15 @@ class JobError(EsmcMlxError):
 
 class ValidationError(EsmcMlxError):
     """Validation could not run as asked (bad threshold name, unreadable reference ...)."""
+
+
+class OutputError(ConvertError, JobError):
+    """An output path that cannot be written as asked: it exists, holds files esmc-mlx did not
+    write, is locked by another run, contains the input, or the disk is full. A ConvertError
+    (for the converter's callers) and a JobError (for the jobs') alike."""
+
+
+class EsmcMlxWarning(UserWarning):
+    """Something the user should know that does not stop the work (a sequence longer than the
+    model was trained on, stale files of a dead run removed). The CLI prints it as one
+    ``Warning:`` line."""

@@ -7,12 +7,14 @@ asked (or by default when torch is installed), and publish only a validated arti
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Callable
 
-from .convert import convert
+from .convert import prepare, write_artifact
 from .convert.writer import DEFAULT_SHARD_BYTES
 from .errors import ValidationError
+from .outputs import StagedDirectory, check_target
 from .hub.push import PushResult, check_push_access, push_artifact
 from .validate import Report, validate, validation_available
 
@@ -43,32 +45,47 @@ def convert_validate_push(source: str, output: str | Path | None = None, *, dtyp
 
     ``validate_output``: True validates (ValidationError if torch is missing, before converting),
     False skips, None validates when torch and transformers are installed. Raises the library's
-    errors; a failed validation raises ValidationError after keeping the artifact and its report,
-    and nothing is uploaded.
+    errors; a failed validation raises ValidationError naming where the failed artifact and its
+    report are kept: beside an existing ``output``, which stays as it was, as ``OUT.failed-<time>``;
+    at ``output`` when there was none. Nothing is uploaded.
     """
     out = Path(output) if output else default_output(source, q, dtype)
     if validate_output and not validation_available():  # fail before an hour of converting
         raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
+    check_target(out, force)  # before downloading anything
     if upload_repo:  # a missing token or a foreign namespace fails now, not after converting
         check_push_access(upload_repo)
-    convert(source, out, dtype=dtype, q=q, group_size=group_size, quantize_head=quantize_head, revision=revision,
-            force=force, shard_bytes=shard_bytes, command=command)
-    log(f"Wrote {out}")
+    job = prepare(source, dtype, q, group_size, quantize_head, revision, command)
     result = PipelineResult(out)
-    if validate_output is False:
-        pass
-    elif not validation_available():
-        log("Note: not validated (torch/transformers not installed); run `esmc-mlx validate` later.")
-    else:
-        log(f"Validating {out} against {source} ...")
-        result.report = validate(out, source, revision=revision, progress=True)
-        log(result.report.summary())
-        log(f"Report: {result.report.directory / 'report.md'}")
-        if not result.report.passed:
-            raise ValidationError(
-                f"validation failed ({', '.join(c.name for c in result.report.failed)}). The artifact stays at "
-                f"{out} with its failing report in {result.report.directory}; it will not be uploaded.")
-    if upload_repo:  # last: after conversion and validation
-        result.push = push_artifact(out, upload_repo, private=private)
-        log(result.push.summary())
+    # The old output stays in place until the new one is proven: convert and validate in the
+    # staging directory, swap in only after validation passed (or was skipped).
+    with StagedDirectory(out, force, sources=job.inputs) as stage:
+        write_artifact(job, stage.path, shard_bytes)
+        if validate_output is False:
+            pass
+        elif not validation_available():
+            log("Note: not validated (torch/transformers not installed); run `esmc-mlx validate` later.")
+        else:
+            log(f"Validating the conversion against {source} before it goes to {out} ...")
+            result.report = validate(stage.path, source, revision=revision, progress=True, artifact_path=out)
+            log(result.report.summary())
+            if not result.report.passed:
+                failed = ", ".join(c.name for c in result.report.failed)
+                if not os.path.lexists(out):  # nothing to keep: the failed artifact goes where asked
+                    stage.publish()
+                    raise ValidationError(
+                        f"validation failed ({failed}). The artifact stays at {out} with its failing report in "
+                        f"{out / 'validation'}; it will not be uploaded.")
+                kept = stage.keep_failed()
+                raise ValidationError(
+                    f"validation failed ({failed}). The old {out} is unchanged; the new artifact is kept at "
+                    f"{kept} with its failing report in {kept / 'validation'}; it will not be uploaded.")
+        stage.publish()
+        log(f"Wrote {out}")
+        if result.report is not None:
+            result.report.directory = out / "validation"
+            log(f"Report: {result.report.directory / 'report.md'}")
+        if upload_repo:  # last, and still under the lock: no other run replaces OUT mid-upload
+            result.push = push_artifact(out, upload_repo, private=private)
+            log(result.push.summary())
     return result

@@ -91,9 +91,17 @@ def resolve(source: str, revision: str | None = None) -> Source:
     looks_like_repo = source.count("/") == 1 and not source.startswith((".", "/", "~")) and not source.endswith(
         (".pth", ".pt", ".safetensors"))
     if repo_id is None and not looks_like_repo:
+        if source.startswith((".", "/", "~")) or "/" in source or path.suffix in (".pth", ".pt", ".bin", ".safetensors"):
+            raise ConvertError(f"{source}: no such file or directory")
         known = ", ".join([*ALIASES, *LOCAL_ALIASES])
         raise ConvertError(
             f"{source!r} is not a model alias ({known}), an existing local path, or a Hub repo id (org/name)"
         )
-    local, commit = download_checkpoint(repo_id or source, revision)
+    try:
+        local, commit = download_checkpoint(repo_id or source, revision)
+    except HubError as e:
+        if repo_id is None and path.parent.is_dir() and str(path.parent) not in ("", "."):
+            # "models/esmc" with a local models/ folder: most likely a path with a typo
+            raise HubError(f"{source}: no such file or directory here, and not a model on the Hub ({e})") from None
+        raise
     return Source(local, repo_id or source, commit)

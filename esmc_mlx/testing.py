@@ -61,11 +61,14 @@ def init_random_(name: str, tensor, generator=None, perturb_norms: bool = True):
 
 
 def relayout(state: dict, layout: str) -> dict:
-    """Published names -> the ``esm`` package's (fused, TE names) or the legacy .pth's."""
+    """Published names -> the ``esm`` package's (fused, TE names), the legacy .pth's or the
+    mlx-lm ESMC port's (``esmc.transformer.blocks.N.attn.{ln_qkv,qkv,...}``)."""
     import torch
 
     if layout == "published":
         return dict(state)
+    if layout == "mlx-lm":
+        return _mlx_lm_names(state)
     out, layer_ids = {}, sorted({int(k.split(".")[2]) for k in state if k.startswith("esmc.layers.")})
     te = layout == "esm"
     out["embed.weight"] = state["esmc.embed_tokens.weight"]
@@ -100,6 +103,62 @@ def relayout(state: dict, layout: str) -> dict:
     if te:  # the esm package keeps the encoder under an esmc. prefix when wrapped
         out = {(k if k.startswith(head) else f"esmc.{k}"): v for k, v in out.items()}
     return out
+
+
+def _mlx_lm_names(state: dict) -> dict:
+    """The tensor names mlx_lm.convert saves for ESMC (its modules' names after ``sanitize``)."""
+    import torch
+
+    out = {"esmc.embed.weight": state["esmc.embed_tokens.weight"],
+           "esmc.transformer.norm.weight": state["esmc.norm.weight"]}
+    for i in sorted({int(k.split(".")[2]) for k in state if k.startswith("esmc.layers.")}):
+        p, b = f"esmc.layers.{i}.", f"esmc.transformer.blocks.{i}."
+        out[b + "attn.ln_qkv.weight"] = state[p + "input_layernorm.weight"]
+        out[b + "attn.ln_qkv.bias"] = state[p + "input_layernorm.bias"]
+        out[b + "attn.qkv.weight"] = torch.cat([state[p + n] for n in QKV])
+        out[b + "attn.q_ln.weight"] = state[p + "self_attn.q_norm.weight"]
+        out[b + "attn.k_ln.weight"] = state[p + "self_attn.k_norm.weight"]
+        out[b + "attn.out_proj.weight"] = state[p + "self_attn.o_proj.weight"]
+        out[b + "ffn.ln.weight"] = state[p + "post_attention_layernorm.weight"]
+        out[b + "ffn.ln.bias"] = state[p + "post_attention_layernorm.bias"]
+        out[b + "ffn.fc1.weight"] = torch.cat([state[p + n] for n in GATE_UP])
+        out[b + "ffn.fc2.weight"] = state[p + "mlp.down_proj.weight"]
+    for idx, part in (("0", "dense"), ("2", "layer_norm"), ("3", "decoder")):
+        for kind in ("weight", "bias"):
+            out[f"lm_head.{idx}.{kind}"] = state[f"lm_head.{part}.{kind}"]
+    return out
+
+
+def write_mlx_lm_checkpoint(model, path: Path, bits: int | None = None, group_size: int = 64) -> Path:
+    """A transformers model saved as mlx-lm's ESMC port saves it (``mlx_lm.convert`` after
+    ``sanitize``): config.json in its spelling (``model_type: esmc``, ``d_model``, ``n_heads``,
+    ``n_layers``, ``rope_base``, ``residue_scaling_base``) and model.safetensors under its module
+    names. With ``bits``, every Linear/Embedding weight whose width divides by ``group_size`` is
+    affine-quantized as mlx-lm does (uint32 ``weight`` + ``scales`` + ``biases``, and a
+    ``quantization`` record in config.json)."""
+    import mlx.core as mx
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = _mlx_lm_names({k: v.detach().float().contiguous() for k, v in model.state_dict().items()})
+    arrays = {k: mx.array(v.numpy()) for k, v in state.items()}
+    c = model.config
+    config = {"model_type": "esmc", "vocab_size": c.vocab_size, "d_model": c.hidden_size,
+              "n_heads": c.num_attention_heads, "n_layers": c.num_hidden_layers, "pad_token_id": 1,
+              "mask_token_id": 32, "expansion_ratio": 8 / 3, "residue_scaling_base": 36.0,
+              "layer_norm_eps": 1e-5, "rope_base": 10000.0}
+    if bits:
+        for name in [n for n in arrays if n.endswith(".weight") and arrays[n].ndim == 2
+                     and ("qkv" in n or "fc" in n or "out_proj" in n or "embed" in n or "lm_head" in n)
+                     and arrays[n].shape[-1] % group_size == 0]:
+            w, scales, biases = mx.quantize(arrays[name], group_size=group_size, bits=bits)
+            module = name[: -len(".weight")]
+            arrays[name], arrays[module + ".scales"], arrays[module + ".biases"] = w, scales, biases
+        config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+        config["quantization_config"] = config["quantization"]
+    mx.save_safetensors(str(path / "model.safetensors"), arrays, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
 
 
 def write_checkpoint(model, path: Path, layout: str = "published", dtype: str = "float32") -> Path:

@@ -36,7 +36,8 @@ def reference_logits(reference_model, seqs=SEQS):
 
 
 def no_leftovers(parent):
-    return not [p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+    return not [p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name
+                or p.name.endswith(".lock")]
 
 
 @pytest.mark.parametrize("layout", ["published", "esm", "legacy"])
@@ -165,8 +166,14 @@ def test_existing_output_needs_force_and_is_kept_on_failure(checkpoints, tmp_pat
     # a failing forced conversion leaves the old output untouched
     result = run_cli(["./missing", "-o", str(out), "--force"])
     assert result.exit_code == 1 and (out / "precious.txt").read_text() == "keep me"
+    # issue 12, rule 1: --force replaces only what esmc-mlx wrote, never a user's directory
     result = run_cli([str(checkpoints["published"]), "-o", str(out), "--force"])
-    assert result.exit_code == 0 and not (out / "precious.txt").exists() and (out / "config.json").exists()
+    assert result.exit_code == 1 and "esmc-mlx did not write it" in result.output
+    assert (out / "precious.txt").read_text() == "keep me" and not (out / "config.json").exists()
+    out = tmp_path / "ours"
+    assert run_cli([str(checkpoints["published"]), "-o", str(out)]).exit_code == 0
+    result = run_cli([str(checkpoints["published"]), "-o", str(out), "--force"])
+    assert result.exit_code == 0 and (out / "config.json").exists()
     assert no_leftovers(tmp_path)
 
 

@@ -377,15 +377,14 @@ def test_hand_written_card_is_kept(hub, checkpoints, tmp_path):
 
 # --- esmc-convert --upload-repo -----------------------------------------------------------------------
 def test_esmc_convert_upload_repo(hub, checkpoints, tmp_path, monkeypatch):
-    import esmc_mlx.pipeline as convert_module  # the pipeline's convert step
+    import esmc_mlx.pipeline as convert_module  # the pipeline's convert step (writes into the staging directory)
 
-    def convert_and_validate(*args, **kwargs):  # a quick stand-in for --validate (tested with the real one above)
-        out = convert_module_convert(*args, **kwargs)
-        write_validation(Path(out))
-        return out
+    def convert_and_validate(job, directory, *args, **kwargs):  # a quick stand-in for --validate (tested with the real one above)
+        convert_module_write(job, directory, *args, **kwargs)
+        write_validation(Path(directory))
 
-    convert_module_convert = convert_module.convert
-    monkeypatch.setattr(convert_module, "convert", convert_and_validate)
+    convert_module_write = convert_module.write_artifact
+    monkeypatch.setattr(convert_module, "write_artifact", convert_and_validate)
     out = tmp_path / "ESMC-tiny-4bit"
     result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(out), "--q", "4",
                                                "--no-validate", "--upload-repo", "my-org/ESMC-tiny-4bit", "--private"])

@@ -1,8 +1,8 @@
-"""The one table from checkpoint tensor names to MLX names, for all three input layouts.
+"""The one table from checkpoint tensor names to MLX names, for all four input layouts.
 
 MLX names are transformers' ``EsmcForMaskedLM`` names (the published layout maps to itself).
-The ``esm`` package and the legacy ``.pth`` fuse q/k/v rows into one matrix and gate/up rows
-into ``fc1``; those are split here. See docs/formats.md.
+The ``esm`` package, the legacy ``.pth`` and mlx-lm's ESMC port fuse q/k/v rows into one matrix
+and gate/up rows into ``fc1``; those are split here. See docs/formats.md.
 """
 
 from __future__ import annotations
@@ -48,6 +48,15 @@ RULES: list[tuple[str, str | tuple[str, ...]]] = [
     (_BLOCK + r"ffn\.0\.(weight|bias)", _LAYER + r"post_attention_layernorm.\2"),
     (_BLOCK + r"ffn\.1\.weight", tuple(_LAYER + n for n in GATE_UP)),
     (_BLOCK + r"ffn\.3\.weight", _LAYER + "mlp.down_proj.weight"),
+    # 4. mlx-lm's ESMC port (ml-explore/mlx-lm PR 1484, mlx_lm/models/esmc.py): its module names,
+    #    which mlx_lm.convert saves. Same numerics as transformers (residuals divided by
+    #    sqrt(n_layers / 36), weights stored unscaled; fc1 = [gate; up] as in the esm package).
+    #    Embedding, q_ln/k_ln, out_proj, final norm and lm_head.{0,2,3} match the rules above.
+    (_BLOCK + r"attn\.ln_qkv\.(weight|bias)", _LAYER + r"input_layernorm.\2"),
+    (_BLOCK + r"attn\.qkv\.weight", tuple(_LAYER + n for n in QKV)),
+    (_BLOCK + r"ffn\.ln\.(weight|bias)", _LAYER + r"post_attention_layernorm.\2"),
+    (_BLOCK + r"ffn\.fc1\.weight", tuple(_LAYER + n for n in GATE_UP)),
+    (_BLOCK + r"ffn\.fc2\.weight", _LAYER + "mlp.down_proj.weight"),
 ]
 _COMPILED = [(re.compile(pattern), target) for pattern, target in RULES]
 # Buffers some exporters save that carry no weights.

@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from ..artifact import SAFETENSORS_DTYPES, safetensors_header
+from ..artifact import INDEX_FILE, SAFETENSORS_DTYPES, index_files, safetensors_header
 from ..config import ESMCConfig
 from ..errors import ConfigError, ConvertError
 from ..resolve import Source
@@ -18,18 +18,27 @@ from . import mapping
 
 # --- safetensors --------------------------------------------------------------------------
 def _safetensors_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({directory / f for f in weight_map.values()})
-        missing = [str(f) for f in files if not f.exists()]
+    """The weight files of a source directory: those its index names, else its one .safetensors.
+    A directory whose files contradict its index (a stray .safetensors beside the shards) or
+    that holds several files and no index is refused: which tensors win would be a guess."""
+    index = directory / INDEX_FILE
+    present = set(directory.glob("*.safetensors"))
+    if index.is_file():
+        files = index_files(index)
+        missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise ConvertError(f"{index} names shards that are missing: {', '.join(missing)}")
+        strays = sorted(f.name for f in present - set(files))
+        if strays:
+            raise ConvertError(f"{directory}: {', '.join(strays)} not named by {INDEX_FILE}; move it out of the "
+                               "checkpoint directory")
         return files
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ConvertError(f"{directory}: no *.safetensors checkpoint found (nor a .pth)")
-    return files
+    if len(present) > 1:
+        raise ConvertError(f"{directory}: {len(present)} .safetensors files ({', '.join(sorted(f.name for f in present))}) "
+                           f"and no {INDEX_FILE} to say which make up the model; keep only the checkpoint's")
+    if not present:
+        raise ConvertError(f"{directory}: no .safetensors checkpoint (or single .pth) found")
+    return sorted(present)
 
 
 @dataclasses.dataclass
@@ -55,8 +64,12 @@ def open_checkpoint(source: Source) -> Checkpoint:
     if not source.path.is_dir():
         raise ConvertError(f"{source.path}: expected a checkpoint directory or a .pth file")
     pths = sorted(source.path.glob("*.pth"))
-    if not list(source.path.glob("*.safetensors")) and len(pths) == 1:
-        return _open_pth(pths[0])
+    if not list(source.path.glob("*.safetensors")):
+        if len(pths) == 1:
+            return _open_pth(pths[0])
+        if pths:
+            raise ConvertError(f"{source.path}: no .safetensors checkpoint, and {len(pths)} .pth files "
+                               f"({', '.join(p.name for p in pths)}); pass the one to convert")
     files = _safetensors_files(source.path)
     shapes, dtypes, where = {}, set(), {}
     for f in files:
@@ -77,6 +90,8 @@ def open_checkpoint(source: Source) -> Checkpoint:
         # pop: once evaluated, a tensor kept here would stay in memory until the next shard
         return loaded[f].pop(name)
 
+    if detect_layout(shapes) == "mlx-lm" and any(n.endswith(".scales") for n in shapes):
+        shapes, read = _dequantized(shapes, read, source.path)
     return Checkpoint(
         config=_read_config(source.path, shapes),
         shapes=shapes,
@@ -85,6 +100,62 @@ def open_checkpoint(source: Source) -> Checkpoint:
         read=read,
         license=_read_license(source.path),
     )
+
+
+def detect_layout(names) -> str:
+    """Which of the four source layouts these tensor names are (docs/formats.md):
+    ``published`` (transformers), ``esm`` (the esm package, TE names), ``legacy`` (2024-12
+    .pth) or ``mlx-lm`` (mlx-lm's ESMC port); ``unknown`` for anything else."""
+    names = list(names)
+    if any(n.startswith("esmc.layers.") for n in names):
+        return "published"
+    if any(".attn.ln_qkv." in n or ".attn.qkv." in n for n in names):
+        return "mlx-lm"
+    if any(".attn.layernorm_qkv.1." in n for n in names):
+        return "legacy"
+    if any(".attn.layernorm_qkv." in n for n in names):
+        return "esm"
+    return "unknown"
+
+
+def _dequantized(shapes: dict, read: Callable[[str], mx.array], directory: Path):
+    """An mlx-lm-quantized checkpoint seen as float: each ``X.weight`` (packed uint32) with its
+    ``X.scales``/``X.biases`` becomes one dequantized ``X.weight``, using the quantization
+    record of config.json (mlx-lm's: ``group_size``, ``bits``, ``mode``, per-module overrides
+    keyed by module path). The converter then handles it as any float source."""
+    path = directory / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConvertError(f"{path}: unreadable ({e}); an mlx-lm-quantized checkpoint needs its quantization record")
+    record = raw.get("quantization") or raw.get("quantization_config")
+    if not isinstance(record, dict):
+        raise ConvertError(f"{directory}: quantized tensors (*.scales) but no quantization record in {path}")
+    params, out = {}, {}
+    for name, shape in shapes.items():
+        module, _, leaf = name.rpartition(".")
+        quantized = module + ".scales" in shapes and module + ".weight" in shapes
+        if quantized and leaf in ("scales", "biases"):
+            continue  # folded into the weight
+        if not (quantized and leaf == "weight"):
+            out[name] = shape
+            continue
+        p = record.get(module, record)
+        if not isinstance(p, dict) or "bits" not in p or "group_size" not in p:
+            raise ConvertError(f"{path}: no bits/group_size for the quantized tensor {name}")
+        bits, mode = int(p["bits"]), p.get("mode", "affine")
+        params[name] = (module, bits, int(p["group_size"]), mode)
+        out[name] = (shape[0], shape[1] * 32 // bits)
+
+    def read_float(name: str) -> mx.array:
+        if name not in params:
+            return read(name)
+        module, bits, group_size, mode = params[name]
+        weight, scales = read(name), read(module + ".scales")
+        biases = read(module + ".biases") if module + ".biases" in shapes else None
+        return mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits, mode=mode)
+
+    return out, read_float
 
 
 def _dominant(dtypes: set) -> mx.Dtype:
@@ -133,10 +204,24 @@ def _open_pth(path: Path) -> Checkpoint:
         raise ConvertError(
             f"{path}: reading a .pth checkpoint needs torch; install esmc-mlx[torch]"
         ) from None
+    import pickle
+    import zipfile
+
+    # torch's mmap reads only the zip format (torch >= 1.6); an older checkpoint loads whole
+    mmap = zipfile.is_zipfile(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError ... for damage
-        raise ConvertError(f"{path}: cannot read the .pth checkpoint ({type(e).__name__}: {e})") from None
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        if "Unsupported global" in str(e):  # torch's text goes on to advise unsafe loading: never repeat it
+            raise ConvertError(
+                f"{path}: holds Python objects besides tensors; esmc-mlx reads only a plain state dict, because "
+                "unpickling anything else can run code. Save one from the code that made the file: "
+                "torch.save(model.state_dict(), 'state_dict.pth')") from None
+        raise ConvertError(f"{path}: cannot read it as a PyTorch checkpoint (not one, or damaged)") from None
+    except Exception as e:  # RuntimeError, EOFError, KeyError ... for files that are not checkpoints
+        detail = "its zip archive is truncated or corrupt" if "PytorchStreamReader" in str(e) else type(e).__name__
+        raise ConvertError(f"{path}: cannot read it as a PyTorch checkpoint: not one, or truncated or damaged "
+                           f"({detail})") from None
     for key in ("model", "state_dict"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]

@@ -1,18 +1,15 @@
-"""Output side of conversion: bounded safetensors shards and an all-or-nothing directory."""
+"""Output side of conversion: bounded safetensors shards, written into the staging directory
+that ``esmc_mlx.outputs.StagedDirectory`` puts in place whole."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Iterator
 
 import mlx.core as mx
 
-from ..errors import ConvertError
+from ..outputs import disk_full, disk_full_error
 
 DEFAULT_SHARD_BYTES = 1 << 30  # a shard is held in memory until written: this bounds peak RSS
 INDEX_NAME = "model.safetensors.index.json"
@@ -42,9 +39,13 @@ class ShardWriter:
         self.total_bytes += tensor.nbytes
 
     def _flush(self) -> None:
-        index = len(self.shards)
-        mx.save_safetensors(str(self.directory / f"shard-{index}.tmp.safetensors"), self.pending,
-                            metadata={"format": "mlx"})
+        path = self.directory / f"shard-{len(self.shards)}.tmp.safetensors"
+        try:
+            mx.save_safetensors(str(path), self.pending, metadata={"format": "mlx"})
+        except (OSError, RuntimeError) as e:  # MLX says only "[write] Unable to write N bytes"
+            if disk_full(e, path):
+                raise disk_full_error(path) from None
+            raise
         self.shards.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0
 
@@ -60,41 +61,3 @@ class ShardWriter:
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         return index
-
-
-def check_output(out_dir: Path, force: bool) -> None:
-    """Fail early, before any work, if the output exists (without force) or cannot be written."""
-    if out_dir.exists() and not force:
-        raise ConvertError(f"{out_dir} already exists; pass --force to replace it")
-    parent = out_dir.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConvertError(f"cannot create {parent}: {e.strerror}") from None
-    if not os.access(parent, os.W_OK):
-        raise ConvertError(f"{parent} is not writable")
-
-
-@contextlib.contextmanager
-def staged_directory(out_dir: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary sibling of out_dir; move it into place only if the block succeeds.
-
-    On any error the temporary directory is removed and an existing out_dir is untouched.
-    """
-    check_output(out_dir, force)
-    try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    except OSError as e:
-        raise ConvertError(f"cannot write in {out_dir.parent}: {e.strerror}") from None
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if out_dir.exists():  # force: swap, then delete the old one
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        os.replace(out_dir, old / "x")
-        os.replace(staging, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, out_dir)

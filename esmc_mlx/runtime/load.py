@@ -6,7 +6,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..artifact import FLOAT_DTYPES, quantization_record, read_model_config, weight_files
+from ..artifact import FLOAT_DTYPES, quantization_record, read_model_config, safetensors_header, weight_files
 from ..errors import ConvertError
 from ..resolve import resolve
 from .model import ESMC
@@ -18,7 +18,9 @@ def resolve_model_dir(path_or_repo_id: str | Path, revision: str | None = None) 
     """A local directory, an alias (``tiny``, ``300M`` ...) or a Hub repo id -> a local directory
     (the same sources ``esmc-convert`` accepts). Raises ConvertError / HubError."""
     source = resolve(str(path_or_repo_id), revision)
-    if source.is_pth or not source.path.is_dir():
+    if not source.is_pth and not source.path.is_dir():
+        raise ConvertError(f"{path_or_repo_id}: a file, not a model directory")
+    if source.is_pth:
         raise ConvertError(f"{path_or_repo_id}: a legacy checkpoint file, not a model directory; "
                            f"convert it first: esmc-convert {path_or_repo_id}")
     return source.path
@@ -55,7 +57,11 @@ def load(path_or_repo_id: str | Path, revision: str | None = None, dtype: mx.Dty
     raw, config = read_model_config(directory)
     weights: dict[str, mx.array] = {}
     for f in weight_files(directory):
-        weights.update(mx.load(str(f)))
+        safetensors_header(f)  # a truncated or damaged file: one error naming it, before MLX reads it
+        try:
+            weights.update(mx.load(str(f)))
+        except (RuntimeError, ValueError, OSError) as e:
+            raise ConvertError(f"{f}: cannot read the weights ({e})") from None
     model = model_class(config)
     record = quantization_record(raw)
     if record:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import warnings
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..config import ESMCConfig
+from ..config import TRAINED_LENGTH, ESMCConfig
+from ..errors import EsmcMlxWarning
 from .quantized import POLICY_ENV as QUANT_POLICY_ENV
 
 
@@ -302,6 +304,17 @@ class ESMC(nn.Module):
             self._compiled[key] = fn
         return fn(input_ids) if mask is None else fn(input_ids, mask)
 
+    def _warn_long(self, residues: int) -> None:
+        """Before the first pass over an input longer than ESMC's training crop: say so, and
+        what the quadratic attention will cost (every command inherits this; once per length)."""
+        message = (f"an input of {residues:,} residues is longer than the {TRAINED_LENGTH:,} ESMC was trained on; "
+                   "its outputs are extrapolation")
+        if residues > 4 * TRAINED_LENGTH:
+            scores = self.config.num_attention_heads * (residues + 2) ** 2 * 4  # fp32 scores, one layer, one row
+            message += (f". Attention grows with the square of the length: expect this to be slow and to need "
+                        f"about {scores / 2**30:,.1f} GB per sequence for attention alone")
+        warnings.warn(message, EsmcMlxWarning, stacklevel=3)
+
     @property
     def dtype(self) -> mx.Dtype:
         return self.esmc.norm.weight.dtype
@@ -323,6 +336,8 @@ class ESMC(nn.Module):
         input_ids = mx.array(input_ids)
         if input_ids.ndim == 1:
             input_ids = input_ids[None]
+        if input_ids.shape[-1] - 2 > TRAINED_LENGTH:
+            self._warn_long(input_ids.shape[-1] - 2)
         if sequence_id is None and attention_mask is not None and _no_padding(attention_mask):
             attention_mask = None  # no mask at all lets the fused attention kernels run
         mask = attention_mask_for(

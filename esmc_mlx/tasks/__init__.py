@@ -16,6 +16,7 @@ from ..runtime import ESMC, ESMCTokenizer
 from ..runtime import load as load_runtime
 from .fasta import Record, parse_fasta, read_fasta
 from .jobs import embed_fasta, score_csv
+from .scan import Scan, scan
 from .scoring import Embeddings, MutationScores, embed, pseudo_perplexity, score_mutations
 from .store import read_embeddings
 
@@ -31,6 +32,10 @@ class ProteinModel(ESMC):
         """Masked-marginal / wild-type-marginal variant scores; see ``tasks.scoring.score_mutations``."""
         return score_mutations(self, sequence, mutations, **kwargs)
 
+    def scan(self, sequence: str, **kwargs) -> Scan:
+        """Every single substitution scored, with per-position entropy; see ``tasks.scan.scan``."""
+        return scan(self, sequence, **kwargs)
+
     def pseudo_perplexity(self, sequences: str | Sequence[str], **kwargs):
         """Pseudo-perplexity per sequence; see ``tasks.scoring.pseudo_perplexity``."""
         return pseudo_perplexity(self, sequences, **kwargs)
@@ -42,5 +47,5 @@ def load(path_or_repo_id: str | Path, revision: str | None = None, dtype: mx.Dty
     return load_runtime(path_or_repo_id, revision, dtype, model_class=ProteinModel, **kwargs)
 
 
-__all__ = ["Embeddings", "MutationScores", "ProteinModel", "Record", "embed", "embed_fasta", "load",
-           "parse_fasta", "pseudo_perplexity", "read_embeddings", "read_fasta", "score_csv", "score_mutations"]
+__all__ = ["Embeddings", "MutationScores", "ProteinModel", "Record", "Scan", "embed", "embed_fasta", "load",
+           "parse_fasta", "pseudo_perplexity", "read_embeddings", "read_fasta", "scan", "score_csv", "score_mutations"]

@@ -10,7 +10,10 @@ error, as are empty records, text before the first header and IDs seen twice.
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import zlib
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from ..errors import FastaError
 from ..vocab import check_sequence
@@ -24,61 +27,104 @@ class Record:
     line: int = 0  # 1-based line of the header
 
 
-def parse_fasta(text: str, source: str = "<string>") -> list[Record]:
-    """Parse FASTA text; raise FastaError for anything that is not clean protein FASTA."""
-    records: list[Record] = []
-    header: str | None = None
-    header_line = 0
-    chunks: list[str] = []
-    seen: dict[str, int] = {}
+class _Parser:
+    """Line-by-line FASTA state machine shared by ``parse_fasta`` and ``iter_fasta``."""
 
-    def finish():
-        if header is None:
-            return
-        ident, _, description = header.partition(" ")
+    def __init__(self, source: str):
+        self.source = source
+        self.header: str | None = None
+        self.header_line = 0
+        self.chunks: list[str] = []
+        self.seen: dict[str, int] = {}
+
+    def line(self, number: int, line: str) -> Record | None:
+        line = line.strip()
+        if not line or line.startswith(";"):
+            return None
+        if line.startswith(">"):
+            done = self.finish()
+            self.header, self.header_line, self.chunks = line[1:].strip().replace("\t", " "), number, []
+            return done
+        if self.header is None:
+            raise FastaError(f"{self.source}, line {number}: text before the first '>' header (is this FASTA?)")
+        self.chunks.append("".join(line.split()))
+        return None
+
+    def finish(self) -> Record | None:
+        if self.header is None:
+            return None
+        source, header_line = self.source, self.header_line
+        ident, _, description = self.header.partition(" ")
         ident = ident.strip()
         if not ident:
             raise FastaError(f"{source}, line {header_line}: record header has no ID")
-        sequence = "".join(chunks)
+        sequence = "".join(self.chunks)
+        self.chunks = []
         if sequence.endswith("*"):
             sequence = sequence[:-1]
         if not sequence:
             raise FastaError(f"{source}, line {header_line}: record {ident!r} has no sequence")
-        if ident in seen:
+        if ident in self.seen:
             raise FastaError(
-                f"{source}, line {header_line}: duplicate ID {ident!r} (first seen on line {seen[ident]})"
+                f"{source}, line {header_line}: duplicate ID {ident!r} (first seen on line {self.seen[ident]})"
             )
-        seen[ident] = header_line
+        self.seen[ident] = header_line
         sequence = check_sequence(sequence, ident, f"{source}, ")
-        records.append(Record(ident, sequence, description.strip(), header_line))
+        return Record(ident, sequence, description.strip(), header_line)
 
-    for number, line in enumerate(text.splitlines(), start=1):
-        line = line.strip()
-        if not line or line.startswith(";"):
-            continue
-        if line.startswith(">"):
-            finish()
-            header, header_line, chunks = line[1:].strip().replace("\t", " "), number, []
-        elif header is None:
-            raise FastaError(f"{source}, line {number}: text before the first '>' header (is this FASTA?)")
-        else:
-            chunks.append("".join(line.split()))
-    finish()
-    if not records:
+
+def _records(lines: Iterable[str], source: str) -> Iterator[Record]:
+    parser, count = _Parser(source), 0
+    for number, line in enumerate(lines, start=1):
+        record = parser.line(number, line)
+        if record is not None:
+            count += 1
+            yield record
+    record = parser.finish()
+    if record is not None:
+        count += 1
+        yield record
+    if not count:
         raise FastaError(f"{source}: no FASTA records")
-    return records
+
+
+def parse_fasta(text: str, source: str = "<string>") -> list[Record]:
+    """Parse FASTA text; raise FastaError for anything that is not clean protein FASTA."""
+    return list(_records(text.splitlines(), source))
+
+
+def _text_lines(binary: Iterable[bytes], path: Path) -> Iterator[str]:
+    """Decoded lines: UTF-8 with or without a byte-order mark, or a Windows code page in a
+    description (residues are ASCII either way); a NUL byte means a binary file."""
+    for number, raw in enumerate(binary):
+        if b"\x00" in raw:
+            raise FastaError(f"{path}: a binary file, not FASTA")
+        if number == 0 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError:
+            yield raw.decode("latin-1")
+
+
+def iter_fasta(path: str | Path) -> Iterator[Record]:
+    """Records of a FASTA file one at a time, read as a stream (memory holds one record and the
+    IDs seen, to refuse duplicates): plain or gzip-compressed whatever its name (by gzip's magic
+    number), with or without a byte-order mark. Raises FastaError; a missing file too."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as probe:
+            compressed = probe.read(2) == b"\x1f\x8b"  # .gz, .fa.gz, .fasta.gzip ...
+        f = gzip.open(path, "rb") if compressed else open(path, "rb")
+    except OSError as e:
+        raise FastaError(f"{path}: cannot read FASTA ({e})") from None
+    with f:
+        try:
+            yield from _records(_text_lines(f, path), str(path))
+        except (OSError, EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise FastaError(f"{path}: cannot read FASTA ({e})") from None
 
 
 def read_fasta(path: str | Path) -> list[Record]:
-    """Read a FASTA file (plain or .gz). Raises FastaError; a missing file too."""
-    path = Path(path)
-    try:
-        if path.suffix == ".gz":
-            import gzip
-
-            text = gzip.decompress(path.read_bytes()).decode()
-        else:
-            text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise FastaError(f"{path}: cannot read FASTA ({e})") from None
-    return parse_fasta(text, str(path))
+    """Read a whole FASTA file into a list (see ``iter_fasta``). Raises FastaError."""
+    return list(iter_fasta(path))

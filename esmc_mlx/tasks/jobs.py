@@ -1,5 +1,5 @@
-"""The two jobs behind ``esmc-mlx embed`` and ``esmc-mlx score``: resumable embedding of a
-FASTA file into a directory (``store.EmbeddingStore``), and scoring a CSV of mutants. Both run
+"""The jobs behind ``esmc-mlx embed``, ``scan`` and ``score``: resumable embedding of a FASTA
+file into a directory (``store.EmbeddingStore``), saturation scans, and scoring a CSV of mutants. Both run
 unchanged under ``mlx.launch``: every rank reads the input and takes a slice, rank 0 alone writes.
 """
 
@@ -8,23 +8,28 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
-import os
 import time
+from array import array
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from ..errors import EsmcMlxError, JobError, ScoringError
+from ..outputs import atomic_file, check_file_target, locked
 from ..runtime.load import load
 from ..vocab import check_sequence
 from .distributed import World
-from .fasta import read_fasta
+from .fasta import iter_fasta, read_fasta
+from .heatmap import check_plotting
 from .mutations import apply, parse_mutants
-from .scoring import DEFAULT_BATCH_SIZE, DEFAULT_BATCH_TOKENS, METHODS, encode, iter_embeddings, length_batches, \
-    resolve_layer, score_mutations
+from .scan import scan as run_scan
+from .scoring import DEFAULT_BATCH_SIZE, DEFAULT_BATCH_TOKENS, DEFAULT_WINDOW, METHODS, encode, iter_embeddings, \
+    length_batches, resolve_layers, resolve_pools, score_mutations
 from .stats import spearman
-from .store import FLUSH_BYTES, EmbeddingStore, sequence_hash
+from .store import FLUSH_BYTES, FORMATS, EmbeddingStore, IdIndex, IdList, array_names, require_h5py, sequence_hash
+
+CHUNK_RECORDS = 8192  # FASTA records read, sorted by length and embedded at a time
 
 # --- esmc-mlx embed ---------------------------------------------------------------------------
 
@@ -46,38 +51,61 @@ def _model(model, name: str | None):
     return model, name
 
 
+@locked("out", when=lambda args: World.of(args["group"]).is_root)
 def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, per_residue: bool = False,
-                batch_tokens: int = DEFAULT_BATCH_TOKENS, dtype: str = "float32", force: bool = False,
-                flush_every: int = 256, flush_seconds: float = 60.0, group=None, progress: bool = False,
+                layers=None, pools=None, storage: str = "npy", batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                dtype: str = "float32", force: bool = False, flush_every: int = 256, flush_seconds: float = 60.0,
+                chunk_records: int = CHUNK_RECORDS, group=None, progress: bool = False,
                 model_name: str | None = None) -> EmbedSummary:
     """Embed every record of ``fasta`` into the directory ``out``, resuming from what is there.
     ``model``: a loaded ESMC, or a path / Hub id to load once the FASTA has been read.
+    ``layers`` (``"all"``, ``"6,12,-1"`` or ints; default ``layer``) and ``pools`` (mean, max,
+    cls, per_residue; default mean, plus per_residue with ``per_residue``) are all computed in
+    one forward pass per batch. ``storage``: npy, safetensors or h5 (see ``tasks.store``).
+
+    The FASTA is read as a stream, twice: a first pass checks it and keeps each record's ID,
+    length and sha1; the second embeds ``chunk_records`` records at a time (sorted by length
+    within the chunk). Memory holds that metadata, one chunk and the unflushed results.
 
     Raises FastaError for a bad FASTA, JobError for an output directory holding other settings
-    (or other sequences under the same IDs), ScoringError for a layer the model lacks.
+    (or other sequences under the same IDs), ScoringError for a layer or pool the model lacks.
     """
     world = World.of(group)
     if dtype not in ("float32", "float16"):
         raise JobError(f"dtype must be float32 or float16, got {dtype!r}")
-    records = read_fasta(fasta)  # before loading a model: bad input fails fast
+    if storage not in FORMATS:
+        raise JobError(f"storage format must be one of {', '.join(FORMATS)}, got {storage!r}")
+    if storage == "h5":
+        require_h5py()
+    pools = resolve_pools(pools if pools is not None else ("mean", "per_residue") if per_residue else ("mean",))
+    # Compact per-record metadata (~70 bytes a record with IdIndex): ID, length, sha1.
+    ids, lengths, hashes = IdList(), array("q"), bytearray()
+    for r in iter_fasta(fasta):  # before loading a model: bad input fails fast
+        ids.append(r.id)
+        lengths.append(len(r.sequence))
+        hashes += sequence_hash(r.sequence).encode()
+    lengths, hashes = np.frombuffer(lengths, dtype=np.int64), np.frombuffer(bytes(hashes), dtype="S40")
     model, model_name = _model(model, model_name)
     n_layers = model.config.num_hidden_layers
-    settings = {"layer": resolve_layer(layer, n_layers), "per_residue": bool(per_residue), "dtype": dtype,
+    layers = resolve_layers(layer if layers is None else layers, n_layers)
+    names = array_names(layers, pools)
+    settings = {"layers": list(layers), "pools": list(pools), "dtype": dtype, "storage": storage,
                 "hidden_size": model.config.hidden_size, "num_hidden_layers": n_layers,
-                "pooling": "mean over the tokens between <cls> and <eos>",
+                "arrays": list(names.values()),
+                "pooling": "mean and max over the tokens between <cls> and <eos>; cls = the <cls> token",
                 "model": model_name, "fasta": str(fasta)}
-    store = EmbeddingStore(out) if world.is_root else None
+    store, id_index = (EmbeddingStore(out) if world.is_root else None), None
     # Rank 0 reads the directory; every rank learns what is left (and whether rank 0 failed).
-    status, failure = np.zeros(len(records) + 1, dtype=np.int32), None
+    status, failure = np.zeros(len(ids) + 1, dtype=np.int32), None
     if store is not None:
         try:
             store.open(settings, force)
-            done = store.done()
-            changed = [r.id for r in records if r.id in done and done[r.id] != sequence_hash(r.sequence)]
+            id_index = IdIndex(ids)
+            done, changed = store.status(id_index, hashes)
             if changed:
                 raise JobError(f"{out} holds an embedding of another sequence under the ID {changed[0]!r} "
                                f"({len(changed)} such IDs); use another output directory or --force")
-            status[1:] = [r.id in done for r in records]
+            status[1:] = done
         except EsmcMlxError as e:
             failure, status[0] = e, 1
     status = world.broadcast(status)
@@ -87,13 +115,6 @@ def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, p
         raise JobError("rank 0 could not open the output directory (see its error)")
     is_done = status[1:].astype(bool)
     skipped = int(is_done.sum())
-    encoded = encode([r.sequence for r in records], names=[r.id for r in records])
-    token_lengths = np.array([len(e) for e in encoded])
-    pending = np.array([i for i in np.argsort(-token_lengths, kind="stable") if not is_done[i]], dtype=np.int64)
-    mine = world.shard(pending)
-    batches = [mine[b] for b in length_batches(token_lengths[mine], batch_tokens)]
-    rounds = world.max(len(batches))
-    embeddings = iter_embeddings(model, encoded, batches, layer=layer, per_residue=per_residue)
     d, out_dtype = model.config.hidden_size, np.dtype(dtype)
     buffer: list[tuple] = []
     buffered, buffered_bytes, last_flush, computed = 0, 0, time.monotonic(), 0
@@ -102,40 +123,119 @@ def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, p
         nonlocal buffer, buffered, buffered_bytes, last_flush
         if store is not None and buffer:
             rows = np.concatenate([b[0] for b in buffer])
-            store.write_part([records[i].id for i in rows], [sequence_hash(records[i].sequence) for i in rows],
-                             np.concatenate([b[1] for b in buffer]).astype(out_dtype),
-                             np.concatenate([b[2] for b in buffer]),
-                             np.concatenate([b[3] for b in buffer]).astype(out_dtype) if per_residue else None)
+            store.write_part([ids[i] for i in rows], hashes[rows].astype(str).tolist(), lengths[rows],
+                             {name: np.concatenate([b[1][name] for b in buffer]).astype(out_dtype)
+                              for name in names.values()})
         buffer, buffered, buffered_bytes, last_flush = [], 0, 0, time.monotonic()
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(pending), unit="seq", desc="embed", disable=not (progress and world.is_root),
+    bar = tqdm(total=int((~is_done).sum()), unit="seq", desc="embed", disable=not (progress and world.is_root),
                dynamic_ncols=True)
     try:
-        for _ in range(rounds):
-            rows, mean, per = next(embeddings, (np.zeros(0, np.int64), np.zeros((0, d), np.float32), None))
-            lengths = np.array([len(records[i].sequence) for i in rows], dtype=np.int64)
-            residues = np.concatenate(per) if per else np.zeros((0, d), np.float32)
-            ints = world.gather(np.stack([rows, lengths], axis=1).astype(np.int64))
-            floats = world.gather(np.concatenate([mean, residues]).astype(np.float32))
-            for meta, values in zip(ints, floats):
-                n = len(meta)
-                computed += n
-                if n and store is not None:
-                    buffer.append((meta[:, 0], values[:n], meta[:, 1], values[n:]))
-                    buffered += n
-                    buffered_bytes += values.nbytes
-                    bar.update(n)
-            if (buffered >= flush_every or buffered_bytes >= FLUSH_BYTES
-                    or time.monotonic() - last_flush >= flush_seconds):
-                flush()
+        for first, chunk in _chunks(iter_fasta(fasta), chunk_records):
+            pending = [k for k in range(len(chunk)) if not is_done[first + k]]
+            if not pending:
+                continue
+            encoded = encode([chunk[k].sequence for k in pending], names=[chunk[k].id for k in pending])
+            record_of = np.array([first + k for k in pending], dtype=np.int64)
+            token_lengths = np.array([len(e) for e in encoded])
+            mine = world.shard(np.argsort(-token_lengths, kind="stable"))
+            batches = [mine[b] for b in length_batches(token_lengths[mine], batch_tokens)]
+            embeddings = iter_embeddings(model, encoded, batches, layers=layers, pools=pools)
+            for _ in range(world.max(len(batches))):
+                rows, values = next(embeddings, (np.zeros(0, np.int64), None))
+                rows = record_of[rows]
+                ints = world.gather(rows.astype(np.int64))
+                floats = world.gather(_flatten(values, names, d))
+                for got_rows, flat in zip(ints, floats):
+                    n = len(got_rows)
+                    computed += n
+                    if n and store is not None:
+                        buffer.append((got_rows, _unflatten(flat, names, lengths[got_rows], d)))
+                        buffered += n
+                        buffered_bytes += flat.nbytes
+                        bar.update(n)
+                if (buffered >= flush_every or buffered_bytes >= FLUSH_BYTES
+                        or time.monotonic() - last_flush >= flush_seconds):
+                    flush()
     finally:
         flush()  # keep what was computed, also on Ctrl-C
         bar.close()
     world.barrier()
-    dropped = store.merge(records, settings) if store is not None else 0
-    return EmbedSummary(Path(out), len(records), skipped, computed, dropped, world.rank, world.size)
+    dropped = store.merge(ids, lengths, hashes, settings, id_index) if store is not None else 0
+    return EmbedSummary(Path(out), len(ids), skipped, computed, dropped, world.rank, world.size)
+
+
+def _chunks(records, size: int):
+    """(index of the first record, list of records) for consecutive chunks of ``size``."""
+    chunk, first = [], 0
+    for r in records:
+        chunk.append(r)
+        if len(chunk) == size:
+            yield first, chunk
+            first, chunk = first + size, []
+    if chunk:
+        yield first, chunk
+
+
+def _flatten(values: dict | None, names: dict, d: int) -> np.ndarray:
+    """One batch's arrays as one float32 (rows, d) block for ``World.gather``: every pooled
+    array (n rows each), then every per-residue array (sum of lengths rows each), in ``names``
+    order."""
+    if values is None:
+        return np.zeros((0, d), np.float32)
+    pooled = [values[k] for k in names if k[1] != "per_residue"]
+    residues = [np.concatenate(values[k]) for k in names if k[1] == "per_residue"]
+    return np.concatenate(pooled + residues).astype(np.float32)
+
+
+def _unflatten(flat: np.ndarray, names: dict, lengths: np.ndarray, d: int) -> dict[str, np.ndarray]:
+    n, total, out, at = len(lengths), int(lengths.sum()), {}, 0
+    for key, name in names.items():
+        if key[1] != "per_residue":
+            out[name], at = flat[at : at + n], at + n
+    for key, name in names.items():
+        if key[1] == "per_residue":
+            out[name], at = flat[at : at + total], at + total
+    return out
+
+
+# --- esmc-mlx scan ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class ScanSummary:
+    out: Path
+    scanned: list[tuple[str, int, int]]  # (name, residues, forward passes) per protein
+    rank: int = 0
+    world_size: int = 1
+
+
+@locked("out", when=lambda args: World.of(args["group"]).is_root)
+def scan_job(model, out: str | Path, *, sequence: str | None = None, fasta: str | Path | None = None,
+             name: str = "sequence", method: str = "masked_marginal", batch_size: int = DEFAULT_BATCH_SIZE,
+             window: int | None = DEFAULT_WINDOW, offset: int = 1, plot: bool = True, per_row: int = 100,
+             group=None, progress: bool = False) -> ScanSummary:
+    """Scan ``sequence`` (literal, or a FASTA file with one record) or every record of
+    ``fasta`` and write each protein's files into ``out`` (see ``Scan.write``); rank 0 writes.
+    Raises FastaError, ScoringError, JobError (matplotlib missing with ``plot``)."""
+    if (sequence is None) == (fasta is None):
+        raise JobError("give exactly one of --sequence and --fasta")
+    if fasta is not None:
+        records = [(r.id, r.sequence) for r in iter_fasta(fasta)]  # all checked before the model loads
+    else:
+        records = [(name, resolve_sequence(sequence))]
+    if plot and World.of(group).is_root:
+        check_plotting()
+    model, _ = _model(model, None)
+    world, scanned = World.of(group), []
+    for ident, seq in records:
+        result = run_scan(model, seq, method=method, batch_size=batch_size, window=window, offset=offset,
+                          name=ident, group=world.group, progress=progress)
+        if world.is_root:
+            result.write(out, plot=plot, per_row=per_row)
+        scanned.append((ident, len(result.positions), result.passes))
+    return ScanSummary(Path(out), scanned, world.rank, world.size)
 
 
 # --- esmc-mlx score ---------------------------------------------------------------------------
@@ -157,11 +257,15 @@ def read_mutants_csv(path: str | Path, mutant_column: str = "mutant") -> tuple[l
     """(column names, rows, a 'file, line N: ' prefix per row). Raises JobError."""
     path = Path(path)
     try:
-        with open(path, newline="") as f:
+        # utf-8-sig: spreadsheet programs start the file with a byte-order mark; newline="" lets
+        # the csv module read CRLF rows (and line breaks inside quoted fields)
+        with open(path, newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f)
             columns = list(reader.fieldnames or [])
             rows, where = [], []
             for row in reader:
+                if not any((v or "").strip() if isinstance(v, str) else any(v) for v in row.values()):
+                    continue  # ",,," rows a spreadsheet leaves below the data: not a mutant
                 rows.append(row)
                 where.append(f"{path}, line {reader.line_num}: ")
     except (OSError, UnicodeDecodeError, csv.Error) as e:
@@ -177,7 +281,7 @@ def read_mutants_csv(path: str | Path, mutant_column: str = "mutant") -> tuple[l
 def resolve_sequence(text: str) -> str:
     """A wild-type sequence given literally or as a FASTA file with one record."""
     path = Path(text).expanduser()
-    if path.is_file():
+    if _is_file(path):
         records = read_fasta(path)
         if len(records) != 1:
             raise JobError(f"{path}: holds {len(records)} records; the wild type must be a single sequence")
@@ -185,9 +289,20 @@ def resolve_sequence(text: str) -> str:
     return check_sequence(text.strip(), "--sequence", label="sequence")
 
 
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` names a file; False for text no file system accepts as a name (a
+    protein of more than ~255 residues given literally raises OSError "File name too long")."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+@locked("out", when=lambda args: World.of(args["group"]).is_root, create_parent=False)
 def score_csv(model, sequence: str, mutations_csv: str | Path, out: str | Path | None, *,
               methods: Sequence[str] = ("masked_marginal", "wt_marginal"), batch_size: int = DEFAULT_BATCH_SIZE,
-              offset: int = 1, mutant_column: str = "mutant", dms_column: str = "DMS_score",
+              offset: int = 1, multi: str = "sum", window: int | None = DEFAULT_WINDOW,
+              mutant_column: str = "mutant", dms_column: str = "DMS_score",
               group=None, progress: bool = False) -> ScoreSummary:
     """Score the mutants of a CSV and write it back (to ``out``) with one column per method.
     ``sequence``: the wild type, or a FASTA file holding it. ``model``: a loaded ESMC, or a
@@ -201,6 +316,8 @@ def score_csv(model, sequence: str, mutations_csv: str | Path, out: str | Path |
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise ScoringError(f"unknown scoring method {unknown or methods!r}; choose from {', '.join(METHODS)}")
+    if out is not None and world.is_root:
+        check_file_target(out)  # a missing or unwritable folder fails now, not after the scoring
     wt = resolve_sequence(sequence)
     columns, rows, where = read_mutants_csv(mutations_csv, mutant_column)
     mutants = [row[mutant_column] or "" for row in rows]
@@ -213,7 +330,7 @@ def score_csv(model, sequence: str, mutations_csv: str | Path, out: str | Path |
                                "applied to the wild type (wrong --sequence or --offset?)")
     model, _ = _model(model, None)
     result = score_mutations(model, wt, mutants, methods=methods, batch_size=batch_size, offset=offset,
-                             group=world.group, progress=progress, where=where)
+                             multi=multi, window=window, group=world.group, progress=progress, where=where)
     correlations = {}
     if dms_column in columns:
         measured = np.array([_float(row[dms_column]) for row in rows])
@@ -223,13 +340,11 @@ def score_csv(model, sequence: str, mutations_csv: str | Path, out: str | Path |
     out_path = Path(out) if out is not None else None
     if world.is_root and out_path is not None:
         header = columns + [m for m in result.scores if m not in columns]
-        tmp = out_path.with_name(f".{out_path.name}.tmp")
-        with open(tmp, "w", newline="") as f:
+        with atomic_file(out_path, "w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
             writer.writeheader()
             for i, row in enumerate(rows):
                 writer.writerow({**row, **{m: _fmt(v[i]) for m, v in result.scores.items()}})
-        os.replace(tmp, out_path)
     return ScoreSummary(out_path, len(rows), list(result.scores), correlations,
                         dms_column if dms_column in columns else None, result.wt_pppl, result.passes,
                         world.rank, world.size)

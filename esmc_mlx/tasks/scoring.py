@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Iterator, Sequence
 
 import mlx.core as mx
@@ -34,6 +35,9 @@ from .distributed import World
 from .mutations import Substitution, apply, parse_mutants
 
 METHODS = ("masked_marginal", "wt_marginal", "pppl")
+MULTI = ("sum", "joint")  # multi-mutant conventions of masked-marginal
+TRAINED_TOKENS = 2048  # ESMC's training context (ESM C paper), <cls> and <eos> included
+DEFAULT_WINDOW = TRAINED_TOKENS - 2  # residues per scoring window: the trained length
 DEFAULT_BATCH_SIZE = 32  # masked copies per forward pass
 DEFAULT_BATCH_TOKENS = 4096  # padded tokens per embedding batch
 
@@ -75,14 +79,27 @@ def _progress(total: int, unit: str, desc: str, enabled: bool):
 
 # --- embeddings ------------------------------------------------------------------------------
 
+POOLS = ("mean", "max", "cls", "per_residue")
+
+
 @dataclasses.dataclass
 class Embeddings:
-    """``mean``: (N, d) float32, row i for sequence i. ``per_residue``: N arrays (L_i, d) when
-    asked for. ``layer``: the hidden-state index used (0 = token embeddings, n_layers = final)."""
+    """``pooled[(layer, pool)]``: (N, d) float32 for pools mean / max / cls, or N arrays (L_i, d)
+    for per_residue, for every hidden-state index in ``layers`` (0 = token embeddings,
+    n_layers = final) and pool asked for. ``mean``, ``per_residue`` and ``layer``: those of the
+    first layer (None when not asked for), as before several layers could be asked."""
 
-    mean: np.ndarray
+    mean: np.ndarray | None
     per_residue: list[np.ndarray] | None
     layer: int
+    pooled: dict = dataclasses.field(default_factory=dict)
+    layers: tuple[int, ...] = ()
+    num_layers: int = 0
+
+    def get(self, pool: str = "mean", layer: int | None = None):
+        """The embeddings of ``pool`` at hidden state ``layer`` (-1 = final; default: the first)."""
+        layer = self.layer if layer is None else resolve_layer(layer, self.num_layers)
+        return self.pooled[(layer, pool.replace("-", "_"))]
 
 
 def resolve_layer(layer: int, num_layers: int) -> int:
@@ -92,6 +109,37 @@ def resolve_layer(layer: int, num_layers: int) -> int:
         raise ScoringError(f"layer {layer} is out of range: this model has hidden states 0..{num_layers} "
                            f"(0 = token embeddings, {num_layers} or -1 = final)")
     return layer % (num_layers + 1)
+
+
+def resolve_layers(layers, num_layers: int) -> tuple[int, ...]:
+    """``"all"``, ``"6,12,-1"``, an int or a list of ints -> distinct hidden-state indices, in
+    the order given."""
+    if isinstance(layers, str):
+        text = layers.strip().lower()
+        if text == "all":
+            return tuple(range(num_layers + 1))
+        try:
+            layers = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ScoringError(f"layers {layers!r}: give 'all' or comma-separated integers like 6,12,-1") from None
+    if isinstance(layers, int):
+        layers = [layers]
+    out = tuple(dict.fromkeys(resolve_layer(int(x), num_layers) for x in layers))
+    if not out:
+        raise ScoringError("no layer given")
+    return out
+
+
+def resolve_pools(pools) -> tuple[str, ...]:
+    """``"mean,max,cls,per-residue"`` or a list -> distinct pool names (``per-residue`` and
+    ``per_residue`` both accepted)."""
+    if isinstance(pools, str):
+        pools = pools.split(",")
+    out = tuple(dict.fromkeys(p.strip().lower().replace("-", "_") for p in pools if p.strip()))
+    unknown = [p for p in out if p not in POOLS]
+    if unknown or not out:
+        raise ScoringError(f"unknown pooling {unknown or pools!r}; choose from mean, max, cls, per-residue")
+    return out
 
 
 def length_batches(token_lengths: Sequence[int], batch_tokens: int) -> list[np.ndarray]:
@@ -112,52 +160,71 @@ def length_batches(token_lengths: Sequence[int], batch_tokens: int) -> list[np.n
     return batches
 
 
-def iter_embeddings(model, encoded: list[np.ndarray], batches: Sequence[Sequence[int]], *, layer: int = -1,
-                    per_residue: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, list[np.ndarray] | None]]:
-    """For each batch of indices into ``encoded`` (token ids with <cls>/<eos>): the indices,
-    their mean embeddings (n, d) float32 and, with ``per_residue``, their (L_i, d) rows."""
-    index = resolve_layer(layer, model.config.num_hidden_layers)
-    final = index == model.config.num_hidden_layers
+def iter_embeddings(model, encoded: list[np.ndarray], batches: Sequence[Sequence[int]], *,
+                    layers=(-1,), pools=("mean",)) -> Iterator[tuple[np.ndarray, dict]]:
+    """For each batch of indices into ``encoded`` (token ids with <cls>/<eos>): the indices and
+    ``{(layer, pool): value}`` for every layer and pool, from one forward pass: pooled values
+    (n, d) float32, per-residue values a list of (L_i, d) float32 arrays. Pools over the residue
+    rows (between <cls> and <eos>, padding excluded): mean, max; cls is the <cls> row."""
+    n_layers = model.config.num_hidden_layers
+    layers, pools = resolve_layers(list(layers), n_layers), resolve_pools(pools)
+    need_all = any(i != n_layers for i in layers)
     for rows in batches:
         rows = np.asarray(rows)
         ids, attn, sid = _pack(encoded, rows)
-        out = _forward(model, ids, attn, sid, output_hidden_states=not final)
-        h = (out.last_hidden_state if final else out.hidden_states[index]).astype(mx.float32)
+        out = _forward(model, ids, attn, sid, output_hidden_states=need_all)
         lengths = np.array([len(encoded[r]) - 2 for r in rows])
         positions = np.arange(ids.shape[1])[None, :]
-        inside = ((positions >= 1) & (positions <= lengths[:, None])).astype(np.float32)
-        mean = (h * mx.array(inside)[..., None]).sum(axis=1) / mx.array(lengths[:, None].astype(np.float32))
-        if per_residue:
-            mx.eval(mean, h)
-            full = np.array(h)
-            yield rows, np.array(mean), [full[k, 1 : 1 + n].copy() for k, n in enumerate(lengths)]
-        else:
-            mx.eval(mean)
-            yield rows, np.array(mean), None
+        inside = mx.array((positions >= 1) & (positions <= lengths[:, None]))[..., None]
+        lazy = {}
+        for i in layers:
+            h = (out.last_hidden_state if i == n_layers else out.hidden_states[i]).astype(mx.float32)
+            for pool in pools:
+                if pool == "mean":
+                    lazy[(i, pool)] = (h * inside).sum(axis=1) / mx.array(lengths[:, None].astype(np.float32))
+                elif pool == "max":
+                    lazy[(i, pool)] = mx.where(inside, h, mx.array(-np.inf, mx.float32)).max(axis=1)
+                elif pool == "cls":
+                    lazy[(i, pool)] = h[:, 0]
+                else:
+                    lazy[(i, pool)] = h
+        mx.eval(*lazy.values())
+        values = {}
+        for key, v in lazy.items():
+            v = np.array(v)
+            values[key] = [v[k, 1 : 1 + n].copy() for k, n in enumerate(lengths)] if key[1] == "per_residue" else v
+        yield rows, values
 
 
-def embed(model, sequences: str | Sequence[str], *, layer: int = -1, per_residue: bool = False,
-          batch_tokens: int = DEFAULT_BATCH_TOKENS, tokenizer=None, progress: bool = False) -> Embeddings:
-    """Mean-pooled (and optionally per-residue) embeddings of ``sequences`` from hidden state
-    ``layer`` (0 = token embeddings, -1 = final). Sequences are batched by length, at most
-    ``batch_tokens`` padded tokens a pass. Raises TokenizerError for characters outside the
-    vocabulary, ScoringError for a layer the model does not have."""
+def embed(model, sequences: str | Sequence[str], *, layer: int = -1, per_residue: bool = False, layers=None,
+          pools=None, batch_tokens: int = DEFAULT_BATCH_TOKENS, tokenizer=None, progress: bool = False) -> Embeddings:
+    """Embeddings of ``sequences`` from the hidden states ``layers`` (0 = token embeddings, -1 =
+    final; default: ``layer``) pooled as ``pools`` (mean, max, cls, per_residue; default: mean,
+    plus per_residue with ``per_residue``), all from one forward pass per batch. Sequences are
+    batched by length, at most ``batch_tokens`` padded tokens a pass. Raises TokenizerError for
+    characters outside the vocabulary, ScoringError for a layer the model does not have."""
     if isinstance(sequences, str):
         sequences = [sequences]
+    n_layers = model.config.num_hidden_layers
+    layers = resolve_layers(layer if layers is None else layers, n_layers)
+    pools = resolve_pools(pools if pools is not None else ("mean", "per_residue") if per_residue else ("mean",))
     encoded = encode(sequences, tokenizer)
-    d = model.config.hidden_size
-    mean = np.zeros((len(encoded), d), dtype=np.float32)
-    residues: list[np.ndarray | None] = [None] * len(encoded)
+    d, n = model.config.hidden_size, len(encoded)
+    pooled = {(i, p): ([None] * n if p == "per_residue" else np.zeros((n, d), np.float32))
+              for i in layers for p in pools}
     batches = length_batches([len(e) for e in encoded], batch_tokens)
-    with _progress(len(encoded), "seq", "embed", progress) as bar:
-        for rows, m, per in iter_embeddings(model, encoded, batches, layer=layer, per_residue=per_residue):
-            mean[rows] = m
-            if per is not None:
-                for r, p in zip(rows, per):
-                    residues[r] = p
+    with _progress(n, "seq", "embed", progress) as bar:
+        for rows, values in iter_embeddings(model, encoded, batches, layers=layers, pools=pools):
+            for key, v in values.items():
+                if key[1] == "per_residue":
+                    for r, x in zip(rows, v):
+                        pooled[key][r] = x
+                else:
+                    pooled[key][rows] = v
             bar.update(len(rows))
-    return Embeddings(mean, residues if per_residue else None,
-                      resolve_layer(layer, model.config.num_hidden_layers))
+    first = layers[0]
+    return Embeddings(pooled.get((first, "mean")), pooled.get((first, "per_residue")), first, pooled, layers,
+                      n_layers)
 
 
 # --- masked and unmasked log-probabilities ---------------------------------------------------
@@ -174,13 +241,29 @@ def token_log_probs(model, sequences: Sequence[str], seq_index, mask_pos, *, bat
     ranks each runs a strided slice of the jobs and all get every row. Also returns the
     number of forward passes this rank ran.
     """
+    seq_index, mask_pos = np.asarray(seq_index, dtype=np.int64), np.asarray(mask_pos, dtype=np.int64)
+    lengths = [len(s) for s in sequences]
+    masks = [np.array([p]) if p >= 0 else np.zeros(0, np.int64) for p in mask_pos]
+    reads = [np.array([p]) if p >= 0 else np.arange(lengths[i]) for i, p in zip(seq_index, mask_pos)]
+    return run_jobs(model, sequences, seq_index, masks, reads, batch_size=batch_size, targets_only=targets_only,
+                    world=world, progress=progress, desc=desc)
+
+
+def run_jobs(model, sequences: Sequence[str], seq_index, masks: Sequence[np.ndarray], reads: Sequence[np.ndarray], *,
+             batch_size: int = DEFAULT_BATCH_SIZE, targets_only: bool = False, world: World | None = None,
+             progress: bool = False, desc: str = "score") -> tuple[np.ndarray, int]:
+    """The general form of ``token_log_probs``: job j runs ``sequences[seq_index[j]]`` with the
+    residues ``masks[j]`` (0-based, any number, none for an unmasked pass) replaced by <mask>
+    and reads the rows at ``reads[j]``. One row per job goes into a batch of ``batch_size``.
+    Rows come back concatenated in job order; the true tokens of ``targets_only`` are the
+    unmasked sequence's."""
     if batch_size < 1:
         raise ScoringError(f"batch_size must be positive, got {batch_size}")
     world = world or World()
-    seq_index, mask_pos = np.asarray(seq_index, dtype=np.int64), np.asarray(mask_pos, dtype=np.int64)
+    seq_index = np.asarray(seq_index, dtype=np.int64)
     encoded = encode(sequences)
     lengths = np.array([len(e) - 2 for e in encoded], dtype=np.int64)
-    rows_per_job = np.where(mask_pos >= 0, 1, lengths[seq_index])
+    rows_per_job = np.array([len(r) for r in reads], dtype=np.int64)
     order = np.argsort(lengths[seq_index], kind="stable")  # similar lengths share a batch
     mine = world.shard(order)
     mask_id, vocab = _TOKENIZER.mask_token_id, model.config.vocab_size
@@ -190,19 +273,12 @@ def token_log_probs(model, sequences: Sequence[str], seq_index, mask_pos, *, bat
         for start in range(0, len(mine), batch_size):
             jobs = mine[start : start + batch_size]
             ids, attn, sid = _pack(encoded, seq_index[jobs])
-            read_r, read_c = [], []
-            for k, j in enumerate(jobs):
-                if mask_pos[j] >= 0:
-                    read_r.append(k)
-                    read_c.append(int(mask_pos[j]) + 1)
-                else:
-                    n = int(lengths[seq_index[j]])
-                    read_r.extend([k] * n)
-                    read_c.extend(range(1, n + 1))
-            read_r, read_c = np.array(read_r), np.array(read_c)
+            read_r = np.concatenate([np.full(len(reads[j]), k) for k, j in enumerate(jobs)]).astype(np.int64)
+            read_c = np.concatenate([np.asarray(reads[j], dtype=np.int64) + 1 for j in jobs])
             targets = ids[read_r, read_c].copy()
-            masked = np.nonzero(mask_pos[jobs] >= 0)[0]
-            ids[masked, mask_pos[jobs][masked] + 1] = mask_id
+            for k, j in enumerate(jobs):
+                if len(masks[j]):
+                    ids[k, np.asarray(masks[j], dtype=np.int64) + 1] = mask_id
             hidden = _forward(model, ids, attn, sid).last_hidden_state
             # The LM head on the rows read only (lazily, the full-width logits are never built).
             logits = model.lm_head(hidden[mx.array(read_r), mx.array(read_c)]).astype(mx.float32)
@@ -236,24 +312,85 @@ def _residue_positions(sequence: str) -> np.ndarray:
     return np.array([i for i, c in enumerate(sequence) if c.isalpha()], dtype=np.int64)
 
 
+# --- windows over long sequences ---------------------------------------------------------------
+
+def window_bounds(center: int, length: int, width: int | None) -> tuple[int, int]:
+    """[start, end) of the residues scored with the window centred on residue ``center``
+    (ProteinGym's ``scoring_window="optimal"``): the whole sequence when it fits in ``width``,
+    else ``width`` residues centred on ``center``, slid inwards at either end."""
+    if width is None or length <= width:
+        return 0, length
+    half = width // 2
+    start = min(max(center - half, 0), length - width)
+    return start, start + width
+
+
+def check_length(sequence: str, window: int | None, what: str = "sequence") -> None:
+    """Warn when ``sequence`` is longer than the model was trained on (2,048 tokens)."""
+    if len(sequence) + 2 > TRAINED_TOKENS:
+        how = (f"it is scored in windows of {window} residues centred on each scored site" if window
+               and len(sequence) > window else "it is scored whole (no --window), beyond the trained length")
+        warnings.warn(f"{what} has {len(sequence)} residues, longer than the {TRAINED_TOKENS} tokens "
+                      f"({TRAINED_TOKENS - 2} residues) ESMC was trained on; {how}", stacklevel=3)
+
+
+class _Jobs:
+    """Forward-pass jobs over (windows of) sequences, run together by ``run_jobs``."""
+
+    def __init__(self):
+        self.sequences: list[str] = []
+        self._index: dict[str, int] = {}
+        self.seq_index, self.masks, self.reads = [], [], []
+
+    def add(self, sequence: str, masks, reads) -> int:
+        k = self._index.setdefault(sequence, len(self.sequences))
+        if k == len(self.sequences):
+            self.sequences.append(sequence)
+        self.seq_index.append(k)
+        self.masks.append(np.asarray(masks, dtype=np.int64))
+        self.reads.append(np.asarray(reads, dtype=np.int64))
+        return len(self.reads) - 1
+
+    def site(self, sequence: str, sites, *, masked: bool, window: int | None) -> int:
+        """Read the residues ``sites`` (0-based in ``sequence``) from one pass over the window
+        that covers them all (centred on their middle), with them masked or not."""
+        sites = np.asarray(sites, dtype=np.int64)
+        start, end = window_bounds(int(sites.min() + sites.max()) // 2, len(sequence), window)
+        if sites.min() < start or sites.max() >= end:
+            raise ScoringError(f"sites {sites.min() + 1}..{sites.max() + 1} span more than the window of {window} "
+                               "residues; joint masking needs them in one window (raise --window)")
+        local = sites - start
+        return self.add(sequence[start:end], local if masked else [], local)
+
+    def run(self, model, **kwargs) -> tuple[list[np.ndarray], int]:
+        if not self.reads:
+            return [], 0
+        rows, passes = run_jobs(model, self.sequences, self.seq_index, self.masks, self.reads, **kwargs)
+        cuts = np.cumsum([len(r) for r in self.reads])[:-1]
+        return np.split(rows, cuts), passes
+
+
 def pseudo_perplexity(model, sequences: str | Sequence[str], *, batch_size: int = DEFAULT_BATCH_SIZE,
-                      group=None, progress: bool = False) -> np.ndarray:
+                      window: int | None = DEFAULT_WINDOW, group=None, progress: bool = False) -> np.ndarray:
     """exp(-mean_i log p(x_i | x with i masked)) over each sequence's residues: one masked
-    copy per residue, ``batch_size`` copies a pass. Returns (N,) float64."""
+    copy per residue, masked copies of all sequences share passes, ``batch_size`` a pass.
+    A sequence longer than ``window`` residues is read through a window centred on each
+    masked residue. Returns (N,) float64."""
     if isinstance(sequences, str):
         sequences = [sequences]
     sequences = [check_sequence(s, str(i + 1), label="sequence") for i, s in enumerate(sequences)]
-    seq_index, mask_pos = [], []
+    jobs, owner = _Jobs(), []
     for i, s in enumerate(sequences):
-        pos = _residue_positions(s)
-        seq_index.append(np.full(len(pos), i))
-        mask_pos.append(pos)
-    seq_index, mask_pos = np.concatenate(seq_index), np.concatenate(mask_pos)
-    logp, _ = token_log_probs(model, sequences, seq_index, mask_pos, batch_size=batch_size, targets_only=True,
-                              world=World.of(group), progress=progress, desc="pppl")
-    sums = np.bincount(seq_index, weights=logp.astype(np.float64), minlength=len(sequences))
-    counts = np.bincount(seq_index, minlength=len(sequences))
-    return np.exp(-sums / counts)
+        check_length(s, window, f"sequence {i + 1}")
+        for p in _residue_positions(s):
+            jobs.site(s, [p], masked=True, window=window)
+            owner.append(i)
+    rows, _ = jobs.run(model, batch_size=batch_size, targets_only=True, world=World.of(group), progress=progress,
+                       desc="pppl")
+    logp = np.concatenate(rows).astype(np.float64)
+    owner = np.array(owner)
+    sums = np.bincount(owner, weights=logp, minlength=len(sequences))
+    return np.exp(-sums / np.bincount(owner, minlength=len(sequences)))
 
 
 # --- variant scores --------------------------------------------------------------------------
@@ -275,7 +412,8 @@ class MutationScores:
 
 def score_mutations(model, sequence: str, mutations: Sequence[str], *,
                     methods: Sequence[str] = ("masked_marginal", "wt_marginal"),
-                    batch_size: int = DEFAULT_BATCH_SIZE, offset: int = 1, group=None,
+                    batch_size: int = DEFAULT_BATCH_SIZE, offset: int = 1, multi: str = "sum",
+                    window: int | None = DEFAULT_WINDOW, group=None,
                     progress: bool = False, where: Sequence[str] | None = None) -> MutationScores:
     """Score ProteinGym-style mutant strings (``A23G``, ``A23G:L40P``; 1-based from ``offset``)
     against the wild-type ``sequence``.
@@ -284,55 +422,88 @@ def score_mutations(model, sequence: str, mutations: Sequence[str], *,
     alone; masked copies batched ``batch_size`` a pass), ``wt_marginal`` (the same from one
     unmasked pass) and ``pppl`` (pseudo-perplexity of each mutated sequence, L masked copies
     each, and of the wild type). Log-probabilities are log_softmax over the full logits row.
+    ``multi``: ``sum`` adds single-site masked marginals of a multi-mutant; ``joint`` masks
+    all its sites together in one copy and sums their log-ratios from that copy.
+    ``window``: a sequence longer than this many residues is scored through windows of that
+    width centred on each site (on the middle of a joint mutant's sites); None: never.
     Under ``mlx.launch`` pass ``group=mx.distributed.init()`` to split the passes over ranks.
     Raises MutationError (malformed, wild type mismatch, out of range), FastaError (bad
-    characters in ``sequence``), ScoringError (unknown method).
+    characters in ``sequence``), ScoringError (unknown method or multi, sites beyond a window).
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise ScoringError(f"unknown scoring method {unknown or methods!r}; choose from {', '.join(METHODS)}")
+    if multi not in MULTI:
+        raise ScoringError(f"unknown multi-mutant convention {multi!r}; choose from {', '.join(MULTI)}")
+    if window is not None and window < 1:
+        raise ScoringError(f"window must be a positive number of residues, got {window}")
     sequence = check_sequence(sequence, "wild type", label="sequence")
     if isinstance(mutations, str):
         mutations = [mutations]
     mutants = list(mutations)
     parsed = parse_mutants(mutants, sequence, offset, list(where) if where else None)
+    check_length(sequence, window, "the wild type")
     world = World.of(group)
     tid = _TOKENIZER.token_to_id
     scores: dict[str, np.ndarray] = {}
-    passes, wt_pppl = 0, None
+    L = len(sequence)
+    windowed = window is not None and L > window
 
-    # One call for everything read from the wild type: masked sites (+ the unmasked row).
-    sites = sorted({s.index for subs in parsed for s in subs}) if "masked_marginal" in methods else []
+    # Every pass over the wild type goes into one job list, so they share batches.
+    jobs = _Jobs()
+    masked_sites = sorted({s.index for subs in parsed for s in subs}) if "masked_marginal" in methods else []
     if "pppl" in methods:
-        sites = list(_residue_positions(sequence))
-    mask_pos = list(sites) + ([-1] if "wt_marginal" in methods else [])
-    table = None
-    if mask_pos:
-        table, passes = token_log_probs(model, [sequence], np.zeros(len(mask_pos), dtype=np.int64), mask_pos,
-                                        batch_size=batch_size, world=world, progress=progress)
-    row_of = {p: k for k, p in enumerate(sites)}
+        masked_sites = sorted(set(masked_sites) | set(_residue_positions(sequence).tolist()))
+    masked_job = {p: jobs.site(sequence, [p], masked=True, window=window) for p in masked_sites}
+    joint_job = {}
+    if "masked_marginal" in methods and multi == "joint":
+        for subs in parsed:
+            key = tuple(sorted(s.index for s in subs))
+            if len(key) > 1 and key not in joint_job:
+                joint_job[key] = jobs.site(sequence, key, masked=True, window=window)
+    unmasked_job = {}
+    if "wt_marginal" in methods:
+        if not windowed:  # one unmasked pass reads every position
+            whole = jobs.add(sequence, [], np.arange(L))
+            unmasked_job = {p: (whole, p) for p in range(L)}
+        else:
+            for p in sorted({s.index for subs in parsed for s in subs}):
+                unmasked_job[p] = (jobs.site(sequence, [p], masked=False, window=window), 0)
+    rows, passes = jobs.run(model, batch_size=batch_size, world=world, progress=progress)
 
-    def total(subs: list[Substitution], rows) -> float:
-        return float(sum(float(rows(s)[tid[s.mut]]) - float(rows(s)[tid[s.wt]]) for s in subs))
+    def ratio(row, s: Substitution) -> float:
+        return float(row[tid[s.mut]]) - float(row[tid[s.wt]])
 
     if "masked_marginal" in methods:
-        scores["masked_marginal"] = np.array([total(subs, lambda s: table[row_of[s.index]]) for subs in parsed])
+        values = []
+        for subs in parsed:
+            key = tuple(sorted(s.index for s in subs))
+            if key in joint_job:
+                block, at = rows[joint_job[key]], {p: k for k, p in enumerate(key)}
+                values.append(sum(ratio(block[at[s.index]], s) for s in subs))
+            else:
+                values.append(sum(ratio(rows[masked_job[s.index]][0], s) for s in subs))
+        scores["masked_marginal"] = np.array(values, dtype=np.float64)
     if "wt_marginal" in methods:
-        unmasked = table[len(sites) :]  # (L, vocab), one row per position
-        scores["wt_marginal"] = np.array([total(subs, lambda s: unmasked[s.index]) for subs in parsed])
+        scores["wt_marginal"] = np.array(
+            [sum(ratio(rows[unmasked_job[s.index][0]][unmasked_job[s.index][1]], s) for s in subs)
+             for subs in parsed], dtype=np.float64)
+    wt_pppl = None
     if "pppl" in methods:
         positions = _residue_positions(sequence)
-        wt_logp = table[[row_of[p] for p in positions], _token_ids(sequence, positions)]
-        wt_pppl = float(np.exp(-wt_logp.astype(np.float64).mean()))
+        wt_logp = np.array([rows[masked_job[p]][0, tid[sequence[p]]] for p in positions], dtype=np.float64)
+        wt_pppl = float(np.exp(-wt_logp.mean()))
         variants = sorted({apply(sequence, subs) for subs in parsed if subs} - {sequence})
         values = {sequence: wt_pppl}
         if variants:
-            seq_index = np.repeat(np.arange(len(variants)), len(positions))
-            pos = np.tile(positions, len(variants))
-            logp, more = token_log_probs(model, variants, seq_index, pos, batch_size=batch_size, targets_only=True,
-                                         world=world, progress=progress, desc="pppl")
+            more_jobs = _Jobs()
+            for v in variants:
+                for p in positions:
+                    more_jobs.site(v, [p], masked=True, window=window)
+            logp, more = more_jobs.run(model, batch_size=batch_size, targets_only=True, world=world,
+                                       progress=progress, desc="pppl")
+            means = np.concatenate(logp).astype(np.float64).reshape(len(variants), len(positions)).mean(axis=1)
             passes += more
-            means = logp.astype(np.float64).reshape(len(variants), len(positions)).mean(axis=1)
             values.update(zip(variants, np.exp(-means)))
         scores["pppl"] = np.array([values[apply(sequence, subs)] for subs in parsed])
     return MutationScores(mutants, scores, wt_pppl, passes)

@@ -3,15 +3,23 @@
 Layout (see docs/scoring.md)::
 
     OUT/manifest.json        settings and state ({"complete": true} once merged)
-    OUT/index.tsv            id, length, sha1 of the sequence; row i <-> mean.npy[i]
-    OUT/mean.npy             (N, d) mean embeddings, FASTA order
-    OUT/per_residue.npy      (sum of lengths, d), with --per-residue
-    OUT/offsets.npy          (N + 1,) int64: rows of sequence i are offsets[i]:offsets[i+1]
-    OUT/parts/part-*.npz     results flushed while running (ids, sha1, mean, lengths[, residues]);
+    OUT/index.tsv            id, length, sha1 of the sequence; row i <-> row i of every array
+    format npy (default):
+      OUT/NAME.npy           (N, d) pooled arrays, FASTA order; (sum of lengths, d) per-residue
+      OUT/offsets.npy        (N + 1,) int64: residues of sequence i are rows offsets[i]:offsets[i+1]
+    format safetensors:
+      OUT/embeddings-0000K-of-0000M.safetensors   the same arrays, split at record boundaries
+      OUT/embeddings.safetensors.index.json       which records and residue rows each shard holds
+      OUT/offsets.npy
+    format h5 (esmc-mlx[h5]):
+      OUT/embeddings.h5      one dataset per array, plus ``offsets`` and ``ids``
+    OUT/parts/part-*.npz     results flushed while running (ids, sha1, lengths, arrays);
                              merged into the files above and deleted when every record is done
 
-A rerun skips the IDs already in the directory (merged or in a part), so an interrupted run
-resumes where it stopped, and a FASTA that grew computes only its new records.
+NAME is the pool (``mean``, ``max``, ``cls``, ``per_residue``) for one layer, or
+``layer{i}_{pool}`` when several layers are stored. A rerun skips the IDs already in the
+directory (merged or in a part), so an interrupted run resumes where it stopped, and a FASTA
+that grew computes only its new records.
 """
 
 from __future__ import annotations
@@ -20,24 +28,114 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import uuid
+from array import array
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
 from ..errors import JobError
-from .fasta import Record
+from ..outputs import atomic_file, clean_leftovers
 
 FORMAT = "esmc-mlx-embeddings"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+FORMATS = ("npy", "safetensors", "h5")
 FLUSH_BYTES = 256 << 20  # also flush once this much is buffered (per-residue outputs of big models)
-SETTINGS_KEYS = ("layer", "per_residue", "dtype", "hidden_size", "num_hidden_layers")
+SHARD_BYTES = 1 << 30  # largest safetensors shard
+SETTINGS_KEYS = ("layers", "pools", "dtype", "hidden_size", "num_hidden_layers", "storage")
+ST_INDEX = "embeddings.safetensors.index.json"
+H5_FILE = "embeddings.h5"
+COPY_ROWS = 1 << 16  # rows per copy when converting the merged arrays to safetensors / HDF5
+# what an embeddings directory may hold: its files, parts, merge staging, temporary files
+_OURS = re.compile(r"manifest\.json|index\.tsv|[A-Za-z0-9_]+\.npy|embeddings-\d+-of-\d+\.safetensors"
+                   r"|embeddings\.safetensors\.index\.json|embeddings\.h5|parts|\.merge"
+                   r"|\.esmc-mlx|\..+\.tmp(-\d+-[0-9a-f]+)?")
 
 
 def sequence_hash(sequence: str) -> str:
     return hashlib.sha1(sequence.encode()).hexdigest()
+
+
+class IdList:
+    """Many IDs in one bytes buffer plus end offsets: about len(id) + 8 bytes an ID, where a list
+    of Python strings costs ~60 more. Indexable and iterable like a list."""
+
+    def __init__(self, ids=()):
+        self._blob, self._ends = bytearray(), array("q")
+        for i in ids:
+            self.append(i)
+
+    def append(self, ident: str) -> None:
+        self._blob += ident.encode()
+        self._ends.append(len(self._blob))
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        i = int(i) + (len(self) if i < 0 else 0)
+        return self._blob[self._ends[i - 1] if i else 0 : self._ends[i]].decode()
+
+    def __iter__(self):
+        start = 0
+        for end in self._ends:
+            yield self._blob[start:end].decode()
+            start = end
+
+
+class IdIndex:
+    """Where each ID of a FASTA is, without a dict of Python strings: a sorted array of 64-bit
+    keys (blake2b of the ID), each hit checked against the ID itself, so that a key collision
+    can never mix two records up. About 16 bytes a record besides the ID list."""
+
+    def __init__(self, ids: Sequence[str]):
+        self.ids = ids
+        keys = _keys(ids)
+        self.order = np.argsort(keys, kind="stable")
+        self.sorted = keys[self.order]
+        if len(self.sorted) > 1 and (self.sorted[1:] == self.sorted[:-1]).any():
+            raise JobError("two FASTA IDs share a 64-bit key; rename one of them")  # ~1e-5 at 30M records
+
+    def find(self, ids: Sequence[str]) -> np.ndarray:
+        """Positions of ``ids`` in the FASTA, -1 for an ID it does not hold."""
+        if not len(ids):
+            return np.zeros(0, dtype=np.int64)
+        keys = _keys(ids)
+        at = np.minimum(np.searchsorted(self.sorted, keys), len(self.sorted) - 1) if len(self.sorted) else None
+        if at is None:
+            return np.full(len(ids), -1, dtype=np.int64)
+        pos = self.order[at].astype(np.int64)
+        ok = self.sorted[at] == keys
+        ok &= np.array([self.ids[p] == i for p, i in zip(pos, ids)], dtype=bool)
+        return np.where(ok, pos, -1)
+
+
+def _keys(ids: Sequence[str]) -> np.ndarray:
+    return np.fromiter((int.from_bytes(hashlib.blake2b(i.encode(), digest_size=8).digest(), "little") for i in ids),
+                       dtype=np.uint64, count=len(ids))
+
+
+def array_names(layers: Sequence[int], pools: Sequence[str]) -> dict[tuple[int, str], str]:
+    """(layer, pool) -> stored array name: the pool alone for one layer, else layer{i}_{pool}."""
+    return {(i, p): p if len(layers) == 1 else f"layer{i}_{p}" for i in layers for p in pools}
+
+
+def is_per_residue(name: str) -> bool:
+    return name.endswith("per_residue")
+
+
+def require_h5py():
+    try:
+        import h5py
+    except ImportError:
+        raise JobError("--format h5 needs h5py: pip install 'esmc-mlx[h5]'") from None
+    return h5py
 
 
 # --- the embedding directory (rank 0 only) ---------------------------------------------------
@@ -59,18 +157,36 @@ class EmbeddingStore:
             raise JobError(f"{self.manifest_path}: unreadable ({e}); use --force to start over") from None
         if data.get("format") != FORMAT:
             raise JobError(f"{self.out}: not an esmc-mlx embeddings directory")
+        if data.get("version") == 1 and "layer" in data:  # one layer, mean (+ per_residue), npy
+            pools = ["mean"] + (["per_residue"] if data.get("per_residue") else [])
+            data.update(layers=[data["layer"]], pools=pools, storage="npy", arrays=pools)
         return data
 
     def open(self, settings: dict, force: bool) -> None:
-        """Create the directory, or check that an existing one holds the same settings."""
-        existing = self.manifest() if self.out.exists() else None
-        if self.out.exists() and existing is None and any(self.out.iterdir()):
+        """Create the directory, or check that an existing one holds the same settings. With
+        ``force``, clear an embeddings directory (also one a failed first run left without a
+        manifest); a directory holding anything else is never cleared."""
+        created = not self.out.exists()
+        try:
+            self._open(settings, force)
+        except BaseException:
+            if created:  # leave nothing behind a run that could not even start
+                shutil.rmtree(self.out, ignore_errors=True)
+            raise
+
+    def _open(self, settings: dict, force: bool) -> None:
+        if self.out.exists() and not self.out.is_dir():
+            raise JobError(f"{self.out} is a file; give a directory for the embeddings")
+        foreign = [p.name for p in self.out.iterdir() if not _OURS.fullmatch(p.name)] if self.out.exists() else []
+        existing = self.manifest() if self.out.exists() and not (force and not foreign) else None
+        if foreign and existing is None:
             raise JobError(f"{self.out} exists, is not empty and is not an esmc-mlx embeddings directory")
-        if existing is not None and force:
-            for name in ("parts", ".merge"):
-                shutil.rmtree(self.out / name, ignore_errors=True)
-            for name in ("manifest.json", "index.tsv", "mean.npy", "per_residue.npy", "offsets.npy"):
-                (self.out / name).unlink(missing_ok=True)
+        if force and self.out.exists():
+            if foreign or _foreign_manifest(self.manifest_path):
+                raise JobError(f"--force will not clear {self.out}: it holds files esmc-mlx did not write "
+                               f"({', '.join(sorted(foreign or ['manifest.json'])[:5])}); move them out first")
+            for p in self.out.iterdir():
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
             existing = None
         if existing is not None:
             differ = [f"{k}: {existing.get(k)!r} there, {settings[k]!r} now" for k in SETTINGS_KEYS
@@ -79,33 +195,43 @@ class EmbeddingStore:
                 raise JobError(f"{self.out} holds embeddings made with other settings ({'; '.join(differ)}); "
                                "use another output directory or --force to start over")
         self.parts.mkdir(parents=True, exist_ok=True)
+        for folder in (self.out, self.parts):  # temporary files of runs that were killed
+            clean_leftovers(folder=folder)
         self._write_manifest(dict(existing or {}, **settings, complete=False))
 
     def _write_manifest(self, data: dict) -> None:
-        tmp = self.out / ".manifest.json.tmp"
-        tmp.write_text(json.dumps(dict(format=FORMAT, version=FORMAT_VERSION, **{
-            k: v for k, v in data.items() if k not in ("format", "version")}), indent=2) + "\n")
-        os.replace(tmp, self.manifest_path)
+        with atomic_file(self.manifest_path) as f:
+            f.write(json.dumps(dict(format=FORMAT, version=FORMAT_VERSION, **{
+                k: v for k, v in data.items() if k not in ("format", "version")}), indent=2) + "\n")
 
     def _merged(self) -> dict | None:
-        """The merged files, if present and consistent: ids, hashes, lengths, arrays (mmap)."""
+        """The merged files, if present and consistent: ids, hashes, lengths, offsets, and
+        ``arrays`` (name -> rows, read lazily: memory maps, HDF5 datasets, safetensors slices)."""
+        manifest = self.manifest() or {}
+        names, kind = manifest.get("arrays", []), manifest.get("storage", "npy")
         index = self.out / "index.tsv"
-        if not index.exists() or not (self.out / "mean.npy").exists():
+        if not index.exists() or not names:
             return None
-        lines = index.read_text().splitlines()[1:]
         ids, lengths, hashes = [], [], []
-        for line in lines:
-            ident, length, digest = line.split("\t")
-            ids.append(ident)
-            lengths.append(int(length))
-            hashes.append(digest)
-        mean = np.load(self.out / "mean.npy", mmap_mode="r")
-        merged = {"ids": ids, "lengths": np.array(lengths, dtype=np.int64), "sha1": hashes, "mean": mean}
-        if (self.out / "per_residue.npy").exists():
-            merged["residues"] = np.load(self.out / "per_residue.npy", mmap_mode="r")
-            merged["offsets"] = np.load(self.out / "offsets.npy")
-        if mean.shape[0] != len(ids) or ("offsets" in merged and len(merged["offsets"]) != len(ids) + 1):
+        with open(index) as f:
+            next(f)
+            for line in f:
+                ident, length, digest = line.rstrip("\n").split("\t")
+                ids.append(ident)
+                lengths.append(int(length))
+                hashes.append(digest)
+        merged = {"ids": ids, "lengths": np.array(lengths, dtype=np.int64), "sha1": hashes}
+        try:
+            arrays, offsets = _READERS[kind](self.out, names)
+        except (OSError, KeyError, ValueError):
             return None  # a merge that was cut short; the parts it came from are still there
+        merged["arrays"], merged["offsets"] = arrays, offsets
+        for name, rows in arrays.items():
+            expect = int(offsets[-1]) if is_per_residue(name) else len(ids)
+            if rows.shape[0] != expect:
+                return None
+        if offsets is not None and len(offsets) != len(ids) + 1:
+            return None
         return merged
 
     def _part_files(self) -> list[Path]:
@@ -122,117 +248,290 @@ class EmbeddingStore:
                 done.update(zip(part["ids"].tolist(), part["sha1"].tolist()))
         return done
 
-    def write_part(self, ids: list[str], hashes: list[str], mean: np.ndarray, lengths: np.ndarray,
-                   residues: np.ndarray | None) -> Path:
-        self._count += 1
-        path = self.parts / f"part-{self.run_id}-{self._count:06d}.npz"
-        tmp = self.parts / f".{path.name}.tmp"
-        arrays = {"ids": np.array(ids), "sha1": np.array(hashes), "mean": mean, "lengths": lengths}
-        if residues is not None:
-            arrays["residues"] = residues
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-        return path
+    def status(self, index: IdIndex, hashes: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        """(done: bool per FASTA record, IDs stored here with another sequence's sha1), reading
+        the merged index and the parts one at a time. ``hashes``: the FASTA's sha1s, bytes."""
+        done = np.zeros(len(hashes), dtype=bool)
+        changed: list[str] = []
 
-    def merge(self, records: list[Record], settings: dict) -> int:
-        """Write the merged files in FASTA order from the old merged files and the parts; delete
-        the parts. Returns how many stored embeddings were dropped (IDs not in the FASTA)."""
-        position = {r.id: i for i, r in enumerate(records)}
+        def visit(ids, digests):
+            pos = index.find(ids)
+            hit = pos >= 0
+            same = np.asarray(digests, dtype="S40")[hit] == hashes[pos[hit]]
+            changed.extend(np.asarray(ids, dtype=object)[hit][~same].tolist())
+            done[pos[hit][same]] = True
+
         merged = self._merged()
-        if merged and not self._part_files() and merged["ids"] == [r.id for r in records]:
-            self._write_manifest(dict(self.manifest() or {}, **settings, complete=True, count=len(records)))
-            return 0  # nothing new: the merged files are already this FASTA's
-        dtype = np.dtype(settings["dtype"])
-        d = settings["hidden_size"]
-        sources = []  # (loader, ids); later sources win
         if merged:
-            sources.append((lambda m=merged: m, merged["ids"]))
+            visit(merged["ids"], merged["sha1"])
         for path in self._part_files():
             with np.load(path) as part:
-                sources.append((lambda p=path: _load_part(p), part["ids"].tolist()))
-        winner: dict[str, tuple[int, int]] = {}
-        for s, (_, ids) in enumerate(sources):
-            for row, ident in enumerate(ids):
-                winner[ident] = (s, row)
-        missing = [r.id for r in records if r.id not in winner]
-        if missing:
-            raise JobError(f"cannot merge {self.out}: {len(missing)} records have no embedding yet (e.g. {missing[0]!r})")
-        dropped = sum(1 for ident in winner if ident not in position)
-        lengths = np.array([len(r.sequence) for r in records], dtype=np.int64)
+                visit(part["ids"].tolist(), part["sha1"])
+        return done, changed
+
+    def write_part(self, ids: list[str], hashes: list[str], lengths: np.ndarray, arrays: dict[str, np.ndarray]) -> Path:
+        """``arrays``: name -> (n, d) pooled, or (sum of lengths, d) per-residue rows."""
+        self._count += 1
+        path = self.parts / f"part-{self.run_id}-{self._count:06d}.npz"
+        with atomic_file(path, "wb") as f:
+            np.savez(f, ids=np.array(ids), sha1=np.array(hashes), lengths=lengths, **arrays)
+        return path
+
+    def merge(self, ids: list[str], lengths: np.ndarray, hashes, settings: dict, index: IdIndex | None = None) -> int:
+        """Write the merged files in FASTA order (``ids``, their residue ``lengths`` and sha1
+        ``hashes``) from the old merged files and the parts; delete the parts. Returns how many
+        stored embeddings were dropped (IDs not in the FASTA). Sources are copied in order
+        (merged files, then parts oldest first), so a later result for an ID wins."""
+        index = index or IdIndex(ids)
+        merged = self._merged()
+        if merged and not self._part_files() and len(merged["ids"]) == len(ids) \
+                and all(a == b for a, b in zip(merged["ids"], ids)):
+            self._write_manifest(dict(self.manifest() or {}, **settings, complete=True, count=len(ids)))
+            return 0  # nothing new: the merged files are already this FASTA's
+        dtype, d, names = np.dtype(settings["dtype"]), settings["hidden_size"], settings["arrays"]
+        lengths = np.asarray(lengths, dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         staging = self.out / ".merge"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        mean = np.lib.format.open_memmap(staging / "mean.npy", mode="w+", dtype=dtype, shape=(len(records), d))
-        residues = None
-        if settings["per_residue"]:
-            residues = np.lib.format.open_memmap(staging / "per_residue.npy", mode="w+", dtype=dtype,
-                                                 shape=(int(offsets[-1]), d))
-        for s, (load_source, ids) in enumerate(sources):
-            mine = [(row, position[ident]) for row, ident in enumerate(ids)
-                    if ident in position and winner[ident] == (s, row)]
-            if not mine:
-                continue
+        out = {n: np.lib.format.open_memmap(staging / f"{n}.npy", mode="w+", dtype=dtype,
+                                            shape=(int(offsets[-1]) if is_per_residue(n) else len(ids), d))
+               for n in names}
+        filled = np.zeros(len(ids), dtype=bool)
+        dropped: set[str] = set()
+        sources = ([lambda: merged] if merged else []) + [lambda p=p: _load_part(p) for p in self._part_files()]
+        for load_source in sources:
             src = load_source()
+            src_ids = list(src["ids"]) if not isinstance(src["ids"], list) else src["ids"]
+            dest = index.find(src_ids)
+            dropped.update(i for i, p in zip(src_ids, dest) if p < 0)
             src_offsets = src.get("offsets")
-            if src_offsets is None and residues is not None:
+            if src_offsets is None:
                 src_offsets = np.concatenate([[0], np.cumsum(src["lengths"])])
-            for row, dest in mine:
-                mean[dest] = src["mean"][row]
-                if residues is not None:
-                    residues[offsets[dest] : offsets[dest + 1]] = src["residues"][src_offsets[row] : src_offsets[row + 1]]
-        mean.flush()
-        del mean
-        if residues is not None:
-            residues.flush()
-            del residues
-            np.save(staging / "offsets.npy", offsets)
+            for row in np.nonzero(dest >= 0)[0]:
+                at = dest[row]
+                for n in names:
+                    if is_per_residue(n):
+                        out[n][offsets[at] : offsets[at + 1]] = src["arrays"][n][src_offsets[row] : src_offsets[row + 1]]
+                    else:
+                        out[n][at] = src["arrays"][n][row]
+            filled[dest[dest >= 0]] = True
+            del src
+        if not filled.all():
+            missing = ids[int(np.argmin(filled))]
+            shutil.rmtree(staging, ignore_errors=True)
+            raise JobError(f"cannot merge {self.out}: {int((~filled).sum())} records have no embedding yet "
+                           f"(e.g. {missing!r})")
+        for stored in out.values():
+            stored.flush()
+        del out
         with open(staging / "index.tsv", "w") as f:
             f.write("id\tlength\tsha1\n")
-            for r in records:
-                f.write(f"{r.id}\t{len(r.sequence)}\t{sequence_hash(r.sequence)}\n")
-        for name in ("mean.npy", "per_residue.npy", "offsets.npy", "index.tsv"):
-            if (staging / name).exists():
+            for ident, n, digest in zip(ids, lengths, hashes):
+                f.write(f"{ident}\t{n}\t{digest.decode() if isinstance(digest, bytes) else digest}\n")
+        files = _WRITERS[settings["storage"]](staging, names, offsets)
+        for name in files:
+            if name != "index.tsv":
                 os.replace(staging / name, self.out / name)
-            elif name in ("per_residue.npy", "offsets.npy"):
-                (self.out / name).unlink(missing_ok=True)
+        os.replace(staging / "index.tsv", self.out / "index.tsv")  # last: it makes the rest count
+        for stale in self.out.glob("embeddings-*-of-*.safetensors"):  # shards of an earlier merge
+            if stale.name not in files:
+                stale.unlink()
         shutil.rmtree(staging, ignore_errors=True)
-        self._write_manifest(dict(self.manifest() or {}, **settings, complete=True, count=len(records)))
+        self._write_manifest(dict(self.manifest() or {}, **settings, complete=True, count=len(ids)))
         for path in self._part_files():
             path.unlink()
         if self.parts.exists() and not any(self.parts.iterdir()):
             self.parts.rmdir()
-        return dropped
+        return len(dropped)
 
 
 def _load_part(path: Path) -> dict:
     with np.load(path) as part:
-        return {k: part[k] for k in part.files}
+        data = {k: part[k] for k in part.files}
+    meta = ("ids", "sha1", "lengths")
+    return {"ids": data["ids"].tolist(), "sha1": data["sha1"], "lengths": data["lengths"],
+            "arrays": {k: v for k, v in data.items() if k not in meta}}
+
+
+# --- the three formats of the merged arrays ----------------------------------------------------
+
+def _npy_read(out: Path, names):
+    arrays = {n: np.load(out / f"{n}.npy", mmap_mode="r") for n in names}
+    offsets = np.load(out / "offsets.npy") if any(map(is_per_residue, names)) else None
+    return arrays, offsets
+
+
+def _npy_write(staging: Path, names, offsets) -> list[str]:
+    files = [f"{n}.npy" for n in names]
+    if any(map(is_per_residue, names)):
+        np.save(staging / "offsets.npy", offsets)
+        files.append("offsets.npy")
+    return files + ["index.tsv"]
+
+
+class _Sharded:
+    """Rows of one array spread over safetensors shards that split at record boundaries;
+    ``rows[i]`` and ``rows[a:b]`` (within one record) read only those rows."""
+
+    def __init__(self, out: Path, shards: list[dict], name: str, key: str, total: int, width: int, dtype):
+        self.files = [out / s["file"] for s in shards]
+        self.starts = np.array([s[key] for s in shards], dtype=np.int64)
+        self.name, self.shape, self.dtype, self._open = name, (total, width), dtype, {}
+
+    def _slice(self, k: int):
+        from safetensors import safe_open
+
+        if k not in self._open:
+            self._open = {k: safe_open(str(self.files[k]), framework="numpy")}
+        return self._open[k].get_slice(self.name)
+
+    def __getitem__(self, item):
+        a, b = (item.start, item.stop) if isinstance(item, slice) else (int(item), int(item) + 1)
+        k = int(np.searchsorted(self.starts, a, side="right")) - 1
+        rows = self._slice(k)[a - self.starts[k] : b - self.starts[k]]
+        return rows if isinstance(item, slice) else rows[0]
+
+    def __array__(self, dtype=None, copy=None):
+        from safetensors.numpy import load_file
+
+        whole = np.concatenate([load_file(str(f))[self.name] for f in self.files])
+        return whole if dtype is None else whole.astype(dtype)
+
+
+def _safetensors_read(out: Path, names):
+    index = json.loads((out / ST_INDEX).read_text())
+    shards = index["shards"]
+    if not all((out / s["file"]).exists() for s in shards):
+        raise OSError("missing shard")
+    offsets = np.load(out / "offsets.npy") if any(map(is_per_residue, names)) else None
+    arrays = {}
+    for n in names:
+        total = index["residues"] if is_per_residue(n) else index["records"]
+        arrays[n] = _Sharded(out, shards, n, "residue_start" if is_per_residue(n) else "start", total,
+                             index["hidden_size"], np.dtype(index["dtype"]))
+    return arrays, offsets
+
+
+def _safetensors_write(staging: Path, names, offsets) -> list[str]:
+    from safetensors.numpy import save_file
+
+    arrays = {n: np.load(staging / f"{n}.npy", mmap_mode="r") for n in names}
+    first = arrays[names[0]]
+    width, itemsize = first.shape[1], first.dtype.itemsize
+    lengths = np.diff(offsets)
+    per_record = width * itemsize * (sum(not is_per_residue(n) for n in names)
+                                     + lengths * sum(map(is_per_residue, names)))
+    ranges, start, size = [], 0, 0
+    for i, nbytes in enumerate(per_record):
+        if size and size + nbytes > SHARD_BYTES:
+            ranges.append((start, i))
+            start, size = i, 0
+        size += int(nbytes)
+    ranges.append((start, len(lengths)))
+    shards = []
+    for k, (a, b) in enumerate(ranges):
+        name = f"embeddings-{k + 1:05d}-of-{len(ranges):05d}.safetensors"
+        tensors = {n: np.ascontiguousarray(arrays[n][offsets[a] : offsets[b]] if is_per_residue(n) else arrays[n][a:b])
+                   for n in names}
+        save_file(tensors, str(staging / name), metadata={"format": FORMAT})
+        shards.append({"file": name, "start": a, "count": b - a, "residue_start": int(offsets[a]),
+                       "residues": int(offsets[b] - offsets[a])})
+    del arrays
+    (staging / ST_INDEX).write_text(json.dumps({
+        "format": FORMAT, "records": len(lengths), "residues": int(offsets[-1]), "hidden_size": int(width),
+        "dtype": first.dtype.name, "arrays": list(names), "shards": shards}, indent=1) + "\n")
+    np.save(staging / "offsets.npy", offsets)
+    for n in names:
+        (staging / f"{n}.npy").unlink()
+    return [s["file"] for s in shards] + [ST_INDEX, "offsets.npy", "index.tsv"]
+
+
+def _h5_read(out: Path, names):
+    h5py = require_h5py()
+    f = h5py.File(out / H5_FILE, "r")  # kept open: the datasets read lazily
+    arrays = {n: f[n] for n in names}
+    return arrays, (f["offsets"][:] if "offsets" in f else None)
+
+
+def _h5_write(staging: Path, names, offsets) -> list[str]:
+    h5py = require_h5py()
+    ids = [line.split("\t")[0] for line in (staging / "index.tsv").read_text().splitlines()[1:]]
+    with h5py.File(staging / H5_FILE, "w") as f:
+        f.attrs["format"] = FORMAT
+        for n in names:
+            src = np.load(staging / f"{n}.npy", mmap_mode="r")
+            dset = f.create_dataset(n, shape=src.shape, dtype=src.dtype, chunks=(min(len(src), 1024) or 1, src.shape[1]))
+            for a in range(0, len(src), COPY_ROWS):
+                dset[a : a + COPY_ROWS] = src[a : a + COPY_ROWS]
+            del src
+            (staging / f"{n}.npy").unlink()
+        f.create_dataset("ids", data=np.array(ids, dtype=object), dtype=h5py.string_dtype())
+        if any(map(is_per_residue, names)):
+            f.create_dataset("offsets", data=offsets)
+    return [H5_FILE, "index.tsv"]
+
+
+_READERS = {"npy": _npy_read, "safetensors": _safetensors_read, "h5": _h5_read}
+_WRITERS = {"npy": _npy_write, "safetensors": _safetensors_write, "h5": _h5_write}
 
 
 @dataclasses.dataclass
 class StoredEmbeddings:
-    """An embeddings directory, read back (arrays memory-mapped)."""
+    """An embeddings directory, read back. ``arrays``: name -> rows (npy: memory maps; h5:
+    h5py datasets; safetensors: lazily sliced shards, ``np.asarray`` loads one whole)."""
 
     ids: list[str]
-    mean: np.ndarray
-    residues: np.ndarray | None = None
+    arrays: dict
     offsets: np.ndarray | None = None
+    layers: tuple[int, ...] = ()
+    pools: tuple[str, ...] = ()
+    num_layers: int = 0
 
-    def per_residue(self, key: int | str) -> np.ndarray:
+    def get(self, pool: str = "mean", layer: int | None = None):
+        """The array of ``pool`` at hidden state ``layer`` (needed when several were stored)."""
+        names = array_names(self.layers, self.pools)
+        if layer is None and len(self.layers) == 1:
+            layer = self.layers[0]
+        elif layer is not None and layer < 0:
+            layer += self.num_layers + 1  # -1 = final
+        key = (layer, pool.replace("-", "_"))
+        if key not in names:
+            raise JobError(f"no {pool} embeddings of layer {layer} here (stored: layers {list(self.layers)}, "
+                           f"pools {list(self.pools)})")
+        return self.arrays[names[key]]
+
+    @property
+    def mean(self):
+        return self.arrays.get("mean")
+
+    @property
+    def residues(self):
+        return self.arrays.get("per_residue")
+
+    def per_residue(self, key: int | str, layer: int | None = None) -> np.ndarray:
         """(L, d) rows of record ``key`` (an index or an ID)."""
-        if self.residues is None:
-            raise JobError("this directory was written without --per-residue")
+        if not any(map(is_per_residue, self.arrays)):
+            raise JobError("this directory was written without per-residue embeddings")
         i = self.ids.index(key) if isinstance(key, str) else key
-        return self.residues[self.offsets[i] : self.offsets[i + 1]]
+        return np.asarray(self.get("per_residue", layer)[self.offsets[i] : self.offsets[i + 1]])
 
 
 def read_embeddings(out: str | Path) -> StoredEmbeddings:
-    """Open a completed ``esmc-mlx embed`` output directory."""
+    """Open a completed ``esmc-mlx embed`` output directory (any of the three formats)."""
     store = EmbeddingStore(out)
     manifest = store.manifest()
     merged = store._merged() if manifest else None
     if not manifest or not manifest.get("complete") or merged is None:
         raise JobError(f"{out}: no completed embeddings (run esmc-mlx embed again to finish it)")
-    return StoredEmbeddings(merged["ids"], merged["mean"], merged.get("residues"), merged.get("offsets"))
+    return StoredEmbeddings(merged["ids"], merged["arrays"], merged["offsets"], tuple(manifest["layers"]),
+                            tuple(manifest["pools"]), int(manifest.get("num_hidden_layers", 0)))
+
+
+def _foreign_manifest(path: Path) -> bool:
+    """A manifest.json some other tool wrote (ours may be unreadable after a crash; theirs parses)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return not (isinstance(data, dict) and data.get("format") == FORMAT)

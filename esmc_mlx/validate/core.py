@@ -165,11 +165,13 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
              report_dir: str | Path | None = None, thresholds: dict[str, float] | None = None,
              max_length: int | None = None, mode: str = "auto", quality_gate: str = "auto",
              revision: str | None = None, compute_dtype: str | None = None, marginal_positions: int = 24,
-             max_tokens: int = 4096, progress: bool = False, write: bool = True, plot: bool = True) -> Report:
+             max_tokens: int = 4096, progress: bool = False, write: bool = True, plot: bool = True,
+             artifact_path: str | Path | None = None) -> Report:
     """Validate the MLX artifact ``mlx_dir`` against the checkpoint ``reference`` (alias, Hub repo
     id, directory or legacy .pth) and write ``report.json``, ``report.md`` and a plot to
     ``report_dir`` (default ``<mlx_dir>/validation``; ``write=False`` writes nothing, ``plot=False``
-    skips the PNG).
+    skips the PNG). ``artifact_path``: where the artifact will live, when ``mlx_dir`` is a staging
+    directory that is moved there after passing (what the report names).
 
     ``thresholds`` overrides bounds by check name (see ``thresholds.py``); ``mode`` picks the
     full or layer-by-layer references (``auto``: by model size against RAM); ``quality_gate``
@@ -258,7 +260,7 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
     data.update({
         "passed": passed,
         "checks": [c.as_dict() for c in checks],
-        "artifact": {"path": str(Path(mlx_dir).resolve()), "dtype": artifact.dtype,
+        "artifact": {"path": str(Path(artifact_path or mlx_dir).resolve()), "dtype": artifact.dtype,
                      "quantization": artifact.record, "precision": precision,
                      "config": artifact.config.to_dict() if artifact.config else None,
                      "files": artifact_files(Path(mlx_dir))},

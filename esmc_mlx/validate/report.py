@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import ValidationError
+from ..outputs import add_to_marker, atomic_file, output_lock
 from ..privacy import public_source_id, scrub
 from .panel import Panel
 
@@ -198,20 +200,32 @@ def plot(report, panel: Panel, path: Path) -> bool:
     a = d["artifact"]
     fig.suptitle(f"{Path(a['path']).name} ({_describe_precision(a)}) vs {public_source_id(d['reference']['id'])}: "
                  f"{'PASSED' if report.passed else 'FAILED'}", fontsize=11, x=0.07, ha="left")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with atomic_file(path, "wb") as f:
+            fig.savefig(f, dpi=100, format="png")
+    finally:
+        plt.close(fig)
     return True
 
 
 def write_report(report, panel: Panel, directory: Path, draw: bool = True) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write report.json, the plot and report.md into ``directory``, each file whole or not at all
+    (a full disk is one error naming the file); a model directory's marker records the folder."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValidationError(f"cannot create the report folder {directory}: {e.strerror}") from None
     # The files may be published: local paths become relative to the artifact or basenames
     # (issue 12, rule 9); report.data, in memory, keeps them.
     root = (report.data.get("artifact") or {}).get("path")
     public = scrub(report.data, root)
-    (directory / "report.json").write_text(json.dumps(public, indent=1, allow_nan=False) + "\n")
-    drew = draw and plot(report, panel, directory / PLOT_NAME)
-    if not drew and (directory / PLOT_NAME).exists():
-        (directory / PLOT_NAME).unlink()
-    (directory / "report.md").write_text(scrub(markdown(report, PLOT_NAME if drew else None), root))
+    with output_lock(directory):  # two validations of one artifact never mix their files
+        with atomic_file(directory / "report.json") as f:
+            f.write(json.dumps(public, indent=1, allow_nan=False) + "\n")
+        drew = draw and plot(report, panel, directory / PLOT_NAME)
+        if not drew and (directory / PLOT_NAME).exists():
+            (directory / PLOT_NAME).unlink()
+        with atomic_file(directory / "report.md") as f:
+            f.write(scrub(markdown(report, PLOT_NAME if drew else None), root))
+    add_to_marker(directory.parent, directory.name)
     return directory

@@ -1,0 +1,128 @@
+"""Saturation scan: every single substitution of a protein scored, with the entropy of the
+model's prediction at each position (``esmc-mlx scan``, ``ProteinModel.scan``).
+
+Conventions (docs/scoring.md): scores are the masked-marginal (default) or wild-type-marginal
+log-likelihood ratios ``log p(mut) - log p(wt)`` of ``tasks.scoring``; the matrix columns are
+the 20 amino acids in alphabetical order (``AMINO_ACIDS_20``), the wild-type cell is 0. The
+entropy is that of the predicted distribution over the 20 amino acids, renormalised, in nats
+(0 .. ln 20 = 3.00), read from the same row as the scores.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ScoringError
+from ..outputs import atomic_file
+from ..vocab import check_sequence
+from .distributed import World
+from .mutations import AMINO_ACIDS_20
+from .scoring import DEFAULT_BATCH_SIZE, DEFAULT_WINDOW, _Jobs, _residue_positions, _TOKENIZER, check_length
+
+SCAN_METHODS = ("masked_marginal", "wt_marginal")
+_AA_IDS = np.array([_TOKENIZER.token_to_id[a] for a in AMINO_ACIDS_20])
+
+
+@dataclasses.dataclass
+class Scan:
+    """One protein's scan. ``positions``: 0-based indices of the residues scanned (gaps and
+    chain breaks are skipped); ``scores`` (n, 20) float32 in ``AMINO_ACIDS_20`` columns;
+    ``entropy`` (n,) float32 nats; ``offset`` numbers the first residue."""
+
+    sequence: str
+    method: str
+    positions: np.ndarray
+    scores: np.ndarray
+    entropy: np.ndarray
+    offset: int = 1
+    passes: int = 0
+    name: str = "sequence"
+
+    @property
+    def wild_type(self) -> str:
+        return "".join(self.sequence[p] for p in self.positions)
+
+    def variants(self) -> list[tuple[int, str, str, float, float]]:
+        """(position in the offset numbering, wt, mut, score, entropy) for every substitution."""
+        out = []
+        for k, p in enumerate(self.positions):
+            wt = self.sequence[p]
+            for j, aa in enumerate(AMINO_ACIDS_20):
+                if aa != wt:
+                    out.append((int(p) + self.offset, wt, aa, float(self.scores[k, j]), float(self.entropy[k])))
+        return out
+
+    def write(self, out_dir: str | Path, plot: bool = True, per_row: int = 100) -> dict[str, Path]:
+        """Write ``<name>_scan.csv`` (tidy: one row per variant), ``<name>_matrix.npy`` (n x 20
+        float32), ``<name>_matrix.csv`` (position, wt, 20 columns, entropy) and, with ``plot``,
+        ``<name>_heatmap.png`` into ``out_dir``. Each file is written beside and renamed."""
+        from .heatmap import plot_heatmap
+
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stem = safe_name(self.name)
+        paths = {"csv": out_dir / f"{stem}_scan.csv", "npy": out_dir / f"{stem}_matrix.npy",
+                 "matrix_csv": out_dir / f"{stem}_matrix.csv"}
+        with atomic_file(paths["csv"], "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["mutant", "position", "wt", "mut", self.method, "entropy"])
+            for pos, wt, mut, score, ent in self.variants():
+                w.writerow([f"{wt}{pos}{mut}", pos, wt, mut, f"{score:.6g}", f"{ent:.6g}"])
+        with atomic_file(paths["npy"], "wb") as f:
+            np.save(f, self.scores.astype(np.float32))
+        with atomic_file(paths["matrix_csv"], "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["position", "wt", *AMINO_ACIDS_20, "entropy"])
+            for k, p in enumerate(self.positions):
+                w.writerow([int(p) + self.offset, self.sequence[p], *(f"{v:.6g}" for v in self.scores[k]),
+                            f"{self.entropy[k]:.6g}"])
+        if plot:
+            paths["png"] = out_dir / f"{stem}_heatmap.png"
+            plot_heatmap(self, paths["png"], per_row=per_row)
+        return paths
+
+
+def safe_name(name: str) -> str:
+    """A FASTA ID as a file name stem (``sp|P69905|HBA_HUMAN`` -> ``sp_P69905_HBA_HUMAN``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "sequence"
+
+
+def scan(model, sequence: str, *, method: str = "masked_marginal", batch_size: int = DEFAULT_BATCH_SIZE,
+         window: int | None = DEFAULT_WINDOW, offset: int = 1, name: str = "sequence", group=None,
+         progress: bool = False) -> Scan:
+    """Score all 19 substitutions at every residue of ``sequence``.
+
+    ``masked_marginal``: one masked copy per residue (``batch_size`` copies a pass, so an
+    L-residue protein costs ceil(L / B) passes), each copy's row giving all 19 scores and the
+    entropy. ``wt_marginal``: one unmasked pass. A sequence longer than ``window`` residues is
+    read through windows centred on each residue. Under ``mlx.launch`` pass
+    ``group=mx.distributed.init()``: ranks split the passes, every rank gets the whole scan.
+    """
+    if method not in SCAN_METHODS:
+        raise ScoringError(f"unknown scan method {method!r}; choose from {', '.join(SCAN_METHODS)}")
+    sequence = check_sequence(sequence, name, label="sequence")
+    check_length(sequence, window, name)
+    positions = _residue_positions(sequence)
+    jobs = _Jobs()
+    if method == "masked_marginal":
+        for p in positions:
+            jobs.site(sequence, [p], masked=True, window=window)
+    elif window is None or len(sequence) <= window:
+        jobs.add(sequence, [], positions)
+    else:
+        for p in positions:
+            jobs.site(sequence, [p], masked=False, window=window)
+    rows, passes = jobs.run(model, batch_size=batch_size, world=World.of(group), progress=progress, desc="scan")
+    logp = np.concatenate(rows).astype(np.float64)  # (n, vocab), row k <-> positions[k]
+    wt_ids = np.array([_TOKENIZER.token_to_id[sequence[p]] for p in positions])
+    scores = logp[:, _AA_IDS] - logp[np.arange(len(positions)), wt_ids][:, None]
+    aa = logp[:, _AA_IDS]
+    aa = aa - np.logaddexp.reduce(aa, axis=1, keepdims=True)  # renormalised over the 20
+    entropy = -(np.exp(aa) * aa).sum(axis=1)
+    return Scan(sequence, method, positions, scores.astype(np.float32), entropy.astype(np.float32), offset, passes,
+                name)

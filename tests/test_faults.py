@@ -1,0 +1,914 @@
+"""The fault battery of issue 12, "Nothing lost, nothing leaked": each case asserts the exit code,
+the message and the state of the disk afterwards (old output byte-identical, no debris).
+
+Sections follow the issue's rules: 1 --force, 2 old output until proven, 3 locks, 4 the index,
+5 bad numbers, 6 debris (with a real SIGKILL), 7 one Error line, 8 real inputs and the umask.
+docs/reliability.md has the table.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+import esmc_mlx
+from esmc_mlx import outputs, pipeline, testing
+from esmc_mlx.cli import convert_main, main
+from esmc_mlx.convert import convert
+from esmc_mlx.errors import ConvertError, EsmcMlxWarning, OutputError, SequenceError, ValidationError
+from esmc_mlx.tasks.fasta import read_fasta
+
+SEQ = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+def cli(*args, command=main):
+    return CliRunner().invoke(command, [str(a) for a in args])
+
+
+def convert_cli(*args):
+    return cli(*args, command=convert_main)
+
+
+def snapshot(path: Path) -> dict:
+    """Every file under ``path`` (or the file itself) -> (sha256, mode): "byte-identical"."""
+    path = Path(path)
+    if path.is_file():
+        return {"": (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mode)}
+    return {str(p.relative_to(path)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mode)
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+DEBRIS = (".partial-", ".old-", ".tmp", ".lock", ".merge")
+
+
+def debris(*folders: Path) -> list[str]:
+    """Hidden leftovers of a run (staging, swapped-out, temporary, lock files) in ``folders``."""
+    found = []
+    for folder in folders:
+        if Path(folder).is_dir():
+            found += [p.name for p in Path(folder).iterdir() if p.name.startswith(".")
+                      and any(d in p.name for d in DEBRIS)]
+    return found
+
+
+def one_error_line(result, *fragments, code=1):
+    """Exit code, exactly one `Error:` line and no traceback; the line holds every fragment."""
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output and not isinstance(result.exception, (AssertionError, TypeError)), \
+        result.output
+    assert result.output.count("Error:") == 1, result.output
+    lines = [line for line in re.split(r"[\r\n]", result.output) if line.startswith("Error:")]
+    assert len(lines) == 1, result.output  # on a line of its own, after any progress bar
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+@pytest.fixture
+def old_output(checkpoints, tmp_path):
+    """An esmc-mlx output that later runs must not lose: (path, snapshot)."""
+    out = convert(str(checkpoints["published"]), tmp_path / "out", progress=False)
+    return out, snapshot(out)
+
+
+def edited_checkpoint(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    edit(state)
+    save_file(state, str(dst / "model.safetensors"))
+    return dst
+
+
+# --- rule 1: --force replaces only what esmc-mlx wrote ----------------------------------------------
+def test_force_refuses_a_users_directory(checkpoints, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("a week of notes")
+    before = snapshot(out)
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
+    one_error_line(result, str(out), "esmc-mlx did not write it", "--force will not replace")
+    assert snapshot(out) == before and debris(tmp_path) == []
+
+
+def test_force_refuses_an_output_holding_a_users_file(old_output, checkpoints, tmp_path):
+    out, _ = old_output
+    (out / "notes.txt").write_text("mine")
+    before = snapshot(out)
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
+    one_error_line(result, "notes.txt", "esmc-mlx did not write", "move them out")
+    assert snapshot(out) == before and debris(tmp_path) == []
+
+
+def test_force_refuses_a_regular_file_and_a_link(checkpoints, tmp_path):
+    target = tmp_path / "results.csv"
+    target.write_text("id,score\n")
+    result = convert_cli(checkpoints["published"], "-o", target, "--force", "--no-validate")
+    one_error_line(result, "it is a file")
+    assert target.read_text() == "id,score\n"
+    link = tmp_path / "link"
+    link.symlink_to(checkpoints["published"])
+    result = convert_cli(checkpoints["published"], "-o", link, "--force", "--no-validate")
+    assert result.exit_code == 1 and "Error:" in result.output
+    assert link.is_symlink() and debris(tmp_path) == []
+
+
+@pytest.mark.parametrize("where", [".", ".."])
+def test_force_refuses_the_current_directory_and_its_parents(old_output, checkpoints, monkeypatch, where):
+    out, before = old_output
+    monkeypatch.chdir(out)
+    result = convert_cli(checkpoints["published"], "-o", where, "--force", "--no-validate")
+    one_error_line(result, "current directory")
+    assert snapshot(out) == before and debris(out, out.parent) == []
+
+
+def test_force_refuses_the_source_itself_and_a_folder_holding_it(old_output, checkpoints, tmp_path):
+    out, before = old_output
+    # quantizing (or converting) an output onto itself: the conversion would read what it replaces
+    result = cli("quantize", out, "-o", out, "--q", "4", "--force")
+    one_error_line(result, "is the input")
+    result = convert_cli(out, "-o", out, "--force", "--no-validate")
+    one_error_line(result, "is the input")
+    assert snapshot(out) == before
+    # an output folder that holds the checkpoint being converted
+    outer = tmp_path / "outer"
+    convert(str(checkpoints["published"]), outer, progress=False)
+    shutil.copytree(checkpoints["published"], outer / "ckpt")
+    result = convert_cli(outer / "ckpt", "-o", outer, "--force", "--no-validate")
+    one_error_line(result, "ckpt", "--force will not replace")
+    assert (outer / "ckpt" / "model.safetensors").exists() and debris(tmp_path) == []
+
+
+def test_force_replaces_an_esmc_mlx_output_and_one_from_before_the_marker(old_output, checkpoints, tmp_path):
+    out, before = old_output
+    marker = json.loads((out / outputs.MARKER).read_text())
+    assert marker["written_by"] == "esmc-mlx" and "config.json" in marker["entries"]
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--dtype", "float16", "--no-validate")
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float16" and snapshot(out) != before
+    (out / outputs.MARKER).unlink()  # an output written before the marker existed
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
+    assert result.exit_code == 0, result.output
+    assert (out / outputs.MARKER).exists() and debris(tmp_path) == []
+
+
+def test_force_knows_what_validate_and_push_add_and_keeps_a_hand_written_card(old_output, checkpoints, tmp_path):
+    from esmc_mlx.artifact import GENERATED_CARD_LINE
+
+    out, _ = old_output
+    (out / "validation").mkdir()
+    (out / "validation" / "report.json").write_text("{}")
+    (out / "README.md").write_text(f"# card\n\n{GENERATED_CARD_LINE}\n")  # what push generates
+    assert convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate").exit_code == 0
+    (out / "README.md").write_text("# My own card, a day of work\n")
+    before = snapshot(out)
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
+    one_error_line(result, "README.md", "esmc-mlx did not write")
+    assert snapshot(out) == before
+
+
+def test_without_force_an_existing_output_is_refused_before_any_work(old_output, checkpoints, monkeypatch):
+    out, before = old_output
+    monkeypatch.setattr("esmc_mlx.convert.resolve", lambda *a: pytest.fail("resolved the source"))
+    result = convert_cli("300M", "-o", out, "--no-validate")
+    one_error_line(result, "already exists", "--force")
+    assert snapshot(out) == before
+
+
+# --- rule 2: the old output stays until the new one is proven -----------------------------------------
+def _failing_validation(monkeypatch, passed=False, crash=False):
+    """The pipeline's policy is under test, not validation itself (tests/test_validate.py): a
+    validation that writes its report into the directory it is given and passes or fails."""
+
+    def validate(directory, source, **kwargs):
+        if crash:
+            raise ValidationError("the reference could not be read")
+        (Path(directory) / "validation").mkdir()
+        (Path(directory) / "validation" / "report.json").write_text(json.dumps({"passed": passed}))
+        return SimpleNamespace(passed=passed, failed=[] if passed else [SimpleNamespace(name="kl_mean")],
+                               summary=lambda: f"Validation {'PASSED' if passed else 'FAILED'}",
+                               directory=Path(directory) / "validation")
+
+    monkeypatch.setattr(pipeline, "validate", validate)
+    monkeypatch.setattr(pipeline, "validation_available", lambda: True)
+
+
+def test_failed_validation_keeps_the_old_output_and_puts_the_new_one_beside_it(old_output, checkpoints, tmp_path,
+                                                                               monkeypatch):
+    out, before = old_output
+    _failing_validation(monkeypatch)
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--dtype", "float16")
+    line = one_error_line(result, "validation failed (kl_mean)", f"The old {out} is unchanged", "out.failed-")
+    assert snapshot(out) == before
+    failed = [p for p in tmp_path.iterdir() if p.name.startswith("out.failed-")]
+    assert len(failed) == 1 and str(failed[0]) in line
+    assert (failed[0] / "validation" / "report.json").exists() and (failed[0] / outputs.MARKER).exists()
+    assert json.loads((failed[0] / "config.json").read_text())["dtype"] == "float16"
+    assert debris(tmp_path) == []
+
+
+def test_a_failed_validation_without_an_old_output_stays_where_asked(checkpoints, tmp_path, monkeypatch):
+    _failing_validation(monkeypatch)
+    out = tmp_path / "new"
+    result = convert_cli(checkpoints["published"], "-o", out)
+    one_error_line(result, "validation failed (kl_mean)", f"stays at {out}", "will not be uploaded")
+    assert (out / "validation" / "report.json").exists() and (out / outputs.MARKER).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new"]
+
+
+def test_a_crash_in_validation_keeps_the_old_output(old_output, checkpoints, tmp_path, monkeypatch):
+    out, before = old_output
+    _failing_validation(monkeypatch, crash=True)
+    result = convert_cli(checkpoints["published"], "-o", out, "--force")
+    one_error_line(result, "could not be read")
+    assert snapshot(out) == before and debris(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_passing_validation_swaps_in_the_validated_artifact(old_output, checkpoints, tmp_path, monkeypatch):
+    out, before = old_output
+    _failing_validation(monkeypatch, passed=True)
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--dtype", "float16")
+    assert result.exit_code == 0, result.output
+    assert f"Report: {out / 'validation' / 'report.md'}" in result.output
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
+    assert "validation" in json.loads((out / outputs.MARKER).read_text())["entries"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_ctrl_c_during_conversion_keeps_the_old_output(old_output, checkpoints, tmp_path, monkeypatch):
+    out, before = old_output
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("esmc_mlx.convert.write_config", interrupted)  # after every shard was written
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
+    assert result.exit_code == 1 and "Aborted" in result.output and "Traceback" not in result.output
+    assert snapshot(out) == before and debris(tmp_path) == []
+
+
+def test_a_nan_source_with_force_keeps_the_old_output(old_output, checkpoints, tmp_path):
+    out, before = old_output
+    bad = edited_checkpoint(checkpoints["published"], tmp_path / "nan",
+                            lambda s: s["esmc.layers.1.mlp.down_proj.weight"].__setitem__((3, 5), float("nan")))
+    result = convert_cli(bad, "-o", out, "--force", "--no-validate")
+    one_error_line(result, "esmc.layers.1.mlp.down_proj.weight", "NaN or Inf")
+    assert snapshot(out) == before and debris(tmp_path) == []
+
+
+# --- rule 3: two runs never silently overwrite each other ---------------------------------------------
+HOLD_LOCK = """
+import sys, time
+from esmc_mlx.outputs import output_lock
+with output_lock(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def locked_by_other_process(tmp_path):
+    """Lock tmp_path/out from another process, as a second esmc-mlx run would see it."""
+    procs = []
+
+    def hold(target):
+        proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(target)], stdout=subprocess.PIPE,
+                                text=True, env=dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1])))
+        assert proc.stdout.readline().strip() == "locked"
+        procs.append(proc)
+        return proc.pid
+
+    yield hold
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_second_conversion_to_the_same_output_fails_naming_the_holder(old_output, checkpoints, tmp_path,
+                                                                        locked_by_other_process):
+    out, before = old_output
+    pid = locked_by_other_process(out)
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
+    one_error_line(result, str(out), "being written by another esmc-mlx run", f"PID {pid}")
+    assert snapshot(out) == before
+    assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
+
+
+def test_two_real_conversions_to_one_output(tmp_path):
+    """Two esmc-convert processes started together: one writes, the other stops with a message
+    (the lock's, or "already exists" when the first finished before it got there); never two
+    "Wrote" lines for one directory."""
+    src = testing.write_random_checkpoint(tmp_path / "src", testing.tiny_config(**KILL_CONFIG), dtype="float32")
+    env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
+    command = [shutil.which("esmc-convert") or "esmc-convert", str(src), "-o", str(tmp_path / "out"),
+               "--no-validate", "--shard-size", "8MB"]
+    procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    assert sorted(rc for rc, _, _ in results) == [0, 1], results
+    loser = next(err for rc, _, err in results if rc == 1)
+    assert "being written by another esmc-mlx run (PID" in loser or "already exists" in loser, loser
+    assert sum("Wrote" in out for _, out, _ in results) == 1
+    assert esmc_mlx.load(tmp_path / "out")[0] is not None
+    assert debris(tmp_path) == []
+
+
+def test_a_lock_is_per_path_and_released_after_errors(checkpoints, tmp_path):
+    with outputs.output_lock(tmp_path / "a"):
+        with pytest.raises(OutputError, match=f"PID {os.getpid()}"):
+            convert(str(checkpoints["published"]), tmp_path / "a", progress=False)
+        convert(str(checkpoints["published"]), tmp_path / "b", progress=False)  # another path: free
+    with pytest.raises(ConvertError):
+        convert(str(tmp_path / "missing"), tmp_path / "c", progress=False)
+    with outputs.output_lock(tmp_path / "c"):  # released although the run failed
+        pass
+    assert debris(tmp_path) == []
+
+
+def test_score_and_embed_take_the_lock_too(converted, tmp_path, locked_by_other_process):
+    csv_in = tmp_path / "dms.csv"
+    csv_in.write_text("mutant,DMS_score\nM1A,0.5\nK2R,0.1\n")
+    scored = tmp_path / "scored.csv"
+    pid = locked_by_other_process(scored)
+    result = cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", scored, "--no-progress")
+    one_error_line(result, f"PID {pid}")
+    assert not scored.exists()
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n")
+    pid = locked_by_other_process(tmp_path / "emb")
+    result = cli("embed", converted, fasta, "-o", tmp_path / "emb", "--no-progress")
+    one_error_line(result, f"PID {pid}")
+    assert not (tmp_path / "emb").exists()
+
+
+# --- rule 4: a model directory means exactly what its index says --------------------------------------
+def test_converter_refuses_a_stray_safetensors_beside_indexed_shards(tmp_path, tiny_config):
+    src = testing.write_random_checkpoint(tmp_path / "src", tiny_config, dtype="float32", shard_bytes=1 << 20)
+    shards = sorted(src.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shutil.copy(shards[0], src / "model_old.safetensors")
+    result = convert_cli(src, "-o", tmp_path / "out", "--no-validate")
+    one_error_line(result, "model_old.safetensors", "not named by model.safetensors.index.json")
+    assert not (tmp_path / "out").exists() and debris(tmp_path) == []
+
+
+def test_quantize_info_validate_and_load_refuse_a_stray_file_in_an_artifact(old_output, checkpoints, tmp_path):
+    out, _ = old_output
+    shutil.copy(out / "model.safetensors", out / "model_old.safetensors")
+    for result in (cli("quantize", out, "-o", tmp_path / "q4", "--q", "4"), cli("info", out),
+                   cli("validate", out, "--reference", checkpoints["published"])):
+        one_error_line(result, "model_old.safetensors")
+    with pytest.raises(ConvertError, match="model_old.safetensors"):
+        esmc_mlx.load(out)
+    assert not (tmp_path / "q4").exists() and debris(tmp_path) == []
+
+
+def test_several_safetensors_without_an_index_are_refused(checkpoints, tmp_path):
+    src = shutil.copytree(checkpoints["esm"], tmp_path / "src")
+    shutil.copy(src / "model.safetensors", src / "extra.safetensors")
+    result = convert_cli(src, "-o", tmp_path / "out", "--no-validate")
+    one_error_line(result, "2 .safetensors files", "extra.safetensors", "no model.safetensors.index.json")
+
+
+# --- rule 5: bad numbers are caught where they enter --------------------------------------------------
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_nan_or_inf_in_the_source_fails_naming_the_tensor(checkpoints, tmp_path, value):
+    bad = edited_checkpoint(checkpoints["published"], tmp_path / "bad",
+                            lambda s: s["esmc.layers.0.self_attn.q_proj.weight"].__setitem__((0, 0), value))
+    result = convert_cli(bad, "-o", tmp_path / "out", "--no-validate")
+    one_error_line(result, "esmc.layers.0.self_attn.q_proj.weight", "1 NaN or Inf value(s)", "damaged")
+    assert not (tmp_path / "out").exists() and debris(tmp_path) == []
+
+
+def test_nan_in_a_fused_legacy_tensor_names_the_checkpoint_tensor(reference_model, tmp_path):
+    model = testing.random_transformers_model(testing.tiny_config(), seed=1)
+    with torch.no_grad():
+        model.esmc.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+    pth = testing.write_checkpoint(model, tmp_path / "legacy" / "esmc.pth", "legacy")
+    result = convert_cli(pth, "-o", tmp_path / "out", "--no-validate")
+    one_error_line(result, "transformer.blocks.1.ffn.1.weight", "NaN or Inf")  # the fused gate/up tensor
+    assert not (tmp_path / "out").exists() and debris(tmp_path) == []
+
+
+def test_a_cast_that_overflows_float16_is_refused(checkpoints, tmp_path):
+    bad = edited_checkpoint(checkpoints["published"], tmp_path / "big",
+                            lambda s: s["lm_head.dense.weight"].__setitem__((1, 1), 1e6))
+    result = convert_cli(bad, "-o", tmp_path / "out", "--dtype", "float16", "--no-validate")
+    one_error_line(result, "lm_head.dense.weight", "overflows float16", "1e+06")
+    assert convert_cli(bad, "-o", tmp_path / "out", "--no-validate").exit_code == 0  # float32 holds it
+
+
+def test_an_empty_sequence_is_an_error_everywhere(converted, tmp_path):
+    model = esmc_mlx.load(converted)[0]
+    with pytest.raises(SequenceError, match="empty sequence"):
+        model.embed([SEQ, ""])
+    fasta = tmp_path / "empty.fasta"
+    fasta.write_text(">a\nMKT\n>b\n\n>c\nACD\n")
+    result = cli("embed", converted, fasta, "-o", tmp_path / "emb", "--no-progress")
+    one_error_line(result, "'b'", "no sequence")
+    assert not (tmp_path / "emb").exists() and debris(tmp_path) == []
+    (tmp_path / "m.csv").write_text("mutant\nM1A\n")
+    for wt in ("", "   ", "*"):
+        result = cli("score", converted, "--sequence", wt, "--mutations", tmp_path / "m.csv", "--no-progress")
+        assert result.exit_code == 1 and "Error:" in result.output and "Traceback" not in result.output
+
+
+def test_inputs_longer_than_training_warn_before_the_work(converted, tmp_path):
+    model = esmc_mlx.load(converted)[0]
+    rng = np.random.default_rng(0)
+    long = "".join(rng.choice(list("ACDEFGHIKLMNPQRSTVWY"), 2100))
+    with pytest.warns(EsmcMlxWarning, match="2,100 residues is longer than the 2,048 ESMC was trained on"):
+        emb = model.embed(long)
+    assert np.isfinite(emb.mean).all()
+    # 20,000 residues: the warning (slow, memory) comes before any forward pass
+    huge = "A" * 20000
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EsmcMlxWarning)
+        with pytest.raises(EsmcMlxWarning, match=r"20,000 residues.*slow.*GB"):
+            model.embed(huge)
+    fasta = tmp_path / "long.fasta"
+    fasta.write_text(f">long\n{long}\n")
+    result = cli("embed", converted, fasta, "-o", tmp_path / "emb", "--no-progress")
+    assert result.exit_code == 0, result.output
+    warned = [line for line in result.output.splitlines() if line.startswith("Warning:")]
+    assert len(warned) == 1 and "2,100 residues" in warned[0]
+
+
+# --- rule 6: no debris -------------------------------------------------------------------------------
+KILL_CONFIG = dict(hidden_size=512, num_attention_heads=8, num_hidden_layers=8, intermediate_size=1536)
+
+
+def test_a_killed_conversion_is_cleaned_up_and_named_by_the_next_run(tmp_path):
+    src = testing.write_random_checkpoint(tmp_path / "src", testing.tiny_config(**KILL_CONFIG), dtype="float32")
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
+    command = [shutil.which("esmc-convert") or "esmc-convert", str(src), "-o", str(out), "--no-validate",
+               "--shard-size", "1MB"]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    staging = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        staged = [p for p in tmp_path.glob(".out.partial-*") if list(p.glob("shard-*"))]
+        if staged:
+            staging = staged[0]
+            break
+        time.sleep(0.005)
+    assert staging is not None, "the conversion finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert staging.exists() and not out.exists()  # what a kill leaves: the staging (and maybe the lock file)
+    assert staging.name.startswith(f".out.partial-{proc.pid}-")
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert f"Warning: removed {staging}" in result.stderr and f"PID {proc.pid}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert debris(tmp_path) == [] and (out / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+def test_a_terminated_conversion_cleans_up_itself(tmp_path):
+    """SIGTERM (a scheduler's time limit) unwinds like Ctrl-C: the run removes its own staging."""
+    src = testing.write_random_checkpoint(tmp_path / "src", testing.tiny_config(**KILL_CONFIG), dtype="float32")
+    env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
+    command = [shutil.which("esmc-convert") or "esmc-convert", str(src), "-o", str(tmp_path / "out"),
+               "--no-validate", "--shard-size", "1MB"]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if [p for p in tmp_path.glob(".out.partial-*") if list(p.glob("shard-*"))]:
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the conversion finished before it could be terminated"
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "Aborted" in err and "Traceback" not in err, err
+    assert debris(tmp_path) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_leftovers_of_older_versions_and_a_half_swapped_output(old_output, checkpoints, tmp_path):
+    out, before = old_output
+    legacy = tmp_path / ".out.partial-k3j_x9a2"  # tempfile's name, no PID: from a version without locks
+    legacy.mkdir()
+    (legacy / "shard-0.tmp.safetensors").write_bytes(b"\0" * 100)
+    with pytest.warns(EsmcMlxWarning, match="removed .*partial-k3j_x9a2"):
+        convert(str(checkpoints["published"]), out, force=True, progress=False)
+    assert not legacy.exists() and debris(tmp_path) == []
+    # a run killed between its two renames: the old output sits aside and OUT is missing
+    moved = tmp_path / ".out.old-999999999-abcdef"
+    os.replace(out, moved)
+    kept = snapshot(moved)
+    with pytest.warns(EsmcMlxWarning, match="restored"):
+        with pytest.raises(OutputError, match="already exists"):
+            convert(str(checkpoints["published"]), out, progress=False)  # no --force: the restored one stays
+    assert snapshot(out) == kept and debris(tmp_path) == []
+
+
+def test_embed_debris_of_a_failed_first_run_is_cleared(converted, tmp_path):
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n>b\nACDEFGHIK\n")
+    emb = tmp_path / "emb"
+    (emb / "parts").mkdir(parents=True)
+    (emb / ".manifest.json.tmp").write_text('{"form')  # what main left when the disk filled up
+    result = cli("embed", converted, fasta, "-o", emb, "--force", "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in emb.iterdir()) == ["index.tsv", "manifest.json", "mean.npy"]
+    # a directory of someone else's is never cleared, with or without --force
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "manifest.json").write_text('{"format": "something-else"}')
+    (other / "parts").mkdir()
+    before = snapshot(other)
+    for extra in ([], ["--force"]):
+        result = cli("embed", converted, fasta, "-o", other, "--no-progress", *extra)
+        assert result.exit_code == 1 and "Error:" in result.output, result.output
+    assert snapshot(other) == before
+
+
+def test_temporary_files_of_killed_jobs_are_removed_by_the_next_run(converted, tmp_path):
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n")
+    emb = tmp_path / "emb"
+    assert cli("embed", converted, fasta, "-o", emb, "--no-progress").exit_code == 0
+    dead = 999999999  # no such process
+    (emb / "parts").mkdir()
+    (emb / "parts" / f".part-x.npz.tmp-{dead}-abcdef").write_bytes(b"half a part")
+    (emb / f".manifest.json.tmp-{dead}-abcdef").write_text("{")
+    csv_in = tmp_path / "m.csv"
+    csv_in.write_text("mutant\nM1A\n")
+    (tmp_path / f".scored.csv.tmp-{dead}-abcdef").write_text("half a csv")
+    result = cli("embed", converted, fasta, "-o", emb, "--no-progress")
+    assert result.exit_code == 0 and result.output.count("Warning: removed") == 2, result.output
+    result = cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", tmp_path / "scored.csv",
+                 "--no-progress")
+    assert result.exit_code == 0 and f".scored.csv.tmp-{dead}-abcdef" in result.output, result.output
+    assert debris(tmp_path, emb, emb / "parts") == []
+
+
+def test_a_failed_embed_into_a_new_folder_leaves_nothing(converted, tmp_path, monkeypatch):
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n")
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / "emb" / "parts" / "x"))
+
+    monkeypatch.setattr(np, "savez", full)
+    result = cli("embed", converted, fasta, "-o", tmp_path / "emb", "--no-progress")
+    one_error_line(result, "the disk is full", "part-")
+    assert debris(tmp_path / "emb", tmp_path / "emb" / "parts", tmp_path) == []
+
+
+def test_score_leaves_no_temporary_file_when_writing_fails(converted, tmp_path, monkeypatch):
+    csv_in = tmp_path / "dms.csv"
+    csv_in.write_text("mutant\nM1A\n")
+    scored = tmp_path / "scored.csv"
+    scored.write_text("old results\n")
+    import csv as csv_module
+
+    def broken_writerow(self, row):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(csv_module.DictWriter, "writerow", broken_writerow)
+    result = cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", scored, "--no-progress")
+    one_error_line(result, "the disk is full", "scored.csv")
+    assert scored.read_text() == "old results\n" and debris(tmp_path) == []
+
+
+def test_disk_full_during_conversion_is_one_line_naming_the_file(old_output, checkpoints, tmp_path, monkeypatch):
+    out, before = old_output
+
+    def full(path, arrays, metadata=None):
+        Path(path).write_bytes(b"\0" * 10)  # a partial shard, as a real full disk leaves
+        raise RuntimeError("[write] Unable to write 8 bytes to file.")  # what MLX says, without errno
+
+    monkeypatch.setattr(mx, "save_safetensors", full)
+    monkeypatch.setattr(outputs.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(100, 100, 0))
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
+    one_error_line(result, "the disk is full", "shard-0.tmp.safetensors", "nothing was left behind")
+    assert snapshot(out) == before and debris(tmp_path) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (root only): a disk that really fills up."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_really_full_disk(small_disk, checkpoints, tmp_path):
+    result = convert_cli(checkpoints["published"], "-o", small_disk / "out", "--no-validate")
+    one_error_line(result, "the disk is full", str(small_disk))
+    assert list(small_disk.iterdir()) == []
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text("".join(f">s{i}\n{SEQ * 10}\n" for i in range(100)))
+    model = convert(str(checkpoints["published"]), tmp_path / "model", progress=False)
+    result = cli("embed", model, fasta, "-o", small_disk / "emb", "--per-residue", "--no-progress")
+    one_error_line(result, "the disk is full")
+    assert debris(small_disk, small_disk / "emb", small_disk / "emb" / "parts") == []
+
+
+# --- rule 7: every failure is one Error line -----------------------------------------------------------
+def _with_header(src: Path, dst: Path, edit) -> Path:
+    """A copy of a checkpoint whose safetensors header was edited (the data left as is)."""
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
+    return dst
+
+
+NAME = "esmc.layers.0.mlp.up_proj.weight"
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda h: h[NAME].__setitem__("dtype", "F16"), "needs"),  # dtype/offset mismatch
+    (lambda h: h[NAME].pop("data_offsets"), "no valid data_offsets"),
+    (lambda h: h[NAME].__setitem__("dtype", "Q4"), "unknown dtype 'Q4'"),
+    (lambda h: h[NAME].__setitem__("shape", [512, "x"]), "no valid shape"),
+    (lambda h: h[NAME].__setitem__("data_offsets", [10, 5]), "no valid data_offsets"),
+])
+def test_malformed_safetensors_headers(checkpoints, tmp_path, edit, message):
+    bad = _with_header(checkpoints["published"], tmp_path / "bad", edit)
+    result = convert_cli(bad, "-o", tmp_path / "out", "--no-validate")
+    one_error_line(result, "corrupt safetensors header", NAME, message)
+    assert not (tmp_path / "out").exists() and debris(tmp_path) == []
+
+
+@pytest.mark.parametrize("field,value", [("num_attention_heads", 0), ("hidden_size", -1), ("num_hidden_layers", "2x"),
+                                         ("intermediate_size", 1.5)])
+def test_nonsense_config_values(old_output, checkpoints, tmp_path, field, value):
+    src = shutil.copytree(checkpoints["published"], tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config[field] = value
+    (src / "config.json").write_text(json.dumps(config))
+    one_error_line(convert_cli(src, "-o", tmp_path / "o", "--no-validate"), "config.json", field)
+    out, _ = old_output
+    artifact = json.loads((out / "config.json").read_text())
+    artifact[field] = value
+    (out / "config.json").write_text(json.dumps(artifact))
+    one_error_line(cli("info", out), "config.json", field)
+    with pytest.raises(ConvertError, match=field):
+        esmc_mlx.load(out)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.__setitem__("quantization", {"bits": 4}), "quantization needs positive integers bits and group_size"),
+    (lambda c: c.__setitem__("quantization", "yes"), "quantization is not an object"),
+    (lambda c: c.__setitem__("quantization_config", {"bits": 4, "group_size": 64, "x.y": {"bits": "4"}}),
+     "entry 'x.y'"),
+    (lambda c: c.__setitem__("esmc_mlx", "converted"), "esmc_mlx is not an object"),
+    (lambda c: c.__setitem__("dtype", "int8"), "dtype 'int8' is not one of float32, bfloat16, float16"),
+])
+def test_damaged_artifact_config_fields(old_output, tmp_path, edit, message):
+    out, _ = old_output
+    config = json.loads((out / "config.json").read_text())
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config))
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n")
+    for result in (cli("info", out), cli("embed", out, fasta, "-o", tmp_path / "emb"),
+                   cli("quantize", out, "-o", tmp_path / "q", "--q", "4")):
+        one_error_line(result, "config.json", message)
+    assert not (tmp_path / "emb").exists() and not (tmp_path / "q").exists() and debris(tmp_path) == []
+
+
+def test_an_index_naming_files_elsewhere_is_refused(old_output, tmp_path):
+    out, _ = old_output
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.replace(out / "model.safetensors", elsewhere / "model.safetensors")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: "../elsewhere/model.safetensors" for k in index["weight_map"]}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    one_error_line(cli("info", out), "names files outside its directory", "../elsewhere/model.safetensors")
+    with pytest.raises(ConvertError, match="outside its directory"):
+        esmc_mlx.load(out)
+    one_error_line(convert_cli(out, "-o", tmp_path / "o"), "outside its directory")
+
+
+def test_info_on_folders_that_are_not_models(tmp_path):
+    (tmp_path / "empty").mkdir()
+    one_error_line(cli("info", tmp_path / "empty"), "no config.json")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    one_error_line(cli("info", bad), "unreadable config")
+    (bad / "config.json").write_text("[1, 2]")
+    one_error_line(cli("info", bad), "not a JSON object")
+    (bad / "config.json").write_text('{"hidden_size": 128}')
+    one_error_line(cli("info", bad), "num_attention_heads")
+
+
+def test_truncated_weights_in_an_artifact(old_output, tmp_path):
+    out, _ = old_output
+    data = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(data[:-4096])
+    with pytest.raises(ConvertError, match="model.safetensors: truncated or corrupt"):
+        esmc_mlx.load(out)
+    one_error_line(cli("info", out), "truncated or corrupt")
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n")
+    one_error_line(cli("embed", out, fasta, "-o", tmp_path / "emb"), "truncated or corrupt")
+    assert not (tmp_path / "emb").exists()
+
+
+def test_missing_local_paths_say_so(tmp_path, monkeypatch):
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n")
+    for missing in (tmp_path / "nowhere", "./nowhere-mlx", "~/nowhere-mlx", "nowhere.pth"):
+        one_error_line(cli("embed", missing, fasta, "-o", tmp_path / "e"), "no such file or directory")
+        with pytest.raises(ConvertError, match="no such file or directory"):
+            esmc_mlx.load(missing)
+    # "models/esmc" with a models/ folder here: a typo in a path, not only a Hub failure
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    from esmc_mlx import resolve as resolve_module
+    from esmc_mlx.errors import HubError
+
+    def offline(repo_id, revision=None):
+        raise HubError(f"{repo_id}: no such model repo on the Hub")
+
+    monkeypatch.setattr(resolve_module, "download_checkpoint", offline)
+    one_error_line(convert_cli("models/esmc", "-o", tmp_path / "o"), "models/esmc: no such file or directory here",
+                   "Hub")
+    assert debris(tmp_path) == [] and not (tmp_path / "e").exists()
+
+
+def test_score_into_a_missing_folder_fails_before_scoring(converted, tmp_path, monkeypatch):
+    csv_in = tmp_path / "dms.csv"
+    csv_in.write_text("mutant\nM1A\n")
+    monkeypatch.setattr("esmc_mlx.tasks.jobs.score_mutations", lambda *a, **k: pytest.fail("scored first"))
+    monkeypatch.setattr("esmc_mlx.tasks.jobs.load", lambda *a, **k: pytest.fail("loaded the model first"))
+    one_error_line(cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o",
+                       tmp_path / "nope" / "scored.csv"), "no such directory", "nope")
+    result = cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", tmp_path)
+    assert result.exit_code == 2 and "is a directory" in result.output  # click's check of the option
+    assert not (tmp_path / "nope").exists()
+
+
+def test_failed_runs_leave_no_folders_they_made(checkpoints, converted, tmp_path):
+    result = convert_cli(tmp_path / "missing", "-o", tmp_path / "new" / "deeper" / "out")
+    one_error_line(result, "no such file or directory")
+    bad = edited_checkpoint(checkpoints["published"], tmp_path / "nan",
+                            lambda s: s["esmc.norm.weight"].__setitem__(0, float("nan")))
+    one_error_line(convert_cli(bad, "-o", tmp_path / "new" / "out", "--no-validate"), "esmc.norm.weight")
+    (tmp_path / "bad.fasta").write_text("not fasta\n")
+    one_error_line(cli("embed", converted, tmp_path / "bad.fasta", "-o", tmp_path / "new" / "emb"), "bad.fasta")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.fasta", "nan"]
+
+
+def test_output_under_a_file_and_on_a_read_only_file_system(checkpoints, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    one_error_line(convert_cli(checkpoints["published"], "-o", tmp_path / "a_file" / "out"), "cannot create", "a_file")
+    result = convert_cli(checkpoints["published"], "-o", "/proc/esmc-out", "--no-validate")
+    one_error_line(result, "/proc")
+
+
+def test_system_errors_become_one_line_naming_the_path(checkpoints, tmp_path, monkeypatch):
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/data/secret/model.safetensors")
+
+    monkeypatch.setattr("esmc_mlx.convert.sources.safetensors_header", denied)
+    one_error_line(convert_cli(checkpoints["published"], "-o", tmp_path / "out"),
+                   "/data/secret/model.safetensors: Permission denied")
+    assert debris(tmp_path) == []
+
+
+class Custom:  # an object torch's safe loader refuses
+    pass
+
+
+def test_pth_messages_never_advise_unsafe_loading(tmp_path):
+    torch.save({"w": torch.zeros(2), "obj": Custom()}, tmp_path / "objects.pth")
+    line = one_error_line(convert_cli(tmp_path / "objects.pth", "-o", tmp_path / "o"), "objects.pth",
+                          "plain state dict", "state_dict()")
+    assert "weights_only" not in line and "trust" not in line
+    (tmp_path / "notes.pth").write_text("hello")  # not a checkpoint (and not a zip: no mmap)
+    line = one_error_line(convert_cli(tmp_path / "notes.pth", "-o", tmp_path / "o"), "notes.pth", "cannot read it")
+    assert "mmap" not in line and "_use_new_zipfile_serialization" not in line
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("a.pth", "b.pth"):
+        torch.save({"w": torch.zeros(2)}, two / name)
+    line = one_error_line(convert_cli(two, "-o", tmp_path / "o"), "2 .pth files", "a.pth, b.pth")
+    assert "nor a .pth" not in line
+    torch.save({"w": torch.zeros(2)}, tmp_path / "old.pth", _use_new_zipfile_serialization=False)
+    line = one_error_line(convert_cli(tmp_path / "old.pth", "-o", tmp_path / "o"), "old.pth")
+    assert "mmap" not in line  # an old-format file is read (and then refused for not being ESMC)
+    assert not (tmp_path / "o").exists() and debris(tmp_path) == []
+
+
+# --- rule 8: inputs people really have; nonsense values refused; the umask ---------------------------
+def test_a_spreadsheet_csv_with_bom_and_crlf(converted, tmp_path):
+    csv_in = tmp_path / "excel.csv"
+    # a byte-order mark, CRLF, and the empty rows a spreadsheet leaves below the data
+    csv_in.write_bytes("\ufeffmutant,DMS_score\r\nM1A,0.5\r\nK2R,0.1\r\nT3S,0.9\r\n,\r\n,,\r\n".encode("utf-8"))
+    out = tmp_path / "scored.csv"
+    result = cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", out, "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "Scored 3 mutants" in result.output
+    rows = out.read_text().splitlines()
+    assert rows[0].startswith("mutant,DMS_score,masked_marginal") and len(rows) == 4
+
+
+FASTA_TEXT = (">sp|P69905|HBA_HUMAN Hemoglobin subunit alpha OS=Homo sapiens OX=9606 GN=HBA1 PE=1 SV=2\n"
+              "mvlspadktn\nVKAAWGKVGA*\n\n\n>  tr|A0A024R161|A0A024R161_HUMAN  spaced header\n\nMKTAYIAKQR\n")
+
+
+@pytest.mark.parametrize("variant", ["plain", "crlf", "cr", "bom", "gzip", "gzip-unnamed", "latin1"])
+def test_fasta_from_common_tools(tmp_path, variant):
+    text = FASTA_TEXT.replace("\n", "\r\n") if variant == "crlf" else FASTA_TEXT.replace("\n", "\r") \
+        if variant == "cr" else FASTA_TEXT
+    data = text.encode("latin-1" if variant == "latin1" else "utf-8")
+    if variant == "latin1":
+        data = data.replace(b"spaced header", b"na\xefve header")
+    if variant == "bom":
+        data = b"\xef\xbb\xbf" + data
+    if variant.startswith("gzip"):
+        data = gzip.compress(data)
+    path = tmp_path / ("in.fasta.gz" if variant == "gzip" else "in.fasta")
+    path.write_bytes(data)
+    records = read_fasta(path)
+    assert [(r.id, r.sequence) for r in records] == [("sp|P69905|HBA_HUMAN", "MVLSPADKTNVKAAWGKVGA"),
+                                                      ("tr|A0A024R161|A0A024R161_HUMAN", "MKTAYIAKQR")]
+
+
+def test_unreadable_fasta_is_one_error(converted, tmp_path):
+    (tmp_path / "bin.fasta").write_bytes(b"\x00\x01\x02>a\n")
+    one_error_line(cli("embed", converted, tmp_path / "bin.fasta", "-o", tmp_path / "e"), "bin.fasta")
+    (tmp_path / "bad.fasta.gz").write_bytes(b"\x1f\x8b\x08\x00garbage")
+    one_error_line(cli("embed", converted, tmp_path / "bad.fasta.gz", "-o", tmp_path / "e"), "bad.fasta.gz")
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("args,option", [
+    (["--shard-size", "0"], "--shard-size"), (["--shard-size", "-5MB"], "--shard-size"),
+    (["--shard-size", "lots"], "--shard-size"), (["--shard-size", "0.5KB"], "--shard-size"),
+    (["--group-size", "0", "--q", "4"], "group"), (["--q", "17"], "17"),
+])
+def test_nonsense_convert_options(checkpoints, tmp_path, args, option):
+    result = convert_cli(checkpoints["published"], "-o", tmp_path / "out", "--no-validate", *args)
+    assert result.exit_code in (1, 2) and option in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists() and debris(tmp_path) == []
+
+
+@pytest.mark.parametrize("command", [
+    ["embed", "{model}", "{fasta}", "-o", "{tmp}/e", "--batch-tokens", "0"],
+    ["score", "{model}", "--sequence", SEQ, "--mutations", "{csv}", "-B", "0"],
+    ["validate", "{model}", "--reference", "tiny", "--max-length", "0"],
+    ["quantize", "{model}", "-o", "{tmp}/q", "--q", "4", "--shard-size", "0"],
+])
+def test_nonsense_job_options(converted, tmp_path, command):
+    (tmp_path / "in.fasta").write_text(f">a\n{SEQ}\n")
+    (tmp_path / "m.csv").write_text("mutant\nM1A\n")
+    args = [a.format(model=converted, fasta=tmp_path / "in.fasta", csv=tmp_path / "m.csv", tmp=tmp_path)
+            for a in command]
+    result = cli(*args)
+    assert result.exit_code == 2 and "Invalid value" in result.output
+    assert not (tmp_path / "e").exists() and not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_outputs_take_the_users_umask(checkpoints, tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        out = convert(str(checkpoints["published"]), tmp_path / "out", progress=False)
+        fasta = tmp_path / "in.fasta"
+        fasta.write_text(f">a\n{SEQ}\n")
+        result = cli("embed", out, fasta, "-o", tmp_path / "emb", "--no-progress")
+        assert result.exit_code == 0, result.output
+    finally:
+        os.umask(previous)
+    for folder in (out, tmp_path / "emb"):
+        assert folder.stat().st_mode & 0o777 == 0o777 & ~umask
+        for f in folder.iterdir():
+            want = (0o777 if f.is_dir() else 0o666) & ~umask
+            assert f.stat().st_mode & 0o777 == want, (f, oct(f.stat().st_mode))

@@ -1,0 +1,129 @@
+"""Saturation scan (`esmc-mlx scan`, `model.scan`): scores and entropy against transformers'
+EsmcForMaskedLM, the pass count, the files, the heatmap's size, long sequences on the command line."""
+
+from __future__ import annotations
+
+import csv
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import EsmcTokenizer
+
+from esmc_mlx import load
+from esmc_mlx.cli import main as cli
+from esmc_mlx.errors import ScoringError
+from esmc_mlx.tasks.heatmap import heatmap_size
+from esmc_mlx.tasks.mutations import AMINO_ACIDS_20, all_singles
+from esmc_mlx.tasks.scoring import score_mutations
+from esmc_mlx.testing import random_sequences
+
+HF_TOK = EsmcTokenizer()
+WT = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"
+
+
+@pytest.fixture(scope="module")
+def model(converted):
+    return load(converted)[0]
+
+
+def torch_rows(ref, sequence, masked: bool):
+    """(L, 64) log_softmax rows: position i read with i masked alone, or from one unmasked pass."""
+    ids = torch.tensor(HF_TOK(sequence)["input_ids"]).long()[None]
+    L = len(sequence)
+    if masked:
+        ids = ids.repeat(L, 1)
+        ids[torch.arange(L), torch.arange(L) + 1] = HF_TOK.mask_token_id
+    with torch.no_grad():
+        logits = ref(input_ids=ids).logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    if masked:
+        return logp[torch.arange(L), torch.arange(L) + 1].numpy()
+    return logp[0, 1 : L + 1].numpy()
+
+
+def png_size(path):
+    head = open(path, "rb").read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", head[16:24])
+
+
+@pytest.mark.parametrize("method", ["masked_marginal", "wt_marginal"])
+def test_scan_matches_transformers(model, reference_model, method):
+    got = model.scan(WT, method=method, batch_size=8)
+    rows = torch_rows(reference_model, WT, masked=method == "masked_marginal").astype(np.float64)
+    aa = [HF_TOK.convert_tokens_to_ids(a) for a in AMINO_ACIDS_20]
+    wt = [HF_TOK.convert_tokens_to_ids(c) for c in WT]
+    want = rows[:, aa] - rows[np.arange(len(WT)), wt][:, None]
+    np.testing.assert_allclose(got.scores, want, atol=1e-4, rtol=1e-4)
+    p20 = np.exp(rows[:, aa])
+    p20 /= p20.sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(got.entropy, -(p20 * np.log(p20)).sum(axis=1), atol=1e-4, rtol=1e-4)
+    assert got.scores.shape == (len(WT), 20) and 0 < got.entropy.min() and got.entropy.max() < math.log(20)
+    # the scan's scores are score_mutations' on all_singles
+    singles = all_singles(WT)
+    ref = score_mutations(model, WT, singles, methods=[method])[method]
+    np.testing.assert_allclose([v[3] for v in got.variants()], ref, atol=1e-5)
+    assert [f"{w}{p}{m}" for p, w, m, _, _ in got.variants()] == singles
+    assert got.passes == (math.ceil(len(WT) / 8) if method == "masked_marginal" else 1)
+
+
+def test_scan_of_500_residues_is_one_pass_per_position_at_most():
+    from tests.test_scoring import StubModel
+
+    wt = random_sequences(1, 500, 500, seed=3)[0]
+    stub = StubModel()
+    from esmc_mlx.tasks.scan import scan
+
+    for batch_size, passes in ((1, 500), (32, 16)):
+        stub.calls = 0
+        result = scan(stub, wt, batch_size=batch_size)
+        assert stub.calls == result.passes == passes
+    with pytest.raises(ScoringError, match="unknown scan method"):
+        scan(stub, wt, method="pppl")
+
+
+@pytest.mark.parametrize("n,per_row", [(30, 100), (250, 100), (2000, 100)])
+def test_heatmap_png_has_the_expected_size(n, per_row, tmp_path):
+    from esmc_mlx.tasks.scan import Scan
+
+    rng = np.random.default_rng(0)
+    seq = random_sequences(1, n, n, seed=n)[0]
+    scan = Scan(seq, "masked_marginal", np.arange(n), rng.normal(size=(n, 20)).astype(np.float32),
+                rng.uniform(0, 3, n).astype(np.float32), name="x")
+    paths = scan.write(tmp_path, per_row=per_row)
+    assert png_size(paths["png"]) == heatmap_size(n, per_row)
+    w, h = heatmap_size(n, per_row)
+    assert w == round((0.6 + min(n, per_row) * 0.14 + 1.1) * 100)
+    assert h == round((0.5 + math.ceil(n / per_row) * (2.8 + 0.75) + 0.2) * 100)
+    assert np.load(paths["npy"]).shape == (n, 20)
+
+
+def test_cli_scan_fasta_and_long_sequences(converted, model, tmp_path):
+    long = random_sequences(1, 300, 300, seed=9)[0]  # > 255 characters: not a file name
+    fasta = tmp_path / "in.fa"
+    fasta.write_text(f">sp|P1|ONE\n{WT}\n>two\n{WT[:20]}\n")
+    runner = CliRunner()
+    r = runner.invoke(cli, ["scan", str(converted), "--fasta", str(fasta), "-o", str(tmp_path / "scan"),
+                            "--no-progress"])
+    assert r.exit_code == 0, r.output
+    rows = list(csv.DictReader(open(tmp_path / "scan" / "sp_P1_ONE_scan.csv")))
+    assert len(rows) == 19 * len(WT) and rows[0].keys() >= {"position", "wt", "mut", "masked_marginal", "entropy"}
+    want = model.scan(WT)
+    np.testing.assert_allclose(np.load(tmp_path / "scan" / "sp_P1_ONE_matrix.npy"), want.scores, atol=1e-6)
+    assert png_size(tmp_path / "scan" / "two_heatmap.png") == heatmap_size(20)
+    r = runner.invoke(cli, ["scan", str(converted), "--sequence", long, "-o", str(tmp_path / "long"),
+                            "--method", "wt-marginal", "--no-plot", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert np.load(tmp_path / "long" / "sequence_matrix.npy").shape == (300, 20)
+    assert not (tmp_path / "long" / "sequence_heatmap.png").exists()
+    # score: a literal sequence longer than a file name may be
+    muts = tmp_path / "m.csv"
+    muts.write_text(f"mutant\n{long[0]}1A\n")
+    r = runner.invoke(cli, ["score", str(converted), "--sequence", long, "--mutations", str(muts), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(cli, ["scan", str(converted), "--sequence", "MKJ", "-o", str(tmp_path / "bad")])
+    assert r.exit_code == 1 and "Error:" in r.output and "'J'" in r.output
