@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
