@@ -102,9 +102,10 @@ def _text_lines(binary: Iterable[bytes], path: Path) -> Iterator[str]:
         if number == 0 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]
         try:
-            yield raw.decode("utf-8")
+            text = raw.decode("utf-8")
         except UnicodeDecodeError:
-            yield raw.decode("latin-1")
+            text = raw.decode("latin-1")
+        yield from text.splitlines()  # also splits old Mac files, whose lines end in a lone CR
 
 
 def iter_fasta(path: str | Path) -> Iterator[Record]:
