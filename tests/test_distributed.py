@@ -97,6 +97,7 @@ def test_two_ranks_score_like_one(converted, tmp_path):
     assert one.passes // 2 <= rank0 <= one.passes // 2 + 2
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_two_ranks_scan_and_embed_layers_like_one(converted, tmp_path):
     model = load(converted)[0]
     fasta = tmp_path / "in.fa"
