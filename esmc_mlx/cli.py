@@ -18,7 +18,7 @@ from .artifact import describe
 from .convert import quantize_directory
 from .errors import EsmcMlxError, EsmcMlxWarning
 from .hub.push import push_artifact
-from .pipeline import convert_validate_push
+from .pipeline import convert_validate_many, convert_validate_push
 from .tasks.distributed import World
 from .tasks.jobs import embed_fasta, scan_job, score_csv
 from .tasks.scoring import DEFAULT_WINDOW
@@ -103,6 +103,9 @@ force_option = click.option("--force", is_flag=True,
 shard_size_option = click.option("--shard-size", default="1GB", show_default=True,
                                  callback=lambda ctx, param, value: _parse_size(value),
                                  help="Largest safetensors shard; bounds the converter's memory.")
+reference_device_option = click.option(
+    "--reference-device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True,
+    help="Where the torch reference of validation runs (fp32; auto: CUDA, else MPS, else the CPU).")
 
 convert_options = [
     click.argument("source"),
@@ -110,9 +113,12 @@ convert_options = [
                  help="Output directory (default: ESMC-<name>[-<q>]-mlx in the current directory)."),
     click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
                  help="Float dtype of the output (default: the source's)."),
-    click.option("--q", "q", metavar="SPEC",
+    click.option("--q", "q", metavar="SPEC", multiple=True,
                  help="Quantize: 8 6 5 4 3 2 (affine bits), mxfp4, mxfp8, nvfp4, or a mixed recipe "
-                      "(mixed_2_6 mixed_3_4 mixed_3_6 mixed_4_6 mixed_4_8)."),
+                      "(mixed_2_6 mixed_3_4 mixed_3_6 mixed_4_6 mixed_4_8). Repeat for several precisions "
+                      "from one read of the source: -o DIR then holds one sub-directory per spec "
+                      "(4bit, 8bit, mxfp4, mixed_4_6; -g<N> appended for --group-size N), all validated "
+                      "against one pass of the original."),
     group_size_option,
     quantize_head_option,
     click.option("--revision", help="Hub revision (branch, tag or commit) of the source."),
@@ -125,6 +131,7 @@ convert_options = [
     click.option("--validate/--no-validate", "validate", default=None,
                  help="Validate the output against SOURCE (report in OUT/validation/). Default: on when "
                       "torch and transformers are installed."),
+    reference_device_option,
 ]
 
 
@@ -159,11 +166,18 @@ def _parse_size(text: str) -> int:
 
 
 def run_convert(source, output, dtype, q, group_size, revision, force, shard_size, upload_repo=None, private=False,
-                quantize_head=False, validate=None):
-    convert_validate_push(source, output, dtype=dtype, q=q, group_size=group_size, quantize_head=quantize_head,
-                          revision=revision, force=force, shard_bytes=shard_size,
-                          validate_output=validate, upload_repo=upload_repo, private=private,
-                          command=_command_line(), log=click.echo)
+                quantize_head=False, validate=None, reference_device="auto"):
+    specs = list(q) if isinstance(q, (list, tuple)) else [q]
+    common = dict(dtype=dtype, group_size=group_size, quantize_head=quantize_head, revision=revision, force=force,
+                  shard_bytes=shard_size, validate_output=validate, command=_command_line(),
+                  reference_device=reference_device, log=click.echo)
+    if len(specs) > 1:  # one read of the source, one sub-directory per spec, one reference pass
+        if upload_repo:
+            raise click.UsageError("--upload-repo takes one --q; publish each sub-directory with `esmc-mlx push`")
+        convert_validate_many(source, output, specs, **common)
+        return
+    convert_validate_push(source, output, q=specs[0] if specs else None, upload_repo=upload_repo, private=private,
+                          **common)
 
 
 EXAMPLES = """
@@ -288,12 +302,14 @@ def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
               help="MLX compute dtype (default: as `load` picks; float32 on the CPU).")
 @click.option("--revision", help="Hub revision of the reference.")
+@reference_device_option
 def validate(mlx_dir, reference, sequences, report_dir, max_length, quick, threshold, quality_gate, mode, dtype,
-             revision):
+             revision, reference_device):
     report = run_validation(mlx_dir, reference, sequences=sequences, report_dir=report_dir,
                             thresholds=_parse_thresholds(threshold), max_length=max_length or (256 if quick else None),
                             marginal_positions=8 if quick else 24, mode=mode, quality_gate=quality_gate,
-                            compute_dtype=dtype, revision=revision, progress=True)
+                            compute_dtype=dtype, revision=revision, progress=True,
+                            reference_device=reference_device)
     click.echo(report.summary())
     click.echo(f"Report: {report.directory / 'report.md'}")
     if not report.passed:

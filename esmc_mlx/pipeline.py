@@ -6,12 +6,14 @@ asked (or by default when torch is installed), and publish only a validated arti
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
 from typing import Callable
 
 from .convert import prepare, write_artifact
+from .convert.many import prepare_many, spec_label, write_many
 from .convert.writer import DEFAULT_SHARD_BYTES
 from .errors import ValidationError
 from .outputs import StagedDirectory, check_target
@@ -39,12 +41,13 @@ def convert_validate_push(source: str, output: str | Path | None = None, *, dtyp
                           revision: str | None = None, force: bool = False,
                           shard_bytes: int = DEFAULT_SHARD_BYTES, validate_output: bool | None = None,
                           upload_repo: str | None = None, private: bool = False, command: str | None = None,
-                          log: Callable[[str], None] = print) -> PipelineResult:
+                          reference_device: str = "auto", log: Callable[[str], None] = print) -> PipelineResult:
     """Convert ``source`` to ``output`` (default ``default_output``), validate it, and publish it
     to ``upload_repo`` when given.
 
     ``validate_output``: True validates (ValidationError if torch is missing, before converting),
-    False skips, None validates when torch and transformers are installed. Raises the library's
+    False skips, None validates when torch and transformers are installed; ``reference_device``:
+    where validation's torch reference runs (auto, cpu, cuda, mps). Raises the library's
     errors; a failed validation raises ValidationError naming where the failed artifact and its
     report are kept: beside an existing ``output``, which stays as it was, as ``OUT.failed-<time>``;
     at ``output`` when there was none. Nothing is uploaded.
@@ -67,7 +70,8 @@ def convert_validate_push(source: str, output: str | Path | None = None, *, dtyp
             log("Note: not validated (torch/transformers not installed); run `esmc-mlx validate` later.")
         else:
             log(f"Validating the conversion against {source} before it goes to {out} ...")
-            result.report = validate(stage.path, source, revision=revision, progress=True, artifact_path=out)
+            result.report = validate(stage.path, source, revision=revision, progress=True, artifact_path=out,
+                                     reference_device=reference_device)
             log(result.report.summary())
             if not result.report.passed:
                 failed = ", ".join(c.name for c in result.report.failed)
@@ -89,3 +93,52 @@ def convert_validate_push(source: str, output: str | Path | None = None, *, dtyp
             result.push = push_artifact(out, upload_repo, private=private)
             log(result.push.summary())
     return result
+
+
+def convert_validate_many(source: str, output: str | Path | None, specs: list[str | None], *,
+                          dtype: str | None = None, group_size: int | None = None, quantize_head: bool = False,
+                          revision: str | None = None, force: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                          validate_output: bool | None = None, command: str | None = None,
+                          reference_device: str = "auto", log: Callable[[str], None] = print) -> list[PipelineResult]:
+    """Several precisions of ``source`` from one read of it (``esmc_mlx.convert.many``):
+    ``output``/<label> per spec (``4bit``, ``mxfp4``, ...; ``spec_label``), each validated in its
+    staging directory before it goes into place, as ``convert_validate_push`` does for one; the
+    original's outputs on the panel are computed for the first and taken from validation's
+    reference cache by the others. Raises ValidationError, once every artifact is validated,
+    naming those that failed and where each is kept."""
+    out = Path(output) if output else default_output(source, None, dtype)
+    if validate_output and not validation_available():  # fail before an hour of converting
+        raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
+    labels = [spec_label(q, dtype, group_size) for q in specs]
+    for label in labels:
+        check_target(out / label, force)  # before downloading anything
+    jobs = prepare_many(source, specs, dtype, group_size, quantize_head, revision, command)
+    results, failures = [], []
+    with contextlib.ExitStack() as stack:
+        stages = [stack.enter_context(StagedDirectory(out / label, force, sources=job.inputs))
+                  for label, job in jobs.items()]
+        write_many(list(jobs.values()), [s.path for s in stages], shard_bytes)
+        wanted = validate_output is not False and validation_available()
+        if validate_output is None and not wanted:
+            log("Note: not validated (torch/transformers not installed); run `esmc-mlx validate` later.")
+        for label, stage in zip(jobs, stages):
+            target, report = out / label, None
+            if wanted:
+                log(f"Validating {label} against {source} before it goes to {target} ...")
+                report = validate(stage.path, source, revision=revision, progress=True, artifact_path=target,
+                                  reference_device=reference_device)
+                log(report.summary())
+            if report is not None and not report.passed and os.path.lexists(target):
+                where = stage.keep_failed()  # the old output stays as it was
+            else:
+                where = stage.publish()
+            log(f"Wrote {where}")
+            if report is not None:
+                report.directory = where / "validation"
+                log(f"Report: {report.directory / 'report.md'}")
+                if not report.passed:
+                    failures.append(f"{label} ({', '.join(c.name for c in report.failed)}; kept at {where})")
+            results.append(PipelineResult(where, report))
+    if failures:
+        raise ValidationError("validation failed for " + "; ".join(failures) + ". Nothing is uploaded.")
+    return results

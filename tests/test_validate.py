@@ -24,6 +24,13 @@ FAST = {"max_length": 40, "marginal_positions": 6}  # the bundled panel, cropped
 TINY = PACKAGED / "esmc-tiny"
 
 
+@pytest.fixture(autouse=True)
+def reference_cache(tmp_path, monkeypatch):
+    """Every test its own cache of the original's outputs (none in the user's ~/.cache)."""
+    monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 def run(artifact, source, tmp_path, **kw):
     requires_torch()  # the reference side
     return validate(artifact, str(source), report_dir=tmp_path / "report", **{**FAST, "plot": False, **kw})
@@ -90,6 +97,15 @@ def test_bundled_panel_has_what_the_issue_asks():
     chained = [b for b in batches if b.sequence_id is not None]
     assert len(chained) == 1 and chained[0].sequence_id.max() == 1
     assert all(b.input_ids.size <= 4096 or len(b.rows) == 1 for b in batches)
+    # designed for cost: little padding, one long record, marginal rows short windows
+    padded = sum(b.input_ids.size for b in batches)
+    assert padded <= 1.1 * panel.tokens, (padded, panel.tokens)
+    assert sum(n > 256 for n in lengths) == 1 and len(records) >= 14
+    assert all(len(i.tokens) <= 64 for i in marginal)
+    for i in marginal:  # the recorded position is the masked one, and the wild type is the record's
+        record = next(r for r in records if r.name == i.marginal[0])
+        assert i.tokens[i.marginal[1]] == "<mask>" and i.marginal[2] in record.tokens
+    assert panel.digest != build_panel(max_length=256).digest
 
 
 def test_user_fasta_replaces_the_panel(tmp_path):
@@ -123,6 +139,41 @@ def test_layered_torch_reference_equals_the_full_model(checkpoints, reference_mo
         assert rel_l2(full.logits[row], direct[r, : len(full.logits[row])]) <= 1e-6
 
 
+def test_weights_sums_agree_on_the_gpu_and_cpu_paths(monkeypatch):
+    """The weights check's sums: MLX all at once (GPU), numpy (CPU); NaN named, fp32 overflow exact."""
+    import esmc_mlx.validate.core as core
+
+    pairs = {"w": (mx.random.normal((64, 48), key=mx.random.key(1)), mx.random.normal((64, 48), key=mx.random.key(2))),
+             "nan": (mx.array([1.0, float("nan")]), mx.array([1.0, 2.0])),
+             "huge": (mx.array([3e20]), mx.array([1e20]))}
+    on_cpu = core._sums_of_squares(pairs)
+    monkeypatch.setattr(core.mx, "default_device", lambda: mx.gpu)  # the GPU branch, computed here
+    on_gpu = core._sums_of_squares(pairs)
+    for name in pairs:
+        assert on_cpu[name][2:] == on_gpu[name][2:]
+    assert on_cpu["nan"][2:] == (False, True)
+    assert on_cpu["w"][:2] == pytest.approx(on_gpu["w"][:2], rel=1e-5)
+    assert on_cpu["huge"][:2] == on_gpu["huge"][:2] and on_cpu["huge"][:2] == pytest.approx((4e40, 1e40), rel=1e-6)
+
+
+def test_weights_travel_to_the_device_exactly(q4, checkpoints, tmp_path):
+    """Off the CPU, weights bf16 holds exactly go as bf16 and are widened there: same fp32 values."""
+    import torch
+
+    from esmc_mlx.validate.weights import to_device, to_torch
+
+    mxfp4 = convert(str(checkpoints["published"]), tmp_path / "mxfp4", q="mxfp4", progress=False)
+    for directory in (q4, mxfp4):
+        artifact = ArtifactWeights(directory)
+        for name, a in artifact.get_mx(names_for(artifact.config, "esmc.layers.0.")).items():
+            narrowed, plain = to_device(a, "cpu", narrow=True), to_torch(a)
+            assert narrowed.dtype == torch.float32 and torch.equal(narrowed, plain), name
+    exact = mx.array([1.5, -0.25, 3.0e-3], dtype=mx.bfloat16).astype(mx.float32)
+    inexact = mx.array([1.0 + 2.0**-12, 0.1])
+    for a in (exact, inexact):
+        assert torch.equal(to_device(a, "cpu", narrow=True), to_torch(a))
+
+
 @pytest.mark.parametrize("which", ["fp32", "q4"])
 def test_layered_mlx_equals_the_runtime(which, converted, q4):
     artifact = ArtifactWeights(converted if which == "fp32" else q4)
@@ -151,12 +202,19 @@ def test_correct_artifact_passes_with_a_complete_report(converted, checkpoints, 
     assert all({"name", "value", "threshold", "passed"} <= set(c) for c in data["checks"])
     assert all(data["versions"][k] for k in ("esmc_mlx", "mlx", "torch", "transformers"))
     assert data["reference_mode"]["torch"] == "full" and data["reference_mode"]["torch_dtype"] == "float32"
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    assert data["reference_mode"]["torch_device"].startswith(device)  # auto: the fastest device present
+    # lossless: the artifact's weights are the original's, so one torch pass serves both questions
+    assert "torch_artifact" in data["reference_mode"]["shared"] and "torch_artifact" not in data["resources"]["timings"]
     assert set(data["artifact"]["files"]) == {"config.json", "model.safetensors"}  # what was validated
     assert all(len(h) == 64 for h in data["artifact"]["files"].values())
     # random weights: quality is computed, reported, and informational
     assert data["quality"]["reference_trained"] is False and data["quality"]["enforced"] is False
     md = (tmp_path / "report" / "report.md").read_text()
     assert "PASSED" in md and "](per_position.png)" in md and "informational" in md
+    assert f"fp32 on {device}" in md
     assert (tmp_path / "report" / "per_position.png").stat().st_size > 10_000
 
 
@@ -187,9 +245,12 @@ def test_damaged_artifact_fails_naming_the_check(kind, caught_by, converted, q4,
     artifact = damaged_copy(q4 if kind == "scale_zeroed" else converted, tmp_path, kind)
     report = run(artifact, checkpoints["published"], tmp_path)
     assert not report.passed and caught_by in failed(report), report.summary()
-    # the runtime still computes what torch computes on those (damaged) weights: the two
-    # questions are answered separately
-    assert report.check("fidelity_logits").passed
+    if caught_by == "config":  # fails fast: no forward pass runs on a contradicting config
+        assert report.data["stopped_before_panel"] == "config" and report.data["fidelity"] is None
+    else:
+        # the runtime still computes what torch computes on those (damaged) weights: the two
+        # questions are answered separately
+        assert report.check("fidelity_logits").passed
     data = json.loads((tmp_path / "report" / "report.json").read_text())
     assert data["passed"] is False and any(c["name"] == caught_by and not c["passed"] for c in data["checks"])
     assert "FAILED" in (tmp_path / "report" / "report.md").read_text()
@@ -203,6 +264,83 @@ def test_missing_tensor_fails_without_a_traceback(converted, checkpoints, tmp_pa
     assert {"weights", "artifact_loads"} <= failed(report)
     assert "esmc.layers.1.self_attn.k_norm.weight missing" in report.check("weights").detail
     assert json.loads((tmp_path / "report" / "report.json").read_text())["passed"] is False
+
+
+def test_config_mismatch_fails_before_any_panel_work(converted, checkpoints, tmp_path, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a forward pass ran on a config that contradicts the reference")
+
+    for name in ("run_full", "run_layered", "layered_steps"):
+        monkeypatch.setattr(mlx_side, name, refuse)
+        monkeypatch.setattr(reference, name, refuse)
+    artifact = damaged_copy(converted, tmp_path, "wrong_heads")
+    report = run(artifact, checkpoints["published"], tmp_path)
+    assert failed(report) == {"config"} and report.data["stopped_before_panel"] == "config"
+    data = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert data["passed"] is False and "num_attention_heads: artifact 4, reference 2" in data["checks"][0]["detail"]
+    assert "Stopped before any forward pass (config)" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_nan_weights_fail_fast_with_a_clear_report(converted, checkpoints, tmp_path, monkeypatch):
+    artifact = tmp_path / "nan"
+    shutil.copytree(converted, artifact)
+
+    def poison(w):
+        t = w["esmc.layers.1.mlp.up_proj.weight"]
+        w["esmc.layers.1.mlp.up_proj.weight"] = mx.where(mx.arange(t.size).reshape(t.shape) == 7, mx.nan, t)
+
+    edit_weights(artifact, poison)
+    monkeypatch.setattr(mlx_side, "run_full", lambda *a, **k: pytest.fail("the panel ran on NaN weights"))
+    report = run(artifact, checkpoints["published"], tmp_path, plot=True)
+    assert not report.passed and failed(report) == {"weights"}
+    assert "esmc.layers.1.mlp.up_proj.weight: NaN or Inf in the artifact" in report.check("weights").detail
+    data = json.loads((tmp_path / "report" / "report.json").read_text())  # valid JSON: no NaN in it
+    assert data["passed"] is False and data["stopped_before_panel"] == "non-finite weights"
+    assert "FAILED" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_overflowing_outputs_fail_and_the_report_is_still_json(converted, checkpoints, tmp_path):
+    artifact = tmp_path / "overflow"
+    shutil.copytree(converted, artifact)
+    name = "esmc.layers.0.post_attention_layernorm.weight"
+    edit_weights(artifact, lambda w: w.__setitem__(name, w[name] * 1e30))  # finite weights, Inf/NaN outputs
+    report = run(artifact, checkpoints["published"], tmp_path, plot=True)
+    assert {"weights", "finite_outputs"} <= failed(report), report.summary()
+    assert "NaN or Inf in the outputs" in report.check("finite_outputs").detail
+    data = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert data["passed"] is False and "finite_outputs" in {c["name"] for c in data["checks"] if not c["passed"]}
+
+
+def test_reference_cache_hit_is_identical_and_misses_on_change(q4, checkpoints, tmp_path, reference_cache):
+    first = run(q4, checkpoints["published"], tmp_path)
+    assert first.data["reference_cache"]["hit"] is False and "torch_original" in first.data["resources"]["timings"]
+    assert len(list((reference_cache / "reference").glob("*.npz"))) == 1
+    second = run(q4, checkpoints["published"], tmp_path)
+    assert second.data["reference_cache"]["hit"] is True
+    assert "torch_original" not in second.data["resources"]["timings"]  # the original's pass skipped
+    assert second.data["checks"] == first.data["checks"]
+    assert second.data["quality"] == first.data["quality"] and second.data["fidelity"] == first.data["fidelity"]
+    # another panel misses
+    assert run(q4, checkpoints["published"], tmp_path, max_length=30).data["reference_cache"]["hit"] is False
+    # a changed source file misses (same path, same size, new bytes)
+    changed = tmp_path / "changed"
+    shutil.copytree(checkpoints["published"], changed)
+    assert run(q4, changed, tmp_path).data["reference_cache"]["hit"] is True  # a copy: same bytes, same entry
+    weights = dict(mx.load(str(changed / "model.safetensors")))
+    weights["esmc.norm.weight"] = weights["esmc.norm.weight"] * 1.5
+    mx.save_safetensors(str(changed / "model.safetensors"), weights, metadata={"format": "pt"})
+    assert run(q4, changed, tmp_path).data["reference_cache"]["hit"] is False
+    assert run(q4, checkpoints["published"], tmp_path, cache=False).data["reference_cache"] == {"used": False}
+
+
+def test_layered_report_equals_full_report(q4, checkpoints, tmp_path):
+    full = run(q4, checkpoints["published"], tmp_path, mode="full", cache=False)
+    layered = run(q4, checkpoints["published"], tmp_path, mode="layered", cache=False)
+    assert layered.data["reference_mode"]["torch"] == "layered" and "sweep" in layered.data["resources"]["timings"]
+    for c in full.checks:
+        other = layered.check(c.name)
+        assert other.passed == c.passed
+        assert c.value == pytest.approx(other.value, rel=1e-3, abs=1e-6), c.name
 
 
 def test_quality_gate_on_catches_damage_through_the_outputs(converted, checkpoints, tmp_path):
@@ -307,3 +445,75 @@ def test_trained_tiny_4bit_passes_and_a_perturbed_fp32_fails_quality(tmp_path):
     # names it; the lossless row's hidden-state bound sees it too
     assert {"weights", "hidden_rel_err"} <= failed(report), report.summary()
     assert "esmc.layers.1.mlp.up_proj.weight" in report.check("weights").detail
+
+
+# --- several precisions of one source --------------------------------------------------------------
+def test_convert_many_reads_once_and_writes_what_convert_writes(checkpoints, tmp_path, monkeypatch):
+    from esmc_mlx.convert import sources
+    from esmc_mlx.convert.many import convert_many
+
+    reads: list[str] = []
+    opened = sources.open_checkpoint
+
+    def counting(src):
+        ckpt = opened(src)
+        read = ckpt.read
+        ckpt.read = lambda name: reads.append(name) or read(name)
+        return ckpt
+
+    monkeypatch.setattr("esmc_mlx.convert.open_checkpoint", counting)
+    outs = convert_many(str(checkpoints["published"]), tmp_path / "many", ["4", "mxfp4", None], progress=False)
+    assert list(outs) == ["4bit", "mxfp4", "float"] and all(p.parent == tmp_path / "many" for p in outs.values())
+    # every source tensor read once for the three outputs
+    from esmc_mlx.resolve import resolve
+
+    assert len(reads) == len(set(reads)) == len(opened(resolve(str(checkpoints["published"]))).shapes)
+    for label, q in (("4bit", "4"), ("mxfp4", "mxfp4"), ("float", None)):
+        alone = convert(str(checkpoints["published"]), tmp_path / f"alone-{label}", q=q, progress=False)
+        a, b = mx.load(str(outs[label] / "model.safetensors")), mx.load(str(alone / "model.safetensors"))
+        assert set(a) == set(b) and all(mx.array_equal(a[k], b[k]).item() for k in a), label
+        ca, cb = (json.loads((d / "config.json").read_text()) for d in (outs[label], alone))
+        assert ca.get("quantization") == cb.get("quantization")
+    with pytest.raises(Exception, match="exists"):
+        convert_many(str(checkpoints["published"]), tmp_path / "many", ["4"], progress=False)
+    # the second precision's validation takes the original's outputs from the cache
+    first = run(outs["mxfp4"], checkpoints["published"], tmp_path)
+    second = run(outs["4bit"], checkpoints["published"], tmp_path)
+    assert not first.data["reference_cache"]["hit"] and second.data["reference_cache"]["hit"]
+    # the command line: --q repeated, one sub-directory per spec, each validated, the original once
+    import esmc_mlx.validate.core as core
+
+    monkeypatch.setattr(core, "build_panel", lambda *a, **k: build_panel(max_length=30, marginal_positions=4))
+    result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(tmp_path / "cli"),
+                                               "--q", "8", "--q", "mxfp8"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "cli").iterdir() if not p.name.startswith(".")) == ["8bit", "mxfp8"]
+    hits = [json.loads((tmp_path / "cli" / d / "validation" / "report.json").read_text())["reference_cache"]["hit"]
+            for d in ("8bit", "mxfp8")]
+    assert hits == [False, True] and result.output.count("Validation PASSED") == 2
+
+
+def test_reference_device_option(converted, checkpoints, tmp_path):
+    import torch
+
+    runner = CliRunner()
+    absent = "cuda" if not torch.cuda.is_available() else None
+    if absent:
+        result = runner.invoke(main, ["validate", str(converted), "--reference", str(checkpoints["published"]),
+                                      "--reference-device", absent, "--report", str(tmp_path / "r")])
+        assert result.exit_code == 1 and "--reference-device cuda" in result.output and "no CUDA" in result.output
+    result = runner.invoke(main, ["validate", str(converted), "--reference", str(checkpoints["published"]),
+                                  "--reference-device", "cpu", "--max-length", "30", "--report", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "c" / "report.json").read_text())["reference_mode"]["torch_device"] == "cpu (fp32)"
+    bad = runner.invoke(main, ["validate", str(converted), "--reference", "x", "--reference-device", "tpu"])
+    assert bad.exit_code == 2
+
+
+def test_explicit_validate_without_torch_fails_before_converting(checkpoints, tmp_path, monkeypatch):
+    import esmc_mlx.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "validation_available", lambda: False)
+    out = tmp_path / "never"
+    result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(out), "--validate"])
+    assert result.exit_code == 1 and "--validate needs torch" in result.output and not out.exists()

@@ -3,7 +3,8 @@
 ``full`` is what users run (``esmc_mlx.load``). ``layered`` builds the runtime's own modules
 (``runtime.model.Layer``, ``MaskedLMHead``; quantized exactly where the artifact is, by the
 rule of ``runtime.quantized.quantize_modules``) one layer at a time and runs ``ESMC.__call__``'s
-loop, so that a 6B artifact is checked without holding it whole in fp32.
+loop, so that a 6B artifact is checked without holding it whole in fp32. ``layered_steps`` is
+that loop as a generator, stepped in the same sweep as the torch references.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ..runtime.load import compute_dtype_for_device, load
 from ..runtime.model import Layer, MaskedLMHead, attention_mask_for
 from ..runtime.quantized import quantize_modules
 from .panel import Batch
-from .reference import Outputs, collect, unpad
+from .reference import Outputs, collect, drain, unpad
 from .weights import ArtifactWeights
 
 
@@ -85,6 +86,12 @@ def _materialize(module: nn.Module, artifact: ArtifactWeights, prefix: str, dtyp
 
 def run_layered(artifact: ArtifactWeights, batches: list[Batch], n_inputs: int, dtype: mx.Dtype,
                 on_step: Callable[[], None] | None = None) -> Outputs:
+    return drain(layered_steps(artifact, batches, n_inputs, dtype), on_step)
+
+
+def layered_steps(artifact: ArtifactWeights, batches: list[Batch], n_inputs: int, dtype: mx.Dtype):
+    """``run_layered`` as a generator: yields after the embedding and after each layer, returns
+    the Outputs (the same steps as ``reference.layered_steps``)."""
     config = artifact.config
     embed = _materialize(_Holder(embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size)), artifact,
                          "esmc.", dtype, select="esmc.embed_tokens.").embed_tokens
@@ -95,6 +102,7 @@ def run_layered(artifact: ArtifactWeights, batches: list[Batch], n_inputs: int, 
         states.append(embed(mx.array(batch.input_ids)))
     mx.eval(states)
     del embed
+    yield
     for i in range(config.num_hidden_layers):
         layer = _materialize(Layer(config), artifact, f"esmc.layers.{i}.", dtype)
         for b in range(len(batches)):
@@ -102,8 +110,7 @@ def run_layered(artifact: ArtifactWeights, batches: list[Batch], n_inputs: int, 
             mx.eval(states[b])
         del layer
         mx.clear_cache()
-        if on_step:
-            on_step()
+        yield
     norm = _materialize(_Holder(norm=nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=False)),
                         artifact, "esmc.", dtype, select="esmc.norm.").norm
     head = _materialize(MaskedLMHead(config), artifact, "lm_head.", dtype)

@@ -1,13 +1,17 @@
 """The sequences validation runs: real proteins, plus inputs derived from them, in padded batches.
 
 From the records of a FASTA file (the bundled ``data/panel.fasta`` unless the user gives one):
-  * every record, cropped to ``max_length`` residues when asked;
+  * every record: the longest whole (positions past the 1,024-residue training crop), every
+    other one cropped to its first ``record_window`` residues (``max_length`` crops them all);
   * a two-chain input: two records joined by the chain break ``|`` (run with ``sequence_id``);
   * ``<mask>`` inputs: records with 15% of their residues replaced by ``<mask>``;
-  * masked-marginal rows: one row per sampled (record, position), that residue masked; their
-    logits give the variant scores whose Spearman correlation quality reports.
-Inputs are sorted by length and packed into right-padded batches of bounded token count, so
-padding is exercised as users exercise it.
+  * masked-marginal rows: one row per sampled (record, position), that residue masked in a
+    window of ``marginal_window`` residues around it; their logits give the variant scores
+    whose Spearman correlation quality reports.
+Cost (docs/validation.md): attention grows with the square of a row's length, so the long
+record is there once, and the 24 marginal rows are short windows rather than 24 copies of a
+record. Inputs are sorted by length and packed into right-padded batches of bounded token count
+and bounded length spread (``PAD_SLACK``), so padding is exercised but costs little.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from ..vocab import AMINO_ACIDS
 
 PANEL_PATH = Path(__file__).resolve().parent.parent / "data" / "panel.fasta"
 MASK = "<mask>"
+RECORD_WINDOW = 256  # residues kept of every record but the longest
+MARGINAL_WINDOW = 64  # residues of context around a masked-marginal position
+PAD_SLACK = 1.25  # a batch's longest row is at most this times its shortest (plus a few tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +38,7 @@ class Input:
     name: str
     tokens: tuple[str, ...]  # residue tokens, without <cls>/<eos>
     kind: str  # record | two-chain | masked | marginal
-    marginal: tuple[str, int, str] | None = None  # (record name, 0-based position, wild-type residue)
+    marginal: tuple[str, int, str] | None = None  # (record name, 0-based position in this row, wild-type residue)
 
     @property
     def text(self) -> str:
@@ -61,21 +68,33 @@ class Panel:
     def tokens(self) -> int:
         return sum(i.length for i in self.inputs)
 
+    @property
+    def digest(self) -> str:
+        """sha256 of the inputs themselves (names, kinds, tokens): what a cached reference
+        output was computed on, whatever file or options produced them."""
+        h = hashlib.sha256()
+        for i in self.inputs:
+            h.update(f"{i.kind}\t{i.name}\t{' '.join(i.tokens)}\t{i.marginal}\n".encode())
+        return h.hexdigest()
+
     def describe(self) -> dict:
         kinds: dict[str, int] = {}
         for i in self.inputs:
             kinds[i.kind] = kinds.get(i.kind, 0) + 1
         lengths = [len(i.tokens) for i in self.inputs if i.kind == "record"]
-        return {"source": self.source, "sha256": self.sha256, "inputs": len(self.inputs), "by_kind": kinds,
-                "tokens": self.tokens, "record_lengths": lengths, "max_length": self.max_length}
+        return {"source": self.source, "sha256": self.sha256, "digest": self.digest, "inputs": len(self.inputs),
+                "by_kind": kinds, "tokens": self.tokens, "record_lengths": lengths, "max_length": self.max_length}
 
     def batches(self, max_tokens: int = 4096) -> list[Batch]:
-        """Right-padded batches, rows sorted by length, B x L <= max_tokens (one row at least)."""
+        """Right-padded batches, rows sorted by length, B x L <= max_tokens (one row at least),
+        the longest row of a batch at most PAD_SLACK times its shortest (+8 tokens)."""
         tok = ESMCTokenizer()
         order = sorted(range(len(self.inputs)), key=lambda i: self.inputs[i].length)
         groups: list[list[int]] = []
         for i in order:
-            if groups and (len(groups[-1]) + 1) * self.inputs[i].length <= max_tokens:
+            length = self.inputs[i].length
+            if (groups and (len(groups[-1]) + 1) * length <= max_tokens
+                    and length <= PAD_SLACK * self.inputs[groups[-1][0]].length + 8):
                 groups[-1].append(i)
             else:
                 groups.append([i])
@@ -90,14 +109,24 @@ class Panel:
 
 
 def build_panel(fasta: str | Path | None = None, max_length: int | None = None, masked_inputs: int = 2,
-                marginal_positions: int = 24, seed: int = 0) -> Panel:
+                marginal_positions: int = 24, seed: int = 0, record_window: int | None = RECORD_WINDOW,
+                marginal_window: int | None = MARGINAL_WINDOW) -> Panel:
     """Read ``fasta`` (default: the bundled panel) and derive the two-chain, ``<mask>`` and
-    masked-marginal inputs. Raises FastaError (an EsmcMlxError) for an unreadable file."""
+    masked-marginal inputs. ``max_length`` crops every record; otherwise the longest stays whole
+    and the others are cut to ``record_window`` residues (None: all whole). Marginal rows see
+    ``marginal_window`` residues around their position (None: the whole record). Raises
+    FastaError (an EsmcMlxError) for an unreadable file."""
     path = Path(fasta) if fasta is not None else PANEL_PATH
     records = read_fasta(path)
     rng = np.random.default_rng(seed)
-    crop = (lambda s: s[:max_length]) if max_length else (lambda s: s)
-    recs = [(r.id, tuple(crop(r.sequence))) for r in records]
+    longest = max(range(len(records)), key=lambda k: len(records[k].sequence)) if records else -1
+
+    def crop(k: int, seq: str) -> str:
+        if max_length:
+            return seq[:max_length]
+        return seq if k == longest or not record_window else seq[:record_window]
+
+    recs = [(r.id, tuple(crop(k, r.sequence))) for k, r in enumerate(records)]
     inputs = [Input(name, toks, "record") for name, toks in recs]
     by_length = sorted(recs, key=lambda r: len(r[1]))
     if len(recs) >= 2:  # the two shortest records that are not tiny, as chain A | chain B
@@ -109,7 +138,7 @@ def build_panel(fasta: str | Path | None = None, max_length: int | None = None, 
         hide = rng.choice(len(toks), size=max(1, round(0.15 * len(toks))), replace=False)
         masked = tuple(MASK if i in set(hide.tolist()) else t for i, t in enumerate(toks))
         inputs.append(Input(f"{name} (15% masked)", masked, "masked"))
-    inputs.extend(_marginal_rows(recs, marginal_positions, rng))
+    inputs.extend(_marginal_rows(recs, marginal_positions, rng, marginal_window))
     digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
     return Panel(inputs, str(path) if fasta is not None else "esmc_mlx/data/panel.fasta", digest, max_length)
 
@@ -124,7 +153,7 @@ def _spread(records: list[tuple[str, tuple[str, ...]]], n: int) -> list[tuple[st
     return [pool[i] for i in dict.fromkeys(picks.tolist())]
 
 
-def _marginal_rows(records, positions: int, rng) -> list[Input]:
+def _marginal_rows(records, positions: int, rng, window: int | None) -> list[Input]:
     chosen = _spread(sorted(records, key=lambda r: len(r[1])), min(3, positions))
     rows = []
     for k, (name, toks) in enumerate(chosen):
@@ -133,8 +162,12 @@ def _marginal_rows(records, positions: int, rng) -> list[Input]:
         if not candidates or share == 0:
             continue
         for pos in sorted(rng.choice(candidates, size=min(share, len(candidates)), replace=False).tolist()):
-            masked = toks[:pos] + (MASK,) + toks[pos + 1:]
-            rows.append(Input(f"{name} {toks[pos]}{pos + 1}<mask>", masked, "marginal", (name, pos, toks[pos])))
+            start = 0 if not window else min(max(0, pos - window // 2), max(0, len(toks) - window))
+            stop = len(toks) if not window else start + window
+            masked = toks[start:pos] + (MASK,) + toks[pos + 1:stop]
+            where = f" [{start + 1}-{min(stop, len(toks))}]" if (start, stop) != (0, len(toks)) and window else ""
+            rows.append(Input(f"{name} {toks[pos]}{pos + 1}<mask>{where}", masked, "marginal",
+                              (name, pos - start, toks[pos])))
     return rows
 
 

@@ -16,6 +16,7 @@ PLOT_NAME = "per_position.png"
 LABELS = {
     "config": "architecture matches the reference",
     "artifact_loads": "artifact loads",
+    "finite_outputs": "outputs free of NaN and Inf",
     "weights": "weights: max rel. L2 error of a tensor",
     "fidelity_logits": "logits rel. L2 (MLX vs torch, same weights)",
     "fidelity_hidden": "last hidden state rel. L2 (same weights)",
@@ -100,12 +101,17 @@ def markdown(report, plot: str | None) -> str:
                    if not quality.get("reference_trained") else "quality gate off")
             lines.append(f"Quality figures are informational: {why}.")
         lines.append("")
-    if mode["torch"] is None or not quality:
+    if d.get("stopped_before_panel"):
+        lines.append(f"Stopped before any forward pass ({d['stopped_before_panel']}): see the failed checks.")
+        lines.append("")
+    elif mode["torch"] is None or not quality:
         lines.append("The forward passes did not run or did not finish: see the failed checks.")
         lines.append("")
+    cache = d.get("reference_cache") or {}
     lines.append(
-        f"References: transformers `EsmcForMaskedLM` in fp32, {mode['torch']}"
-        f"{' (layer by layer)' if mode['torch'] == 'layered' else ' model'}; MLX {mode['mlx']}, "
+        f"References: transformers `EsmcForMaskedLM` in fp32 on {mode.get('torch_device') or 'n/a'}, {mode['torch']}"
+        f"{' (layer by layer)' if mode['torch'] == 'layered' else ' model'}"
+        f"{'; the original from the cache' if cache.get('hit') else ''}; MLX {mode['mlx']}, "
         f"computing in {mode['mlx_compute_dtype']} on the {d['platform']['mlx_device'].split('(')[-1].split(',')[0]}. "
         f"esmc-mlx {d['versions']['esmc_mlx']}, mlx {d['versions']['mlx']}, torch {d['versions']['torch']}, "
         f"transformers {d['versions']['transformers']}; {d['resources']['seconds']:.0f} s, "
@@ -179,12 +185,12 @@ def plot(report, panel: Panel, path: Path) -> bool:
             axes[0].plot(np.array(masked) + 1, kl[masked], "v", color=color, mec="black", mew=0.4, ms=4)
     thr = d["thresholds"]
     axes[0].axhline(thr["kl_mean"], color="crimson", ls="--", lw=1.2, label=f"bound on mean KL ({thr['kl_mean']:g})")
-    axes[0].axhline(max(quality["kl_mean"], floor), color="black", ls="-.", lw=1.2,
-                    label=f"mean KL ({quality['kl_mean']:.3g})")
+    axes[0].axhline(max(quality["kl_mean"] or floor, floor), color="black", ls="-.", lw=1.2,
+                    label=f"mean KL ({_fmt(quality['kl_mean'])})")
     axes[1].axhline(thr["fidelity_logits"], color="crimson", ls="--", lw=1.2,
                     label=f"bound on pooled error ({thr['fidelity_logits']:g})")
-    axes[1].axhline(max(fidelity["logits_rel_l2"], floor), color="black", ls="-.", lw=1.2,
-                    label=f"pooled error ({fidelity['logits_rel_l2']:.3g})")
+    axes[1].axhline(max(fidelity["logits_rel_l2"] or floor, floor), color="black", ls="-.", lw=1.2,
+                    label=f"pooled error ({_fmt(fidelity['logits_rel_l2'])})")
     for ax in axes:
         ax.set_yscale("log")
         ax.grid(True, which="major", alpha=0.3)
@@ -208,6 +214,17 @@ def plot(report, panel: Panel, path: Path) -> bool:
     return True
 
 
+def _finite(obj):
+    """``obj`` with every NaN or Inf float replaced by None (a last guard: core rounds already)."""
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None
+    return obj
+
+
 def write_report(report, panel: Panel, directory: Path, draw: bool = True) -> Path:
     """Write report.json, the plot and report.md into ``directory``, each file whole or not at all
     (a full disk is one error naming the file); a model directory's marker records the folder."""
@@ -216,9 +233,9 @@ def write_report(report, panel: Panel, directory: Path, draw: bool = True) -> Pa
     except OSError as e:
         raise ValidationError(f"cannot create the report folder {directory}: {e.strerror}") from None
     # The files may be published: local paths become relative to the artifact or basenames
-    # (issue 12, rule 9); report.data, in memory, keeps them.
+    # (issue 12, rule 9); report.data, in memory, keeps them. NaN/Inf never reach JSON.
     root = (report.data.get("artifact") or {}).get("path")
-    public = scrub(report.data, root)
+    public = _finite(scrub(report.data, root))  # NaN/Inf never reach JSON
     with output_lock(directory):  # two validations of one artifact never mix their files
         with atomic_file(directory / "report.json") as f:
             f.write(json.dumps(public, indent=1, allow_nan=False) + "\n")

@@ -5,8 +5,12 @@
 * ``ArtifactWeights``: an esmc-mlx directory; quantized tensors come back dequantized with the
   artifact's own quantization record (``mx.dequantize``), in fp32.
 
-Both hand out fp32 torch tensors and never hold more than what was asked for: a validation of
-the 6B keeps one layer of each in memory at a time.
+Both hand out MLX arrays (``get_mx``: what the weights check compares, on MLX's device, torch
+not needed) or fp32 torch tensors on a given device (``get_many``: what the torch references
+load), and never hold more than what was asked for: a validation of the 6B keeps one layer of
+each in memory at a time. ``ArtifactWeights.share_reads()`` keeps the tensors read for one
+layer until ``forget()``, so that the MLX pass and the torch pass on the artifact's weights,
+run in the same sweep, read that layer from disk once.
 """
 
 from __future__ import annotations
@@ -37,6 +41,22 @@ def to_torch(array: mx.array):
     return torch.from_numpy(np.array(array.astype(mx.float32), copy=True))
 
 
+def to_device(array: mx.array, device, narrow: bool | None = None):
+    """An fp32 mx.array as an fp32 torch tensor on ``device``. Off the CPU (``narrow`` None),
+    a tensor that bf16 holds exactly (dequantized mxfp4/nvfp4/mxfp8 weights, bf16-born floats)
+    travels as bf16 and is widened there: half the bytes over the bus, the same fp32 values."""
+    import torch
+
+    if narrow is None:
+        narrow = torch.device(device).type != "cpu"
+    if narrow:
+        half = array.astype(mx.bfloat16)
+        if mx.array_equal(half.astype(mx.float32), array).item():
+            bits = torch.from_numpy(np.array(half.view(mx.int16), copy=True))
+            return bits.view(torch.bfloat16).to(device).float()
+    return to_torch(array).to(device)
+
+
 class SourceWeights:
     """The original checkpoint: alias, Hub repo id, directory or legacy ``.pth``."""
 
@@ -64,39 +84,52 @@ class SourceWeights:
                 self._origin[target] = (name, part, len(targets))
         self._handles: dict[Path, object] = {}  # open (memory-mapped) files; closed after each get_many
         self._last: tuple[str, object] | None = None  # the fused q/k/v is read once for three names
+        self._read_mx = ckpt.read
+        self.files = [*ckpt.files] + ([self.source.path / "config.json"] if self.source.path.is_dir()
+                                      and (self.source.path / "config.json").exists() else [])
 
-    def _read_source(self, name: str):
+    def _read_source(self, name: str, device: str = "cpu"):
         import torch
 
-        if self._last and self._last[0] == name:
+        if self._last and self._last[0] == (name, device):
             return self._last[1]
         if self._pth_read is not None:
-            tensor = to_torch(self._pth_read(name))
+            tensor = to_torch(self._pth_read(name)).to(device)
         else:
             from safetensors import safe_open
 
             f = self._where[name]
-            if f not in self._handles:
-                self._handles[f] = safe_open(str(f), framework="pt")
-            tensor = self._handles[f].get_tensor(name).to(torch.float32)
-        self._last = (name, tensor)
+            if (f, device) not in self._handles:  # straight to the reference's device (GPU: no host copy)
+                self._handles[(f, device)] = safe_open(str(f), framework="pt", device=str(device))
+            tensor = self._handles[(f, device)].get_tensor(name).to(torch.float32)
+        self._last = ((name, device), tensor)
         return tensor
 
     def has(self, name: str) -> bool:
         return name in self._origin
 
-    def get(self, name: str):
+    def get(self, name: str, device: str = "cpu"):
         """One tensor in MLX/transformers naming, fp32 torch. KeyError if the source lacks it."""
         source_name, part, parts = self._origin[name]
-        tensor = self._read_source(source_name)
+        tensor = self._read_source(source_name, device)
         return tensor if parts == 1 else tensor.chunk(parts, dim=0)[part].contiguous()
 
-    def get_many(self, names: list[str]) -> dict:
-        """Several tensors (one layer's); the files are unmapped afterwards, so that the pages
-        read do not stay in this process's resident memory."""
-        out = {n: self.get(n) for n in names}
+    def get_many(self, names: list[str], device: str = "cpu") -> dict:
+        """Several tensors (one layer's) on ``device``; the files are unmapped afterwards, so that
+        the pages read do not stay in this process's resident memory."""
+        out = {n: self.get(n, device) for n in names}
         self._last = None
         self._handles.clear()
+        return out
+
+    def get_mx(self, names: list[str]) -> dict[str, mx.array]:
+        """Several tensors as MLX arrays in the stored dtype (lazy: read when evaluated)."""
+        out, last = {}, None
+        for n in names:
+            source_name, part, parts = self._origin[n]
+            if last is None or last[0] != source_name:
+                last = (source_name, self._read_mx(source_name))
+            out[n] = last[1] if parts == 1 else mx.split(last[1], parts, axis=0)[part]
         return out
 
     def describe(self) -> dict:
@@ -134,21 +167,34 @@ class ArtifactWeights:
                 if name != "__metadata__":
                     self._where[name] = f
                     self.shapes[name] = tuple(info["shape"])
+        self._memo: dict[str, mx.array] | None = None
+
+    def share_reads(self) -> None:
+        """From now on keep what is read until ``forget()`` (one layer's tensors, for two passes)."""
+        self._memo = {}
+
+    def forget(self, stop: bool = False) -> None:
+        """Drop the kept tensors; ``stop``: keep nothing from now on."""
+        self._memo = None if stop or self._memo is None else {}
 
     # --- raw tensors, as MLX holds them ---------------------------------------------------
     def raw_many(self, names: list[str]) -> dict[str, mx.array]:
         """Stored tensors (quantized ones packed), evaluated; one ``mx.load`` per file touched,
         dropped afterwards so that nothing else stays in memory."""
-        out: dict[str, mx.array] = {}
+        memo = self._memo if self._memo is not None else {}
+        out: dict[str, mx.array] = {n: memo[n] for n in names if n in memo}
         by_file: dict[str, list[str]] = {}
         for n in names:
-            by_file.setdefault(self._where[n], []).append(n)
+            if n not in out:
+                by_file.setdefault(self._where[n], []).append(n)
         for f, ns in by_file.items():
             loaded = mx.load(f)
             for n in ns:
                 out[n] = loaded[n]
             del loaded
         mx.eval(list(out.values()))
+        if self._memo is not None:
+            self._memo.update(out)
         return out
 
     def stored_names(self, prefix: str) -> list[str]:
@@ -168,8 +214,13 @@ class ArtifactWeights:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def get_many(self, names: list[str]) -> dict:
-        """Parameters by MLX name (``....weight`` of a quantized module comes back dequantized)."""
+    def get_many(self, names: list[str], device: str = "cpu") -> dict:
+        """Parameters by MLX name as fp32 torch tensors on ``device`` (``....weight`` of a
+        quantized module comes back dequantized)."""
+        return {n: to_device(a, device) for n, a in self.get_mx(names).items()}
+
+    def get_mx(self, names: list[str]) -> dict[str, mx.array]:
+        """Parameters by MLX name, fp32 MLX arrays, quantized ones dequantized."""
         wanted: list[str] = []
         for n in names:
             module = n[: -len(".weight")] if n.endswith(".weight") else None
@@ -183,13 +234,13 @@ class ArtifactWeights:
             module = n[: -len(".weight")] if n.endswith(".weight") else None
             params = self.quant_params(module) if module else None
             if params:
-                out[n] = to_torch(dequantize(raw[n], raw[f"{module}.scales"], raw.get(f"{module}.biases"), params))
+                out[n] = dequantize(raw[n], raw[f"{module}.scales"], raw.get(f"{module}.biases"), params)
             else:
-                out[n] = to_torch(raw[n])
+                out[n] = raw[n].astype(mx.float32)
         return out
 
-    def get(self, name: str):
-        return self.get_many([name])[name]
+    def get(self, name: str, device: str = "cpu"):
+        return self.get_many([name], device)[name]
 
 
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array | None, params: dict) -> mx.array:
