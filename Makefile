@@ -13,8 +13,9 @@ demo: $(STAMP)
 	$(BIN)/esmc-convert tiny -o esmc-tiny-4bit --q 4 --force
 	$(BIN)/esmc-mlx info esmc-tiny-4bit
 
+# PATH as an activated venv has it: tests start the console scripts (esmc-convert) by name.
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
 
