@@ -300,7 +300,7 @@ def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
               help="Run whole models or one layer at a time (auto: layered when a model in fp32 "
                    "would take more than 25% of RAM).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-              help="MLX compute dtype (default: as `load` picks; float32 on the CPU).")
+              help="MLX compute dtype (default: float32, with TF32 off on CUDA: the reference's own precision).")
 @click.option("--revision", help="Hub revision of the reference.")
 @reference_device_option
 def validate(mlx_dir, reference, sequences, report_dir, max_length, quick, threshold, quality_gate, mode, dtype,

@@ -9,6 +9,8 @@ that loop as a generator, stepped in the same sweep as the torch references.
 
 from __future__ import annotations
 
+import os
+
 from typing import Callable
 
 import mlx.core as mx
@@ -16,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..artifact import FLOAT_DTYPES
-from ..runtime.load import compute_dtype_for_device, load
+from ..runtime.load import load
 from ..runtime.model import Layer, MaskedLMHead, attention_mask_for
 from ..runtime.quantized import quantize_modules
 from .panel import Batch
@@ -25,10 +27,23 @@ from .weights import ArtifactWeights
 
 
 
+# MLX's CUDA backend runs float32 matmuls as TF32 unless MLX_ENABLE_TF32=0. Measured on the
+# H200 (mlx 0.32.4): a 512x2560 @ 2560x2560 fp32 matmul is 2.9e-4 from float64 with TF32 and
+# 5.2e-7 without; on a random 6B mxfp4 artifact, fidelity_logits was 1.0e-3 with TF32 and 3.7e-6
+# without (bound 1e-5). The torch reference runs fp32 with TF32 off, so validation does too.
+TF32_ENV = "MLX_ENABLE_TF32"
+
+
 def compute_dtype(artifact: ArtifactWeights, override: str | None = None) -> mx.Dtype:
-    if override:
-        return FLOAT_DTYPES[override]
-    return compute_dtype_for_device(FLOAT_DTYPES.get(artifact.dtype, mx.float32))
+    """The MLX compute dtype of a validation: float32 (TF32 off) unless overridden, the
+    reference's own precision, so that fidelity measures the runtime's function and not bf16
+    rounding: a random 80-layer 6B computed in bf16 is 2.4e-2 from fp32 (measured), above the
+    2e-2 bound of bf16 compute, while in fp32 MLX and torch agree to 3.7e-6. ``artifact`` is
+    unused: the stored dtype does not decide it (the CPU computes in fp32 anyway)."""
+    dtype = FLOAT_DTYPES[override] if override else mx.float32
+    if dtype == mx.float32:
+        os.environ.setdefault(TF32_ENV, "0")  # read by MLX at its first float32 matmul
+    return dtype
 
 
 def _unpad(batch: Batch, logits: mx.array, hidden: mx.array, sink: dict) -> None:
