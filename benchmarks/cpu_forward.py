@@ -6,7 +6,7 @@
   2. Converting a 300M-shaped bf16 checkpoint (published layout) with ``esmc-convert`` in a
      child process: wall time and the child's peak RSS.
 
-    python benchmarks/cpu_forward.py [--out bench-results/cpu] [--source /work/ckpts/300M]
+    python -m benchmarks.cpu_forward [--out bench-results/cpu] [--source /work/ckpts/300M]
 
 Writes OUT/cpu_forward.json and OUT/cpu_forward.png.
 """
@@ -16,19 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import esmc_mlx  # noqa: E402,F401  (OpenBLAS before mlx)
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
 
-from convert_memory import convert_timed  # noqa: E402  (same folder)
-from esmc_mlx import bench  # noqa: E402
-from esmc_mlx.runtime.model import ESMC  # noqa: E402
+from benchmarks import measure
+from benchmarks.convert_memory import convert_timed
+from esmc_mlx import bench
+from esmc_mlx.runtime.model import ESMC
 
 
 def main() -> None:
@@ -59,7 +57,7 @@ def main() -> None:
         weights = {k: mx.array(rng.standard_normal(v.shape, dtype=np.float32) * v.shape[-1] ** -0.5)
                    for k, v in shapes.items()}
         model = bench.mlx_model(config, weights)
-        r = bench.forward_memory(model, None, args.memory_length, 1, 16, None)
+        r = measure.forward_memory(model, None, args.memory_length, 1, 16, None)
         r["scores_bytes_per_layer"] = config.num_attention_heads * args.memory_length**2 * 4
         results["forward_memory"] = [r]
         print(f"300M 1x{args.memory_length} (16 padded) on the CPU: peak {r['mlx']['peak_extra_bytes'] / 2**30:.2f} GiB "

@@ -1,6 +1,6 @@
 """Where a 300M forward spends its time on this CPU, MLX vs torch (the evidence in docs/benchmarks.md).
 
-    python benchmarks/cpu_profile.py [--json docs/bench/cpu_profile.json]
+    python -m benchmarks.cpu_profile [--json docs/bench/cpu_profile.json]
 
   1. forward at 1x256: torch with 1 and with 2 threads, interleaved with the MLX runtime;
   2. the GEMM floor: the block GEMMs at 256 tokens x 30 layers, MLX (OpenBLAS) vs torch;
@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import esmc_mlx  # noqa: E402,F401  (OpenBLAS before mlx)
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
+import mlx.core as mx
+import mlx.nn as nn
 
-from esmc_mlx import bench  # noqa: E402
-from esmc_mlx.runtime.model import Layer  # noqa: E402
+from benchmarks import measure
+from esmc_mlx import bench
+from esmc_mlx.runtime.model import Layer
 
 
 def median_ms(fn, n: int = 7) -> float:
@@ -50,7 +48,7 @@ def main() -> None:
         out["forward"][f"torch_threads_{threads}"] = r
         print(f"1x256, torch {threads} thread(s): torch {r['torch']['median_ms']:.0f} ms, MLX {r['mlx']['median_ms']:.0f} ms, "
               f"torch/MLX {r['torch']['median_ms'] / r['mlx']['median_ms']:.2f}", flush=True)
-        g = bench.gemm_profile(cfg, 256, torch_device="cpu", dtype="float32", reps=3)["forward_gemm_ms"]
+        g = measure.gemm_profile(cfg, 256, torch_device="cpu", dtype="float32", reps=3)["forward_gemm_ms"]
         out["gemm_floor"][f"torch_threads_{threads}"] = g
         print(f"   GEMM floor of a forward: MLX {g['mlx']['unfused_ms']:.0f} ms, torch {g['torch']['unfused_ms']:.0f} ms",
               flush=True)

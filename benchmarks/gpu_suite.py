@@ -15,8 +15,8 @@ in bf16 on CUDA and the MLX model made from its state dict):
 Results go to OUT/gpu_suite.json after every section (a call killed at its time limit
 keeps what was done).
 
-    python benchmarks/gpu_suite.py --out $OUT            # on the GPU machine
-    python benchmarks/gpu_suite.py --smoke --out /tmp/s  # tiny shapes, any machine
+    python -m benchmarks.gpu_suite --out $OUT            # on the GPU machine
+    python -m benchmarks.gpu_suite --smoke --out /tmp/s  # tiny shapes, any machine
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import esmc_mlx  # noqa: E402,F401  (OpenBLAS before mlx on Linux CPUs)
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 
-from esmc_mlx import bench  # noqa: E402
+from benchmarks import measure
+from esmc_mlx import bench
 
 START = time.time()
 SECTIONS = ("matmul", "forward", "memory", "gemm", "quant", "attention", "quant_matmul")
@@ -86,7 +85,7 @@ def main() -> None:
 
     log("machine", json.dumps(results["machine"]))
     if "matmul" in want:
-        results["matmul"] = bench.matmul_rates(256 if args.smoke else 8192, dtype, torch_device if gpu else None)
+        results["matmul"] = measure.matmul_rates(256 if args.smoke else 8192, dtype, torch_device if gpu else None)
         log("matmul", results["matmul"])
         save()
 
@@ -114,7 +113,7 @@ def main() -> None:
             for variant in (bench.DEFAULT_VARIANT, "mlx"):
                 for padded in (0, 16):
                     try:
-                        r = bench.forward_memory(variants[variant], tmodel if variant == bench.DEFAULT_VARIANT else None,
+                        r = measure.forward_memory(variants[variant], tmodel if variant == bench.DEFAULT_VARIANT else None,
                                                  att_len, 1, padded, mem_device)
                     except Exception as e:  # out of memory or a missing kernel is a finding, not a crash
                         r = {"length": att_len, "padded": padded, "error": repr(e)}
@@ -130,7 +129,7 @@ def main() -> None:
         mx.clear_cache()
 
         if "gemm" in want and time_left(20, f"{name} gemm profile"):
-            results["gemm_profile"][name] = [bench.gemm_profile(config, t, torch_device if gpu else None, dtype)
+            results["gemm_profile"][name] = [measure.gemm_profile(config, t, torch_device if gpu else None, dtype)
                                              for t in profile_tokens]
             for prof in results["gemm_profile"][name]:
                 log(f"gemm profile {name} tokens={prof['tokens']}: ", json.dumps(prof["forward_gemm_ms"]))
@@ -175,7 +174,7 @@ def main() -> None:
     for heads in ((2,) if args.smoke else (15, 40)):
         if "attention" in want and time_left(15, f"attention H={heads}"):
             try:
-                r = bench.attention_memory(heads, att_len, 1, dtype, mem_device)
+                r = measure.attention_memory(heads, att_len, 1, dtype, mem_device)
             except Exception as e:
                 r = {"heads": heads, "length": att_len, "error": repr(e)}
             results["attention"].append(r)

@@ -2,9 +2,9 @@
 
 from ._version import __version__
 
-from . import _blas  # noqa: E402  (must precede the first `import mlx.core`)
+from . import _blas  # noqa: E402
 
-_blas.load_fast_blas()
+_blas.load_mlx()  # a clear error for a broken MLX install; MLX's CPU GEMMs on OpenBLAS (Linux)
 
 from .errors import EsmcMlxError, EsmcMlxWarning, SequenceError, TokenizerError  # noqa: E402
 from .runtime import ESMC, ESMCOutput, ESMCTokenizer  # noqa: E402

@@ -1,9 +1,10 @@
-"""Side-by-side speed: the MLX runtime against transformers, same weights, same inputs, one run.
+"""Side-by-side speed: the MLX runtime against transformers, same weights, same inputs.
 
-Every comparison here is a ratio measured in one process: the torch model (transformers'
-``EsmcForMaskedLM``, random weights) and the MLX model built from *its* state dict are timed
-interleaved (torch, mlx, torch, mlx, ...), so that a noisy shared host disturbs both alike.
-``esmc-mlx bench`` and the scripts in ``benchmarks/`` call ``run()`` and the helpers below.
+``run()`` (what ``esmc-mlx bench`` calls) times each side in its own process: the torch model
+(transformers' ``EsmcForMaskedLM``, random weights) first, then the MLX model built from *its*
+weights. The helpers below also time several callables interleaved in one process (torch, mlx,
+torch, mlx, ...), which the GPU scripts in ``benchmarks/`` use; the GPU- and profiling-only
+measurements live in ``benchmarks/measure.py``.
 
 Needs the torch extra (``esmc-mlx[torch]``) for the torch side and matplotlib for the plot;
 without torch only the MLX times are reported.
@@ -12,10 +13,14 @@ without torch only the MLX times are reported.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -25,6 +30,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .config import ESMCConfig
+from .errors import EsmcMlxError
 from .outputs import atomic_file
 from .quantize import BLOCK_LINEAR  # what `esmc-convert --q` quantizes by default
 from .runtime.model import ESMC
@@ -200,7 +206,7 @@ def agreement(tmodel, model: ESMC, device: str, length: int = 64) -> float:
     model that computes something else."""
     import torch
 
-    ids = np.random.default_rng(1).integers(4, 24, size=(1, length))
+    ids = _agreement_ids(length)
     with torch.inference_mode():
         ref = tmodel(input_ids=torch.tensor(ids, device=device)).logits.float().cpu().numpy()
     out = np.array(model(mx.array(ids)).logits.astype(mx.float32))
@@ -227,161 +233,8 @@ def compare_forward(tmodel, models: dict[str, ESMC], config: ESMCConfig, shapes,
     return rows
 
 
-# --- GPU extras -----------------------------------------------------------------------------
-def matmul_rates(n: int = 8192, dtype: str = "bfloat16", torch_device: str | None = "cuda",
-                 reps: int = 10) -> dict:
-    """Square GEMM rate (TFLOP/s) in MLX and (if given) torch: the ceiling a forward is
-    measured against."""
-    out = {"n": n, "dtype": dtype}
-    a = mx.random.normal((n, n)).astype(getattr(mx, dtype))
-    b = mx.random.normal((n, n)).astype(getattr(mx, dtype))
-    mx.eval(a, b)
-
-    def mlx_mm():
-        mx.eval([a @ b for _ in range(reps)])
-
-    fns = {"mlx": mlx_mm}
-    if torch_device:
-        import torch
-
-        ta = torch.randn(n, n, device=torch_device, dtype=getattr(torch, dtype))
-        tb = torch.randn(n, n, device=torch_device, dtype=getattr(torch, dtype))
-
-        def torch_mm():
-            for _ in range(reps):
-                ta @ tb
-            sync_torch()
-
-        fns["torch"] = torch_mm
-    t = time_interleaved(fns, warmup=2, reps=5)
-    for name, v in t.items():
-        out[f"{name}_tflops"] = 2 * n**3 * reps / (v["min_ms"] * 1e-3) / 1e12
-    out["peak_tflops"] = max(out[k] for k in out if k.endswith("_tflops"))
-    return out
-
-
-def gemm_profile(config: ESMCConfig, tokens: int, torch_device: str | None = "cuda",
-                 dtype: str = "bfloat16", reps: int = 10) -> dict:
-    """Time each of a block's GEMMs (fused and unfused) at ``tokens`` rows in MLX and torch:
-    their sum x layers is the GEMM floor of a forward; the rest is attention and elementwise."""
-    d, f = config.hidden_size, config.intermediate_size
-    gemms = {"q|k|v|o (each)": (d, d), "qkv fused": (3 * d, d), "gate|up (each)": (f, d),
-             "gate_up fused": (2 * f, d), "down": (d, f)}
-    mdt = getattr(mx, dtype)
-    rows = {}
-    for name, (out_dim, in_dim) in gemms.items():
-        x = mx.random.normal((tokens, in_dim)).astype(mdt)
-        w = mx.random.normal((out_dim, in_dim)).astype(mdt)
-        mx.eval(x, w)
-        fns = {"mlx": lambda x=x, w=w: mx.eval([x @ w.T for _ in range(reps)])}
-        if torch_device:
-            import torch
-
-            tx = torch.randn(tokens, in_dim, device=torch_device, dtype=getattr(torch, dtype))
-            tw = torch.randn(out_dim, in_dim, device=torch_device, dtype=getattr(torch, dtype))
-
-            def tmm(tx=tx, tw=tw):
-                for _ in range(reps):
-                    torch.nn.functional.linear(tx, tw)
-                sync_torch()
-
-            fns["torch"] = tmm
-        t = time_interleaved(fns, warmup=2, reps=5)
-        flops = 2 * tokens * out_dim * in_dim
-        rows[name] = {k: {"ms": v["min_ms"] / reps, "tflops": flops * reps / (v["min_ms"] * 1e-3) / 1e12}
-                      for k, v in t.items()}
-    n = config.num_hidden_layers
-    per_layer = {
-        impl: {"unfused_ms": n * (4 * rows["q|k|v|o (each)"][impl]["ms"] + 2 * rows["gate|up (each)"][impl]["ms"]
-                                  + rows["down"][impl]["ms"]),
-               "fused_ms": n * (rows["qkv fused"][impl]["ms"] + rows["q|k|v|o (each)"][impl]["ms"]
-                                + rows["gate_up fused"][impl]["ms"] + rows["down"][impl]["ms"])}
-        for impl in rows["down"]}
-    return {"tokens": tokens, "gemms": rows, "forward_gemm_ms": per_layer}
-
-
-def attention_memory(heads: int, length: int, batch: int = 1, dtype: str = "bfloat16",
-                     torch_device: str | None = "cuda") -> dict:
-    """Peak memory above the inputs of one attention call at ``length``: a fused kernel stays
-    far below the (B, H, L, L) scores a naive one materializes."""
-    mdt = getattr(mx, dtype)
-    shape = (batch, heads, length, 64)
-    q, k, v = (mx.random.normal(shape).astype(mdt) for _ in range(3))
-    keep = mx.arange(length)[None, :] < (length - 16)  # 16 padded keys
-    masks = {"none": None, "bool": keep[:, None, None, :],
-             "additive": mx.where(keep, 0.0, -mx.inf).astype(mdt)[:, None, None, :]}
-    mx.eval(q, k, v, *[m for m in masks.values() if m is not None])
-    scores_bytes = batch * heads * length * length * mdt.size
-    out = {"heads": heads, "length": length, "batch": batch, "scores_bytes": scores_bytes, "mlx": {}}
-    for name, m in masks.items():
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        base = mx.get_active_memory()
-        fn = lambda m=m: mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m))  # noqa: E731
-        fn()
-        peak = mx.get_peak_memory() - base
-        t = time_interleaved({"x": fn}, warmup=1, reps=5)["x"]
-        out["mlx"][name] = {"peak_extra_bytes": int(peak), "ms": t["median_ms"]}
-    if torch_device:
-        import torch
-
-        tq, tk, tv = (torch.randn(*shape, device=torch_device, dtype=getattr(torch, dtype)) for _ in range(3))
-        tkeep = torch.arange(length, device=torch_device)[None, None, None, :] < (length - 16)
-        out["torch"] = {}
-        for name, m in {"none": None, "bool": tkeep}.items():
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-
-            def fn(m=m):
-                torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=m, scale=0.125)
-                sync_torch()
-
-            fn()
-            peak = torch.cuda.max_memory_allocated() - base
-            t = time_interleaved({"x": fn}, warmup=1, reps=5)["x"]
-            out["torch"][name] = {"peak_extra_bytes": int(peak), "ms": t["median_ms"]}
-    return out
-
-
-def forward_memory(model: ESMC, tmodel, length: int, batch: int = 1, padded: int = 0,
-                   torch_device: str | None = "cuda") -> dict:
-    """Peak memory of a whole forward at ``length`` above the weights, MLX and torch;
-    ``padded`` > 0 right-pads that many tokens (so a key mask is needed)."""
-    ids = np.random.default_rng(0).integers(4, 24, size=(batch, length))
-    mask = np.ones((batch, length), dtype=np.int32)
-    if padded:
-        mask[:, -padded:] = 0
-    out = {"length": length, "batch": batch, "padded": padded, "mlx": {}}
-    mx.eval(model.parameters())
-    for call in ("first", "second", "third"):  # eager, then traced+compiled, then compiled
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        base = mx.get_active_memory()
-        start = time.perf_counter()
-        mx.eval(model(mx.array(ids), attention_mask=mx.array(mask) if padded else None).logits)
-        out["mlx"][f"{call}_call_ms"] = (time.perf_counter() - start) * 1e3
-        out["mlx"][f"{call}_peak_extra_bytes"] = int(mx.get_peak_memory() - base)
-    out["mlx"]["peak_extra_bytes"] = max(v for k, v in out["mlx"].items() if k.endswith("peak_extra_bytes"))
-    mx.clear_cache()
-    if tmodel is not None and torch_device:
-        import torch
-
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        with torch.inference_mode():
-            tmodel(input_ids=torch.tensor(ids, device=torch_device),
-                   attention_mask=torch.tensor(mask, device=torch_device) if padded else None).logits
-        torch.cuda.synchronize()
-        out["torch"] = {"peak_extra_bytes": int(torch.cuda.max_memory_allocated() - base)}
-        torch.cuda.empty_cache()
-    return out
-
-
 # --- report --------------------------------------------------------------------------------
-def machine() -> dict:
+def machine(with_torch: bool = True) -> dict:
     info = {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
             "mlx": mx.__version__, "device": str(mx.default_device()), "cpu_count": os.cpu_count(),
             "date": datetime.date.today().isoformat()}
@@ -390,6 +243,8 @@ def machine() -> dict:
     except Exception:  # older mlx, or a backend that does not describe itself
         pass
     try:
+        if not with_torch:
+            raise ImportError
         import torch
 
         info["torch"] = torch.__version__
@@ -404,6 +259,7 @@ def machine() -> dict:
     from . import _blas
 
     info["blas"] = _blas.loaded_path
+    info["blas_info"] = dict(_blas.info)
     return info
 
 
@@ -471,60 +327,130 @@ def run(models=("300M",), shapes=None, device: str = "auto", dtype: str | None =
         variants=None, quant=(), out_dir: Path | str = "bench-results", with_torch: bool = True,
         budget_s: float = 3.0, log=print, stem: str = "bench") -> dict:
     """The comparison ``esmc-mlx bench`` runs: for each model size, a random-weight
-    transformers model and the MLX model from the same weights, timed interleaved at each
-    (batch, length); optionally quantized twins (``quant``: names of QUANT_MODES). Writes
-    ``{stem}.json`` and ``{stem}.png`` under ``out_dir`` and returns the results."""
+    transformers model and the MLX model from the same weights, timed at each (batch, length);
+    optionally quantized twins (``quant``: names of QUANT_MODES). Each side runs in its own
+    fresh process (``python -m esmc_mlx.bench``), one after the other: the torch side builds the
+    model, saves its weights and reference logits and times its forwards; the MLX side loads
+    those weights, checks its logits against the reference and times its variants. In one
+    process each library's BLAS, threads and memory disturb the other's (torch ran 9x slower
+    on the CPU there; docs/benchmarks.md). Writes ``{stem}.json`` and ``{stem}.png`` under
+    ``out_dir`` and returns the results."""
     if device == "auto":
         device = "gpu" if mx.default_device() == mx.gpu else "cpu"
-    mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
-    shapes = list(shapes or (CPU_SHAPES if device == "cpu" else GPU_SHAPES))
-    base_variant = default_variant(device)
-    variants = list(variants or (base_variant,))
-    torch_device = None
-    if with_torch:
-        try:
-            import torch
-
-            torch_device = "cuda" if device == "gpu" and torch.cuda.is_available() else "cpu"
-            if torch_device == "cpu":
-                torch.set_num_threads(os.cpu_count() or 1)
-        except ImportError:
-            log("torch is not installed: timing MLX only (pip install 'esmc-mlx[torch]' for the comparison)")
-            with_torch = False
-    results = {"machine": machine(), "backend": device, "dtype": dtype, "forward": [], "agreement": {},
-               "target_speedup": 1.2 if device == "gpu" else 1.0, "quantized": []}
-    log(f"backend {device}, {dtype}, mlx {mx.__version__}; torch {'on ' + torch_device if with_torch else 'absent'}")
-    for name in models:
-        config = config_for(name)
-        if with_torch:
-            tmodel = torch_model(config, dtype, torch_device)
-            weights = mlx_weights(tmodel, getattr(mx, dtype))
-        else:
-            tmodel = None
-            rng = np.random.default_rng(0)
-            shapes_ = dict(tree_flatten(ESMC(config).parameters()))
-            weights = {k: mx.array(rng.standard_normal(v.shape, dtype=np.float32) * v.shape[-1] ** -0.5)
-                       .astype(getattr(mx, dtype)) for k, v in shapes_.items()}
-        models_ = {v: mlx_model(config, weights, *VARIANTS[v]) for v in variants}
-        if tmodel is not None:
-            for v, m in models_.items():
-                results["agreement"][f"{name} {v}"] = agreement(tmodel, m, torch_device)
-        results["forward"] += compare_forward(tmodel, models_, config, shapes, torch_device or "cpu", name,
-                                              budget_s, log)
-        for q in quant:
-            flags = VARIANTS[base_variant]
-            twin = {base_variant: models_.get(base_variant) or mlx_model(config, weights, *flags),
-                    q: mlx_model(config, weights, *flags, QUANT_MODES[q])}
-            rows = compare_forward(None, twin, config, shapes, "cpu", name, budget_s, log)
-            bf = {(r["batch"], r["length"]): r["median_ms"] for r in rows if r["impl"] == base_variant}
-            for r in rows:
-                if r["impl"] == q:
-                    r["vs_float"] = r["median_ms"] / bf[(r["batch"], r["length"])]
-                    results["quantized"].append(r)
-                    log(f"{name:>6} {r['batch']:>3}x{r['length']:<5} {q} time / float time = {r['vs_float']:.2f}")
-        del tmodel, weights, models_
-        mx.clear_cache()
+    shapes = [tuple(s) for s in (shapes or (CPU_SHAPES if device == "cpu" else GPU_SHAPES))]
+    if with_torch and not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "safetensors")):
+        log("torch is not installed: timing MLX only (pip install 'esmc-mlx[torch]' for the comparison)")
+        with_torch = False
+    results = {"machine": machine(with_torch=False), "backend": device, "dtype": dtype, "forward": [],
+               "agreement": {}, "target_speedup": 1.2 if device == "gpu" else 1.0, "quantized": [],
+               "isolation": "each side in its own process"}
+    log(f"backend {device}, {dtype}, mlx {mx.__version__}; torch {'in its own process' if with_torch else 'absent'}")
+    with tempfile.TemporaryDirectory(prefix="esmc-bench-") as tmp:
+        for name in models:
+            job = {"model": name, "device": device, "dtype": dtype, "shapes": shapes, "budget_s": budget_s,
+                   "variants": list(variants or ()), "quant": list(quant), "dir": str(Path(tmp) / name)}
+            Path(job["dir"]).mkdir()
+            torch_side = _side("torch", job, log) if with_torch else None
+            mlx_side = _side("mlx", job, log)
+            base = {}
+            if torch_side:
+                results["machine"].update(torch_side["machine"])
+                results["forward"] += torch_side["rows"]
+                base = {(r["batch"], r["length"]): r["median_ms"] for r in torch_side["rows"]}
+            for r in mlx_side["rows"]:
+                torch_ms = base.get((r["batch"], r["length"]))
+                r["speedup_vs_torch"] = torch_ms / r["median_ms"] if torch_ms else None
+                if torch_ms:
+                    log(f"{name:>6} {r['batch']:>3}x{r['length']:<5} {r['impl']:<22} torch/this {r['speedup_vs_torch']:.2f}x")
+            results["forward"] += mlx_side["rows"]
+            results["agreement"].update(mlx_side["agreement"])
+            results["quantized"] += mlx_side["quantized"]
     json_path, png = write(results, Path(out_dir), stem)
     log(f"wrote {json_path}" + (f" and {png}" if png else ""))
     return results
+
+
+def _side(kind: str, job: dict, log) -> dict:
+    """Run one side in a fresh interpreter, its progress lines passed to ``log``."""
+    job_path = Path(job["dir"]) / f"{kind}-job.json"
+    job_path.write_text(json.dumps(job))
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "esmc_mlx.bench", kind, str(job_path)],
+                            stdout=subprocess.PIPE, text=True, bufsize=1)
+    for line in proc.stdout:
+        log(line.rstrip("\n"))
+    if proc.wait() != 0:
+        raise EsmcMlxError(f"the {kind} side of the benchmark failed (exit {proc.returncode}); its error is above")
+    return json.loads((Path(job["dir"]) / f"{kind}.json").read_text())
+
+
+def _torch_side(job: dict) -> dict:
+    import torch
+    from safetensors.torch import save_file
+
+    config = config_for(job["model"])
+    device = "cuda" if job["device"] == "gpu" and torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
+    tmodel = torch_model(config, job["dtype"], device)
+    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tmodel.state_dict().items()},
+              str(Path(job["dir"]) / "weights.safetensors"))
+    with torch.inference_mode():
+        ref = tmodel(input_ids=torch.tensor(_agreement_ids(), device=device)).logits.float().cpu().numpy()
+    np.save(Path(job["dir"]) / "reference_logits.npy", ref)
+    rows = compare_forward(tmodel, {}, config, job["shapes"], device, job["model"], job["budget_s"], print)
+    import transformers
+
+    info = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "transformers": transformers.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return {"rows": rows, "machine": info}
+
+
+def _mlx_side(job: dict) -> dict:
+    device = job["device"]
+    mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
+    dtype = getattr(mx, job["dtype"])
+    name, config = job["model"], config_for(job["model"])
+    saved = Path(job["dir"]) / "weights.safetensors"
+    if saved.exists():  # the torch side's weights
+        weights = {k: v.astype(dtype) for k, v in mx.load(str(saved)).items()}
+    else:
+        rng = np.random.default_rng(0)
+        shapes_ = dict(tree_flatten(ESMC(config).parameters()))
+        weights = {k: mx.array(rng.standard_normal(v.shape, dtype=np.float32) * v.shape[-1] ** -0.5).astype(dtype)
+                   for k, v in shapes_.items()}
+    base_variant = default_variant(device)
+    models_ = {v: mlx_model(config, weights, *VARIANTS[v]) for v in (job["variants"] or [base_variant])}
+    out = {"rows": [], "agreement": {}, "quantized": []}
+    reference = Path(job["dir"]) / "reference_logits.npy"
+    if reference.exists():
+        ids = mx.array(_agreement_ids())
+        for v, m in models_.items():
+            out["agreement"][f"{name} {v}"] = rel_l2(np.array(m(ids).logits.astype(mx.float32)), np.load(reference))
+            print(f"{name:>6} {v}: logits vs torch, rel. L2 {out['agreement'][f'{name} {v}']:.2e}", flush=True)
+    out["rows"] = compare_forward(None, models_, config, job["shapes"], "cpu", name, job["budget_s"], print)
+    for q in job["quant"]:
+        flags = VARIANTS[base_variant]
+        twin = {base_variant: models_.get(base_variant) or mlx_model(config, weights, *flags),
+                q: mlx_model(config, weights, *flags, QUANT_MODES[q])}
+        rows = compare_forward(None, twin, config, job["shapes"], "cpu", name, job["budget_s"], print)
+        bf = {(r["batch"], r["length"]): r["median_ms"] for r in rows if r["impl"] == base_variant}
+        for r in rows:
+            if r["impl"] == q:
+                r["vs_float"] = r["median_ms"] / bf[(r["batch"], r["length"])]
+                out["quantized"].append(r)
+                print(f"{name:>6} {r['batch']:>3}x{r['length']:<5} {q} time / float time = {r['vs_float']:.2f}", flush=True)
+    return out
+
+
+def _agreement_ids(length: int = 64) -> np.ndarray:
+    return np.random.default_rng(1).integers(4, 24, size=(1, length))
+
+
+if __name__ == "__main__":  # one side of `run`: python -m esmc_mlx.bench {torch|mlx} JOB.json
+    _kind, _job_path = sys.argv[1], Path(sys.argv[2])
+    _job = json.loads(_job_path.read_text())
+    _result = (_torch_side if _kind == "torch" else _mlx_side)(_job)
+    (_job_path.parent / f"{_kind}.json").write_text(json.dumps(_result, default=str))

@@ -210,7 +210,7 @@ def convert(**kwargs):
     run_convert(**kwargs)
 
 
-QUANTIZE_HELP = """Quantize a float MLX model directory (from esmc-convert) into OUT_DIR, streaming one
+QUANTIZE_HELP = """Quantize a float MLX model directory (from esmc-convert) into the -o directory, streaming one
 tensor at a time. SPEC: 8 6 5 4 3 2 (affine bits, --group-size 32|64|128, default 64), mxfp4,
 mxfp8, nvfp4 (fixed group sizes 32, 32, 16), or a mixed recipe (mixed_2_6 mixed_3_4 mixed_3_6
 mixed_4_6 mixed_4_8: v/down projections of the sensitive blocks get the high bits). The
@@ -543,8 +543,8 @@ def scan(model, sequence, fasta, output, method, name, window, batch_size, offse
 
 
 BENCH_HELP = """Time the MLX runtime against transformers on this machine: the same random weights,
-the same inputs, interleaved in one run; prints torch time / MLX time and writes OUT/bench.json
-and OUT/bench.png. Needs esmc-mlx[torch] for the torch side (without it, MLX alone).
+the same inputs, each side in its own process; prints torch time / MLX time and writes
+OUT/bench.json and OUT/bench.png. Needs esmc-mlx[torch] for the torch side (without it, MLX alone).
 
 \b
 Examples:

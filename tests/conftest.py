@@ -1,14 +1,24 @@
-"""Shared fixtures: tiny random-weight ESMC checkpoints built at test time, in every layout."""
+"""Shared fixtures: tiny random-weight ESMC checkpoints built at test time, in every layout.
+
+Tests that need torch/transformers skip without them (with the reason), module by module
+(`requires_torch()` at the top) or test by test (every fixture below that builds a torch model);
+the rest run anywhere, e.g. on a Mac with the runtime alone.
+"""
 
 from __future__ import annotations
 
 import conftest_hub  # noqa: F401  (first: points HF_ENDPOINT, HF_HOME at the local test Hub before huggingface_hub loads)
 import pytest
 
-torch = pytest.importorskip("torch")
+from esmc_mlx import testing
 
-import esmc_mlx  # noqa: E402,F401  (loads the fast BLAS before mlx)
-from esmc_mlx import testing  # noqa: E402
+TORCH_REASON = "needs torch and transformers: pip install 'esmc-mlx[torch]'"
+
+
+def requires_torch():
+    """Skip the calling module (or test) unless torch and transformers import."""
+    pytest.importorskip("torch", reason=TORCH_REASON)
+    pytest.importorskip("transformers", reason=TORCH_REASON)
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +29,7 @@ def tiny_config():
 @pytest.fixture(scope="session")
 def reference_model(tiny_config):
     """transformers' EsmcForMaskedLM with random weights: the numerics reference."""
+    requires_torch()
     return testing.random_transformers_model(tiny_config, seed=0)
 
 

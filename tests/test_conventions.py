@@ -9,7 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
 from transformers import EsmcTokenizer
 
 from esmc_mlx import load

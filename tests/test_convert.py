@@ -8,7 +8,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
@@ -78,6 +78,7 @@ def test_dtype_defaults_to_the_source_and_can_be_chosen(reference_model, tmp_pat
     assert json.loads((out16 / "config.json").read_text())["dtype"] == "float16"
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_cli_converts_and_info_describes(checkpoints, tmp_path):
     runner = CliRunner()
     result = runner.invoke(convert_main, [str(checkpoints["esm"]), "-o", str(tmp_path / "out")])
@@ -155,6 +156,7 @@ def test_config_contradicting_shapes(checkpoints, tmp_path):
         convert(str(bad), tmp_path / "out", progress=False)
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_existing_output_needs_force_and_is_kept_on_failure(checkpoints, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

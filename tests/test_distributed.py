@@ -57,6 +57,7 @@ def launch(args: list[str], cwd: Path, timeout: int = 150) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_two_ranks_embed_like_one(converted, tmp_path):
     seqs = random_sequences(11, 3, 50, seed=21)
     fasta = tmp_path / "in.fa"
@@ -76,6 +77,7 @@ def test_two_ranks_embed_like_one(converted, tmp_path):
     assert not list(tmp_path.glob("two/parts/*"))
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_two_ranks_score_like_one(converted, tmp_path):
     mutants = ["A4G", "K2P:Q11W", "WT", "M1L", "Q33A:E24F:R10C", "T3S", "V32W", "I30L:E31D"]
     csv_in = tmp_path / "dms.csv"
@@ -95,6 +97,7 @@ def test_two_ranks_score_like_one(converted, tmp_path):
     assert one.passes // 2 <= rank0 <= one.passes // 2 + 2
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_two_ranks_scan_and_embed_layers_like_one(converted, tmp_path):
     model = load(converted)[0]
     fasta = tmp_path / "in.fa"

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
@@ -618,6 +618,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_a_really_full_disk(small_disk, checkpoints, tmp_path):
     result = convert_cli(checkpoints["published"], "-o", small_disk / "out", "--no-validate")
     one_error_line(result, "the disk is full", str(small_disk))

@@ -101,6 +101,7 @@ def writes(hub) -> list:
 
 
 # --- the headline path -------------------------------------------------------------------------------
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_convert_push_download_load_gives_the_same_logits(hub, checkpoints, tmp_path):
     from huggingface_hub import ModelCard, snapshot_download
 
@@ -408,6 +409,7 @@ def test_esmc_convert_upload_repo_checks_access_before_converting(hub, checkpoin
     assert (out / "config.json").exists() and hub.state.repos == {}
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_a_fresh_process_takes_endpoint_and_token_from_the_environment(hub, checkpoints, tmp_path):
     """huggingface_hub reads HF_ENDPOINT, HF_HOME, HF_HUB_OFFLINE at import and HF_TOKEN when asked."""
     import os

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 from mlx.utils import tree_flatten
 
+from conftest import requires_torch
 from esmc_mlx import load, testing
 from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
@@ -224,6 +225,7 @@ def test_bad_spec_or_group_size(args, message, checkpoints, tmp_path):
 
 
 def test_group_size_that_does_not_divide_the_width(tmp_path):
+    requires_torch()  # write_random_checkpoint saves with safetensors.torch
     source = testing.write_random_checkpoint(tmp_path / "w192", testing.tiny_config(hidden_size=192, num_attention_heads=3),
                                              dtype="float32")
     with pytest.raises(QuantizeError, match=r"esmc.layers.0.self_attn.q_proj: input width 192 .* group size 128"):

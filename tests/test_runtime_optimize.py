@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from conftest import requires_torch
 from esmc_mlx import bench
 from esmc_mlx.runtime.model import ESMC
 
@@ -18,9 +19,11 @@ def rel(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def weights(tiny_config):
+    requires_torch()
     return bench.mlx_weights(bench.torch_model(tiny_config, "float32", "cpu", seed=3), mx.float32)
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_fused_compiled_equals_plain(tiny_config, weights):
     plain = bench.mlx_model(tiny_config, weights)
     fast = bench.mlx_model(tiny_config, weights, fuse=True, compile=True)
@@ -64,8 +67,16 @@ def test_fused_quantized_is_exact(tiny_config, weights, mode):
     plain = bench.mlx_model(tiny_config, weights, quant=bench.QUANT_MODES[mode])
     fused = bench.mlx_model(tiny_config, weights, fuse=True, quant=bench.QUANT_MODES[mode])
     assert fused.esmc.layers[0].mlp.gate_up_proj.bits == 4
+    for part in ("weight", "scales", "biases"):  # the fusion itself is exact: packed rows concatenated
+        if part in plain.esmc.layers[0].mlp.gate_proj:
+            mlp = plain.esmc.layers[0].mlp
+            np.testing.assert_array_equal(np.array(fused.esmc.layers[0].mlp.gate_up_proj[part]),
+                                          np.array(mx.concatenate([mlp.gate_proj[part], mlp.up_proj[part]])))
     ids = np.random.default_rng(3).integers(4, 24, size=(2, 13))
-    np.testing.assert_array_equal(np.array(fused(ids).logits), np.array(plain(ids).logits))
+    # Equal up to float32 rounding: OpenBLAS 0.3.34's AVX2 sgemm (MLX's BLAS since the
+    # scipy-openblas32 wheel) can round a row of the fused GEMM differently in the last bit
+    # (measured 3e-6 on logits of size ~1); the reference BLAS and OpenBLAS 0.3.21 gave equality.
+    np.testing.assert_allclose(np.array(fused(ids).logits), np.array(plain(ids).logits), rtol=0, atol=2e-5)
 
 
 def test_mixed_quantization_is_not_fused(tiny_config, weights):

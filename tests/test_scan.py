@@ -9,7 +9,7 @@ import struct
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
 from click.testing import CliRunner
 from transformers import EsmcTokenizer
 
@@ -86,6 +86,7 @@ def test_scan_of_500_residues_is_one_pass_per_position_at_most():
         scan(stub, wt, method="pppl")
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 @pytest.mark.parametrize("n,per_row", [(30, 100), (250, 100), (2000, 100)])
 def test_heatmap_png_has_the_expected_size(n, per_row, tmp_path):
     from esmc_mlx.tasks.scan import Scan

@@ -9,9 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 from click.testing import CliRunner
-from transformers import EsmcTokenizer
 
 from esmc_mlx import load
 from esmc_mlx.cli import main as cli
@@ -26,7 +24,13 @@ from esmc_mlx.testing import random_sequences
 
 WT = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"
 MUTANTS = ["A4G", "K2P:Q11W", "WT", "M1L", "Q33A:E24F:R10C", "T3T"]
-HF_TOK = EsmcTokenizer()
+try:  # the FASTA, mutation and batching tests run without torch; the rest skip (conftest)
+    import torch
+    from transformers import EsmcTokenizer
+
+    HF_TOK = EsmcTokenizer()
+except ImportError:
+    torch = HF_TOK = None
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +90,7 @@ def torch_scores(ref, sequence, mutants):
 
 # --- scores ----------------------------------------------------------------------------------
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_scores_match_torch(model, reference_model):
     got = model.score_mutations(WT, MUTANTS, methods=["masked_marginal", "wt_marginal", "pppl"], batch_size=7)
     want = torch_scores(reference_model, WT, MUTANTS)
@@ -317,6 +322,7 @@ def test_spearman_matches_scipy():
 
 # --- command line ----------------------------------------------------------------------------
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_cli_score_and_embed(converted, model, tmp_path):
     csv_in = tmp_path / "dms.csv"
     csv_in.write_text("mutant,DMS_score\n" + "".join(f"{m},{i * 0.5}\n" for i, m in enumerate(MUTANTS)))

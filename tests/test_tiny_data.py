@@ -116,6 +116,7 @@ def test_written_dataset_reads_back_by_split(tmp_path):
 
 @pytest.mark.skipif(not all(root.exists() for root in (td.EMBOSS, td.HMMER, td.ANY2FASTA)),
                     reason="needs apt packages emboss-test hmmer-examples any2fasta-examples")
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_debian_packages_give_the_documented_dataset(tmp_path):
     """The figures of docs/esmc-tiny.md and the sha256 of the dataset the shipped model used."""
     records, per_file = td.gather()

@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import requires_torch
 from esmc_mlx import ESMCTokenizer, TokenizerError
 from esmc_mlx.testing import random_sequences
 
 
 def test_ids_equal_transformers_on_200_random_sequences():
+    requires_torch()
     from transformers import EsmcTokenizer
 
     theirs, mine = EsmcTokenizer(), ESMCTokenizer()
@@ -22,6 +24,7 @@ def test_ids_equal_transformers_on_200_random_sequences():
 
 
 def test_vocabulary_matches_transformers():
+    requires_torch()
     from transformers.models.esmc.tokenization_esmc import SEQUENCE_VOCAB
 
     assert list(ESMCTokenizer.vocab) == SEQUENCE_VOCAB
@@ -40,6 +43,7 @@ def test_unknown_characters_are_named_with_positions():
 
 
 def test_saved_files_load_in_transformers(tmp_path):
+    requires_torch()
     from transformers import AutoTokenizer
 
     ESMCTokenizer().save_pretrained(tmp_path)

@@ -76,6 +76,7 @@ def keep_torch_determinism():
     torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_short_cpu_run_writes_a_checkpoint_and_metrics(tmp_path, keep_torch_determinism):
     td = load_script("tiny_data")
     rng = np.random.default_rng(0)

@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
+from conftest import requires_torch
 from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
 from esmc_mlx.resolve import PACKAGED
@@ -31,6 +32,7 @@ def reference_cache(tmp_path, monkeypatch):
 
 
 def run(artifact, source, tmp_path, **kw):
+    requires_torch()  # the reference side
     return validate(artifact, str(source), report_dir=tmp_path / "report", **{**FAST, "plot": False, **kw})
 
 
@@ -115,6 +117,7 @@ def test_user_fasta_replaces_the_panel(tmp_path):
 
 
 # --- the references ------------------------------------------------------------------------------
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_layered_torch_reference_equals_the_full_model(checkpoints, reference_model):
     """Layer by layer (one EsmcLayer at a time) = EsmcForMaskedLM.forward, on a padded panel with
     a two-chain input; and the full path equals the fixture's own transformers model."""
@@ -183,6 +186,7 @@ def test_layered_mlx_equals_the_runtime(which, converted, q4):
 
 
 # --- correct artifacts pass ----------------------------------------------------------------------
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_correct_artifact_passes_with_a_complete_report(converted, checkpoints, tmp_path):
     report = run(converted, checkpoints["published"], tmp_path, plot=True)
     assert report.passed, report.summary()
@@ -236,6 +240,7 @@ def test_quantized_artifact_passes_fidelity(q4, checkpoints, tmp_path):
     ("scale_zeroed", "weights"),
     ("wrong_heads", "config"),
 ])
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_damaged_artifact_fails_naming_the_check(kind, caught_by, converted, q4, checkpoints, tmp_path):
     artifact = damaged_copy(q4 if kind == "scale_zeroed" else converted, tmp_path, kind)
     report = run(artifact, checkpoints["published"], tmp_path)
@@ -367,6 +372,7 @@ def test_threshold_table_has_every_precision():
 
 
 # --- command line ----------------------------------------------------------------------------------
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_cli_validate_exit_codes(converted, checkpoints, tmp_path):
     runner = CliRunner()
     ok = runner.invoke(main, ["validate", str(converted), "--reference", str(checkpoints["esm"]), "--max-length", "40",
@@ -383,6 +389,7 @@ def test_cli_validate_exit_codes(converted, checkpoints, tmp_path):
     assert usage.exit_code == 2 and "NAME=VALUE" in usage.output
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_esmc_convert_validates_by_default(checkpoints, tmp_path, monkeypatch):
     import esmc_mlx.validate.core as core
 
@@ -412,6 +419,7 @@ def test_esmc_convert_fails_when_validation_fails(checkpoints, tmp_path, monkeyp
 needs_tiny = pytest.mark.skipif(not (TINY / "config.json").exists(), reason="esmc_mlx/data/esmc-tiny not built yet")
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 @needs_tiny
 def test_trained_tiny_quality_is_enforced_and_catches_damage(tmp_path):
     artifact = convert("tiny", tmp_path / "tiny-8bit", q="8", progress=False)
@@ -423,6 +431,7 @@ def test_trained_tiny_quality_is_enforced_and_catches_damage(tmp_path):
     assert {"weights", "kl_mean", "top1"} <= failed(report), report.summary()
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 @needs_tiny
 def test_trained_tiny_4bit_passes_and_a_perturbed_fp32_fails_quality(tmp_path):
     q4 = convert("tiny", tmp_path / "tiny-4bit", q="4", progress=False)

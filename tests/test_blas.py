@@ -1,0 +1,151 @@
+"""MLX's CPU GEMMs run on OpenBLAS, nothing else in the process does (torch keeps its own BLAS),
+the kernel fits the CPU, and a broken MLX install gives one error line. Each case runs in a
+fresh interpreter: what a process has loaded cannot be unloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import requires_torch
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the BLAS binding is Linux-only")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=300)
+
+
+def report(code: str, env: dict | None = None) -> dict:
+    out = python(code, env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+GLOBAL_LOOKUP = """
+import ctypes
+process = ctypes.CDLL(None)  # dlsym(RTLD_DEFAULT): what any library loaded later would bind to
+exported = [s for s in ("cblas_sgemm", "sgemm_", "scipy_cblas_sgemm", "openblas_get_corename") if hasattr(process, s)]
+"""
+
+
+def test_mlx_gemms_run_on_openblas_and_export_nothing():
+    r = report(GLOBAL_LOOKUP.replace("import ctypes", "import ctypes, json, numpy as np, mlx.core as mx, esmc_mlx") + """
+from esmc_mlx import _blas
+a = np.random.default_rng(0).standard_normal((300, 200)).astype(np.float32)
+b = np.random.default_rng(1).standard_normal((200, 100)).astype(np.float32)
+got = np.array(mx.matmul(mx.array(a), mx.array(b), stream=mx.cpu))
+err = float(np.abs(got - a.astype(np.float64) @ b).max())
+print(json.dumps({"exported": exported, "serves": _blas.mlx_blas_library(), "loaded": _blas.loaded_path,
+                  "info": _blas.info, "err": err}))
+""")  # mlx.core imported before esmc_mlx: the order does not matter any more
+    if r["loaded"] is None:
+        pytest.skip(f"no OpenBLAS on this machine: {r['info']}")
+    assert r["serves"] == r["loaded"] and "openblas" in Path(r["loaded"]).name
+    assert r["exported"] == [], "esmc_mlx made BLAS symbols visible to every library loaded later"
+    assert r["err"] < 1e-3
+
+
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
+def test_torch_keeps_its_own_sgemm():
+    requires_torch()
+    code = """
+import json, os, torch
+from esmc_mlx import _blas
+lib = os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+print(json.dumps({"lib": lib, "serves": _blas.serving_library(lib, "sgemm_")}))
+"""
+    r = report("import esmc_mlx\n" + code)
+    if r["serves"] is None:
+        pytest.skip("this torch build does not call sgemm_ through its GOT")
+    assert r["serves"] == r["lib"], f"torch's sgemm_ goes to {r['serves']}"
+    # The check sees the failure it guards against: a BLAS opened RTLD_GLOBAL before torch
+    # (what esmc_mlx did before) takes torch's sgemm_ calls.
+    netlib = next((Path(sys.prefix).glob("lib/python*/site-packages/mlx_cpu.libs/libblas-*.so*")), None)
+    if netlib is not None:
+        control = report(f"import ctypes, os; ctypes.CDLL({str(netlib)!r}, mode=os.RTLD_GLOBAL)\n" + code)
+        assert control["serves"] == os.path.realpath(netlib)
+
+
+def test_openblas_kernel_fits_the_cpu():
+    """OPENBLAS_CORETYPE=Prescott in the environment (as set on some hosts for old builds) gives
+    MLX's copy the kernel of the CPU's vector tier all the same; the variable is left as it was."""
+    r = report("""
+import json, os, esmc_mlx
+from esmc_mlx import _blas
+print(json.dumps({"info": _blas.info, "kernel": _blas.cpu_kernel(), "env": os.environ.get("OPENBLAS_CORETYPE")}))
+""", {"OPENBLAS_CORETYPE": "Prescott"})
+    from esmc_mlx import _blas
+
+    if not r["info"].get("corename") or r["kernel"] is None:
+        pytest.skip(f"no OpenBLAS, or no AVX2 on this CPU: {r}")
+    best = _blas.AVX512_CORES if r["kernel"] == "SkylakeX" else _blas.AVX2_CORES
+    assert r["info"]["corename"].lower() in best, r
+    assert r["env"] == "Prescott"
+
+
+def test_forced_slow_kernel_warns_with_the_rate():
+    out = python("import warnings; warnings.simplefilter('always'); import esmc_mlx; "
+                 "from esmc_mlx import _blas; print(_blas.info)", {"ESMC_MLX_BLAS_CORETYPE": "Prescott"})
+    assert out.returncode == 0, out.stderr
+    if "Prescott" not in out.stdout:
+        pytest.skip(f"no OpenBLAS: {out.stdout}")
+    from esmc_mlx import _blas
+
+    if _blas.cpu_kernel() is None:
+        pytest.skip("Prescott is this CPU's own tier")
+    assert "GFLOP/s" in out.stderr and "ESMC_MLX_BLAS_CORETYPE" in out.stderr
+
+
+@pytest.fixture
+def broken_mlx(tmp_path):
+    """An `mlx` package whose core fails to load as it does without a backend wheel."""
+    fake = tmp_path / "fake" / "mlx"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "core.py").write_text('raise ImportError("libmlx.so: cannot open shared object file: No such file or directory")\n')
+    return {"PYTHONPATH": os.pathsep.join([str(fake.parent), str(ROOT)])}
+
+
+@pytest.mark.parametrize("args", [["--help"], ["info", "--help"], []])
+def test_broken_mlx_is_one_error_line_for_every_command(broken_mlx, args):
+    exe = shutil.which("esmc-mlx", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("the esmc-mlx console script is not installed in this environment")
+    out = subprocess.run([exe, *args], env={**os.environ, **broken_mlx}, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: MLX is installed without a working backend"), out.stderr
+    assert "pip install" in lines[0] and "libmlx.so" in lines[0]
+
+
+def test_broken_mlx_in_python_is_an_import_error_naming_the_fix(broken_mlx):
+    out = subprocess.run([sys.executable, "-c", "import esmc_mlx"], env={**os.environ, **broken_mlx},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "ImportError: MLX is installed without a working backend" in out.stderr
+
+
+def test_cpu_libmlx_in_place_of_the_cuda_one_is_named(tmp_path):
+    """mlx-cpu and mlx-cuda-13 ship the same mlx/lib/libmlx.so: with a CUDA package recorded as
+    installed but another file in place, the warning names the reinstall that fixes it."""
+    info = tmp_path / "mlx_cuda_13-0.32.4.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-cuda-13\nVersion: 0.32.4\n")
+    (info / "RECORD").write_text("mlx/lib/libmlx.so,sha256=x,145673817\n")
+    out = python("import warnings; warnings.simplefilter('always'); import esmc_mlx",
+                 {"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])})
+    assert out.returncode == 0, out.stderr
+    assert "MLX will not use the GPU" in out.stderr
+    assert "pip install --force-reinstall --no-deps mlx-cuda-13==0.32.4" in out.stderr
+    clean = python("import warnings; warnings.simplefilter('always'); import esmc_mlx")
+    assert "MLX will not use the GPU" not in clean.stderr
