@@ -114,7 +114,7 @@ def main() -> None:
               f"{write_s:.1f} s = {read_s + write_s:.1f} s", flush=True)
         if not args.skip_copy:
             drop_from_page_cache(files)
-            copy_s = timed("cp -r '%s' '%s' && sync" % (args.source, args.work / "copy"), shell=True)
+            copy_s = timed(f"cp -r '{args.source}' '{args.work / 'copy'}' && sync", shell=True)
             results["copy_s"] = copy_s
             shutil.rmtree(args.work / "copy")
             print(f"cp -r of the source: {copy_s:.1f} s", flush=True)

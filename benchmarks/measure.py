@@ -159,7 +159,7 @@ def forward_memory(model: ESMC, tmodel, length: int, batch: int = 1, padded: int
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         with torch.inference_mode():
-            tmodel(input_ids=torch.tensor(ids, device=torch_device),
+            _ = tmodel(input_ids=torch.tensor(ids, device=torch_device),
                    attention_mask=torch.tensor(mask, device=torch_device) if padded else None).logits
         torch.cuda.synchronize()
         out["torch"] = {"peak_extra_bytes": int(torch.cuda.max_memory_allocated() - base)}

@@ -32,8 +32,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import esmc_mlx  # noqa: E402,F401  (loads OpenBLAS before mlx on Linux)
 import mlx.core as mx  # noqa: E402
+
+import esmc_mlx  # noqa: E402,F401  (loads OpenBLAS before mlx on Linux)
 
 SHAPES = {  # (out, in) of the largest linears: gate/up (d -> f) of each model
     "300M": (2560, 960),

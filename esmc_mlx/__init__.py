@@ -1,8 +1,7 @@
 """esmc-mlx: convert, quantize, validate and run ESMC protein language models with MLX."""
 
-from ._version import __version__
-
 from . import _blas  # noqa: E402
+from ._version import __version__
 
 _blas.load_mlx()  # a clear error for a broken MLX install; MLX's CPU GEMMs on OpenBLAS (Linux)
 

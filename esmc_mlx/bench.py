@@ -22,8 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -169,7 +169,7 @@ def forward_fns(tmodel, models: dict[str, ESMC], batch: int, length: int, device
 
         def run_torch():
             with torch.inference_mode():
-                tmodel(input_ids=tids).logits
+                _ = tmodel(input_ids=tids).logits
             sync_torch()
 
         fns["torch"] = run_torch

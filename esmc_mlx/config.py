@@ -77,7 +77,7 @@ class ESMCConfig:
         return v * d + n * per_layer + d + head
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ESMCConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> ESMCConfig:
         """Read any of the known spellings; raise ConfigError naming what is missing."""
 
         def pick(*names, default=None):

@@ -31,8 +31,8 @@ import secrets
 import shutil
 import time
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 from ._version import __version__
 from .artifact import GENERATED_CARD_LINE
@@ -107,7 +107,7 @@ def apply_umask(directory: Path) -> None:
     """Give everything under ``directory`` the modes the user's umask asks for: MLX creates its
     files 0644 (then masked), so a umask of 002 would otherwise not get group-writable files."""
     mask = current_umask()
-    for root, dirs, files in os.walk(directory):
+    for root, _dirs, files in os.walk(directory):
         os.chmod(root, 0o777 & ~mask)
         for name in files:
             os.chmod(os.path.join(root, name), 0o666 & ~mask)
@@ -136,12 +136,12 @@ def clean_leftovers(target: Path | None = None, folder: Path | None = None) -> l
     warn naming each. A swapped-out old output (a run killed between its two renames) is put
     back when ``target`` is missing."""
     removed = []
-    for path, target, kind, pid in leftovers(target, folder):
+    for path, its_target, kind, pid in leftovers(target, folder):
         if _alive(pid):
             continue
-        if kind == "old" and not os.path.lexists(target):
-            os.replace(path, target)
-            warnings.warn(f"restored {target} from {path.name}, left by a run (PID {pid}) killed "
+        if kind == "old" and not os.path.lexists(its_target):
+            os.replace(path, its_target)
+            warnings.warn(f"restored {its_target} from {path.name}, left by a run (PID {pid}) killed "
                           "while replacing it", EsmcMlxWarning, stacklevel=3)
             continue
         _remove(path)
@@ -430,7 +430,7 @@ class StagedDirectory:
         self._made: Path | None = None  # the topmost folder made for out, removed if nothing came of it
         self._stack = contextlib.ExitStack()
 
-    def __enter__(self) -> "StagedDirectory":
+    def __enter__(self) -> StagedDirectory:
         self._made = _first_missing(self.out)
         try:
             check_target(self.out, self.force, self.sources, create_parent=True)

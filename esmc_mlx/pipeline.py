@@ -9,15 +9,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .convert import prepare, write_artifact
 from .convert.many import prepare_many, spec_label, write_many
 from .convert.writer import DEFAULT_SHARD_BYTES
 from .errors import ValidationError
-from .outputs import StagedDirectory, check_target
 from .hub.push import PushResult, check_push_access, push_artifact
+from .outputs import StagedDirectory, check_target
 from .validate import Report, validate, validation_available
 
 

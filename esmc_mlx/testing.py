@@ -168,10 +168,10 @@ def write_checkpoint(model, path: Path, layout: str = "published", dtype: str = 
     esm: esm-package config spelling + model.safetensors with fused TE names;
     legacy: a bare .pth state dict (no config), as EvolutionaryScale shipped in 2024-12.
     """
+    import copy
+
     import torch
     from safetensors.torch import save_file
-
-    import copy
 
     path = Path(path)
     model = copy.deepcopy(model).to(getattr(torch, dtype))  # never change the caller's model

@@ -34,13 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import tiny_data  # scripts/tiny_data.py: on sys.path as this script's own folder
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import EsmcConfig, EsmcForMaskedLM, EsmcTokenizer
-
-import tiny_data  # scripts/tiny_data.py: on sys.path as this script's own folder
 from tiny_data import AMINO, DATASET, MAX_CROP, STANDARD, load_dataset
+from transformers import EsmcConfig, EsmcForMaskedLM, EsmcTokenizer
 
 
 @dataclass(frozen=True)

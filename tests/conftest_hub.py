@@ -23,7 +23,6 @@ import types
 from pathlib import Path
 
 import pytest
-
 from hub_server import HubServer
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}

@@ -188,7 +188,7 @@ class HubState:
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z")
+    return dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z")
 
 
 def _is_lfs(path: str, sample: bytes, size: int) -> bool:

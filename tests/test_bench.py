@@ -6,8 +6,8 @@ import json
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import requires_torch
+
 from esmc_mlx.cli import main
 
 

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import requires_torch
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the BLAS binding is Linux-only")

@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
+
 torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
 from transformers import EsmcTokenizer
 

@@ -8,6 +8,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
+
 torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file

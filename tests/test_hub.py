@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from conftest_hub import GUARD, hub, no_remote_network  # noqa: F401  (fixtures)
+from hub_server import Blob
+
 from esmc_mlx import load
 from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
@@ -23,7 +24,6 @@ from esmc_mlx.hub import push as push_module
 from esmc_mlx.hub.card import MARKER, read_validation, render_card
 from esmc_mlx.hub.push import push_artifact
 from esmc_mlx.testing import random_sequences
-from hub_server import Blob
 
 # huggingface_hub's own LFS upload passes a file as `data=`, which its HTTP client deprecates
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")

@@ -10,15 +10,15 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import requires_torch
 from mlx.utils import tree_flatten
 
-from conftest import requires_torch
 from esmc_mlx import load, testing
+from esmc_mlx.artifact import describe, safetensors_header
 from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
-from esmc_mlx.artifact import describe, safetensors_header
-from esmc_mlx.errors import QuantizeError
 from esmc_mlx.convert import quantize_directory as quantize
+from esmc_mlx.errors import QuantizeError
 from esmc_mlx.quantize import SPECS, QuantPlan, quantize_tensor
 from esmc_mlx.runtime import quantized as rq
 

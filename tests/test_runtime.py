@@ -7,6 +7,7 @@ import copy
 import mlx.core as mx
 import numpy as np
 import pytest
+
 torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
 
 from esmc_mlx import load

@@ -6,8 +6,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from conftest import requires_torch
+
 from esmc_mlx import bench
 from esmc_mlx.runtime.model import ESMC
 
@@ -81,6 +81,7 @@ def test_fused_quantized_is_exact(tiny_config, weights, mode):
 
 def test_mixed_quantization_is_not_fused(tiny_config, weights):
     import mlx.nn as nn
+
     from esmc_mlx.runtime.model import concat_linears
 
     a = nn.QuantizedLinear(128, 128, bits=4)

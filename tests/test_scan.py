@@ -9,6 +9,7 @@ import struct
 
 import numpy as np
 import pytest
+
 torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
 from click.testing import CliRunner
 from transformers import EsmcTokenizer

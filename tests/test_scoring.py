@@ -122,16 +122,18 @@ class StubModel:
     """Shapes of ESMC without its compute: counting passes of a 300-residue job stays cheap."""
 
     def __init__(self):
-        import mlx.nn as nn
         from types import SimpleNamespace
+
+        import mlx.nn as nn
 
         self.config = SimpleNamespace(num_hidden_layers=2, hidden_size=8, vocab_size=64)
         self.lm_head = nn.Linear(8, 64)
         self.calls, self.rows = 0, 0
 
     def __call__(self, input_ids, **kwargs):
-        import mlx.core as mx
         from types import SimpleNamespace
+
+        import mlx.core as mx
 
         self.calls += 1
         self.rows += input_ids.shape[0]

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import requires_torch
+
 from esmc_mlx import ESMCTokenizer, TokenizerError
 from esmc_mlx.testing import random_sequences
 

@@ -9,13 +9,12 @@ import shutil
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
-
 from conftest import requires_torch
+
 from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
 from esmc_mlx.resolve import PACKAGED
-from esmc_mlx.validate import ValidationError, validate
-from esmc_mlx.validate import mlx_side, reference, thresholds
+from esmc_mlx.validate import ValidationError, mlx_side, reference, thresholds, validate
 from esmc_mlx.validate.metrics import rel_l2
 from esmc_mlx.validate.panel import build_panel
 from esmc_mlx.validate.weights import ArtifactWeights, SourceWeights, names_for

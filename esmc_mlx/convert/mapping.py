@@ -8,7 +8,7 @@ and gate/up rows into ``fc1``; those are split here. See docs/formats.md.
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import mlx.core as mx
 
@@ -92,8 +92,7 @@ def rename(source_name: str, tensor: mx.array) -> Iterator[tuple[str, mx.array]]
         return
     if tensor.shape[0] % len(names):
         raise ValueError(f"{source_name}: {tensor.shape[0]} rows do not split into {len(names)} equal parts")
-    for name, part in zip(names, mx.split(tensor, len(names), axis=0)):
-        yield name, part
+    yield from zip(names, mx.split(tensor, len(names), axis=0))
 
 
 def infer_config(shapes: dict[str, tuple[int, ...]]) -> ESMCConfig:

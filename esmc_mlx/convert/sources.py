@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import mlx.core as mx
 
@@ -127,7 +127,7 @@ def _dequantized(shapes: dict, read: Callable[[str], mx.array], directory: Path)
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ConvertError(f"{path}: unreadable ({e}); an mlx-lm-quantized checkpoint needs its quantization record")
+        raise ConvertError(f"{path}: unreadable ({e}); an mlx-lm-quantized checkpoint needs its quantization record") from None
     record = raw.get("quantization") or raw.get("quantization_config")
     if not isinstance(record, dict):
         raise ConvertError(f"{directory}: quantized tensors (*.scales) but no quantization record in {path}")

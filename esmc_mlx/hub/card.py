@@ -14,9 +14,16 @@ import json
 import re
 from pathlib import Path
 
+from ..artifact import (
+    FP_MODES,
+    describe,
+    precision_label,
+    quantization_record,
+    quantized_bits,
+    safetensors_header,
+    weight_files,
+)
 from ..artifact import GENERATED_CARD_LINE as MARKER  # the card's last line
-from ..artifact import (FP_MODES, describe, precision_label, quantization_record, quantized_bits,
-                        safetensors_header, weight_files)
 from ..errors import HubError
 from .repo_id import is_repo_id
 

@@ -83,7 +83,7 @@ class QuantPlan:
 
     @classmethod
     def parse(cls, spec: str, group_size: int | None, config: ESMCConfig,
-              quantize_head: bool = False) -> "QuantPlan":
+              quantize_head: bool = False) -> QuantPlan:
         """Parse the spec and check that every layer it quantizes has a width its group size
         divides (raises QuantizeError naming the layer otherwise)."""
         spec, default = parse_spec(spec, group_size)

@@ -207,7 +207,7 @@ class ESMC(nn.Module):
         object.__setattr__(self, "_compiled", None)
         object.__setattr__(self, "_seen_shapes", set())
 
-    def fuse(self) -> "ESMC":
+    def fuse(self) -> ESMC:
         """Run q/k/v and gate/up as one GEMM each (fewer, larger matmuls). Call it after the
         weights are loaded (``load`` does). Parameter names change (``qkv_proj``,
         ``gate_up_proj``): artifacts keep transformers' names; this is a runtime layout.
@@ -227,7 +227,7 @@ class ESMC(nn.Module):
         self.reset_compiled()
         return self
 
-    def optimize(self, fuse: bool | None = None, compile: bool | None = None) -> "ESMC":
+    def optimize(self, fuse: bool | None = None, compile: bool | None = None) -> ESMC:
         """Apply the runtime optimizations measured faster on the default device (see
         RUNTIME_DEFAULTS); ``fuse``/``compile`` override. Call after the weights are loaded."""
         defaults = RUNTIME_DEFAULTS["cpu" if mx.default_device() == mx.cpu else "gpu"]
@@ -240,7 +240,7 @@ class ESMC(nn.Module):
     def is_fused(self) -> bool:
         return any("qkv_proj" in layer.self_attn or "gate_up_proj" in layer.mlp for layer in self.esmc.layers)
 
-    def compile(self, enabled: bool = True) -> "ESMC":
+    def compile(self, enabled: bool = True) -> ESMC:
         """Trace the plain forward (no hidden states, no attention weights) with ``mx.compile``:
         elementwise work is fused and graph building is skipped on repeated shapes. A trace
         costs a fraction of a second per input shape, so a shape runs compiled from the

@@ -9,8 +9,8 @@ maps them to ``<unk>``), and any other unknown character raises ``SequenceError`
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 

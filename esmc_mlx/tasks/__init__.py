@@ -7,8 +7,8 @@ with these jobs as methods; ``esmc_mlx.load`` returns one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import mlx.core as mx
 

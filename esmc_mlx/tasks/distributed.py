@@ -11,9 +11,8 @@ world of one, where every method is a no-op and costs nothing.
 
 from __future__ import annotations
 
-import numpy as np
-
 import mlx.core as mx
+import numpy as np
 
 
 class World:
@@ -25,7 +24,7 @@ class World:
         self.size = group.size() if group is not None else 1
 
     @classmethod
-    def current(cls) -> "World":
+    def current(cls) -> World:
         """The launched group when run under ``mlx.launch`` (size > 1), else a world of one."""
         if not mx.distributed.is_available():
             return cls(None)
@@ -33,7 +32,7 @@ class World:
         return cls(group if group.size() > 1 else None)
 
     @classmethod
-    def of(cls, group) -> "World":
+    def of(cls, group) -> World:
         """Wrap a ``mx.distributed.Group`` (or None, or a World)."""
         if isinstance(group, World):
             return group

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import zlib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from ..errors import FastaError
 from ..vocab import check_sequence

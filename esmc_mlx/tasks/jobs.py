@@ -10,8 +10,8 @@ import dataclasses
 import math
 import time
 from array import array
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -24,8 +24,18 @@ from .fasta import iter_fasta, read_fasta
 from .heatmap import check_plotting
 from .mutations import apply, parse_mutants
 from .scan import scan as run_scan
-from .scoring import DEFAULT_BATCH_SIZE, DEFAULT_BATCH_TOKENS, DEFAULT_WINDOW, METHODS, encode, iter_embeddings, \
-    length_batches, resolve_layers, resolve_pools, score_mutations
+from .scoring import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_BATCH_TOKENS,
+    DEFAULT_WINDOW,
+    METHODS,
+    encode,
+    iter_embeddings,
+    length_batches,
+    resolve_layers,
+    resolve_pools,
+    score_mutations,
+)
 from .stats import spearman
 from .store import FLUSH_BYTES, FORMATS, EmbeddingStore, IdIndex, IdList, array_names, require_h5py, sequence_hash
 

@@ -22,7 +22,7 @@ from ..outputs import atomic_file
 from ..vocab import check_sequence
 from .distributed import World
 from .mutations import AMINO_ACIDS_20
-from .scoring import DEFAULT_BATCH_SIZE, DEFAULT_WINDOW, _Jobs, _residue_positions, _TOKENIZER, check_length
+from .scoring import _TOKENIZER, DEFAULT_BATCH_SIZE, DEFAULT_WINDOW, _Jobs, _residue_positions, check_length
 
 SCAN_METHODS = ("masked_marginal", "wt_marginal")
 _AA_IDS = np.array([_TOKENIZER.token_to_id[a] for a in AMINO_ACIDS_20])

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np

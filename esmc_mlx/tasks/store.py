@@ -33,8 +33,8 @@ import shutil
 import time
 import uuid
 from array import array
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 

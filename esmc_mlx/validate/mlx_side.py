@@ -10,8 +10,7 @@ that loop as a generator, stepped in the same sweep as the torch references.
 from __future__ import annotations
 
 import os
-
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,8 +23,6 @@ from ..runtime.quantized import quantize_modules
 from .panel import Batch
 from .reference import Outputs, collect, drain, unpad
 from .weights import ArtifactWeights
-
-
 
 # MLX's CUDA backend runs float32 matmuls as TF32 unless MLX_ENABLE_TF32=0. Measured on the
 # H200 (mlx 0.32.4): a 512x2560 @ 2560x2560 fp32 matmul is 2.9e-4 from float64 with TF32 and

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..tasks.fasta import read_fasta
 from ..runtime.tokenizer import ESMCTokenizer
+from ..tasks.fasta import read_fasta
 from ..vocab import AMINO_ACIDS
 
 PANEL_PATH = Path(__file__).resolve().parent.parent / "data" / "panel.fasta"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -199,8 +199,7 @@ def layered_steps(get: Callable[..., dict], config: ESMCConfig, batches: list[Ba
     import torch
     import torch.nn.functional as F
     from transformers.masking_utils import create_bidirectional_mask, packed_sequence_mask_function
-    from transformers.models.esmc.modeling_esmc import (EsmcLayer, EsmcLayerNorm, EsmcMaskedLMHead,
-                                                        EsmcRotaryEmbedding)
+    from transformers.models.esmc.modeling_esmc import EsmcLayer, EsmcLayerNorm, EsmcMaskedLMHead, EsmcRotaryEmbedding
 
     device = torch.device(device or "cpu")
     cfg = hf_config(config)
@@ -233,7 +232,7 @@ def layered_steps(get: Callable[..., dict], config: ESMCConfig, batches: list[Ba
     yield
     for i in range(config.num_hidden_layers):
         with torch.inference_mode():
-            layer = load(lambda: EsmcLayer(cfg, layer_idx=i), f"esmc.layers.{i}.")
+            layer = load(lambda i=i: EsmcLayer(cfg, layer_idx=i), f"esmc.layers.{i}.")
             for b in range(len(batches)):
                 states[b] = layer(states[b], masks[b], position_embeddings=rope[b])
             del layer

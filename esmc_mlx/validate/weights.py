@@ -246,7 +246,9 @@ class ArtifactWeights:
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array | None, params: dict) -> mx.array:
     """The fp32 matrix a quantized layer multiplies by: floating scales and biases are widened
     to fp32 first, as the runtime computes on the CPU."""
-    widen = (lambda a: a.astype(mx.float32) if a is not None and mx.issubdtype(a.dtype, mx.floating) else a)
+    def widen(a):
+        return a.astype(mx.float32) if a is not None and mx.issubdtype(a.dtype, mx.floating) else a
+
     return mx.dequantize(w, widen(scales), widen(biases), group_size=params["group_size"], bits=params["bits"],
                          mode=params["mode"]).astype(mx.float32)
 
