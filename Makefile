@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -q
 
-.PHONY: demo test install clean
+.PHONY: demo test lint install clean
 
 demo: $(STAMP)
 	$(BIN)/esmc-convert tiny -o esmc-tiny-4bit --q 4 --force
@@ -16,6 +16,11 @@ demo: $(STAMP)
 # PATH as an activated venv has it: tests start the console scripts (esmc-convert) by name.
 test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff, configured in pyproject.toml: lint, and the formatter's check (`ruff format .` fixes it).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 install: $(STAMP)
 

@@ -70,8 +70,10 @@ def main(argv=None) -> int:
     }
     if os.path.exists(SYSTEM):
         options["MLX, system OpenBLAS (its kernel choice)"] = {"ESMC_MLX_BLAS": SYSTEM}
-        options["MLX, system OpenBLAS, forced Prescott"] = {"ESMC_MLX_BLAS": SYSTEM,
-                                                            "ESMC_MLX_BLAS_CORETYPE": "Prescott"}
+        options["MLX, system OpenBLAS, forced Prescott"] = {
+            "ESMC_MLX_BLAS": SYSTEM,
+            "ESMC_MLX_BLAS_CORETYPE": "Prescott",
+        }
     rows = {}
     for name, env in options.items():
         rows[name] = measure(MLX.format(n=n), env)
@@ -82,8 +84,11 @@ def main(argv=None) -> int:
         extra = ""
         if "info" in r:
             extra = f"  [{r['info'].get('corename') or 'reference'}]  serves MLX: {r.get('serves_mlx')}"
-        print(f"{name:<52} {r.get('gflops', float('nan')):7.1f} GFLOP/s{extra}" if "gflops" in r
-              else f"{name:<52} failed: {r['error']}")
+        print(
+            f"{name:<52} {r.get('gflops', float('nan')):7.1f} GFLOP/s{extra}"
+            if "gflops" in r
+            else f"{name:<52} failed: {r['error']}"
+        )
     clean, after = rows["torch, clean process"].get("gflops"), rows["torch, after import esmc_mlx"].get("gflops")
     ratio = after / clean if clean and after else float("nan")
     print(f"torch GEMM after import esmc_mlx / clean: {ratio:.2f} (must be >= 0.70)")

@@ -28,8 +28,19 @@ from pathlib import Path
 def convert_timed(source: Path, out: Path, extra: list[str]) -> dict:
     """Run esmc-convert in a child under /usr/bin/time -v: wall seconds, its peak RSS, output
     size and time's full report."""
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "esmc_mlx.cli", "convert", str(source), "-o", str(out),
-           "--force", *extra]
+    cmd = [
+        "/usr/bin/time",
+        "-v",
+        sys.executable,
+        "-m",
+        "esmc_mlx.cli",
+        "convert",
+        str(source),
+        "-o",
+        str(out),
+        "--force",
+        *extra,
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -37,10 +48,17 @@ def convert_timed(source: Path, out: Path, extra: list[str]) -> dict:
         raise SystemExit(f"conversion failed:\n{proc.stderr[-4000:]}")
     peak_kib = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    time_v = {k.strip(): v.strip() for k, v in (line.split(": ", 1) for line in proc.stderr.splitlines()[-23:]
-                                                  if ": " in line)}
-    return {"command": " ".join(cmd[4:]), "wall_s": wall, "peak_rss_bytes": peak_kib * 1024, "output_bytes": size,
-            "time_v": time_v}
+    time_v = {
+        k.strip(): v.strip()
+        for k, v in (line.split(": ", 1) for line in proc.stderr.splitlines()[-23:] if ": " in line)
+    }
+    return {
+        "command": " ".join(cmd[4:]),
+        "wall_s": wall,
+        "peak_rss_bytes": peak_kib * 1024,
+        "output_bytes": size,
+        "time_v": time_v,
+    }
 
 
 def drop_from_page_cache(paths: list[Path]) -> None:
@@ -102,7 +120,9 @@ def main() -> None:
         results["convert"] = convert_timed(args.source, out, ["--q", args.q, "--no-validate"])
         wall, rss_kib, out_bytes = (results["convert"][k] for k in ("wall_s", "peak_rss_bytes", "output_bytes"))
         rss_kib //= 1024
-        print(f"convert: {wall:.1f} s, peak RSS {rss_kib / 2**20:.2f} GiB, output {out_bytes / 2**30:.2f} GiB", flush=True)
+        print(
+            f"convert: {wall:.1f} s, peak RSS {rss_kib / 2**20:.2f} GiB, output {out_bytes / 2**30:.2f} GiB", flush=True
+        )
         shutil.rmtree(out)
 
         drop_from_page_cache(files)
@@ -110,8 +130,11 @@ def main() -> None:
         write_s = write_bytes(files, args.work / "floor.bin", out_bytes)
         (args.work / "floor.bin").unlink()
         results["floor"] = {"read_source_s": read_s, "write_output_s": write_s, "total_s": read_s + write_s}
-        print(f"floor: read {source_bytes / 2**30:.1f} GiB in {read_s:.1f} s + write {out_bytes / 2**30:.2f} GiB in "
-              f"{write_s:.1f} s = {read_s + write_s:.1f} s", flush=True)
+        print(
+            f"floor: read {source_bytes / 2**30:.1f} GiB in {read_s:.1f} s + write {out_bytes / 2**30:.2f} GiB in "
+            f"{write_s:.1f} s = {read_s + write_s:.1f} s",
+            flush=True,
+        )
         if not args.skip_copy:
             drop_from_page_cache(files)
             copy_s = timed(f"cp -r '{args.source}' '{args.work / 'copy'}' && sync", shell=True)

@@ -32,36 +32,56 @@ from esmc_mlx.runtime.model import ESMC
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("bench-results/cpu"))
-    p.add_argument("--source", type=Path, default=Path("/work/ckpts/300M"),
-                   help="300M-shaped bf16 checkpoint (made with esmc_mlx.testing.write_random_checkpoint if absent)")
+    p.add_argument(
+        "--source",
+        type=Path,
+        default=Path("/work/ckpts/300M"),
+        help="300M-shaped bf16 checkpoint (made with esmc_mlx.testing.write_random_checkpoint if absent)",
+    )
     p.add_argument("--variants", nargs="+", default=list(bench.VARIANTS), choices=list(bench.VARIANTS))
     p.add_argument("--shapes", default="1x256,8x256")
     p.add_argument("--budget", type=float, default=20.0, help="seconds of timing per implementation and shape")
     p.add_argument("--skip-convert", action="store_true")
-    p.add_argument("--skip-forward", action="store_true",
-                   help="only the conversion (added to an existing OUT/cpu_forward.json)")
-    p.add_argument("--memory-length", type=int, default=2048,
-                   help="also run B=1 at this length and report MLX peak memory (0: skip)")
+    p.add_argument(
+        "--skip-forward", action="store_true", help="only the conversion (added to an existing OUT/cpu_forward.json)"
+    )
+    p.add_argument(
+        "--memory-length",
+        type=int,
+        default=2048,
+        help="also run B=1 at this length and report MLX peak memory (0: skip)",
+    )
     args = p.parse_args()
 
     if args.skip_forward:
         results = json.loads((args.out / "cpu_forward.json").read_text())
     else:
-        results = bench.run(models=["300M"], shapes=bench.parse_shapes(args.shapes), device="cpu", dtype="float32",
-                            variants=args.variants, out_dir=args.out, budget_s=args.budget,
-                            stem="cpu_forward")
+        results = bench.run(
+            models=["300M"],
+            shapes=bench.parse_shapes(args.shapes),
+            device="cpu",
+            dtype="float32",
+            variants=args.variants,
+            out_dir=args.out,
+            budget_s=args.budget,
+            stem="cpu_forward",
+        )
     if args.memory_length and not args.skip_forward:
         config = bench.config_for("300M")
         rng = np.random.default_rng(0)
         shapes = dict(tree_flatten(ESMC(config).parameters()))
-        weights = {k: mx.array(rng.standard_normal(v.shape, dtype=np.float32) * v.shape[-1] ** -0.5)
-                   for k, v in shapes.items()}
+        weights = {
+            k: mx.array(rng.standard_normal(v.shape, dtype=np.float32) * v.shape[-1] ** -0.5) for k, v in shapes.items()
+        }
         model = bench.mlx_model(config, weights)
         r = measure.forward_memory(model, None, args.memory_length, 1, 16, None)
         r["scores_bytes_per_layer"] = config.num_attention_heads * args.memory_length**2 * 4
         results["forward_memory"] = [r]
-        print(f"300M 1x{args.memory_length} (16 padded) on the CPU: peak {r['mlx']['peak_extra_bytes'] / 2**30:.2f} GiB "
-              f"above the weights, {r['mlx']['third_call_ms'] / 1e3:.1f} s", flush=True)
+        print(
+            f"300M 1x{args.memory_length} (16 padded) on the CPU: peak {r['mlx']['peak_extra_bytes'] / 2**30:.2f} GiB "
+            f"above the weights, {r['mlx']['third_call_ms'] / 1e3:.1f} s",
+            flush=True,
+        )
         del model, weights
     if not args.skip_convert:
         with tempfile.TemporaryDirectory(dir=args.out) as tmp:
@@ -75,9 +95,11 @@ def main() -> None:
                 r["source"] = str(source)
                 r["source_bytes"] = sum(f.stat().st_size for f in source.rglob("*") if f.is_file())
                 results.setdefault("convert", {})[label] = r
-                print(f"convert 300M -> {label}: {r['wall_s']:.1f} s wall, peak RSS "
-                      f"{(r['peak_rss_bytes'] or 0) / 2**30:.2f} GiB, output {r['output_bytes'] / 2**20:.0f} MiB",
-                      flush=True)
+                print(
+                    f"convert 300M -> {label}: {r['wall_s']:.1f} s wall, peak RSS "
+                    f"{(r['peak_rss_bytes'] or 0) / 2**30:.2f} GiB, output {r['output_bytes'] / 2**20:.0f} MiB",
+                    flush=True,
+                )
                 shutil.rmtree(Path(tmp) / f"out-{label}", ignore_errors=True)
     for r in results.get("forward", []):
         if r["impl"] != "torch":

@@ -1,10 +1,10 @@
 """Where a 300M forward spends its time on this CPU, MLX vs torch (the evidence in docs/benchmarks.md).
 
-    python -m benchmarks.cpu_profile [--json docs/bench/cpu_profile.json]
+  python -m benchmarks.cpu_profile [--json docs/bench/cpu_profile.json]
 
-  1. forward at 1x256: torch with 1 and with 2 threads, interleaved with the MLX runtime;
-  2. the GEMM floor: the block GEMMs at 256 tokens x 30 layers, MLX (OpenBLAS) vs torch;
-  3. one MLX block at 1x256 and its pieces: attention, layer norm, RoPE, silu(gate)*up, ...
+1. forward at 1x256: torch with 1 and with 2 threads, interleaved with the MLX runtime;
+2. the GEMM floor: the block GEMMs at 256 tokens x 30 layers, MLX (OpenBLAS) vs torch;
+3. one MLX block at 1x256 and its pieces: attention, layer norm, RoPE, silu(gate)*up, ...
 """
 
 from __future__ import annotations
@@ -46,12 +46,17 @@ def main() -> None:
         torch.set_num_threads(threads)
         r = bench.time_interleaved(bench.forward_fns(tmodel, {"mlx": model}, 1, 256), warmup=1, reps=3)
         out["forward"][f"torch_threads_{threads}"] = r
-        print(f"1x256, torch {threads} thread(s): torch {r['torch']['median_ms']:.0f} ms, MLX {r['mlx']['median_ms']:.0f} ms, "
-              f"torch/MLX {r['torch']['median_ms'] / r['mlx']['median_ms']:.2f}", flush=True)
+        print(
+            f"1x256, torch {threads} thread(s): torch {r['torch']['median_ms']:.0f} ms, MLX {r['mlx']['median_ms']:.0f} ms, "
+            f"torch/MLX {r['torch']['median_ms'] / r['mlx']['median_ms']:.2f}",
+            flush=True,
+        )
         g = measure.gemm_profile(cfg, 256, torch_device="cpu", dtype="float32", reps=3)["forward_gemm_ms"]
         out["gemm_floor"][f"torch_threads_{threads}"] = g
-        print(f"   GEMM floor of a forward: MLX {g['mlx']['unfused_ms']:.0f} ms, torch {g['torch']['unfused_ms']:.0f} ms",
-              flush=True)
+        print(
+            f"   GEMM floor of a forward: MLX {g['mlx']['unfused_ms']:.0f} ms, torch {g['torch']['unfused_ms']:.0f} ms",
+            flush=True,
+        )
     del tmodel, model
 
     layer = Layer(cfg)
@@ -62,7 +67,9 @@ def main() -> None:
     mx.eval(x, h, q, qt)
     pieces = {
         "whole block": lambda: mx.eval(layer(x, None)[0]),
-        "attention (mx.fast.sdpa, CPU fallback)": lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, q, q, scale=0.125)),
+        "attention (mx.fast.sdpa, CPU fallback)": lambda: mx.eval(
+            mx.fast.scaled_dot_product_attention(q, q, q, scale=0.125)
+        ),
         "layer norm (d)": lambda: mx.eval(layer.input_layernorm(x)),
         "rope (one of q/k)": lambda: mx.eval(layer.self_attn._rope(qt)),
         "silu(gate) * up": lambda: mx.eval(nn.silu(h) * h),

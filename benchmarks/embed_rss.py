@@ -41,8 +41,21 @@ def main() -> None:
     fasta = args.out / "big.fasta"
     if not fasta.exists():
         write_fasta(fasta, args.records)
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "esmc_mlx.cli", "embed", args.model, str(fasta),
-           "-o", str(args.out / "emb"), "--force", "--no-progress", *args.extra]
+    cmd = [
+        "/usr/bin/time",
+        "-v",
+        sys.executable,
+        "-m",
+        "esmc_mlx.cli",
+        "embed",
+        args.model,
+        str(fasta),
+        "-o",
+        str(args.out / "emb"),
+        "--force",
+        "--no-progress",
+        *args.extra,
+    ]
     started = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -50,8 +63,10 @@ def main() -> None:
         sys.exit(done.stdout + done.stderr)
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr).group(1))
     print(done.stdout.strip())
-    print(f"fasta: {fasta.stat().st_size / 2**20:.1f} MiB, {args.records} records; wall {wall:.0f} s; "
-          f"peak RSS {rss / 1024:.0f} MiB")
+    print(
+        f"fasta: {fasta.stat().st_size / 2**20:.1f} MiB, {args.records} records; wall {wall:.0f} s; "
+        f"peak RSS {rss / 1024:.0f} MiB"
+    )
 
 
 if __name__ == "__main__":

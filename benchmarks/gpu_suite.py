@@ -67,9 +67,19 @@ def main() -> None:
     att_len = 128 if args.smoke else 4096
     dtype = "bfloat16"
     mem_device = "cuda" if torch_device == "cuda" else None
-    results = {"machine": bench.machine(), "backend": "gpu" if gpu else "cpu", "dtype": dtype,
-               "target_speedup": 1.2, "forward": [], "agreement": {}, "gemm_profile": {}, "quantized": [],
-               "attention": [], "forward_memory": [], "skipped": []}
+    results = {
+        "machine": bench.machine(),
+        "backend": "gpu" if gpu else "cpu",
+        "dtype": dtype,
+        "target_speedup": 1.2,
+        "forward": [],
+        "agreement": {},
+        "gemm_profile": {},
+        "quantized": [],
+        "attention": [],
+        "forward_memory": [],
+        "skipped": [],
+    }
     args.out.mkdir(parents=True, exist_ok=True)
 
     def save():
@@ -103,8 +113,9 @@ def main() -> None:
             for v, m in variants.items():
                 results["agreement"][f"{name} {v}"] = bench.agreement(tmodel, m, torch_device)
             log("agreement (rel L2 of logits vs torch, bf16)", results["agreement"])
-            results["forward"] += bench.compare_forward(tmodel, variants, config, shapes, torch_device, name,
-                                                        budget_s=2.0, log=log)
+            results["forward"] += bench.compare_forward(
+                tmodel, variants, config, shapes, torch_device, name, budget_s=2.0, log=log
+            )
             save()
 
         best = variants[bench.DEFAULT_VARIANT]
@@ -113,8 +124,14 @@ def main() -> None:
             for variant in (bench.DEFAULT_VARIANT, "mlx"):
                 for padded in (0, 16):
                     try:
-                        r = measure.forward_memory(variants[variant], tmodel if variant == bench.DEFAULT_VARIANT else None,
-                                                 att_len, 1, padded, mem_device)
+                        r = measure.forward_memory(
+                            variants[variant],
+                            tmodel if variant == bench.DEFAULT_VARIANT else None,
+                            att_len,
+                            1,
+                            padded,
+                            mem_device,
+                        )
                     except Exception as e:  # out of memory or a missing kernel is a finding, not a crash
                         r = {"length": att_len, "padded": padded, "error": repr(e)}
                     r["model"], r["variant"] = name, variant
@@ -129,8 +146,9 @@ def main() -> None:
         mx.clear_cache()
 
         if "gemm" in want and time_left(20, f"{name} gemm profile"):
-            results["gemm_profile"][name] = [measure.gemm_profile(config, t, torch_device if gpu else None, dtype)
-                                             for t in profile_tokens]
+            results["gemm_profile"][name] = [
+                measure.gemm_profile(config, t, torch_device if gpu else None, dtype) for t in profile_tokens
+            ]
             for prof in results["gemm_profile"][name]:
                 log(f"gemm profile {name} tokens={prof['tokens']}: ", json.dumps(prof["forward_gemm_ms"]))
             save()
@@ -146,14 +164,17 @@ def main() -> None:
                 continue
             q = bench.mlx_model(config, weights, True, True, record)
             models_ = {"bf16": best, f"{mode}/qmm": q, f"{mode}/deq": q}
-            env = {f"{mode}/qmm": {"ESMC_MLX_QUANT_MATMUL": "quantized"},
-                   f"{mode}/deq": {"ESMC_MLX_QUANT_MATMUL": "dequantize"}}
+            env = {
+                f"{mode}/qmm": {"ESMC_MLX_QUANT_MATMUL": "quantized"},
+                f"{mode}/deq": {"ESMC_MLX_QUANT_MATMUL": "dequantize"},
+            }
             for b, l in shapes:
                 chosen = dict(models_)
                 if b * l > 4096 and not args.smoke:  # qmm at 32k tokens: minutes on a 6B (DESIGN.md)
                     chosen.pop(f"{mode}/qmm")
-                rows = bench.compare_forward(None, chosen, config, [(b, l)], "cpu", name, budget_s=1.5, log=log,
-                                             env=env)
+                rows = bench.compare_forward(
+                    None, chosen, config, [(b, l)], "cpu", name, budget_s=1.5, log=log, env=env
+                )
                 bf = next(r["median_ms"] for r in rows if r["impl"] == "bf16")
                 for r in rows:
                     if r["impl"] != "bf16":
@@ -171,7 +192,7 @@ def main() -> None:
         mx.clear_cache()
 
     # one attention call at L=4096: fused kernels vs the (B, H, L, L) scores
-    for heads in ((2,) if args.smoke else (15, 40)):
+    for heads in (2,) if args.smoke else (15, 40):
         if "attention" in want and time_left(15, f"attention H={heads}"):
             try:
                 r = measure.attention_memory(heads, att_len, 1, dtype, mem_device)
@@ -185,8 +206,14 @@ def main() -> None:
     if script.exists() and not args.no_quant_matmul and "quant_matmul" in want:
         remaining = args.budget - (time.time() - START)
         if remaining > 30:
-            cmd = [sys.executable, str(script), "--device", "gpu" if gpu else "cpu",
-                   "--json", str(args.out / "quant_matmul.json")]
+            cmd = [
+                sys.executable,
+                str(script),
+                "--device",
+                "gpu" if gpu else "cpu",
+                "--json",
+                str(args.out / "quant_matmul.json"),
+            ]
             if args.smoke:
                 cmd += ["--shapes", "300M", "--modes", "affine4", "--tokens", "1", "16", "--repeat", "1"]
             cmd += args.quant_matmul_args.split()

@@ -15,8 +15,7 @@ from esmc_mlx.config import ESMCConfig
 from esmc_mlx.runtime.model import ESMC
 
 
-def matmul_rates(n: int = 8192, dtype: str = "bfloat16", torch_device: str | None = "cuda",
-                 reps: int = 10) -> dict:
+def matmul_rates(n: int = 8192, dtype: str = "bfloat16", torch_device: str | None = "cuda", reps: int = 10) -> dict:
     """Square GEMM rate (TFLOP/s) in MLX and (if given) torch: the ceiling a forward is
     measured against."""
     out = {"n": n, "dtype": dtype}
@@ -47,13 +46,19 @@ def matmul_rates(n: int = 8192, dtype: str = "bfloat16", torch_device: str | Non
     return out
 
 
-def gemm_profile(config: ESMCConfig, tokens: int, torch_device: str | None = "cuda",
-                 dtype: str = "bfloat16", reps: int = 10) -> dict:
+def gemm_profile(
+    config: ESMCConfig, tokens: int, torch_device: str | None = "cuda", dtype: str = "bfloat16", reps: int = 10
+) -> dict:
     """Time each of a block's GEMMs (fused and unfused) at ``tokens`` rows in MLX and torch:
     their sum x layers is the GEMM floor of a forward; the rest is attention and elementwise."""
     d, f = config.hidden_size, config.intermediate_size
-    gemms = {"q|k|v|o (each)": (d, d), "qkv fused": (3 * d, d), "gate|up (each)": (f, d),
-             "gate_up fused": (2 * f, d), "down": (d, f)}
+    gemms = {
+        "q|k|v|o (each)": (d, d),
+        "qkv fused": (3 * d, d),
+        "gate|up (each)": (f, d),
+        "gate_up fused": (2 * f, d),
+        "down": (d, f),
+    }
     mdt = getattr(mx, dtype)
     rows = {}
     for name, (out_dim, in_dim) in gemms.items():
@@ -75,28 +80,45 @@ def gemm_profile(config: ESMCConfig, tokens: int, torch_device: str | None = "cu
             fns["torch"] = tmm
         t = time_interleaved(fns, warmup=2, reps=5)
         flops = 2 * tokens * out_dim * in_dim
-        rows[name] = {k: {"ms": v["min_ms"] / reps, "tflops": flops * reps / (v["min_ms"] * 1e-3) / 1e12}
-                      for k, v in t.items()}
+        rows[name] = {
+            k: {"ms": v["min_ms"] / reps, "tflops": flops * reps / (v["min_ms"] * 1e-3) / 1e12} for k, v in t.items()
+        }
     n = config.num_hidden_layers
     per_layer = {
-        impl: {"unfused_ms": n * (4 * rows["q|k|v|o (each)"][impl]["ms"] + 2 * rows["gate|up (each)"][impl]["ms"]
-                                  + rows["down"][impl]["ms"]),
-               "fused_ms": n * (rows["qkv fused"][impl]["ms"] + rows["q|k|v|o (each)"][impl]["ms"]
-                                + rows["gate_up fused"][impl]["ms"] + rows["down"][impl]["ms"])}
-        for impl in rows["down"]}
+        impl: {
+            "unfused_ms": n
+            * (
+                4 * rows["q|k|v|o (each)"][impl]["ms"]
+                + 2 * rows["gate|up (each)"][impl]["ms"]
+                + rows["down"][impl]["ms"]
+            ),
+            "fused_ms": n
+            * (
+                rows["qkv fused"][impl]["ms"]
+                + rows["q|k|v|o (each)"][impl]["ms"]
+                + rows["gate_up fused"][impl]["ms"]
+                + rows["down"][impl]["ms"]
+            ),
+        }
+        for impl in rows["down"]
+    }
     return {"tokens": tokens, "gemms": rows, "forward_gemm_ms": per_layer}
 
 
-def attention_memory(heads: int, length: int, batch: int = 1, dtype: str = "bfloat16",
-                     torch_device: str | None = "cuda") -> dict:
+def attention_memory(
+    heads: int, length: int, batch: int = 1, dtype: str = "bfloat16", torch_device: str | None = "cuda"
+) -> dict:
     """Peak memory above the inputs of one attention call at ``length``: a fused kernel stays
     far below the (B, H, L, L) scores a naive one materializes."""
     mdt = getattr(mx, dtype)
     shape = (batch, heads, length, 64)
     q, k, v = (mx.random.normal(shape).astype(mdt) for _ in range(3))
     keep = mx.arange(length)[None, :] < (length - 16)  # 16 padded keys
-    masks = {"none": None, "bool": keep[:, None, None, :],
-             "additive": mx.where(keep, 0.0, -mx.inf).astype(mdt)[:, None, None, :]}
+    masks = {
+        "none": None,
+        "bool": keep[:, None, None, :],
+        "additive": mx.where(keep, 0.0, -mx.inf).astype(mdt)[:, None, None, :],
+    }
     mx.eval(q, k, v, *[m for m in masks.values() if m is not None])
     scores_bytes = batch * heads * length * length * mdt.size
     out = {"heads": heads, "length": length, "batch": batch, "scores_bytes": scores_bytes, "mlx": {}}
@@ -131,8 +153,9 @@ def attention_memory(heads: int, length: int, batch: int = 1, dtype: str = "bflo
     return out
 
 
-def forward_memory(model: ESMC, tmodel, length: int, batch: int = 1, padded: int = 0,
-                   torch_device: str | None = "cuda") -> dict:
+def forward_memory(
+    model: ESMC, tmodel, length: int, batch: int = 1, padded: int = 0, torch_device: str | None = "cuda"
+) -> dict:
     """Peak memory of a whole forward at ``length`` above the weights, MLX and torch;
     ``padded`` > 0 right-pads that many tokens (so a key mask is needed)."""
     ids = np.random.default_rng(0).integers(4, 24, size=(batch, length))
@@ -159,8 +182,10 @@ def forward_memory(model: ESMC, tmodel, length: int, batch: int = 1, padded: int
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         with torch.inference_mode():
-            _ = tmodel(input_ids=torch.tensor(ids, device=torch_device),
-                   attention_mask=torch.tensor(mask, device=torch_device) if padded else None).logits
+            _ = tmodel(
+                input_ids=torch.tensor(ids, device=torch_device),
+                attention_mask=torch.tensor(mask, device=torch_device) if padded else None,
+            ).logits
         torch.cuda.synchronize()
         out["torch"] = {"peak_extra_bytes": int(torch.cuda.max_memory_allocated() - base)}
         torch.cuda.empty_cache()

@@ -42,8 +42,11 @@ SHAPES = {  # (out, in) of the largest linears: gate/up (d -> f) of each model
     "6B": (6912, 2560),
 }
 MODES = {  # name: (mode, bits, group size)
-    "affine4": ("affine", 4, 64), "affine8": ("affine", 8, 64), "mxfp4": ("mxfp4", 4, 32),
-    "mxfp8": ("mxfp8", 8, 32), "nvfp4": ("nvfp4", 4, 16),
+    "affine4": ("affine", 4, 64),
+    "affine8": ("affine", 8, 64),
+    "mxfp4": ("mxfp4", 4, 32),
+    "mxfp8": ("mxfp8", 8, 32),
+    "nvfp4": ("nvfp4", 4, 16),
 }
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096, 16384)
 
@@ -82,13 +85,20 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["300M", "6B"], choices=list(SHAPES))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                        help="Compute dtype (default: float32 on cpu, bfloat16 on gpu, as the runtime).")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="Compute dtype (default: float32 on cpu, bfloat16 on gpu, as the runtime).",
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--doc", action="store_true", help="Write the tables into docs/quantization.md.")
     parser.add_argument("--from-json", type=Path, help="Skip timing; use the results of an earlier --json run.")
-    parser.add_argument("--give-up", type=float, default=4.0,
-                        help="Stop timing qmm once it is this many times slower than deq+mm twice in a row.")
+    parser.add_argument(
+        "--give-up",
+        type=float,
+        default=4.0,
+        help="Stop timing qmm once it is this many times slower than deq+mm twice in a row.",
+    )
     args = parser.parse_args()
     if args.from_json:
         results = json.loads(args.from_json.read_text())
@@ -103,8 +113,16 @@ def run(args) -> dict:
     from esmc_mlx.runtime.quantized import backend
 
     dtype = getattr(mx, args.dtype or ("float32" if args.device == "cpu" else "bfloat16"))
-    results = {"backend": backend(), "dtype": str(dtype), "mlx": mx.__version__, "machine": platform.machine(),
-               "host": platform.node(), "repeat": args.repeat, "rows": [], "crossover": {}}
+    results = {
+        "backend": backend(),
+        "dtype": str(dtype),
+        "mlx": mx.__version__,
+        "machine": platform.machine(),
+        "host": platform.node(),
+        "repeat": args.repeat,
+        "rows": [],
+        "crossover": {},
+    }
     try:
         results["device_info"] = {k: str(v) for k, v in mx.device_info().items()}
     except Exception:  # not every backend/version describes itself
@@ -137,8 +155,17 @@ def run(args) -> dict:
                 ms = timed(fns, args.repeat)
                 deq_mm, qmm = ms["deq_mm"], ms.get("qmm")
                 far_slower = far_slower + 1 if qmm is None or qmm > args.give_up * deq_mm else 0
-                row = {"shape": shape_name, "out": out_dims, "in": in_dims, "mode": mode_name, "tokens": t,
-                       "qmm_ms": qmm, "deq_mm_ms": deq_mm, "float_ms": ms["float"], "dequantize_ms": deq_only}
+                row = {
+                    "shape": shape_name,
+                    "out": out_dims,
+                    "in": in_dims,
+                    "mode": mode_name,
+                    "tokens": t,
+                    "qmm_ms": qmm,
+                    "deq_mm_ms": deq_mm,
+                    "float_ms": ms["float"],
+                    "dequantize_ms": deq_only,
+                }
                 rows.append(row)
                 winner = "deq+mm" if qmm is None or deq_mm < qmm else "qmm"
                 qtext = f"{qmm:10.2f}" if qmm is not None else f"{'-':>10}"
@@ -163,18 +190,28 @@ def markdown(results: dict) -> str:
     from esmc_mlx.runtime.quantized import CROSSOVER_TOKENS
 
     table = CROSSOVER_TOKENS.get(results["backend"], {})
-    lines = [f"Crossover (tokens from which dequantize-then-matmul is faster), {results['backend']}, "
-             f"{results['dtype'].split('.')[-1]}, mlx {results['mlx']}:", "",
-             "| mode | " + " | ".join(shapes) + " | CROSSOVER_TOKENS |", "|---|" + "---:|" * (len(shapes) + 1)]
+    lines = [
+        f"Crossover (tokens from which dequantize-then-matmul is faster), {results['backend']}, "
+        f"{results['dtype'].split('.')[-1]}, mlx {results['mlx']}:",
+        "",
+        "| mode | " + " | ".join(shapes) + " | CROSSOVER_TOKENS |",
+        "|---|" + "---:|" * (len(shapes) + 1),
+    ]
     for m in modes:
         key = MODES[m][0]
-        lines.append(f"| {m} | " + " | ".join(str(results["crossover"][m].get(s)) for s in shapes)
-                     + f" | {table.get(key)} |")
+        lines.append(
+            f"| {m} | " + " | ".join(str(results["crossover"][m].get(s)) for s in shapes) + f" | {table.get(key)} |"
+        )
     for shape in shapes:
         rows = [r for r in results["rows"] if r["shape"] == shape]
         out_dims, in_dims = rows[0]["out"], rows[0]["in"]
-        lines += ["", f"{shape} projection {in_dims} -> {out_dims}: qmm / deq+mm, ms (faster one x float's time)", "",
-                  "| tokens | float | " + " | ".join(modes) + " |", "|---:|---:|" + "---:|" * len(modes)]
+        lines += [
+            "",
+            f"{shape} projection {in_dims} -> {out_dims}: qmm / deq+mm, ms (faster one x float's time)",
+            "",
+            "| tokens | float | " + " | ".join(modes) + " |",
+            "|---:|---:|" + "---:|" * len(modes),
+        ]
         for t in sorted({r["tokens"] for r in rows}):
             by_mode = {r["mode"]: r for r in rows if r["tokens"] == t}
             cells = []

@@ -52,9 +52,15 @@ def measure(source: Path, spec: str, work: Path) -> dict:
             raise RuntimeError(f"{' '.join(command)} failed:\n{log.read_text()[-2000:]}")
         facts = describe(out)
         size = sum(f.stat().st_size for f in out.glob("model*.safetensors"))
-        return {"spec": spec, "size_bytes": size, "bits_per_weight": facts["bits per weight"],
-                "storage": facts["storage"], "peak_rss_bytes": usage.ru_maxrss * 1024,
-                "seconds": round(seconds, 1), "parameters": facts["parameters"]}
+        return {
+            "spec": spec,
+            "size_bytes": size,
+            "bits_per_weight": facts["bits per weight"],
+            "storage": facts["storage"],
+            "peak_rss_bytes": usage.ru_maxrss * 1024,
+            "seconds": round(seconds, 1),
+            "parameters": facts["parameters"],
+        }
     finally:
         shutil.rmtree(out.parent, ignore_errors=True)
 
@@ -62,8 +68,15 @@ def measure(source: Path, spec: str, work: Path) -> dict:
 def source_row(source: Path) -> dict:
     facts = describe(source)
     size = sum(f.stat().st_size for f in source.glob("model*.safetensors"))
-    return {"spec": "bf16 (source)", "size_bytes": size, "bits_per_weight": facts["bits per weight"],
-            "storage": "bfloat16", "peak_rss_bytes": None, "seconds": None, "parameters": facts["parameters"]}
+    return {
+        "spec": "bf16 (source)",
+        "size_bytes": size,
+        "bits_per_weight": facts["bits per weight"],
+        "storage": "bfloat16",
+        "peak_rss_bytes": None,
+        "seconds": None,
+        "parameters": facts["parameters"],
+    }
 
 
 def _rows(results: dict, shapes: list[str], specs, cells) -> list[str]:
@@ -79,14 +92,22 @@ def _rows(results: dict, shapes: list[str], specs, cells) -> list[str]:
 def table(results: dict) -> str:
     shapes = [s for s in SHAPES if s in results]
     specs = ["bf16 (source)", *SPECS]
-    lines = ["| spec | " + " | ".join(f"{s} size | {s} bpw" for s in shapes) + " |",
-             "|---|" + "---:|---:|" * len(shapes)]
+    lines = [
+        "| spec | " + " | ".join(f"{s} size | {s} bpw" for s in shapes) + " |",
+        "|---|" + "---:|---:|" * len(shapes),
+    ]
     lines += _rows(results, shapes, specs, lambda r: [f"{r['size_bytes'] / 1e9:.3f} GB", f"{r['bits_per_weight']:.3f}"])
-    lines += ["", "Peak RSS and wall time of each conversion (child process, 2 shared x86 cores, "
-                  "source read from local disk, includes hashing the source):", "",
-              "| spec | " + " | ".join(f"{s} peak RSS | {s} time" for s in shapes) + " |",
-              "|---|" + "---:|---:|" * len(shapes)]
-    lines += _rows(results, shapes, SPECS, lambda r: [f"{r['peak_rss_bytes'] / 2**30:.2f} GiB", f"{r['seconds']:.0f} s"])
+    lines += [
+        "",
+        "Peak RSS and wall time of each conversion (child process, 2 shared x86 cores, "
+        "source read from local disk, includes hashing the source):",
+        "",
+        "| spec | " + " | ".join(f"{s} peak RSS | {s} time" for s in shapes) + " |",
+        "|---|" + "---:|---:|" * len(shapes),
+    ]
+    lines += _rows(
+        results, shapes, SPECS, lambda r: [f"{r['peak_rss_bytes'] / 2**30:.2f} GiB", f"{r['seconds']:.0f} s"]
+    )
     return "\n".join(lines)
 
 
@@ -99,11 +120,17 @@ def write_doc(results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpts", type=Path, default=Path("/work/ckpts"),
-                        help="Directory holding the random checkpoints 300M/, 600M/, 6B/.")
+    parser.add_argument(
+        "--ckpts",
+        type=Path,
+        default=Path("/work/ckpts"),
+        help="Directory holding the random checkpoints 300M/, 600M/, 6B/.",
+    )
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     parser.add_argument("--modes", nargs="+", default=list(SPECS), choices=SPECS)
-    parser.add_argument("--work", type=Path, default=Path("/work/tmp"), help="Where outputs are written (then deleted).")
+    parser.add_argument(
+        "--work", type=Path, default=Path("/work/tmp"), help="Where outputs are written (then deleted)."
+    )
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes:
@@ -112,8 +139,11 @@ def main() -> None:
         for spec in args.modes:
             r = measure(source, spec, args.work)
             record(shape, r)
-            print(f"{shape:5} {spec:10} {r['size_bytes'] / 1e9:7.3f} GB  {r['bits_per_weight']:6.3f} bpw  "
-                  f"peak RSS {r['peak_rss_bytes'] / 2**30:5.2f} GiB  {r['seconds']:6.1f} s", flush=True)
+            print(
+                f"{shape:5} {spec:10} {r['size_bytes'] / 1e9:7.3f} GB  {r['bits_per_weight']:6.3f} bpw  "
+                f"peak RSS {r['peak_rss_bytes'] / 2**30:5.2f} GiB  {r['seconds']:6.1f} s",
+                flush=True,
+            )
 
 
 def record(shape: str, row: dict) -> None:

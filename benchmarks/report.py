@@ -16,8 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def forward_table(rows: list[dict], peak: float | None) -> str:
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    head = "| model | B×L | " + " | ".join(f"{i} ms" for i in impls) + " | best MLX vs torch | best TFLOP/s" \
-           + (" | % of matmul rate |" if peak else " |")
+    head = (
+        "| model | B×L | "
+        + " | ".join(f"{i} ms" for i in impls)
+        + " | best MLX vs torch | best TFLOP/s"
+        + (" | % of matmul rate |" if peak else " |")
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for key in dict.fromkeys((r["model"], r["batch"], r["length"]) for r in rows):
         group = {r["impl"]: r for r in rows if (r["model"], r["batch"], r["length"]) == key}

@@ -45,12 +45,20 @@ def child(args: list[str], env: dict, log: Path) -> dict:
         wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)
     peak = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    result = {"command": "esmc-mlx " + " ".join(args), "wall_s": round(wall, 2),
-              "cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "peak_rss_bytes": peak, "exit": proc.returncode}
+    result = {
+        "command": "esmc-mlx " + " ".join(args),
+        "wall_s": round(wall, 2),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+        "peak_rss_bytes": peak,
+        "exit": proc.returncode,
+    }
     if proc.returncode:
         result["log_tail"] = log.read_text()[-3000:]
-    print(f"  {result['wall_s']:8.2f} s wall {result['cpu_s']:8.2f} s CPU {peak / 2**30:6.2f} GiB  "
-          f"exit {proc.returncode}  {result['command']}", flush=True)
+    print(
+        f"  {result['wall_s']:8.2f} s wall {result['cpu_s']:8.2f} s CPU {peak / 2**30:6.2f} GiB  "
+        f"exit {proc.returncode}  {result['command']}",
+        flush=True,
+    )
     return result
 
 
@@ -60,23 +68,37 @@ def report_seconds(out: Path) -> dict:
     if not path.exists():
         return {}
     data = json.loads(path.read_text())
-    return {"passed": data["passed"], "seconds": data["resources"]["seconds"],
-            "timings": data["resources"]["timings"], "reference_mode": data["reference_mode"],
-            "cache_hit": data.get("reference_cache", {}).get("hit"), "panel_tokens": data["panel"]["tokens"]}
+    return {
+        "passed": data["passed"],
+        "seconds": data["resources"]["seconds"],
+        "timings": data["resources"]["timings"],
+        "reference_mode": data["reference_mode"],
+        "cache_hit": data.get("reference_cache", {}).get("hit"),
+        "panel_tokens": data["panel"]["tokens"],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="tiny", choices=["tiny", "random-tiny", "300M", "600M", "6B"],
-                        help="tiny: the packaged trained esmc-tiny; the others: random weights of that shape "
-                             "(random-tiny: the test suite's 2-layer shape, a smoke test of this script)")
+    parser.add_argument(
+        "--shape",
+        default="tiny",
+        choices=["tiny", "random-tiny", "300M", "600M", "6B"],
+        help="tiny: the packaged trained esmc-tiny; the others: random weights of that shape "
+        "(random-tiny: the test suite's 2-layer shape, a smoke test of this script)",
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"], help="where the torch reference runs")
     parser.add_argument("--q", help="first precision (default: 4 for tiny, mxfp4 otherwise)")
     parser.add_argument("--second-q", help="second precision (default: mxfp4 for tiny, 4 otherwise)")
     parser.add_argument("--work", type=Path, help="scratch directory (default: a temporary one, deleted)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["quick", "layered", "second"])
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="set in every child's environment (e.g. OMP_NUM_THREADS=1 on a shared machine)")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set in every child's environment (e.g. OMP_NUM_THREADS=1 on a shared machine)",
+    )
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
     q1 = args.q or ("4" if args.shape == "tiny" else "mxfp4")
@@ -85,9 +107,16 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, **dict(item.split("=", 1) for item in args.env))
     device = ["--reference-device", "cuda" if args.device == "gpu" else "cpu"]
-    results: dict = {"shape": args.shape, "device": args.device, "q": q1, "second_q": q2,
-                     "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()},
-                     "env": args.env, "load_average_before": os.getloadavg(), "steps": {}}
+    results: dict = {
+        "shape": args.shape,
+        "device": args.device,
+        "q": q1,
+        "second_q": q2,
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        "env": args.env,
+        "load_average_before": os.getloadavg(),
+        "steps": {},
+    }
     steps = results["steps"]
     try:
         if args.shape == "tiny":
@@ -108,8 +137,21 @@ def main() -> None:
         def convert(q: str, validate: bool, name: str, cache_name: str) -> dict:
             out = work / name
             shutil.rmtree(out, ignore_errors=True)
-            r = child(["convert", source, "-o", str(out), "--q", q, "--force",
-                       "--validate" if validate else "--no-validate", *device], cache(cache_name), work / f"{name}.log")
+            r = child(
+                [
+                    "convert",
+                    source,
+                    "-o",
+                    str(out),
+                    "--q",
+                    q,
+                    "--force",
+                    "--validate" if validate else "--no-validate",
+                    *device,
+                ],
+                cache(cache_name),
+                work / f"{name}.log",
+            )
             r.update(report_seconds(out))
             return r
 
@@ -121,11 +163,17 @@ def main() -> None:
             steps["convert+validate_second"] = convert(q2, True, "q2v", "main")  # warm cache
         ref = ["--reference", source, *device]
         if "quick" not in args.skip:
-            steps["validate_quick"] = child(["validate", str(work / "q1"), *ref, "--quick", "--report",
-                                             str(work / "quick")], cache("quick"), work / "quick.log")
+            steps["validate_quick"] = child(
+                ["validate", str(work / "q1"), *ref, "--quick", "--report", str(work / "quick")],
+                cache("quick"),
+                work / "quick.log",
+            )
         if "layered" not in args.skip:
-            steps["validate_layered"] = child(["validate", str(work / "q1"), *ref, "--mode", "layered", "--report",
-                                               str(work / "layered")], cache("layered"), work / "layered.log")
+            steps["validate_layered"] = child(
+                ["validate", str(work / "q1"), *ref, "--mode", "layered", "--report", str(work / "layered")],
+                cache("layered"),
+                work / "layered.log",
+            )
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -141,7 +189,8 @@ def main() -> None:
         "quick_validation_s": steps.get("validate_quick", {}).get("wall_s"),
         "layered_validation_s": steps.get("validate_layered", {}).get("wall_s"),
         "layered_peak_rss_gib": round(steps["validate_layered"]["peak_rss_bytes"] / 2**30, 2)
-        if "validate_layered" in steps else None,
+        if "validate_layered" in steps
+        else None,
         "convert+validate_peak_rss_gib": round(steps["convert+validate"]["peak_rss_bytes"] / 2**30, 2),
     }
     summary["ratio_validation_to_conversion"] = round(summary["validation_s"] / summary["conversion_s"], 1)

@@ -9,5 +9,15 @@ from .errors import EsmcMlxError, EsmcMlxWarning, SequenceError, TokenizerError 
 from .runtime import ESMC, ESMCOutput, ESMCTokenizer  # noqa: E402
 from .tasks import ProteinModel, load  # noqa: E402
 
-__all__ = ["ESMC", "ESMCOutput", "ESMCTokenizer", "EsmcMlxError", "EsmcMlxWarning", "ProteinModel", "SequenceError",
-           "TokenizerError", "load", "__version__"]
+__all__ = [
+    "ESMC",
+    "ESMCOutput",
+    "ESMCTokenizer",
+    "EsmcMlxError",
+    "EsmcMlxWarning",
+    "ProteinModel",
+    "SequenceError",
+    "TokenizerError",
+    "load",
+    "__version__",
+]

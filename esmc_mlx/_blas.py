@@ -49,8 +49,7 @@ AVX2_CORES = AVX512_CORES | {"haswell", "zen", "excavator"}
 SLOW_GFLOPS = 30.0  # below this an fp32 GEMM is a reference/scalar kernel (4-33 measured)
 
 FIX = {
-    "linux": 'pip install "mlx[cpu]" (CPU) or pip install "mlx[cuda13]" (CUDA 13 GPUs), '
-             'the same version as mlx',
+    "linux": 'pip install "mlx[cpu]" (CPU) or pip install "mlx[cuda13]" (CUDA 13 GPUs), the same version as mlx',
     "darwin": "pip install --force-reinstall mlx (needs macOS 14+ on Apple Silicon)",
 }
 
@@ -93,7 +92,10 @@ def _check_cuda_build() -> None:
             warnings.warn(
                 f"esmc_mlx: {name} is installed but {libmlx} is the CPU build (mlx-cpu ships the same "
                 f"file): MLX will not use the GPU. Fix: pip install --force-reinstall --no-deps "
-                f"{name}=={dist.version}", RuntimeWarning, stacklevel=3)
+                f"{name}=={dist.version}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return
 
 
@@ -149,8 +151,7 @@ def cpu_kernel() -> str | None:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines()
-                  if line.startswith("flags")), set())
+    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= flags:
         return "SkylakeX"
     if {"avx2", "fma"} <= flags:
@@ -183,7 +184,7 @@ def blas_imports(path: Path, wanted=lambda name: name.startswith("cblas_")) -> d
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         if m[:6] != b"\x7fELF\x02\x01":  # 64-bit little-endian only (x86-64, aarch64)
             return out
-        shoff, = struct.unpack_from("<Q", m, 0x28)
+        (shoff,) = struct.unpack_from("<Q", m, 0x28)
         shentsize, shnum = struct.unpack_from("<HH", m, 0x3A)
         sections = [struct.unpack_from("<IIQQQQIIQQ", m, shoff + i * shentsize) for i in range(shnum)]
         for _, kind, _, _, offset, size, link, _, _, _ in sections:
@@ -195,8 +196,8 @@ def blas_imports(path: Path, wanted=lambda name: name.startswith("cblas_")) -> d
                 # R_X86_64_GLOB_DAT/JUMP_SLOT (6, 7), R_AARCH64_GLOB_DAT/JUMP_SLOT (1025, 1026)
                 if r_info & 0xFFFFFFFF not in (6, 7, 1025, 1026):
                     continue
-                st_name, = struct.unpack_from("<I", m, symtab + (r_info >> 32) * 24)
-                name = m[strtab + st_name:m.find(b"\0", strtab + st_name)].decode()
+                (st_name,) = struct.unpack_from("<I", m, symtab + (r_info >> 32) * 24)
+                name = m[strtab + st_name : m.find(b"\0", strtab + st_name)].decode()
                 if wanted(name):
                     out.setdefault(name, []).append(r_offset)
     return out
@@ -207,8 +208,12 @@ class _LinkMap(ctypes.Structure):
 
 
 class _DlInfo(ctypes.Structure):
-    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
-                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -335,15 +340,23 @@ def load_fast_blas() -> str | None:
         if not _bind(lib, prefix):
             continue
         loaded_path = library_of(ctypes.cast(getattr(lib, prefix + "cblas_sgemm"), ctypes.c_void_p).value) or path
-        info.update(source=source, path=loaded_path, corename=core, forced_coretype=forced,
-                    config=_text(lib, prefix + "openblas_get_config"))
+        info.update(
+            source=source,
+            path=loaded_path,
+            corename=core,
+            forced_coretype=forced,
+            config=_text(lib, prefix + "openblas_get_config"),
+        )
         if _weaker_than_cpu(core, kernel):
             rate = gemm_gflops()
             info["gemm_gflops"] = rate
             warnings.warn(
                 f"esmc_mlx: MLX's BLAS ({path}) runs the {core} kernel on a CPU that has "
                 f"{kernel}'s instructions: fp32 GEMM {rate:.0f} GFLOP/s. Set {CORETYPE_VAR}="
-                f"{kernel} to force it (this copy only).", RuntimeWarning, stacklevel=3)
+                f"{kernel} to force it (this copy only).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return loaded_path
     if _libmlx() is not None:
         rate = gemm_gflops()
@@ -353,5 +366,7 @@ def load_fast_blas() -> str | None:
                 f"esmc_mlx: no OpenBLAS found; MLX's CPU GEMMs use its bundled reference BLAS "
                 f"({rate:.0f} GFLOP/s fp32). pip install scipy-openblas32 (no root needed), or "
                 f"apt-get install libopenblas0-pthread, or point {ENV_VAR} at a BLAS library.",
-                RuntimeWarning, stacklevel=3)
+                RuntimeWarning,
+                stacklevel=3,
+            )
     return None

@@ -43,8 +43,12 @@ QUANT_MODES = {  # name: quantization record (mode, bits, group size)
     "mxfp4": {"mode": "mxfp4", "bits": 4, "group_size": 32},
 }
 # MLX model variants: (fuse q/k/v + gate/up, mx.compile the forward)
-VARIANTS = {"mlx": (False, False), "mlx+fuse": (True, False), "mlx+compile": (False, True),
-            "mlx+fuse+compile": (True, True)}
+VARIANTS = {
+    "mlx": (False, False),
+    "mlx+fuse": (True, False),
+    "mlx+compile": (False, True),
+    "mlx+fuse+compile": (True, True),
+}
 DEFAULT_VARIANT = "mlx+fuse+compile"  # what load() gives on a GPU
 
 
@@ -107,8 +111,13 @@ def mlx_weights(tmodel, dtype: mx.Dtype) -> dict[str, mx.array]:
     return out
 
 
-def mlx_model(config: ESMCConfig, weights: dict[str, mx.array], fuse: bool = False, compile: bool = False,
-              quant: dict | None = None) -> ESMC:
+def mlx_model(
+    config: ESMCConfig,
+    weights: dict[str, mx.array],
+    fuse: bool = False,
+    compile: bool = False,
+    quant: dict | None = None,
+) -> ESMC:
     """An MLX ESMC holding ``weights`` (shared, not copied), optionally quantized (the block
     projections, as ``esmc-convert --q`` does), fused and compiled."""
     model = ESMC(config)
@@ -135,8 +144,13 @@ def sync_torch() -> None:
         torch.cuda.synchronize()
 
 
-def time_interleaved(fns: dict[str, Callable[[], None]], warmup: int = 2, reps: int | None = None,
-                     budget_s: float = 3.0, max_reps: int = 20) -> dict[str, dict]:
+def time_interleaved(
+    fns: dict[str, Callable[[], None]],
+    warmup: int = 2,
+    reps: int | None = None,
+    budget_s: float = 3.0,
+    max_reps: int = 20,
+) -> dict[str, dict]:
     """Run each fn ``warmup`` times, then ``reps`` rounds of all fns in turn (interleaved).
     Without ``reps``: as many rounds (3..max_reps) as fit ``budget_s`` per fn."""
     last = {}
@@ -153,12 +167,21 @@ def time_interleaved(fns: dict[str, Callable[[], None]], warmup: int = 2, reps: 
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: {"median_ms": statistics.median(t) * 1e3, "min_ms": min(t) * 1e3, "reps": len(t)}
-            for name, t in times.items()}
+    return {
+        name: {"median_ms": statistics.median(t) * 1e3, "min_ms": min(t) * 1e3, "reps": len(t)}
+        for name, t in times.items()
+    }
 
 
-def forward_fns(tmodel, models: dict[str, ESMC], batch: int, length: int, device: str = "cpu",
-                seed: int = 0, env: dict[str, dict] | None = None) -> dict[str, Callable[[], None]]:
+def forward_fns(
+    tmodel,
+    models: dict[str, ESMC],
+    batch: int,
+    length: int,
+    device: str = "cpu",
+    seed: int = 0,
+    env: dict[str, dict] | None = None,
+) -> dict[str, Callable[[], None]]:
     """Timed callables: one full forward (logits evaluated) per model, same token ids."""
     ids = np.random.default_rng(seed).integers(4, 24, size=(batch, length))
     fns: dict[str, Callable[[], None]] = {}
@@ -213,8 +236,17 @@ def agreement(tmodel, model: ESMC, device: str, length: int = 64) -> float:
     return rel_l2(out, ref)
 
 
-def compare_forward(tmodel, models: dict[str, ESMC], config: ESMCConfig, shapes, device: str,
-                    label: str, budget_s: float = 3.0, log=print, env: dict | None = None) -> list[dict]:
+def compare_forward(
+    tmodel,
+    models: dict[str, ESMC],
+    config: ESMCConfig,
+    shapes,
+    device: str,
+    label: str,
+    budget_s: float = 3.0,
+    log=print,
+    env: dict | None = None,
+) -> list[dict]:
     """One row per (shape, implementation): median/min ms, TFLOP/s, speedup over torch."""
     rows = []
     for batch, length in shapes:
@@ -222,22 +254,36 @@ def compare_forward(tmodel, models: dict[str, ESMC], config: ESMCConfig, shapes,
         flops = model_flops(config, batch, length)
         base = timings.get("torch", {}).get("median_ms")
         for name, t in timings.items():
-            row = {"model": label, "batch": batch, "length": length, "impl": name, **t,
-                   "tflops": flops / (t["median_ms"] * 1e-3) / 1e12,
-                   "speedup_vs_torch": (base / t["median_ms"]) if base else None}
+            row = {
+                "model": label,
+                "batch": batch,
+                "length": length,
+                "impl": name,
+                **t,
+                "tflops": flops / (t["median_ms"] * 1e-3) / 1e12,
+                "speedup_vs_torch": (base / t["median_ms"]) if base else None,
+            }
             rows.append(row)
-            log(f"{label:>6} {batch:>3}x{length:<5} {name:<22} {t['median_ms']:10.2f} ms  (min {t['min_ms']:.2f}, "
+            log(
+                f"{label:>6} {batch:>3}x{length:<5} {name:<22} {t['median_ms']:10.2f} ms  (min {t['min_ms']:.2f}, "
                 f"{t['reps']} reps)  {row['tflops']:7.1f} TFLOP/s"
-                + (f"  torch/this {row['speedup_vs_torch']:.2f}x" if base else ""))
+                + (f"  torch/this {row['speedup_vs_torch']:.2f}x" if base else "")
+            )
         mx.clear_cache()
     return rows
 
 
 # --- report --------------------------------------------------------------------------------
 def machine(with_torch: bool = True) -> dict:
-    info = {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
-            "mlx": mx.__version__, "device": str(mx.default_device()), "cpu_count": os.cpu_count(),
-            "date": datetime.date.today().isoformat()}
+    info = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "cpu_count": os.cpu_count(),
+        "date": datetime.date.today().isoformat(),
+    }
     try:
         info["device_info"] = {k: str(v) for k, v in mx.device_info().items()}
     except Exception:  # older mlx, or a backend that does not describe itself
@@ -323,9 +369,19 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def run(models=("300M",), shapes=None, device: str = "auto", dtype: str | None = None,
-        variants=None, quant=(), out_dir: Path | str = "bench-results", with_torch: bool = True,
-        budget_s: float = 3.0, log=print, stem: str = "bench") -> dict:
+def run(
+    models=("300M",),
+    shapes=None,
+    device: str = "auto",
+    dtype: str | None = None,
+    variants=None,
+    quant=(),
+    out_dir: Path | str = "bench-results",
+    with_torch: bool = True,
+    budget_s: float = 3.0,
+    log=print,
+    stem: str = "bench",
+) -> dict:
     """The comparison ``esmc-mlx bench`` runs: for each model size, a random-weight
     transformers model and the MLX model from the same weights, timed at each (batch, length);
     optionally quantized twins (``quant``: names of QUANT_MODES). Each side runs in its own
@@ -342,14 +398,29 @@ def run(models=("300M",), shapes=None, device: str = "auto", dtype: str | None =
     if with_torch and not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "safetensors")):
         log("torch is not installed: timing MLX only (pip install 'esmc-mlx[torch]' for the comparison)")
         with_torch = False
-    results = {"machine": machine(with_torch=False), "backend": device, "dtype": dtype, "forward": [],
-               "agreement": {}, "target_speedup": 1.2 if device == "gpu" else 1.0, "quantized": [],
-               "isolation": "each side in its own process"}
+    results = {
+        "machine": machine(with_torch=False),
+        "backend": device,
+        "dtype": dtype,
+        "forward": [],
+        "agreement": {},
+        "target_speedup": 1.2 if device == "gpu" else 1.0,
+        "quantized": [],
+        "isolation": "each side in its own process",
+    }
     log(f"backend {device}, {dtype}, mlx {mx.__version__}; torch {'in its own process' if with_torch else 'absent'}")
     with tempfile.TemporaryDirectory(prefix="esmc-bench-") as tmp:
         for name in models:
-            job = {"model": name, "device": device, "dtype": dtype, "shapes": shapes, "budget_s": budget_s,
-                   "variants": list(variants or ()), "quant": list(quant), "dir": str(Path(tmp) / name)}
+            job = {
+                "model": name,
+                "device": device,
+                "dtype": dtype,
+                "shapes": shapes,
+                "budget_s": budget_s,
+                "variants": list(variants or ()),
+                "quant": list(quant),
+                "dir": str(Path(tmp) / name),
+            }
             Path(job["dir"]).mkdir()
             torch_side = _side("torch", job, log) if with_torch else None
             mlx_side = _side("mlx", job, log)
@@ -362,7 +433,9 @@ def run(models=("300M",), shapes=None, device: str = "auto", dtype: str | None =
                 torch_ms = base.get((r["batch"], r["length"]))
                 r["speedup_vs_torch"] = torch_ms / r["median_ms"] if torch_ms else None
                 if torch_ms:
-                    log(f"{name:>6} {r['batch']:>3}x{r['length']:<5} {r['impl']:<22} torch/this {r['speedup_vs_torch']:.2f}x")
+                    log(
+                        f"{name:>6} {r['batch']:>3}x{r['length']:<5} {r['impl']:<22} torch/this {r['speedup_vs_torch']:.2f}x"
+                    )
             results["forward"] += mlx_side["rows"]
             results["agreement"].update(mlx_side["agreement"])
             results["quantized"] += mlx_side["quantized"]
@@ -375,8 +448,12 @@ def _side(kind: str, job: dict, log) -> dict:
     """Run one side in a fresh interpreter, its progress lines passed to ``log``."""
     job_path = Path(job["dir"]) / f"{kind}-job.json"
     job_path.write_text(json.dumps(job))
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "esmc_mlx.bench", kind, str(job_path)],
-                            stdout=subprocess.PIPE, text=True, bufsize=1)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-m", "esmc_mlx.bench", kind, str(job_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+    )
     for line in proc.stdout:
         log(line.rstrip("\n"))
     if proc.wait() != 0:
@@ -393,16 +470,21 @@ def _torch_side(job: dict) -> dict:
     if device == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
     tmodel = torch_model(config, job["dtype"], device)
-    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tmodel.state_dict().items()},
-              str(Path(job["dir"]) / "weights.safetensors"))
+    save_file(
+        {k: v.detach().to("cpu").contiguous().clone() for k, v in tmodel.state_dict().items()},
+        str(Path(job["dir"]) / "weights.safetensors"),
+    )
     with torch.inference_mode():
         ref = tmodel(input_ids=torch.tensor(_agreement_ids(), device=device)).logits.float().cpu().numpy()
     np.save(Path(job["dir"]) / "reference_logits.npy", ref)
     rows = compare_forward(tmodel, {}, config, job["shapes"], device, job["model"], job["budget_s"], print)
     import transformers
 
-    info = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "transformers": transformers.__version__}
+    info = {
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return {"rows": rows, "machine": info}
@@ -419,8 +501,10 @@ def _mlx_side(job: dict) -> dict:
     else:
         rng = np.random.default_rng(0)
         shapes_ = dict(tree_flatten(ESMC(config).parameters()))
-        weights = {k: mx.array(rng.standard_normal(v.shape, dtype=np.float32) * v.shape[-1] ** -0.5).astype(dtype)
-                   for k, v in shapes_.items()}
+        weights = {
+            k: mx.array(rng.standard_normal(v.shape, dtype=np.float32) * v.shape[-1] ** -0.5).astype(dtype)
+            for k, v in shapes_.items()
+        }
     base_variant = default_variant(device)
     models_ = {v: mlx_model(config, weights, *VARIANTS[v]) for v in (job["variants"] or [base_variant])}
     out = {"rows": [], "agreement": {}, "quantized": []}
@@ -433,15 +517,20 @@ def _mlx_side(job: dict) -> dict:
     out["rows"] = compare_forward(None, models_, config, job["shapes"], "cpu", name, job["budget_s"], print)
     for q in job["quant"]:
         flags = VARIANTS[base_variant]
-        twin = {base_variant: models_.get(base_variant) or mlx_model(config, weights, *flags),
-                q: mlx_model(config, weights, *flags, QUANT_MODES[q])}
+        twin = {
+            base_variant: models_.get(base_variant) or mlx_model(config, weights, *flags),
+            q: mlx_model(config, weights, *flags, QUANT_MODES[q]),
+        }
         rows = compare_forward(None, twin, config, job["shapes"], "cpu", name, job["budget_s"], print)
         bf = {(r["batch"], r["length"]): r["median_ms"] for r in rows if r["impl"] == base_variant}
         for r in rows:
             if r["impl"] == q:
                 r["vs_float"] = r["median_ms"] / bf[(r["batch"], r["length"])]
                 out["quantized"].append(r)
-                print(f"{name:>6} {r['batch']:>3}x{r['length']:<5} {q} time / float time = {r['vs_float']:.2f}", flush=True)
+                print(
+                    f"{name:>6} {r['batch']:>3}x{r['length']:<5} {q} time / float time = {r['vs_float']:.2f}",
+                    flush=True,
+                )
     return out
 
 

@@ -34,8 +34,9 @@ def _error_line(error: EsmcMlxError | OSError) -> click.ClickException:
     if isinstance(error, EsmcMlxError):
         return click.ClickException(str(error))
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return click.ClickException(f"the disk is full: could not write {error.filename or 'the output'}; "
-                                    "free some space and run again")
+        return click.ClickException(
+            f"the disk is full: could not write {error.filename or 'the output'}; free some space and run again"
+        )
     where = f"{error.filename}: " if error.filename else ""
     return click.ClickException(f"{where}{error.strerror or error}")
 
@@ -94,43 +95,75 @@ def _command_line() -> str:
 # Options shared by `esmc-convert` / `esmc-mlx convert` and `esmc-mlx quantize`.
 group_size_option = click.option("--group-size", type=int, help="Affine group size: 32, 64 (default) or 128.")
 quantize_head_option = click.option(
-    "--quantize-head", is_flag=True,
+    "--quantize-head",
+    is_flag=True,
     help="Also quantize the token embedding and the LM head (default: they stay in the float dtype; "
-         "they are <1% of the weights and carry the output distribution).")
-force_option = click.option("--force", is_flag=True,
-                            help="Replace an existing output directory that esmc-mlx wrote (never anything else; "
-                                 "see docs/reliability.md).")
-shard_size_option = click.option("--shard-size", default="1GB", show_default=True,
-                                 callback=lambda ctx, param, value: _parse_size(value),
-                                 help="Largest safetensors shard; bounds the converter's memory.")
+    "they are <1% of the weights and carry the output distribution).",
+)
+force_option = click.option(
+    "--force",
+    is_flag=True,
+    help="Replace an existing output directory that esmc-mlx wrote (never anything else; see docs/reliability.md).",
+)
+shard_size_option = click.option(
+    "--shard-size",
+    default="1GB",
+    show_default=True,
+    callback=lambda ctx, param, value: _parse_size(value),
+    help="Largest safetensors shard; bounds the converter's memory.",
+)
 reference_device_option = click.option(
-    "--reference-device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True,
-    help="Where the torch reference of validation runs (fp32; auto: CUDA, else MPS, else the CPU).")
+    "--reference-device",
+    type=click.Choice(["auto", "cpu", "cuda", "mps"]),
+    default="auto",
+    show_default=True,
+    help="Where the torch reference of validation runs (fp32; auto: CUDA, else MPS, else the CPU).",
+)
 
 convert_options = [
     click.argument("source"),
-    click.option("-o", "--output", "output", type=click.Path(path_type=Path),
-                 help="Output directory (default: ESMC-<name>[-<q>]-mlx in the current directory)."),
-    click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-                 help="Float dtype of the output (default: the source's)."),
-    click.option("--q", "q", metavar="SPEC", multiple=True,
-                 help="Quantize: 8 6 5 4 3 2 (affine bits), mxfp4, mxfp8, nvfp4, or a mixed recipe "
-                      "(mixed_2_6 mixed_3_4 mixed_3_6 mixed_4_6 mixed_4_8). Repeat for several precisions "
-                      "from one read of the source: -o DIR then holds one sub-directory per spec "
-                      "(4bit, 8bit, mxfp4, mixed_4_6; -g<N> appended for --group-size N), all validated "
-                      "against one pass of the original."),
+    click.option(
+        "-o",
+        "--output",
+        "output",
+        type=click.Path(path_type=Path),
+        help="Output directory (default: ESMC-<name>[-<q>]-mlx in the current directory).",
+    ),
+    click.option(
+        "--dtype",
+        type=click.Choice(["float32", "bfloat16", "float16"]),
+        help="Float dtype of the output (default: the source's).",
+    ),
+    click.option(
+        "--q",
+        "q",
+        metavar="SPEC",
+        multiple=True,
+        help="Quantize: 8 6 5 4 3 2 (affine bits), mxfp4, mxfp8, nvfp4, or a mixed recipe "
+        "(mixed_2_6 mixed_3_4 mixed_3_6 mixed_4_6 mixed_4_8). Repeat for several precisions "
+        "from one read of the source: -o DIR then holds one sub-directory per spec "
+        "(4bit, 8bit, mxfp4, mixed_4_6; -g<N> appended for --group-size N), all validated "
+        "against one pass of the original.",
+    ),
     group_size_option,
     quantize_head_option,
     click.option("--revision", help="Hub revision (branch, tag or commit) of the source."),
     force_option,
     shard_size_option,
-    click.option("--upload-repo", metavar="ORG/NAME",
-                 help="After converting (and validating), publish to this Hub model repo with a model card. "
-                      "Token and namespace are checked before converting."),
+    click.option(
+        "--upload-repo",
+        metavar="ORG/NAME",
+        help="After converting (and validating), publish to this Hub model repo with a model card. "
+        "Token and namespace are checked before converting.",
+    ),
     click.option("--private", is_flag=True, help="With --upload-repo: create the repo private."),
-    click.option("--validate/--no-validate", "validate", default=None,
-                 help="Validate the output against SOURCE (report in OUT/validation/). Default: on when "
-                      "torch and transformers are installed."),
+    click.option(
+        "--validate/--no-validate",
+        "validate",
+        default=None,
+        help="Validate the output against SOURCE (report in OUT/validation/). Default: on when "
+        "torch and transformers are installed.",
+    ),
     reference_device_option,
 ]
 
@@ -160,24 +193,48 @@ def _parse_size(text: str) -> int:
     if size is None:
         raise click.BadParameter(f"{text!r}: use a size like 512MB or 2GB", param_hint="--shard-size")
     if size < MIN_SHARD_BYTES:
-        raise click.BadParameter(f"{text!r}: a shard must hold at least 1MB (use e.g. 512MB or 2GB)",
-                                 param_hint="--shard-size")
+        raise click.BadParameter(
+            f"{text!r}: a shard must hold at least 1MB (use e.g. 512MB or 2GB)", param_hint="--shard-size"
+        )
     return size
 
 
-def run_convert(source, output, dtype, q, group_size, revision, force, shard_size, upload_repo=None, private=False,
-                quantize_head=False, validate=None, reference_device="auto"):
+def run_convert(
+    source,
+    output,
+    dtype,
+    q,
+    group_size,
+    revision,
+    force,
+    shard_size,
+    upload_repo=None,
+    private=False,
+    quantize_head=False,
+    validate=None,
+    reference_device="auto",
+):
     specs = list(q) if isinstance(q, (list, tuple)) else [q]
-    common = dict(dtype=dtype, group_size=group_size, quantize_head=quantize_head, revision=revision, force=force,
-                  shard_bytes=shard_size, validate_output=validate, command=_command_line(),
-                  reference_device=reference_device, log=click.echo)
+    common = dict(
+        dtype=dtype,
+        group_size=group_size,
+        quantize_head=quantize_head,
+        revision=revision,
+        force=force,
+        shard_bytes=shard_size,
+        validate_output=validate,
+        command=_command_line(),
+        reference_device=reference_device,
+        log=click.echo,
+    )
     if len(specs) > 1:  # one read of the source, one sub-directory per spec, one reference pass
         if upload_repo:
             raise click.UsageError("--upload-repo takes one --q; publish each sub-directory with `esmc-mlx push`")
         convert_validate_many(source, output, specs, **common)
         return
-    convert_validate_push(source, output, q=specs[0] if specs else None, upload_repo=upload_repo, private=private,
-                          **common)
+    convert_validate_push(
+        source, output, q=specs[0] if specs else None, upload_repo=upload_repo, private=private, **common
+    )
 
 
 EXAMPLES = """
@@ -232,13 +289,23 @@ Examples:
 @force_option
 @shard_size_option
 def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size):
-    quantize_directory(model_dir, output, q, group_size=group_size, quantize_head=quantize_head, force=force,
-                 shard_bytes=shard_size, command=_command_line())
+    quantize_directory(
+        model_dir,
+        output,
+        q,
+        group_size=group_size,
+        quantize_head=quantize_head,
+        force=force,
+        shard_bytes=shard_size,
+        command=_command_line(),
+    )
     click.echo(f"Wrote {output}")
 
 
-@main.command(help="Describe an MLX model directory: architecture, parameters, dtype or "
-                   "quantization, bits per weight, size on disk.\n\n\b\nExample:\n  esmc-mlx info esmc-tiny-mlx")
+@main.command(
+    help="Describe an MLX model directory: architecture, parameters, dtype or "
+    "quantization, bits per weight, size on disk.\n\n\b\nExample:\n  esmc-mlx info esmc-tiny-mlx"
+)
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def info(model_dir, as_json):
@@ -283,33 +350,86 @@ def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
 
 @main.command(help=VALIDATE_HELP)
 @click.argument("mlx_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--reference", required=True, metavar="SOURCE",
-              help="The original checkpoint: alias (300M, 600M, 6B, tiny), Hub repo id, directory or legacy .pth.")
-@click.option("--sequences", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="FASTA to use instead of the bundled panel (two-chain and <mask> inputs are derived from it).")
-@click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Write the report here (default: MLX_DIR/validation).")
-@click.option("--max-length", type=click.IntRange(1), help="Crop sequences to this many residues (faster on big models).")
+@click.option(
+    "--reference",
+    required=True,
+    metavar="SOURCE",
+    help="The original checkpoint: alias (300M, 600M, 6B, tiny), Hub repo id, directory or legacy .pth.",
+)
+@click.option(
+    "--sequences",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="FASTA to use instead of the bundled panel (two-chain and <mask> inputs are derived from it).",
+)
+@click.option(
+    "--report",
+    "report_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Write the report here (default: MLX_DIR/validation).",
+)
+@click.option(
+    "--max-length", type=click.IntRange(1), help="Crop sequences to this many residues (faster on big models)."
+)
 @click.option("--quick", is_flag=True, help="Crop to 256 residues and score 8 positions: a fast first look.")
-@click.option("--threshold", "threshold", multiple=True, metavar="NAME=VALUE",
-              help="Override a bound (repeatable): weights, fidelity_logits, fidelity_hidden, kl_mean, kl_max, "
-                   "top1, logits_rel_err, hidden_rel_err, embedding_cosine, spearman.")
-@click.option("--quality-gate", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-              help="Whether quality checks can fail the run; auto: only against a trained reference.")
-@click.option("--mode", type=click.Choice(["auto", "full", "layered"]), default="auto", show_default=True,
-              help="Run whole models or one layer at a time (auto: layered when a model in fp32 "
-                   "would take more than 25% of RAM).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-              help="MLX compute dtype (default: float32, with TF32 off on CUDA: the reference's own precision).")
+@click.option(
+    "--threshold",
+    "threshold",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Override a bound (repeatable): weights, fidelity_logits, fidelity_hidden, kl_mean, kl_max, "
+    "top1, logits_rel_err, hidden_rel_err, embedding_cosine, spearman.",
+)
+@click.option(
+    "--quality-gate",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="Whether quality checks can fail the run; auto: only against a trained reference.",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["auto", "full", "layered"]),
+    default="auto",
+    show_default=True,
+    help="Run whole models or one layer at a time (auto: layered when a model in fp32 "
+    "would take more than 25% of RAM).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    help="MLX compute dtype (default: float32, with TF32 off on CUDA: the reference's own precision).",
+)
 @click.option("--revision", help="Hub revision of the reference.")
 @reference_device_option
-def validate(mlx_dir, reference, sequences, report_dir, max_length, quick, threshold, quality_gate, mode, dtype,
-             revision, reference_device):
-    report = run_validation(mlx_dir, reference, sequences=sequences, report_dir=report_dir,
-                            thresholds=_parse_thresholds(threshold), max_length=max_length or (256 if quick else None),
-                            marginal_positions=8 if quick else 24, mode=mode, quality_gate=quality_gate,
-                            compute_dtype=dtype, revision=revision, progress=True,
-                            reference_device=reference_device)
+def validate(
+    mlx_dir,
+    reference,
+    sequences,
+    report_dir,
+    max_length,
+    quick,
+    threshold,
+    quality_gate,
+    mode,
+    dtype,
+    revision,
+    reference_device,
+):
+    report = run_validation(
+        mlx_dir,
+        reference,
+        sequences=sequences,
+        report_dir=report_dir,
+        thresholds=_parse_thresholds(threshold),
+        max_length=max_length or (256 if quick else None),
+        marginal_positions=8 if quick else 24,
+        mode=mode,
+        quality_gate=quality_gate,
+        compute_dtype=dtype,
+        revision=revision,
+        progress=True,
+        reference_device=reference_device,
+    )
     click.echo(report.summary())
     click.echo(f"Report: {report.directory / 'report.md'}")
     if not report.passed:
@@ -340,11 +460,22 @@ Examples:
 @click.option("--commit-message", help="Commit title (default: names the model, precision and esmc-mlx version).")
 @click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to the branch.")
 @click.option("--dry-run", is_flag=True, help="Make every check and show the files and model card; upload nothing.")
-@click.option("--allow-unvalidated", is_flag=True,
-              help="Publish even without a passed validation report (the model card says so).")
+@click.option(
+    "--allow-unvalidated",
+    is_flag=True,
+    help="Publish even without a passed validation report (the model card says so).",
+)
 def push(mlx_dir, repo_id, private, revision, commit_message, create_pr, dry_run, allow_unvalidated):
-    result = push_artifact(mlx_dir, repo_id, private=private, revision=revision, commit_message=commit_message,
-                           create_pr=create_pr, dry_run=dry_run, allow_unvalidated=allow_unvalidated)
+    result = push_artifact(
+        mlx_dir,
+        repo_id,
+        private=private,
+        revision=revision,
+        commit_message=commit_message,
+        create_pr=create_pr,
+        dry_run=dry_run,
+        allow_unvalidated=allow_unvalidated,
+    )
     click.echo(result.summary())
     if dry_run:
         click.echo("\n--- README.md (model card) ---\n" + result.card)
@@ -382,28 +513,65 @@ Examples:
 @main.command(help=EMBED_HELP)
 @click.argument("model")
 @click.argument("fasta", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Output directory (created; an existing one is resumed).")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Output directory (created; an existing one is resumed).",
+)
 @click.option("--layers", metavar="LIST", help="Hidden states, e.g. 6,12,-1 or all (default: --layer).")
-@click.option("--layer", default=-1, show_default=True,
-              help="One hidden state: 0 = token embeddings, i = after block i, -1 = final (after the last norm).")
+@click.option(
+    "--layer",
+    default=-1,
+    show_default=True,
+    help="One hidden state: 0 = token embeddings, i = after block i, -1 = final (after the last norm).",
+)
 @click.option("--pool", "pools", metavar="LIST", help="Poolings: mean,max,cls,per-residue (default: mean).")
-@click.option("--per-residue", is_flag=True, help="Also store every residue's embedding (= adding per-residue to --pool).")
-@click.option("--format", "storage", type=click.Choice(["npy", "safetensors", "h5"]), default="npy", show_default=True,
-              help="How the arrays are stored.")
-@click.option("--batch-tokens", default=4096, show_default=True, type=click.IntRange(1),
-              help="Padded tokens per forward pass (rows x longest row).")
-@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
-              help="Storage dtype of the embeddings.")
+@click.option(
+    "--per-residue", is_flag=True, help="Also store every residue's embedding (= adding per-residue to --pool)."
+)
+@click.option(
+    "--format",
+    "storage",
+    type=click.Choice(["npy", "safetensors", "h5"]),
+    default="npy",
+    show_default=True,
+    help="How the arrays are stored.",
+)
+@click.option(
+    "--batch-tokens",
+    default=4096,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Padded tokens per forward pass (rows x longest row).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16"]),
+    default="float32",
+    show_default=True,
+    help="Storage dtype of the embeddings.",
+)
 @click.option("--force", is_flag=True, help="Discard what OUT holds and start over.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def embed(model, fasta, output, layers, layer, pools, per_residue, storage, batch_tokens, dtype, force, no_progress):
     pool_list = pools.split(",") if pools else ["mean"]
     if per_residue:
         pool_list.append("per_residue")
-    s = embed_fasta(model, fasta, output, layers=layers if layers else layer, pools=pool_list, storage=storage,
-                    batch_tokens=batch_tokens, dtype=dtype, force=force, group=World.current(),
-                    progress=not no_progress)
+    s = embed_fasta(
+        model,
+        fasta,
+        output,
+        layers=layers if layers else layer,
+        pools=pool_list,
+        storage=storage,
+        batch_tokens=batch_tokens,
+        dtype=dtype,
+        force=force,
+        group=World.current(),
+        progress=not no_progress,
+    )
     if s.rank == 0:
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
         click.echo(f"Embedded {s.computed} sequences{ranks} ({s.skipped} already done, {s.total} in all) -> {s.out}")
@@ -447,36 +615,85 @@ Examples:
 """
 
 window_option = click.option(
-    "--window", default=DEFAULT_WINDOW, show_default=True, type=click.IntRange(0),
+    "--window",
+    default=DEFAULT_WINDOW,
+    show_default=True,
+    type=click.IntRange(0),
     help="Score sequences longer than this many residues in windows of this width centred on each site "
-         "(ProteinGym's scoring_window); 0: never window.")
+    "(ProteinGym's scoring_window); 0: never window.",
+)
 
 
 @main.command(help=SCORE_HELP)
 @click.argument("model")
 @click.option("--sequence", required=True, help="Wild-type sequence (any length), or a FASTA file holding one record.")
-@click.option("--mutations", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="CSV with a column of mutant strings.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Scored CSV (default: <mutations>.scored.csv beside the input).")
-@click.option("--method", "methods", multiple=True, type=click.Choice(["masked-marginal", "wt-marginal", "pppl"]),
-              help="Repeat for several (default: masked-marginal and wt-marginal).")
-@click.option("--multi", type=click.Choice(["sum", "joint"]), default="sum", show_default=True,
-              help="Multi-mutants under masked-marginal: sum of single-site marginals, or joint masking of all sites.")
+@click.option(
+    "--mutations",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="CSV with a column of mutant strings.",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Scored CSV (default: <mutations>.scored.csv beside the input).",
+)
+@click.option(
+    "--method",
+    "methods",
+    multiple=True,
+    type=click.Choice(["masked-marginal", "wt-marginal", "pppl"]),
+    help="Repeat for several (default: masked-marginal and wt-marginal).",
+)
+@click.option(
+    "--multi",
+    type=click.Choice(["sum", "joint"]),
+    default="sum",
+    show_default=True,
+    help="Multi-mutants under masked-marginal: sum of single-site marginals, or joint masking of all sites.",
+)
 @window_option
-@click.option("-B", "--batch-size", default=32, show_default=True, type=click.IntRange(1),
-              help="Masked copies per forward pass.")
-@click.option("--offset", default=1, show_default=True, help="Number of the sequence's first residue in the mutant strings.")
+@click.option(
+    "-B", "--batch-size", default=32, show_default=True, type=click.IntRange(1), help="Masked copies per forward pass."
+)
+@click.option(
+    "--offset", default=1, show_default=True, help="Number of the sequence's first residue in the mutant strings."
+)
 @click.option("--mutant-column", default="mutant", show_default=True)
 @click.option("--dms-column", default="DMS_score", show_default=True, help="Measured scores, for Spearman's rho.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def score(model, sequence, mutations, output, methods, multi, window, batch_size, offset, mutant_column, dms_column,
-          no_progress):
+def score(
+    model,
+    sequence,
+    mutations,
+    output,
+    methods,
+    multi,
+    window,
+    batch_size,
+    offset,
+    mutant_column,
+    dms_column,
+    no_progress,
+):
     output = output or mutations.with_name(mutations.name.removesuffix(".csv") + ".scored.csv")
     methods = [m.replace("-", "_") for m in methods] or ["masked_marginal", "wt_marginal"]
-    s = score_csv(model, sequence, mutations, output, methods=methods, batch_size=batch_size, offset=offset,
-                  multi=multi, window=window or None, mutant_column=mutant_column, dms_column=dms_column,
-                  group=World.current(), progress=not no_progress)
+    s = score_csv(
+        model,
+        sequence,
+        mutations,
+        output,
+        methods=methods,
+        batch_size=batch_size,
+        offset=offset,
+        multi=multi,
+        window=window or None,
+        mutant_column=mutant_column,
+        dms_column=dms_column,
+        group=World.current(),
+        progress=not no_progress,
+    )
     if s.rank == 0:
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
         click.echo(f"Scored {s.count} mutants ({', '.join(s.methods)}; {s.passes} forward passes{ranks}) -> {s.out}")
@@ -516,25 +733,52 @@ Examples:
 @main.command(help=SCAN_HELP)
 @click.argument("model")
 @click.option("--sequence", help="The protein (any length), or a FASTA file holding one record.")
-@click.option("--fasta", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Scan every record of this FASTA file.")
-@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Output directory (created).")
-@click.option("--method", type=click.Choice(["masked-marginal", "wt-marginal"]), default="masked-marginal",
-              show_default=True)
+@click.option(
+    "--fasta",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Scan every record of this FASTA file.",
+)
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Output directory (created).",
+)
+@click.option(
+    "--method", type=click.Choice(["masked-marginal", "wt-marginal"]), default="masked-marginal", show_default=True
+)
 @click.option("--name", default="sequence", show_default=True, help="File name stem for --sequence.")
 @window_option
-@click.option("-B", "--batch-size", default=32, show_default=True, type=click.IntRange(1),
-              help="Masked copies per forward pass.")
+@click.option(
+    "-B", "--batch-size", default=32, show_default=True, type=click.IntRange(1), help="Masked copies per forward pass."
+)
 @click.option("--offset", default=1, show_default=True, help="Number of the first residue (axis labels, CSV).")
-@click.option("--per-row", default=100, show_default=True, type=click.IntRange(10),
-              help="Heatmap positions per row before wrapping.")
+@click.option(
+    "--per-row",
+    default=100,
+    show_default=True,
+    type=click.IntRange(10),
+    help="Heatmap positions per row before wrapping.",
+)
 @click.option("--no-plot", is_flag=True, help="No heatmap (needs no matplotlib).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def scan(model, sequence, fasta, output, method, name, window, batch_size, offset, per_row, no_plot, no_progress):
-    s = scan_job(model, output, sequence=sequence, fasta=fasta, name=name, method=method.replace("-", "_"),
-                 batch_size=batch_size, window=window or None, offset=offset, plot=not no_plot, per_row=per_row,
-                 group=World.current(), progress=not no_progress)
+    s = scan_job(
+        model,
+        output,
+        sequence=sequence,
+        fasta=fasta,
+        name=name,
+        method=method.replace("-", "_"),
+        batch_size=batch_size,
+        window=window or None,
+        offset=offset,
+        plot=not no_plot,
+        per_row=per_row,
+        group=World.current(),
+        progress=not no_progress,
+    )
     if s.rank == 0:
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
         for ident, n, passes in s.scanned:
@@ -554,20 +798,42 @@ Examples:
 
 
 @main.command(help=BENCH_HELP)
-@click.option("--model", "models", multiple=True, type=click.Choice(["tiny", "300M", "600M", "6B"]),
-              help="Model shape(s), random weights (default: 300M).")
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    type=click.Choice(["tiny", "300M", "600M", "6B"]),
+    help="Model shape(s), random weights (default: 300M).",
+)
 @click.option("--shapes", help="BATCHxLENGTH list, e.g. 1x256,8x256 (default: per backend).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-              help="Compute dtype (default: float32 on the CPU, bfloat16 on a GPU).")
-@click.option("--variant", "variants", multiple=True, type=click.Choice(["mlx", "mlx+fuse", "mlx+compile",
-                                                                          "mlx+fuse+compile"]),
-              help="MLX runtime variant(s) (default: what load() gives on the device).")
-@click.option("--quant", multiple=True, type=click.Choice(["affine8", "affine4", "mxfp4"]),
-              help="Also time a quantized twin against the float model.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    help="Compute dtype (default: float32 on the CPU, bfloat16 on a GPU).",
+)
+@click.option(
+    "--variant",
+    "variants",
+    multiple=True,
+    type=click.Choice(["mlx", "mlx+fuse", "mlx+compile", "mlx+fuse+compile"]),
+    help="MLX runtime variant(s) (default: what load() gives on the device).",
+)
+@click.option(
+    "--quant",
+    multiple=True,
+    type=click.Choice(["affine8", "affine4", "mxfp4"]),
+    help="Also time a quantized twin against the float model.",
+)
 @click.option("--no-torch", is_flag=True, help="Time MLX only.")
-@click.option("-o", "--out", "out_dir", default="bench-results", show_default=True,
-              type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "-o",
+    "--out",
+    "out_dir",
+    default="bench-results",
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+)
 def bench(models, shapes, device, dtype, variants, quant, no_torch, out_dir):
     from .bench import parse_shapes, run
 
@@ -575,9 +841,17 @@ def bench(models, shapes, device, dtype, variants, quant, no_torch, out_dir):
         parsed = parse_shapes(shapes) if shapes else None
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--shapes") from None
-    run(models=models or ("300M",), shapes=parsed, device=device, dtype=dtype,
-        variants=variants or None, quant=quant, out_dir=out_dir, with_torch=not no_torch,
-        log=click.echo)
+    run(
+        models=models or ("300M",),
+        shapes=parsed,
+        device=device,
+        dtype=dtype,
+        variants=variants or None,
+        quant=quant,
+        out_dir=out_dir,
+        with_torch=not no_torch,
+        log=click.echo,
+    )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,12 @@ def default_intermediate_size(hidden_size: int) -> int:
 
 def _integer(value: Any, field: str) -> int:
     """A config integer: 12 or 12.0 (some writers emit floats), never "12a", 12.5 or true."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or value != int(value)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value != int(value)
+    ):
         raise ConfigError(f"{field} must be a positive integer, got {value!r}")
     return int(value)
 
@@ -52,12 +56,12 @@ class ESMCConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{field} must be a positive integer, got {value!r}")
         if not (self.layer_norm_eps > 0 and self.rope_theta > 0):
-            raise ConfigError(f"layer_norm_eps and rope_theta must be positive, got {self.layer_norm_eps!r} "
-                              f"and {self.rope_theta!r}")
+            raise ConfigError(
+                f"layer_norm_eps and rope_theta must be positive, got {self.layer_norm_eps!r} and {self.rope_theta!r}"
+            )
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
-                f"hidden_size {self.hidden_size} is not a multiple of "
-                f"num_attention_heads {self.num_attention_heads}"
+                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
             )
 
     @property
@@ -89,8 +93,11 @@ class ESMCConfig:
         hidden = pick("hidden_size", "d_model")
         heads = pick("num_attention_heads", "n_heads")
         layers = pick("num_hidden_layers", "n_layers")
-        missing = [n for n, v in [("hidden_size", hidden), ("num_attention_heads", heads),
-                                  ("num_hidden_layers", layers)] if v is None]
+        missing = [
+            n
+            for n, v in [("hidden_size", hidden), ("num_attention_heads", heads), ("num_hidden_layers", layers)]
+            if v is None
+        ]
         if missing:
             raise ConfigError(f"config has no {', '.join(missing)} (nor an older spelling of it)")
         hidden = _integer(hidden, "hidden_size")
@@ -103,8 +110,10 @@ class ESMCConfig:
             raise ConfigError(f"rope_parameters must be an object, got {rope!r}")
         theta = pick("rope_theta", "rope_base", default=rope.get("rope_theta", 10000.0))
         if float(pick("residue_scaling_base", default=36)) != 36:
-            raise ConfigError(f"residue_scaling_base {raw['residue_scaling_base']}: ESMC divides residuals by "
-                              "sqrt(n_layers / 36); another base is not ESMC")
+            raise ConfigError(
+                f"residue_scaling_base {raw['residue_scaling_base']}: ESMC divides residuals by "
+                "sqrt(n_layers / 36); another base is not ESMC"
+            )
         if rope.get("rope_type", "default") != "default":
             raise ConfigError(f"unsupported rope_type {rope['rope_type']!r}: ESMC uses plain RoPE")
         if pick("num_key_value_heads", default=heads) != heads:
@@ -117,8 +126,9 @@ class ESMCConfig:
                 hidden_size=hidden,
                 num_attention_heads=heads,
                 num_hidden_layers=layers,
-                intermediate_size=_integer(pick("intermediate_size", "d_ff", default=default_intermediate_size(hidden)),
-                                           "intermediate_size"),
+                intermediate_size=_integer(
+                    pick("intermediate_size", "d_ff", default=default_intermediate_size(hidden)), "intermediate_size"
+                ),
                 vocab_size=_integer(pick("vocab_size", default=VOCAB_SIZE), "vocab_size"),
                 rope_theta=float(theta),
                 layer_norm_eps=float(pick("layer_norm_eps", default=1e-5)),

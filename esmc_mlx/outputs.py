@@ -43,7 +43,8 @@ MARKER = ".esmc-mlx"
 # "converter": "esmc-mlx"); --force accepts such a directory while it holds nothing else.
 _LEGACY_MODEL_FILES = re.compile(
     r"config\.json|tokenizer(_config)?\.json|special_tokens_map\.json|model(-\d{5}-of-\d{5})?\.safetensors"
-    r"|model\.safetensors\.index\.json")
+    r"|model\.safetensors\.index\.json"
+)
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>partial|old|tmp)-(?P<pid>\d+)-[0-9a-f]{6}")
 # esmc-mlx 0.x before the lock named its staging with tempfile's 8 random characters and no PID
 _LEGACY_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>partial|old)-[a-z0-9_]{8}")
@@ -86,8 +87,10 @@ def disk_full(error: BaseException, where: Path) -> bool:
 
 
 def disk_full_error(path: Path) -> OutputError:
-    return OutputError(f"the disk is full: could not write {path}. Free some space (or write to another disk) "
-                       "and run the command again; nothing was left behind")
+    return OutputError(
+        f"the disk is full: could not write {path}. Free some space (or write to another disk) "
+        "and run the command again; nothing was left behind"
+    )
 
 
 def write_error(error: OSError, path: Path) -> OutputError:
@@ -141,13 +144,19 @@ def clean_leftovers(target: Path | None = None, folder: Path | None = None) -> l
             continue
         if kind == "old" and not os.path.lexists(its_target):
             os.replace(path, its_target)
-            warnings.warn(f"restored {its_target} from {path.name}, left by a run (PID {pid}) killed "
-                          "while replacing it", EsmcMlxWarning, stacklevel=3)
+            warnings.warn(
+                f"restored {its_target} from {path.name}, left by a run (PID {pid}) killed while replacing it",
+                EsmcMlxWarning,
+                stacklevel=3,
+            )
             continue
         _remove(path)
         removed.append(path)
-        warnings.warn(f"removed {path}, left by a run that was interrupted"
-                      + (f" (PID {pid}, no longer running)" if pid else ""), EsmcMlxWarning, stacklevel=3)
+        warnings.warn(
+            f"removed {path}, left by a run that was interrupted" + (f" (PID {pid}, no longer running)" if pid else ""),
+            EsmcMlxWarning,
+            stacklevel=3,
+        )
     return removed
 
 
@@ -189,8 +198,10 @@ def output_lock(target: str | Path, create_parent: bool = True) -> Iterator[None
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             _remove_made(target, made)
-            raise OutputError(f"{target} is being written by another esmc-mlx run (PID {holder}); wait for it "
-                              f"to finish or choose another output") from None
+            raise OutputError(
+                f"{target} is being written by another esmc-mlx run (PID {holder}); wait for it "
+                f"to finish or choose another output"
+            ) from None
         try:  # the previous holder may have removed the file between our open and our lock
             same = os.stat(path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
@@ -361,15 +372,18 @@ def check_target(out: str | Path, force: bool, sources: Iterable[str | Path] = (
         if _is_within(Path.cwd().resolve(), real):
             raise OutputError(f"{refuse} it is the current directory (or holds it); choose another output")
         if out.is_symlink() or not out.is_dir():
-            raise OutputError(f"{refuse} it is a {'link' if out.is_symlink() else 'file'}, not a directory "
-                              "esmc-mlx wrote")
+            raise OutputError(
+                f"{refuse} it is a {'link' if out.is_symlink() else 'file'}, not a directory esmc-mlx wrote"
+            )
         foreign = foreign_entries(out)
         if foreign is None:
-            raise OutputError(f"{refuse} esmc-mlx did not write it (no {MARKER} marker); remove it yourself "
-                              "or choose another output")
+            raise OutputError(
+                f"{refuse} esmc-mlx did not write it (no {MARKER} marker); remove it yourself or choose another output"
+            )
         if foreign:
-            raise OutputError(f"{refuse} it holds files esmc-mlx did not write ({_listing(foreign)}); move them "
-                              "out first")
+            raise OutputError(
+                f"{refuse} it holds files esmc-mlx did not write ({_listing(foreign)}); move them out first"
+            )
     ensure_parent(out, create_parent)
 
 
@@ -419,8 +433,7 @@ class StagedDirectory:
     disk becomes one OutputError naming the file.
     """
 
-    def __init__(self, out: str | Path, force: bool = False, sources: Iterable[str | Path] = (),
-                 kind: str = "model"):
+    def __init__(self, out: str | Path, force: bool = False, sources: Iterable[str | Path] = (), kind: str = "model"):
         self.out = Path(out)
         self.force = force
         self.sources = list(sources)

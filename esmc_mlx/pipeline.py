@@ -36,12 +36,24 @@ def default_output(source: str, q: str | None, dtype: str | None) -> Path:
     return Path(f"{stem}-{q}-mlx" if q else f"{stem}-{dtype}-mlx" if dtype else f"{stem}-mlx")
 
 
-def convert_validate_push(source: str, output: str | Path | None = None, *, dtype: str | None = None,
-                          q: str | None = None, group_size: int | None = None, quantize_head: bool = False,
-                          revision: str | None = None, force: bool = False,
-                          shard_bytes: int = DEFAULT_SHARD_BYTES, validate_output: bool | None = None,
-                          upload_repo: str | None = None, private: bool = False, command: str | None = None,
-                          reference_device: str = "auto", log: Callable[[str], None] = print) -> PipelineResult:
+def convert_validate_push(
+    source: str,
+    output: str | Path | None = None,
+    *,
+    dtype: str | None = None,
+    q: str | None = None,
+    group_size: int | None = None,
+    quantize_head: bool = False,
+    revision: str | None = None,
+    force: bool = False,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    validate_output: bool | None = None,
+    upload_repo: str | None = None,
+    private: bool = False,
+    command: str | None = None,
+    reference_device: str = "auto",
+    log: Callable[[str], None] = print,
+) -> PipelineResult:
     """Convert ``source`` to ``output`` (default ``default_output``), validate it, and publish it
     to ``upload_repo`` when given.
 
@@ -70,8 +82,14 @@ def convert_validate_push(source: str, output: str | Path | None = None, *, dtyp
             log("Note: not validated (torch/transformers not installed); run `esmc-mlx validate` later.")
         else:
             log(f"Validating the conversion against {source} before it goes to {out} ...")
-            result.report = validate(stage.path, source, revision=revision, progress=True, artifact_path=out,
-                                     reference_device=reference_device)
+            result.report = validate(
+                stage.path,
+                source,
+                revision=revision,
+                progress=True,
+                artifact_path=out,
+                reference_device=reference_device,
+            )
             log(result.report.summary())
             if not result.report.passed:
                 failed = ", ".join(c.name for c in result.report.failed)
@@ -79,11 +97,13 @@ def convert_validate_push(source: str, output: str | Path | None = None, *, dtyp
                     stage.publish()
                     raise ValidationError(
                         f"validation failed ({failed}). The artifact stays at {out} with its failing report in "
-                        f"{out / 'validation'}; it will not be uploaded.")
+                        f"{out / 'validation'}; it will not be uploaded."
+                    )
                 kept = stage.keep_failed()
                 raise ValidationError(
                     f"validation failed ({failed}). The old {out} is unchanged; the new artifact is kept at "
-                    f"{kept} with its failing report in {kept / 'validation'}; it will not be uploaded.")
+                    f"{kept} with its failing report in {kept / 'validation'}; it will not be uploaded."
+                )
         stage.publish()
         log(f"Wrote {out}")
         if result.report is not None:
@@ -95,11 +115,22 @@ def convert_validate_push(source: str, output: str | Path | None = None, *, dtyp
     return result
 
 
-def convert_validate_many(source: str, output: str | Path | None, specs: list[str | None], *,
-                          dtype: str | None = None, group_size: int | None = None, quantize_head: bool = False,
-                          revision: str | None = None, force: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                          validate_output: bool | None = None, command: str | None = None,
-                          reference_device: str = "auto", log: Callable[[str], None] = print) -> list[PipelineResult]:
+def convert_validate_many(
+    source: str,
+    output: str | Path | None,
+    specs: list[str | None],
+    *,
+    dtype: str | None = None,
+    group_size: int | None = None,
+    quantize_head: bool = False,
+    revision: str | None = None,
+    force: bool = False,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    validate_output: bool | None = None,
+    command: str | None = None,
+    reference_device: str = "auto",
+    log: Callable[[str], None] = print,
+) -> list[PipelineResult]:
     """Several precisions of ``source`` from one read of it (``esmc_mlx.convert.many``):
     ``output``/<label> per spec (``4bit``, ``mxfp4``, ...; ``spec_label``), each validated in its
     staging directory before it goes into place, as ``convert_validate_push`` does for one; the
@@ -115,8 +146,9 @@ def convert_validate_many(source: str, output: str | Path | None, specs: list[st
     jobs = prepare_many(source, specs, dtype, group_size, quantize_head, revision, command)
     results, failures = [], []
     with contextlib.ExitStack() as stack:
-        stages = [stack.enter_context(StagedDirectory(out / label, force, sources=job.inputs))
-                  for label, job in jobs.items()]
+        stages = [
+            stack.enter_context(StagedDirectory(out / label, force, sources=job.inputs)) for label, job in jobs.items()
+        ]
         write_many(list(jobs.values()), [s.path for s in stages], shard_bytes)
         wanted = validate_output is not False and validation_available()
         if validate_output is None and not wanted:
@@ -125,8 +157,14 @@ def convert_validate_many(source: str, output: str | Path | None, specs: list[st
             target, report = out / label, None
             if wanted:
                 log(f"Validating {label} against {source} before it goes to {target} ...")
-                report = validate(stage.path, source, revision=revision, progress=True, artifact_path=target,
-                                  reference_device=reference_device)
+                report = validate(
+                    stage.path,
+                    source,
+                    revision=revision,
+                    progress=True,
+                    artifact_path=target,
+                    reference_device=reference_device,
+                )
                 log(report.summary())
             if report is not None and not report.passed and os.path.lexists(target):
                 where = stage.keep_failed()  # the old output stays as it was

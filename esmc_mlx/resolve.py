@@ -58,8 +58,10 @@ def download_checkpoint(repo_id: str, revision: str | None = None) -> tuple[Path
     except Exception as e:  # the HTTP client's own errors: the network failed mid-download
         if type(e).__module__.split(".")[0] not in ("httpx", "httpx2", "requests", "urllib3"):
             raise
-        raise HubError(f"{where}: the download from {constants.ENDPOINT} was interrupted ({type(e).__name__}: {e}). "
-                       "Run the same command again: finished files are kept in the cache.") from None
+        raise HubError(
+            f"{where}: the download from {constants.ENDPOINT} was interrupted ({type(e).__name__}: {e}). "
+            "Run the same command again: finished files are kept in the cache."
+        ) from None
     commit = local.name if len(local.name) == 40 else None  # snapshots/<commit sha>
     return local, commit
 
@@ -88,10 +90,17 @@ def resolve(source: str, revision: str | None = None) -> Source:
     path = Path(source).expanduser()
     if repo_id is None and path.exists():
         return Source(path.resolve(), str(path.resolve()))
-    looks_like_repo = source.count("/") == 1 and not source.startswith((".", "/", "~")) and not source.endswith(
-        (".pth", ".pt", ".safetensors"))
+    looks_like_repo = (
+        source.count("/") == 1
+        and not source.startswith((".", "/", "~"))
+        and not source.endswith((".pth", ".pt", ".safetensors"))
+    )
     if repo_id is None and not looks_like_repo:
-        if source.startswith((".", "/", "~")) or "/" in source or path.suffix in (".pth", ".pt", ".bin", ".safetensors"):
+        if (
+            source.startswith((".", "/", "~"))
+            or "/" in source
+            or path.suffix in (".pth", ".pt", ".bin", ".safetensors")
+        ):
             raise ConvertError(f"{source}: no such file or directory")
         known = ", ".join([*ALIASES, *LOCAL_ALIASES])
         raise ConvertError(

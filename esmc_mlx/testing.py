@@ -24,7 +24,9 @@ SHAPES = {  # published ESMC sizes: hidden, heads, layers
 
 
 def tiny_config(**overrides) -> ESMCConfig:
-    base = dict(hidden_size=128, num_attention_heads=2, num_hidden_layers=2, intermediate_size=512)  # 64-wide heads, as every ESMC
+    base = dict(
+        hidden_size=128, num_attention_heads=2, num_hidden_layers=2, intermediate_size=512
+    )  # 64-wide heads, as every ESMC
     base.update(overrides)
     return ESMCConfig(**base)
 
@@ -109,8 +111,10 @@ def _mlx_lm_names(state: dict) -> dict:
     """The tensor names mlx_lm.convert saves for ESMC (its modules' names after ``sanitize``)."""
     import torch
 
-    out = {"esmc.embed.weight": state["esmc.embed_tokens.weight"],
-           "esmc.transformer.norm.weight": state["esmc.norm.weight"]}
+    out = {
+        "esmc.embed.weight": state["esmc.embed_tokens.weight"],
+        "esmc.transformer.norm.weight": state["esmc.norm.weight"],
+    }
     for i in sorted({int(k.split(".")[2]) for k in state if k.startswith("esmc.layers.")}):
         p, b = f"esmc.layers.{i}.", f"esmc.transformer.blocks.{i}."
         out[b + "attn.ln_qkv.weight"] = state[p + "input_layernorm.weight"]
@@ -143,14 +147,28 @@ def write_mlx_lm_checkpoint(model, path: Path, bits: int | None = None, group_si
     state = _mlx_lm_names({k: v.detach().float().contiguous() for k, v in model.state_dict().items()})
     arrays = {k: mx.array(v.numpy()) for k, v in state.items()}
     c = model.config
-    config = {"model_type": "esmc", "vocab_size": c.vocab_size, "d_model": c.hidden_size,
-              "n_heads": c.num_attention_heads, "n_layers": c.num_hidden_layers, "pad_token_id": 1,
-              "mask_token_id": 32, "expansion_ratio": 8 / 3, "residue_scaling_base": 36.0,
-              "layer_norm_eps": 1e-5, "rope_base": 10000.0}
+    config = {
+        "model_type": "esmc",
+        "vocab_size": c.vocab_size,
+        "d_model": c.hidden_size,
+        "n_heads": c.num_attention_heads,
+        "n_layers": c.num_hidden_layers,
+        "pad_token_id": 1,
+        "mask_token_id": 32,
+        "expansion_ratio": 8 / 3,
+        "residue_scaling_base": 36.0,
+        "layer_norm_eps": 1e-5,
+        "rope_base": 10000.0,
+    }
     if bits:
-        for name in [n for n in arrays if n.endswith(".weight") and arrays[n].ndim == 2
-                     and ("qkv" in n or "fc" in n or "out_proj" in n or "embed" in n or "lm_head" in n)
-                     and arrays[n].shape[-1] % group_size == 0]:
+        for name in [
+            n
+            for n in arrays
+            if n.endswith(".weight")
+            and arrays[n].ndim == 2
+            and ("qkv" in n or "fc" in n or "out_proj" in n or "embed" in n or "lm_head" in n)
+            and arrays[n].shape[-1] % group_size == 0
+        ]:
             w, scales, biases = mx.quantize(arrays[name], group_size=group_size, bits=bits)
             module = name[: -len(".weight")]
             arrays[name], arrays[module + ".scales"], arrays[module + ".biases"] = w, scales, biases
@@ -189,13 +207,26 @@ def write_checkpoint(model, path: Path, layout: str = "published", dtype: str = 
     path.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path / "model.safetensors"))
     c = model.config
-    (path / "config.json").write_text(json.dumps({  # the esm package's sparser spelling
-        "d_model": c.hidden_size, "n_heads": c.num_attention_heads, "n_layers": c.num_hidden_layers}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {  # the esm package's sparser spelling
+                "d_model": c.hidden_size,
+                "n_heads": c.num_attention_heads,
+                "n_layers": c.num_hidden_layers,
+            }
+        )
+    )
     return path
 
 
-def write_random_checkpoint(directory: Path, config: ESMCConfig, dtype: str = "bfloat16",
-                            shard_bytes: int = 5 << 30, seed: int = 0, progress: bool = False) -> Path:
+def write_random_checkpoint(
+    directory: Path,
+    config: ESMCConfig,
+    dtype: str = "bfloat16",
+    shard_bytes: int = 5 << 30,
+    seed: int = 0,
+    progress: bool = False,
+) -> Path:
     """A published-layout checkpoint of any size, written one tensor at a time (memory stays at
     one tensor), sharded with an index like the Hub's ESMC-6B. Weights from ``init_random_``."""
     import torch
@@ -233,7 +264,8 @@ def write_random_checkpoint(directory: Path, config: ESMCConfig, dtype: str = "b
     return directory
 
 
-def random_sequences(n: int, min_len: int = 5, max_len: int = 60, seed: int = 0,
-                     alphabet: str = "ACDEFGHIKLMNPQRSTVWY") -> list[str]:
+def random_sequences(
+    n: int, min_len: int = 5, max_len: int = 60, seed: int = 0, alphabet: str = "ACDEFGHIKLMNPQRSTVWY"
+) -> list[str]:
     rng = np.random.default_rng(seed)
     return ["".join(rng.choice(list(alphabet), size=rng.integers(min_len, max_len + 1))) for _ in range(n)]

@@ -15,10 +15,38 @@ from pathlib import Path
 from .errors import SequenceError
 
 VOCAB = (
-    "<cls>", "<pad>", "<eos>", "<unk>",
-    "L", "A", "G", "V", "S", "E", "R", "T", "I", "D", "P", "K", "Q", "N", "F", "Y", "M", "H", "W", "C",
-    "X", "B", "U", "Z", "O",  # ambiguity codes and the rare residues
-    ".", "-", "|",  # gap, insertion, chain break
+    "<cls>",
+    "<pad>",
+    "<eos>",
+    "<unk>",
+    "L",
+    "A",
+    "G",
+    "V",
+    "S",
+    "E",
+    "R",
+    "T",
+    "I",
+    "D",
+    "P",
+    "K",
+    "Q",
+    "N",
+    "F",
+    "Y",
+    "M",
+    "H",
+    "W",
+    "C",
+    "X",
+    "B",
+    "U",
+    "Z",
+    "O",  # ambiguity codes and the rare residues
+    ".",
+    "-",
+    "|",  # gap, insertion, chain break
     "<mask>",
 )
 TOKEN_TO_ID = {t: i for i, t in enumerate(VOCAB)}
@@ -31,8 +59,9 @@ ALLOWED_TEXT = "the 20 amino acids, X B Z U O, '.', '-', '|' (chain break)"
 _TOKEN_RE = re.compile(r"<[a-z]+>|.", re.DOTALL)
 
 
-def split_tokens(sequence: str, name: str | None = None, where: str = "", label: str = "sequence",
-                 special_tokens: bool = False) -> list[str]:
+def split_tokens(
+    sequence: str, name: str | None = None, where: str = "", label: str = "sequence", special_tokens: bool = False
+) -> list[str]:
     """The tokens of ``sequence`` (lower-case residues read as upper case).
 
     ``special_tokens``: also accept ``<mask>`` and the other ``<...>`` vocabulary tokens (the
@@ -67,8 +96,15 @@ def write_tokenizer_files(directory: str | Path) -> list[Path]:
     """Write tokenizer.json and tokenizer_config.json (loadable by ``AutoTokenizer``)."""
     directory = Path(directory)
     specials = [
-        {"id": TOKEN_TO_ID[t], "content": t, "single_word": False, "lstrip": False,
-         "rstrip": False, "normalized": False, "special": True}
+        {
+            "id": TOKEN_TO_ID[t],
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
         for t in SPECIAL_TOKENS
     ]
     tokenizer_json = {
@@ -80,22 +116,38 @@ def write_tokenizer_files(directory: str | Path) -> list[Path]:
         "pre_tokenizer": None,
         "post_processor": {
             "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": "<cls>", "type_id": 0}},
-                       {"Sequence": {"id": "A", "type_id": 0}},
-                       {"SpecialToken": {"id": "<eos>", "type_id": 0}}],
+            "single": [
+                {"SpecialToken": {"id": "<cls>", "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": "<eos>", "type_id": 0}},
+            ],
             "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
             "special_tokens": {t: {"id": t, "ids": [TOKEN_TO_ID[t]], "tokens": [t]} for t in ("<cls>", "<eos>")},
         },
         "decoder": None,
-        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": False, "vocab": dict(TOKEN_TO_ID), "merges": []},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": "<unk>",
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": dict(TOKEN_TO_ID),
+            "merges": [],
+        },
     }
     config = {
         "tokenizer_class": "EsmcTokenizer",
         "backend": "tokenizers",
-        "bos_token": "<cls>", "cls_token": "<cls>", "eos_token": "<eos>", "pad_token": "<pad>",
-        "unk_token": "<unk>", "mask_token": "<mask>", "chain_break_token": "|",
+        "bos_token": "<cls>",
+        "cls_token": "<cls>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+        "chain_break_token": "|",
         "extra_special_tokens": [],
         "model_max_length": 1000000000000000019884624838656,
     }

@@ -45,7 +45,7 @@ ANY2FASTA = Path("/usr/share/doc/any2fasta/examples")
 # licence keys -> what the docs and PANEL.md say about a record's origin and terms
 LICENCES = {
     "uniprot": "UniProtKB entry (the 2012 files carry UniProt's then CC BY-ND notice; UniProt "
-               "distributes all its data under CC BY 4.0 today). Attribution: The UniProt Consortium",
+    "distributes all its data under CC BY 4.0 today). Attribution: The UniProt Consortium",
     "insdc": "INSDC (EMBL-Bank/GenBank/DDBJ) CDS translation: no restrictions on use or redistribution",
     "refseq": "NCBI RefSeq CDS translation: NCBI places no restrictions on use or distribution",
     "pfam": "Pfam seed alignment member (Pfam is CC0 1.0); sequence from UniProtKB (CC BY 4.0)",
@@ -62,19 +62,39 @@ SOURCES = [
     ("emboss-test", EMBOSS, "data/uniprotft.sw", "swiss", "uniprot"),
     ("emboss-test", EMBOSS, "data/exu2_drops.sw", "swiss", "uniprot"),
     ("emboss-test", EMBOSS, "data/amir.swiss", "swiss", "uniprot"),
-    *[("emboss-test", EMBOSS, f"embl/{n}.dat", "embl", "insdc")
-      for n in ("fun", "hum1", "inv", "pln", "pro", "rod", "syn", "vrt")],
-    *[("emboss-test", EMBOSS, f"genbank/{n}.seq", "genbank", "insdc")
-      for n in ("gbbct1", "gbinv1", "gbpln1", "gbpln2", "gbpri1", "gbrod1", "gbvrt")],
+    *[
+        ("emboss-test", EMBOSS, f"embl/{n}.dat", "embl", "insdc")
+        for n in ("fun", "hum1", "inv", "pln", "pro", "rod", "syn", "vrt")
+    ],
+    *[
+        ("emboss-test", EMBOSS, f"genbank/{n}.seq", "genbank", "insdc")
+        for n in ("gbbct1", "gbinv1", "gbpln1", "gbpln2", "gbpri1", "gbrod1", "gbvrt")
+    ],
     *[("emboss-test", EMBOSS, f"pir/pir{i}.seq", "fasta", "pir") for i in (1, 2, 3, 4)],
     ("emboss-test", EMBOSS, "data/104k.nbrf", "fasta", "pir"),
     ("emboss-test", EMBOSS, "wormpep/wormpep", "fasta", "wormbase"),
     ("emboss-test", EMBOSS, "data/wormpep.clone.AB", "fasta", "wormbase"),
     ("emboss-test", EMBOSS, "data/wormpep.clone.ZK637", "fasta", "wormbase"),
-    *[("emboss-test", EMBOSS, f"data/{n}", "fasta", "emboss-fasta")
-      for n in ("globins.fasta", "hba.fa", "memepep.dat", "memeseqs.dat", "ops.fasta", "opsd.fasta",
-                "op1.ali", "op2.ali", "paamir.pep", "tranalign.pep", "twoglob.fasta", "featprot.fasta",
-                "iprtest.seq", "swnew", "swsplit")],
+    *[
+        ("emboss-test", EMBOSS, f"data/{n}", "fasta", "emboss-fasta")
+        for n in (
+            "globins.fasta",
+            "hba.fa",
+            "memepep.dat",
+            "memeseqs.dat",
+            "ops.fasta",
+            "opsd.fasta",
+            "op1.ali",
+            "op2.ali",
+            "paamir.pep",
+            "tranalign.pep",
+            "twoglob.fasta",
+            "featprot.fasta",
+            "iprtest.seq",
+            "swnew",
+            "swsplit",
+        )
+    ],
     ("emboss-test", EMBOSS, "data/PF00032_seed.sth", "stockholm", "pfam"),
     ("hmmer-examples", HMMER, "tutorial/7LESS_DROME", "swiss", "uniprot"),
     ("hmmer-examples", HMMER, "tutorial/HBB_HUMAN", "fasta", "uniprot"),
@@ -84,11 +104,22 @@ SOURCES = [
     ("hmmer-examples", HMMER, "easel/formats/uniprot.gz", "swiss", "uniprot"),
     ("hmmer-examples", HMMER, "easel/demotic/examples/example.fa", "fasta", "uniprot"),
     ("hmmer-examples", HMMER, "easel/demotic/examples/example-single.fa.gz", "fasta", "uniprot"),
-    *[("hmmer-examples", HMMER, p, "stockholm", "pfam")
-      for p in ("tutorial/globins4.sto", "tutorial/fn3.sto", "tutorial/Pkinase.sto",
-                "testsuite/RRM_1.sto.gz", "testsuite/Caudal_act.sto.gz", "testsuite/Patched.sto.gz",
-                "testsuite/LuxC.sto.gz", "testsuite/SMC_N.sto.gz", "testsuite/XYPPX.sto",
-                "testsuite/minifam.gz", "easel/demotic/examples/example.sto.gz")],
+    *[
+        ("hmmer-examples", HMMER, p, "stockholm", "pfam")
+        for p in (
+            "tutorial/globins4.sto",
+            "tutorial/fn3.sto",
+            "tutorial/Pkinase.sto",
+            "testsuite/RRM_1.sto.gz",
+            "testsuite/Caudal_act.sto.gz",
+            "testsuite/Patched.sto.gz",
+            "testsuite/LuxC.sto.gz",
+            "testsuite/SMC_N.sto.gz",
+            "testsuite/XYPPX.sto",
+            "testsuite/minifam.gz",
+            "easel/demotic/examples/example.sto.gz",
+        )
+    ],
     ("any2fasta-examples", ANY2FASTA, "test.gbk.gz", "genbank", "refseq"),
     ("any2fasta-examples", ANY2FASTA, "test.sth", "stockholm", "pfam"),
 ]
@@ -140,7 +171,7 @@ def parse_swiss(text):
             start = next(i for i, ln in enumerate(lines) if ln.startswith("SQ   "))
         except StopIteration:
             continue
-        yield ids[0], acc, desc, _clean("".join(lines[start + 1:]))
+        yield ids[0], acc, desc, _clean("".join(lines[start + 1 :]))
 
 
 def parse_fasta(text):
@@ -202,7 +233,7 @@ def parse_features(text, embl: bool):
                 b = next(i for i, ln in enumerate(lines) if ln.startswith("ORIGIN") or i > a and ln[:1].isalpha())
             except StopIteration:
                 continue
-            feats = lines[a + 1:b]
+            feats = lines[a + 1 : b]
         current, blocks = None, []
         for ln in feats:
             if len(ln) > 5 and ln[:5] == "     " and ln[5] != " ":
@@ -246,14 +277,16 @@ def gather(sources=SOURCES):
                 continue
             if sum(seq.count(c) for c in "ACGTUN") > 0.9 * len(seq):  # nucleotide, not protein
                 continue
-            records.append(Record(f"{package}:{rel}:{ident}", ident, acc, (desc or "").strip(), seq,
-                                  package, rel, lic))
+            records.append(Record(f"{package}:{rel}:{ident}", ident, acc, (desc or "").strip(), seq, package, rel, lic))
             kept += 1
-        per_file.append({"package": package, "file": str(path), "format": fmt, "licence": lic,
-                         "parsed": len(raw), "kept": kept})
+        per_file.append(
+            {"package": package, "file": str(path), "format": fmt, "licence": lic, "parsed": len(raw), "kept": kept}
+        )
     if missing:
-        sys.exit("missing input files (apt-get install emboss-test hmmer-examples any2fasta-examples):\n  "
-                 + "\n  ".join(missing))
+        sys.exit(
+            "missing input files (apt-get install emboss-test hmmer-examples any2fasta-examples):\n  "
+            + "\n  ".join(missing)
+        )
     return records, per_file
 
 
@@ -282,7 +315,7 @@ def substring_groups(records, k=8):
     index = defaultdict(set)
     for i, r in enumerate(records):
         for j in range(len(r.seq) - k + 1):
-            index[r.seq[j:j + k]].add(i)
+            index[r.seq[j : j + k]].add(i)
     for i, r in enumerate(records):
         for j in index.get(r.seq[:k], ()):
             if j != i and len(records[j].seq) > len(r.seq) and r.seq in records[j].seq:
@@ -341,8 +374,9 @@ def prepare(seed: int = 0, list_test: bool = False) -> None:
     splits, n_groups = split(unique, seed)
     DATA_DIR.mkdir(parents=True, exist_ok=True)
     order = write_dataset(unique, splits, DATASET)
-    manifest = build_manifest(records, per_file, unique, splits, n_groups,
-                              hashlib.sha256(DATASET.read_bytes()).hexdigest(), seed)
+    manifest = build_manifest(
+        records, per_file, unique, splits, n_groups, hashlib.sha256(DATASET.read_bytes()).hexdigest(), seed
+    )
     MANIFEST.write_text(json.dumps(manifest, indent=1) + "\n")
     print(json.dumps({k: v for k, v in manifest.items() if k not in ("files", "licences")}, indent=1))
     if list_test:
@@ -359,7 +393,7 @@ def write_dataset(unique, splits, path):
     with open(path, "w") as f:
         for r in order:
             f.write(f">{r.name} split={splits[r.name]} acc={r.acc or '-'} licence={r.licence}\n")
-            f.write("\n".join(r.seq[i:i + 60] for i in range(0, len(r.seq), 60)) + "\n")
+            f.write("\n".join(r.seq[i : i + 60] for i in range(0, len(r.seq), 60)) + "\n")
     return order
 
 
@@ -403,10 +437,12 @@ def write_panel(by_name, splits):
         r = by_name[name]
         desc = r.desc.removeprefix(r.acc).strip() if r.acc else r.desc
         fasta.append(f">{r.id} {r.acc or '-'} {desc[:70]}".rstrip())
-        fasta += [r.seq[i:i + 60] for i in range(0, len(r.seq), 60)]
+        fasta += [r.seq[i : i + 60] for i in range(0, len(r.seq), 60)]
         amb = ",".join(sorted(set(r.seq) - set(STANDARD))) or "-"
-        rows.append(f"| {r.id} | {r.acc or '-'} | {len(r.seq)} | {amb} | {splits[name]} | "
-                    f"`{r.package}`: `{r.path}` | {LICENCES[r.licence].split(':')[0].split(' (')[0]} | {note} |")
+        rows.append(
+            f"| {r.id} | {r.acc or '-'} | {len(r.seq)} | {amb} | {splits[name]} | "
+            f"`{r.package}`: `{r.path}` | {LICENCES[r.licence].split(':')[0].split(' (')[0]} | {note} |"
+        )
     PANEL_FASTA.write_text("\n".join(fasta) + "\n")
     PANEL_MD.write_text(PANEL_HEADER + "\n".join(rows) + "\n" + PANEL_FOOTER)
     print(f"wrote {PANEL_FASTA} ({len(PANEL)} records) and {PANEL_MD}")
@@ -426,16 +462,20 @@ Regenerate with `python scripts/train_tiny.py prepare` (needs the Debian package
 | id | accession | length | non-standard residues | split | source (Debian package: file) | origin / licence | why |
 | --- | --- | --- | --- | --- | --- | --- | --- |
 """
-PANEL_FOOTER = """
+PANEL_FOOTER = (
+    """
 Origins and terms:
 
-""" + "\n".join(f"- {k}: {v}" for k, v in LICENCES.items()) + """
+"""
+    + "\n".join(f"- {k}: {v}" for k, v in LICENCES.items())
+    + """
 
 The Debian packages that carry these files are `emboss-test` (EMBOSS licence: GPL/LGPL for the
 software; the sequence records themselves come from the public databases named above),
 `hmmer-examples` (GPL-3 / Janelia Farm licence for the HMMER and Easel files) and
 `any2fasta-examples` (GPL-3 for the package; test.gbk is NCBI RefSeq data).
 """
+)
 
 
 # --- reading the prepared dataset -----------------------------------------------------------

@@ -45,6 +45,7 @@ from transformers import EsmcConfig, EsmcForMaskedLM, EsmcTokenizer
 @dataclass(frozen=True)
 class Tokens:
     """The token ids that encoding, batching and masking need, from EsmcTokenizer's vocabulary."""
+
     cls_id: int
     pad_id: int
     eos_id: int
@@ -58,9 +59,12 @@ class Tokens:
         lut = np.full(256, vocab["<unk>"], dtype=np.int64)
         for c in AMINO:
             lut[ord(c)] = vocab[c]
-        return cls(*(vocab[t] for t in ("<cls>", "<pad>", "<eos>", "<mask>")),
-                   standard=torch.tensor([vocab[c] for c in STANDARD]),
-                   residues=sorted({vocab[c] for c in AMINO}), lut=lut)
+        return cls(
+            *(vocab[t] for t in ("<cls>", "<pad>", "<eos>", "<mask>")),
+            standard=torch.tensor([vocab[c] for c in STANDARD]),
+            residues=sorted({vocab[c] for c in AMINO}),
+            lut=lut,
+        )
 
     def encode(self, seq: str) -> np.ndarray:
         return self.lut[np.frombuffer(seq.encode(), dtype=np.uint8)]
@@ -73,7 +77,7 @@ def batch_tensor(chunks, tok: Tokens) -> torch.Tensor:
     ids = torch.full((len(chunks), L), tok.pad_id, dtype=torch.long)
     for i, c in enumerate(chunks):
         ids[i, 0] = tok.cls_id
-        ids[i, 1:len(c) + 1] = torch.from_numpy(c)
+        ids[i, 1 : len(c) + 1] = torch.from_numpy(c)
         ids[i, len(c) + 1] = tok.eos_id
     return ids
 
@@ -103,13 +107,13 @@ def epoch_batches(train_seqs, rng: np.random.Generator, crop: int, batch_tokens:
         s = train_seqs[i]
         if len(s) > crop:
             o = rng.integers(0, len(s) - crop + 1)
-            s = s[o:o + crop]
+            s = s[o : o + crop]
         crops.append(s)
     batches = []
     pool = 4096
     for p in range(0, len(crops), pool):
         cur = []
-        for c in sorted(crops[p:p + pool], key=len):
+        for c in sorted(crops[p : p + pool], key=len):
             if cur and (len(cur) + 1) * (max(len(cur[-1]), len(c)) + 2) > batch_tokens:
                 batches.append(cur)
                 cur = []
@@ -122,7 +126,7 @@ def epoch_batches(train_seqs, rng: np.random.Generator, crop: int, batch_tokens:
 
 def eval_chunks(seqs, crop: int):
     """Every sequence cut into consecutive windows of at most crop residues, sorted by length."""
-    return sorted((s[o:o + crop] for s in seqs for o in range(0, len(s), crop)), key=len)
+    return sorted((s[o : o + crop] for s in seqs for o in range(0, len(s), crop)), key=len)
 
 
 def unigram_logp(train_seqs, tok: Tokens) -> torch.Tensor:
@@ -138,9 +142,13 @@ def unigram_logp(train_seqs, tok: Tokens) -> torch.Tensor:
 # --- model, optimizer, one step ----------------------------------------------------------------
 def build_model(args, device: torch.device) -> EsmcForMaskedLM:
     config = EsmcConfig(
-        vocab_size=64, hidden_size=args.hidden, num_attention_heads=args.heads,
-        num_hidden_layers=args.layers, intermediate_size=args.intermediate,
-        max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        vocab_size=64,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_hidden_layers=args.layers,
+        intermediate_size=args.intermediate,
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     return EsmcForMaskedLM(config).to(device)
 
@@ -152,14 +160,19 @@ def autocast(device: torch.device):
 
 def make_optimizer(model, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only (not on embeddings, norms, biases)."""
+
     def decays(n, p):
         return p.dim() >= 2 and "embed" not in n
+
     decay = [p for n, p in model.named_parameters() if decays(n, p)]
     no_decay = [p for n, p in model.named_parameters() if not decays(n, p)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.98), eps=1e-8,
-                             **({"fused": True} if device.type == "cuda" else {}))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.98),
+        eps=1e-8,
+        **({"fused": True} if device.type == "cuda" else {}),
+    )
 
 
 def lr_at(step: int, peak: float, warmup: int, steps: int) -> float:
@@ -191,8 +204,9 @@ def train_step(model, opt, chunks, lr: float, gen: torch.Generator, tok: Tokens,
 
 # --- evaluation --------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(model, chunks, passes: int, tok: Tokens, unigram: torch.Tensor, device: torch.device,
-             max_tokens: int = 32768) -> dict:
+def evaluate(
+    model, chunks, passes: int, tok: Tokens, unigram: torch.Tensor, device: torch.device, max_tokens: int = 32768
+) -> dict:
     """Masked-LM cross-entropy: residues are split into `passes` disjoint, seeded folds; each
     fold is replaced by <mask> in one forward pass, so every residue is scored exactly once
     when passes = 7 (~14% masked per pass). `unigram` is unigram_logp()'s baseline."""
@@ -226,15 +240,21 @@ def evaluate(model, chunks, passes: int, tok: Tokens, unigram: torch.Tensor, dev
             count += tgt.numel()
         i = j
     model.train()
-    return {"masked_residues": int(count), "cross_entropy": nll / count, "perplexity": math.exp(nll / count),
-            "accuracy": correct / count, "unigram_cross_entropy": nll_uni / count,
-            "unigram_perplexity": math.exp(nll_uni / count)}
+    return {
+        "masked_residues": int(count),
+        "cross_entropy": nll / count,
+        "perplexity": math.exp(nll / count),
+        "accuracy": correct / count,
+        "unigram_cross_entropy": nll_uni / count,
+        "unigram_perplexity": math.exp(nll_uni / count),
+    }
 
 
 # --- the training loop -------------------------------------------------------------------------
 @dataclass
 class TrainState:
     """Where the run is, its validation history and the best checkpoint so far (on the host)."""
+
     t_train: float = field(default_factory=time.time)
     step: int = 0
     epoch: int = 0
@@ -253,10 +273,12 @@ class TrainState:
             self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
-def run_training(model, opt, train_seqs, val_chunks, tok: Tokens, unigram: torch.Tensor,
-                 device: torch.device, args) -> TrainState:
+def run_training(
+    model, opt, train_seqs, val_chunks, tok: Tokens, unigram: torch.Tensor, device: torch.device, args
+) -> TrainState:
     """args.steps steps (or args.max_train_seconds); validation every args.eval_every steps and at the
     end; leaves the best validation checkpoint loaded in `model`, in float32."""
+
     def validate():
         return evaluate(model, val_chunks, 2, tok, unigram, device)
 
@@ -277,15 +299,29 @@ def run_training(model, opt, train_seqs, val_chunks, tok: Tokens, unigram: torch
             st.step += 1
             st.train_tokens += n_tokens
             if st.step % args.log_every == 0:
-                print(f"step {st.step} epoch {st.epoch} loss {loss.item():.4f} gnorm {gnorm.item():.2f} "
-                      f"lr {lr_at(st.step, args.lr, args.warmup, args.steps):.2e} tokens {st.train_tokens} "
-                      f"{time.time() - st.t_train:.0f}s", flush=True)
+                print(
+                    f"step {st.step} epoch {st.epoch} loss {loss.item():.4f} gnorm {gnorm.item():.2f} "
+                    f"lr {lr_at(st.step, args.lr, args.warmup, args.steps):.2e} tokens {st.train_tokens} "
+                    f"{time.time() - st.t_train:.0f}s",
+                    flush=True,
+                )
             if st.step % args.eval_every == 0 or st.step == args.steps:
                 val = validate()
-                st.record({"step": st.step, "epoch": st.epoch, "train_loss": loss.item(), "val": val,
-                           "seconds": time.time() - st.t_train}, model)
-                print(f"  val step {st.step}: ce {val['cross_entropy']:.4f} ppl {val['perplexity']:.3f} "
-                      f"acc {val['accuracy']:.3f}", flush=True)
+                st.record(
+                    {
+                        "step": st.step,
+                        "epoch": st.epoch,
+                        "train_loss": loss.item(),
+                        "val": val,
+                        "seconds": time.time() - st.t_train,
+                    },
+                    model,
+                )
+                print(
+                    f"  val step {st.step}: ce {val['cross_entropy']:.4f} ppl {val['perplexity']:.3f} "
+                    f"acc {val['accuracy']:.3f}",
+                    flush=True,
+                )
         if st.stopped_by == "time":
             break
     st.train_seconds = time.time() - st.t_train
@@ -314,14 +350,17 @@ def train(args) -> None:
 
     model = build_model(args, device)  # after torch.manual_seed: the initialisation is seeded
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"transformers {transformers.__version__} torch {torch.__version__} device {device} "
-          f"params {n_params}", flush=True)
+    print(
+        f"transformers {transformers.__version__} torch {torch.__version__} device {device} params {n_params}",
+        flush=True,
+    )
     unigram = unigram_logp(enc["train"], tok)
     opt = make_optimizer(model, args.lr, args.weight_decay, device)
     st = run_training(model, opt, enc["train"], eval_chunks(enc["val"], args.crop), tok, unigram, device, args)
 
     def final(split_name, passes):
         return evaluate(model, eval_chunks(enc[split_name], args.crop), passes, tok, unigram, device)
+
     results = {split_name: final(split_name, 7) for split_name in ("test", "val")}
     results["train_one_fold"] = final("train", 1)  # ~14% of training residues: overfit gauge
     print(json.dumps(results, indent=1), flush=True)
@@ -332,18 +371,26 @@ def train(args) -> None:
     metrics = {
         "command": " ".join(sys.argv),
         "reproduce": f"python scripts/train_tiny.py train --device {args.device} --out OUT --steps {st.step}"
-                     f" --seed {args.seed}  (other settings: hyperparameters below)",
-        "transformers": transformers.__version__, "torch": torch.__version__,
+        f" --seed {args.seed}  (other settings: hyperparameters below)",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
         "device": (torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"),
         "dataset_sha256": hashlib.sha256(Path(args.data).read_bytes()).hexdigest(),
         "split_sequences": {k: len(v) for k, v in enc.items()},
         "split_residues": {k: int(sum(len(x) for x in v)) for k, v in enc.items()},
-        "params": n_params, "model_safetensors_bytes": size,
+        "params": n_params,
+        "model_safetensors_bytes": size,
         "hyperparameters": {k: v for k, v in vars(args).items() if k not in ("func",)},
-        "steps_run": st.step, "epochs_started": st.epoch, "stopped_by": st.stopped_by,
-        "train_tokens": st.train_tokens, "train_seconds": st.train_seconds,
-        "best_step": st.best["step"], "history": st.history,
-        "test": results["test"], "val": results["val"], "train_one_fold": results["train_one_fold"],
+        "steps_run": st.step,
+        "epochs_started": st.epoch,
+        "stopped_by": st.stopped_by,
+        "train_tokens": st.train_tokens,
+        "train_seconds": st.train_seconds,
+        "best_step": st.best["step"],
+        "history": st.history,
+        "test": results["test"],
+        "val": results["val"],
+        "train_one_fold": results["train_one_fold"],
         "total_seconds": time.time() - t_start,
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
@@ -365,23 +412,23 @@ tags:
 
 # esmc-tiny
 
-A small ESMC (transformers `EsmcForMaskedLM`: {h['layers']} layers, hidden {h['hidden']}, {h['heads']} heads
-of 64, SwiGLU {h['intermediate']}, vocabulary 64; {m['params']:,} parameters, float32) trained by
-esmc-mlx with masked-language modelling on {sum(m['split_sequences'].values())} real public protein
+A small ESMC (transformers `EsmcForMaskedLM`: {h["layers"]} layers, hidden {h["hidden"]}, {h["heads"]} heads
+of 64, SwiGLU {h["intermediate"]}, vocabulary 64; {m["params"]:,} parameters, float32) trained by
+esmc-mlx with masked-language modelling on {sum(m["split_sequences"].values())} real public protein
 sequences shipped as files by the Debian packages `emboss-test`, `hmmer-examples` and
 `any2fasta-examples` (UniProtKB/Swiss-Prot and TrEMBL entries, INSDC and NCBI RefSeq CDS
 translations, PIR-PSD, WormBase wormpep, Pfam seed alignments, ungapped). It is the model that
 `esmc-convert tiny` converts offline: a real trained network for tests, demos and the quality
 side of validation (quantization error on trained weights), not a model for biology.
 
-- Training: {m['steps_run']} steps (best validation at step {m['best_step']}), {m['train_tokens']:,} tokens,
-  AdamW lr {h['lr']}, weight decay {h['weight_decay']}, {h['batch_tokens']} tokens a batch, crops of at most
-  {h['crop']} residues, 15% masking (80% `<mask>`, 10% random residue, 10% kept), seed {h['seed']},
-  on {m['device']} with bf16 autocast, transformers {m['transformers']}, torch {m['torch']}.
-- Held-out test split ({m['split_sequences']['test']} sequences, {t['masked_residues']} residues, every residue
-  masked once): cross-entropy {t['cross_entropy']:.4f} nats, **perplexity {t['perplexity']:.2f}** against
-  {t['unigram_perplexity']:.2f} for the unigram residue frequencies of the training split;
-  top-1 accuracy {t['accuracy']:.3f}. The split is by sequence (exact duplicates removed, exact
+- Training: {m["steps_run"]} steps (best validation at step {m["best_step"]}), {m["train_tokens"]:,} tokens,
+  AdamW lr {h["lr"]}, weight decay {h["weight_decay"]}, {h["batch_tokens"]} tokens a batch, crops of at most
+  {h["crop"]} residues, 15% masking (80% `<mask>`, 10% random residue, 10% kept), seed {h["seed"]},
+  on {m["device"]} with bf16 autocast, transformers {m["transformers"]}, torch {m["torch"]}.
+- Held-out test split ({m["split_sequences"]["test"]} sequences, {t["masked_residues"]} residues, every residue
+  masked once): cross-entropy {t["cross_entropy"]:.4f} nats, **perplexity {t["perplexity"]:.2f}** against
+  {t["unigram_perplexity"]:.2f} for the unigram residue frequencies of the training split;
+  top-1 accuracy {t["accuracy"]:.3f}. The split is by sequence (exact duplicates removed, exact
   substrings kept with their parent), not by homology: families such as globins, cytochromes c
   and the Pfam seeds have members on both sides, so the figure flatters unseen families.
 
@@ -398,8 +445,9 @@ provenance: `docs/esmc-tiny.md`.
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(required=True)
-    p = sub.add_parser("prepare", help="gather, dedupe and split the sequences; write the panel "
-                                       "(the same as scripts/tiny_data.py)")
+    p = sub.add_parser(
+        "prepare", help="gather, dedupe and split the sequences; write the panel (the same as scripts/tiny_data.py)"
+    )
     tiny_data.add_prepare_arguments(p)
     p.set_defaults(func=lambda a: tiny_data.prepare(a.seed, a.list_test))
     t = sub.add_parser("train", help="train esmc-tiny on the prepared dataset")
@@ -419,8 +467,12 @@ def main(argv=None):
     t.add_argument("--crop", type=int, default=MAX_CROP)
     t.add_argument("--eval-every", type=int, default=250)
     t.add_argument("--log-every", type=int, default=50)
-    t.add_argument("--max-train-seconds", type=float, default=1e9,
-                   help="safety stop; the run records where it stopped (rerun with --steps N to reproduce)")
+    t.add_argument(
+        "--max-train-seconds",
+        type=float,
+        default=1e9,
+        help="safety stop; the run records where it stopped (rerun with --steps N to reproduce)",
+    )
     t.set_defaults(func=train)
     args = ap.parse_args(argv)
     args.func(args)

@@ -30,8 +30,13 @@ LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 SERVER = HubServer().start()
 HOME = Path(tempfile.mkdtemp(prefix="esmc-mlx-test-hf-home-"))
 ENV = {
-    "HF_ENDPOINT": SERVER.url, "HF_HOME": str(HOME), "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1",
+    "HF_ENDPOINT": SERVER.url,
+    "HF_HOME": str(HOME),
+    "HF_HUB_OFFLINE": "0",
+    "HF_HUB_DISABLE_XET": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_HUB_DISABLE_UPDATE_CHECK": "1",
 }
 if "huggingface_hub" in sys.modules:  # too late: its constants hold the real Hub
     raise RuntimeError("tests/conftest_hub.py must be imported before huggingface_hub (see tests/conftest.py)")
@@ -89,8 +94,9 @@ def hub(monkeypatch):
 
     clean()
     monkeypatch.setenv("HF_TOKEN", "hf_alice")
-    yield LocalHub(server=SERVER, url=SERVER.url, state=state, home=HOME, token_path=HOME / "token",
-                   monkeypatch=monkeypatch)
+    yield LocalHub(
+        server=SERVER, url=SERVER.url, state=state, home=HOME, token_path=HOME / "token", monkeypatch=monkeypatch
+    )
     clean()
 
 

@@ -34,8 +34,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
 # The Hub's default .gitattributes: its LFS patterns decide "lfs" in preupload.
-LFS_PATTERNS = ("*.bin", "*.gz", "*.h5", "*.msgpack", "*.npy", "*.npz", "*.onnx", "*.pt", "*.pth", "*.safetensors",
-                "*.tar", "*.zip", "*.zst", "*tfevents*")
+LFS_PATTERNS = (
+    "*.bin",
+    "*.gz",
+    "*.h5",
+    "*.msgpack",
+    "*.npy",
+    "*.npz",
+    "*.onnx",
+    "*.pt",
+    "*.pth",
+    "*.safetensors",
+    "*.tar",
+    "*.zip",
+    "*.zst",
+    "*tfevents*",
+)
 GITATTRIBUTES = "".join(f"{p} filter=lfs diff=lfs merge=lfs -text\n" for p in LFS_PATTERNS).encode()
 REGULAR_MAX_BYTES = 10 * 1024 * 1024
 _counter = itertools.count()
@@ -77,10 +91,17 @@ class Commit:
 
     @classmethod
     def make(cls, parent: Commit | None, files: dict[str, Blob], title: str, message: str = "") -> Commit:
-        listing = json.dumps([parent.sha if parent else None, sorted((p, b.oid) for p, b in files.items()), title,
-                              next(_counter)])
-        return cls(hashlib.sha1(listing.encode()).hexdigest(), parent.sha if parent else None, dict(files), title,
-                   message, _now())
+        listing = json.dumps(
+            [parent.sha if parent else None, sorted((p, b.oid) for p, b in files.items()), title, next(_counter)]
+        )
+        return cls(
+            hashlib.sha1(listing.encode()).hexdigest(),
+            parent.sha if parent else None,
+            dict(files),
+            title,
+            message,
+            _now(),
+        )
 
 
 @dataclasses.dataclass
@@ -309,9 +330,15 @@ class Handler(BaseHTTPRequestHandler):
         if repo is None or (repo.private and not (token and self._member(token, repo.namespace))):
             raise HttpError(401 if token is None else 404, "Repository not found", "RepoNotFound")
         if write and not (token.role == "write" and self._member(token, repo.namespace)):
-            why = "your token is read-only" if token.role == "read" else (
-                "this fine-grained token has no write access to it" if token.role == "fineGrained"
-                else f"{token.user} is not a member of {repo.namespace!r}")
+            why = (
+                "your token is read-only"
+                if token.role == "read"
+                else (
+                    "this fine-grained token has no write access to it"
+                    if token.role == "fineGrained"
+                    else f"{token.user} is not a member of {repo.namespace!r}"
+                )
+            )
             raise HttpError(403, f"You don't have write access to {repo_id}: {why}.")
         return repo
 
@@ -338,15 +365,17 @@ class Handler(BaseHTTPRequestHandler):
             if len(s) >= 4 and s[:2] == ["api", "models"]:
                 repo_id, rest = f"{s[2]}/{s[3]}", s[4:]
                 action, arg = (rest[0], "/".join(rest[1:])) if rest else ("", "")
-                routes = {("", "GET"): lambda: self._info(repo_id, "main"),
-                          ("revision", "GET"): lambda: self._info(repo_id, arg),
-                          ("tree", "GET"): lambda: self._tree(repo_id, rest[1], "/".join(rest[2:])),
-                          ("refs", "GET"): lambda: self._refs(repo_id),
-                          ("commits", "GET"): lambda: self._commits(repo_id, arg),
-                          ("preupload", "POST"): lambda: self._preupload(repo_id, arg),
-                          ("commit", "POST"): lambda: self._commit(repo_id, arg),
-                          ("branch", "POST"): lambda: self._branch(repo_id, arg),
-                          ("branch", "DELETE"): lambda: self._branch(repo_id, arg)}
+                routes = {
+                    ("", "GET"): lambda: self._info(repo_id, "main"),
+                    ("revision", "GET"): lambda: self._info(repo_id, arg),
+                    ("tree", "GET"): lambda: self._tree(repo_id, rest[1], "/".join(rest[2:])),
+                    ("refs", "GET"): lambda: self._refs(repo_id),
+                    ("commits", "GET"): lambda: self._commits(repo_id, arg),
+                    ("preupload", "POST"): lambda: self._preupload(repo_id, arg),
+                    ("commit", "POST"): lambda: self._commit(repo_id, arg),
+                    ("branch", "POST"): lambda: self._branch(repo_id, arg),
+                    ("branch", "DELETE"): lambda: self._branch(repo_id, arg),
+                }
                 if (action, m) in routes:
                     return routes[action, m]()
             if len(s) == 6 and s[1].endswith(".git") and s[2:] == ["info", "lfs", "objects", "batch"] and m == "POST":
@@ -359,11 +388,19 @@ class Handler(BaseHTTPRequestHandler):
     def _whoami(self):
         token = self._token(required=True)
         access = {"displayName": "test token", "role": token.role}
-        return 200, {}, {
-            "type": "user", "name": token.user, "fullname": token.user.title(),
-            "orgs": [{"type": "org", "name": o, "roleInOrg": "write"} for o in self.state.users.get(token.user, [])],
-            "auth": {"type": "access_token", "accessToken": access},
-        }
+        return (
+            200,
+            {},
+            {
+                "type": "user",
+                "name": token.user,
+                "fullname": token.user.title(),
+                "orgs": [
+                    {"type": "org", "name": o, "roleInOrg": "write"} for o in self.state.users.get(token.user, [])
+                ],
+                "auth": {"type": "access_token", "accessToken": access},
+            },
+        )
 
     def _create_repo(self):
         token = self._token(required=True)
@@ -401,9 +438,20 @@ class Handler(BaseHTTPRequestHandler):
     def _info(self, repo_id: str, revision: str):
         repo = self._repo(repo_id)
         commit = self._commit_at(repo, revision)
-        return 200, {}, {"id": repo_id, "modelId": repo_id, "author": repo.namespace, "sha": commit.sha,
-                         "lastModified": commit.date, "private": repo.private, "tags": [],
-                         "siblings": [{"rfilename": p} for p in sorted(commit.files)]}
+        return (
+            200,
+            {},
+            {
+                "id": repo_id,
+                "modelId": repo_id,
+                "author": repo.namespace,
+                "sha": commit.sha,
+                "lastModified": commit.date,
+                "private": repo.private,
+                "tags": [],
+                "siblings": [{"rfilename": p} for p in sorted(commit.files)],
+            },
+        )
 
     def _tree(self, repo_id: str, revision: str, path: str):
         files = self._commit_at(self._repo(repo_id), revision).files
@@ -411,34 +459,57 @@ class Handler(BaseHTTPRequestHandler):
         recursive = self.query.get("recursive", "false").lower() in ("1", "true")
         entries, dirs = [], set()
         for p in sorted(f for f in files if f.startswith(prefix)):
-            parts = p[len(prefix):].split("/")
+            parts = p[len(prefix) :].split("/")
             dirs.update(prefix + "/".join(parts[:i]) for i in range(1, len(parts) if recursive else min(2, len(parts))))
             if recursive or len(parts) == 1:
                 blob = files[p]
-                entry = {"type": "file", "oid": blob.oid if not blob.is_lfs else git_blob_oid(blob.oid.encode()),
-                         "size": blob.size, "path": p}
+                entry = {
+                    "type": "file",
+                    "oid": blob.oid if not blob.is_lfs else git_blob_oid(blob.oid.encode()),
+                    "size": blob.size,
+                    "path": p,
+                }
                 if blob.is_lfs:
                     entry["lfs"] = {"oid": blob.oid, "size": blob.size, "pointerSize": 134}
                 entries.append(entry)
         if path and not entries and not dirs:
             raise HttpError(404, f"{path} does not exist", "EntryNotFound")
-        folders = [{"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d}
-                   for d in sorted(dirs)]
+        folders = [
+            {"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d}
+            for d in sorted(dirs)
+        ]
         return 200, {}, folders + entries
 
     def _refs(self, repo_id: str):
         repo = self._repo(repo_id)
-        branches = [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": sha}
-                    for b, sha in repo.refs.items() if not b.startswith("refs/")]
+        branches = [
+            {"name": b, "ref": f"refs/heads/{b}", "targetCommit": sha}
+            for b, sha in repo.refs.items()
+            if not b.startswith("refs/")
+        ]
         prs = [{"name": r, "ref": r, "targetCommit": sha} for r, sha in repo.refs.items() if r.startswith("refs/pr/")]
-        return 200, {}, {"branches": branches, "converts": [], "tags": [],
-                         "pullRequests": prs if self.query.get("include_prs") else []}
+        return (
+            200,
+            {},
+            {
+                "branches": branches,
+                "converts": [],
+                "tags": [],
+                "pullRequests": prs if self.query.get("include_prs") else [],
+            },
+        )
 
     def _commits(self, repo_id: str, revision: str):
         repo = self._repo(repo_id)
         self._commit_at(repo, revision)
-        return 200, {}, [{"id": c.sha, "title": c.title, "message": c.message, "authors": [], "date": c.date}
-                         for c in repo.history(revision)]
+        return (
+            200,
+            {},
+            [
+                {"id": c.sha, "title": c.title, "message": c.message, "authors": [], "date": c.date}
+                for c in repo.history(revision)
+            ],
+        )
 
     def _preupload(self, repo_id: str, revision: str):
         repo = self._repo(repo_id, write=True)
@@ -446,7 +517,9 @@ class Handler(BaseHTTPRequestHandler):
         out = []
         for f in self._json().get("files", []):
             existing = current.get(f["path"])
-            lfs = _is_lfs(f["path"], base64.b64decode(f.get("sample", "")), f["size"]) or bool(existing and existing.is_lfs)
+            lfs = _is_lfs(f["path"], base64.b64decode(f.get("sample", "")), f["size"]) or bool(
+                existing and existing.is_lfs
+            )
             entry = {"path": f["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False}
             if existing:
                 entry["oid"] = existing.oid
@@ -522,8 +595,12 @@ class Handler(BaseHTTPRequestHandler):
                 raise HttpError(400, f"unknown commit operation {key!r}")
         commit = Commit.make(base, files, header.get("summary") or "update", header.get("description") or "")
         repo.commits[commit.sha] = commit
-        answer = {"success": True, "commitOid": commit.sha, "commitUrl": f"{self.base}/{repo_id}/commit/{commit.sha}",
-                  "pullRequestUrl": None}
+        answer = {
+            "success": True,
+            "commitOid": commit.sha,
+            "commitUrl": f"{self.base}/{repo_id}/commit/{commit.sha}",
+            "pullRequestUrl": None,
+        }
         if create_pr:
             repo.pr_count += 1
             repo.refs[f"refs/pr/{repo.pr_count}"] = commit.sha
@@ -554,8 +631,12 @@ class Handler(BaseHTTPRequestHandler):
         if blob is None:
             raise HttpError(404, "Entry not found", "EntryNotFound")
         content = repo.lfs[blob.oid] if blob.is_lfs else blob.content
-        headers = {"X-Repo-Commit": commit.sha, "ETag": f'"{blob.oid}"', "Content-Length": len(content),
-                   "Content-Type": "application/octet-stream"}
+        headers = {
+            "X-Repo-Commit": commit.sha,
+            "ETag": f'"{blob.oid}"',
+            "Content-Length": len(content),
+            "Content-Type": "application/octet-stream",
+        }
         if blob.is_lfs:
             headers.update({"X-Linked-Etag": f'"{blob.oid}"', "X-Linked-Size": blob.size})
         return 200, headers, content

@@ -14,8 +14,9 @@ from esmc_mlx.cli import main
 @pytest.mark.slow  # two fresh interpreters, one importing torch
 def test_bench_runs_each_side_in_its_own_process_on_the_same_weights(tmp_path):
     requires_torch()
-    out = CliRunner().invoke(main, ["bench", "--model", "tiny", "--shapes", "1x8,2x8", "--device", "cpu",
-                                    "-o", str(tmp_path)])
+    out = CliRunner().invoke(
+        main, ["bench", "--model", "tiny", "--shapes", "1x8,2x8", "--device", "cpu", "-o", str(tmp_path)]
+    )
     assert out.exit_code == 0, out.output
     results = json.loads((tmp_path / "bench.json").read_text())
     assert results["isolation"] == "each side in its own process"
@@ -27,8 +28,9 @@ def test_bench_runs_each_side_in_its_own_process_on_the_same_weights(tmp_path):
 
 
 def test_bench_without_torch_times_mlx_alone(tmp_path):
-    out = CliRunner().invoke(main, ["bench", "--model", "tiny", "--shapes", "1x8", "--device", "cpu", "--no-torch",
-                                    "-o", str(tmp_path)])
+    out = CliRunner().invoke(
+        main, ["bench", "--model", "tiny", "--shapes", "1x8", "--device", "cpu", "--no-torch", "-o", str(tmp_path)]
+    )
     assert out.exit_code == 0, out.output
     results = json.loads((tmp_path / "bench.json").read_text())
     assert [r["impl"] for r in results["forward"]] == ["mlx"] and results["agreement"] == {}

@@ -38,7 +38,9 @@ exported = [s for s in ("cblas_sgemm", "sgemm_", "scipy_cblas_sgemm", "openblas_
 
 
 def test_mlx_gemms_run_on_openblas_and_export_nothing():
-    r = report(GLOBAL_LOOKUP.replace("import ctypes", "import ctypes, json, numpy as np, mlx.core as mx, esmc_mlx") + """
+    r = report(
+        GLOBAL_LOOKUP.replace("import ctypes", "import ctypes, json, numpy as np, mlx.core as mx, esmc_mlx")
+        + """
 from esmc_mlx import _blas
 a = np.random.default_rng(0).standard_normal((300, 200)).astype(np.float32)
 b = np.random.default_rng(1).standard_normal((200, 100)).astype(np.float32)
@@ -46,7 +48,8 @@ got = np.array(mx.matmul(mx.array(a), mx.array(b), stream=mx.cpu))
 err = float(np.abs(got - a.astype(np.float64) @ b).max())
 print(json.dumps({"exported": exported, "serves": _blas.mlx_blas_library(), "loaded": _blas.loaded_path,
                   "info": _blas.info, "err": err}))
-""")  # mlx.core imported before esmc_mlx: the order does not matter any more
+"""
+    )  # mlx.core imported before esmc_mlx: the order does not matter any more
     if r["loaded"] is None:
         pytest.skip(f"no OpenBLAS on this machine: {r['info']}")
     assert r["serves"] == r["loaded"] and "openblas" in Path(r["loaded"]).name
@@ -78,11 +81,14 @@ print(json.dumps({"lib": lib, "serves": _blas.serving_library(lib, "sgemm_")}))
 def test_openblas_kernel_fits_the_cpu():
     """OPENBLAS_CORETYPE=Prescott in the environment (as set on some hosts for old builds) gives
     MLX's copy the kernel of the CPU's vector tier all the same; the variable is left as it was."""
-    r = report("""
+    r = report(
+        """
 import json, os, esmc_mlx
 from esmc_mlx import _blas
 print(json.dumps({"info": _blas.info, "kernel": _blas.cpu_kernel(), "env": os.environ.get("OPENBLAS_CORETYPE")}))
-""", {"OPENBLAS_CORETYPE": "Prescott"})
+""",
+        {"OPENBLAS_CORETYPE": "Prescott"},
+    )
     from esmc_mlx import _blas
 
     if not r["info"].get("corename") or r["kernel"] is None:
@@ -93,8 +99,11 @@ print(json.dumps({"info": _blas.info, "kernel": _blas.cpu_kernel(), "env": os.en
 
 
 def test_forced_slow_kernel_warns_with_the_rate():
-    out = python("import warnings; warnings.simplefilter('always'); import esmc_mlx; "
-                 "from esmc_mlx import _blas; print(_blas.info)", {"ESMC_MLX_BLAS_CORETYPE": "Prescott"})
+    out = python(
+        "import warnings; warnings.simplefilter('always'); import esmc_mlx; "
+        "from esmc_mlx import _blas; print(_blas.info)",
+        {"ESMC_MLX_BLAS_CORETYPE": "Prescott"},
+    )
     assert out.returncode == 0, out.stderr
     if "Prescott" not in out.stdout:
         pytest.skip(f"no OpenBLAS: {out.stdout}")
@@ -111,7 +120,9 @@ def broken_mlx(tmp_path):
     fake = tmp_path / "fake" / "mlx"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
-    (fake / "core.py").write_text('raise ImportError("libmlx.so: cannot open shared object file: No such file or directory")\n')
+    (fake / "core.py").write_text(
+        'raise ImportError("libmlx.so: cannot open shared object file: No such file or directory")\n'
+    )
     return {"PYTHONPATH": os.pathsep.join([str(fake.parent), str(ROOT)])}
 
 
@@ -129,8 +140,13 @@ def test_broken_mlx_is_one_error_line_for_every_command(broken_mlx, args):
 
 
 def test_broken_mlx_in_python_is_an_import_error_naming_the_fix(broken_mlx):
-    out = subprocess.run([sys.executable, "-c", "import esmc_mlx"], env={**os.environ, **broken_mlx},
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", "import esmc_mlx"],
+        env={**os.environ, **broken_mlx},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0 and "ImportError: MLX is installed without a working backend" in out.stderr
 
 
@@ -141,8 +157,10 @@ def test_cpu_libmlx_in_place_of_the_cuda_one_is_named(tmp_path):
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-cuda-13\nVersion: 0.32.4\n")
     (info / "RECORD").write_text("mlx/lib/libmlx.so,sha256=x,145673817\n")
-    out = python("import warnings; warnings.simplefilter('always'); import esmc_mlx",
-                 {"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])})
+    out = python(
+        "import warnings; warnings.simplefilter('always'); import esmc_mlx",
+        {"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])},
+    )
     assert out.returncode == 0, out.stderr
     assert "MLX will not use the GPU" in out.stderr
     assert "pip install --force-reinstall --no-deps mlx-cuda-13==0.32.4" in out.stderr

@@ -124,8 +124,9 @@ def test_warning_past_the_trained_length():
 
     wt = random_sequences(1, 2100, 2100, seed=14)[0]
     with pytest.warns(UserWarning, match="longer than the 2048 tokens"):
-        r = score_mutations(StubModel(), wt, [f"{wt[5]}6A", f"{wt[2000]}2001A"], methods=["masked_marginal"],
-                            batch_size=4)
+        r = score_mutations(
+            StubModel(), wt, [f"{wt[5]}6A", f"{wt[2000]}2001A"], methods=["masked_marginal"], batch_size=4
+        )
     assert r.passes == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -32,13 +32,16 @@ def reference_logits(reference_model, seqs=SEQS):
 
     batch = ESMCTokenizer()(seqs, return_tensors="np")
     with torch.no_grad():
-        return reference_model(input_ids=torch.tensor(batch["input_ids"]).long(),
-                               attention_mask=torch.tensor(batch["attention_mask"]).long()).logits.numpy()
+        return reference_model(
+            input_ids=torch.tensor(batch["input_ids"]).long(),
+            attention_mask=torch.tensor(batch["attention_mask"]).long(),
+        ).logits.numpy()
 
 
 def no_leftovers(parent):
-    return not [p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name
-                or p.name.endswith(".lock")]
+    return not [
+        p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name or p.name.endswith(".lock")
+    ]
 
 
 @pytest.mark.parametrize("layout", ["published", "esm", "legacy"])
@@ -86,7 +89,10 @@ def test_cli_converts_and_info_describes(checkpoints, tmp_path):
     assert result.exit_code == 0, result.output
     info = runner.invoke(main, ["info", str(tmp_path / "out"), "--json"])
     facts = json.loads(info.output)
-    assert facts["parameters"] == f"{sum(p.numel() for p in torch.nn.Module.parameters(__import__('esmc_mlx.testing').testing.random_transformers_model(__import__('esmc_mlx.testing').testing.tiny_config()))):,}"
+    assert (
+        facts["parameters"]
+        == f"{sum(p.numel() for p in torch.nn.Module.parameters(__import__('esmc_mlx.testing').testing.random_transformers_model(__import__('esmc_mlx.testing').testing.tiny_config()))):,}"
+    )
     assert facts["bits per weight"] == pytest.approx(32, abs=0.01)
     assert "--q" in runner.invoke(convert_main, ["--help"]).output
 
@@ -111,13 +117,21 @@ def _edited_copy(src_dir, dst_dir, edit):
     return dst_dir
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda s: s.pop("esmc.layers.1.mlp.up_proj.weight"), "missing tensors: esmc.layers.1.mlp.up_proj.weight"),
-    (lambda s: s.__setitem__("esmc.layers.0.extra.weight", torch.zeros(3)), "unexpected tensors: esmc.layers.0.extra.weight"),
-    (lambda s: s.__setitem__("something_else", torch.zeros(3)), "unexpected tensors: something_else"),
-    (lambda s: s.__setitem__("esmc.layers.0.self_attn.q_proj.weight", torch.zeros(128, 32)),
-     r"esmc.layers.0.self_attn.q_proj.weight: shape \(128, 32\) in the checkpoint, \(128, 128\) expected"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda s: s.pop("esmc.layers.1.mlp.up_proj.weight"), "missing tensors: esmc.layers.1.mlp.up_proj.weight"),
+        (
+            lambda s: s.__setitem__("esmc.layers.0.extra.weight", torch.zeros(3)),
+            "unexpected tensors: esmc.layers.0.extra.weight",
+        ),
+        (lambda s: s.__setitem__("something_else", torch.zeros(3)), "unexpected tensors: something_else"),
+        (
+            lambda s: s.__setitem__("esmc.layers.0.self_attn.q_proj.weight", torch.zeros(128, 32)),
+            r"esmc.layers.0.self_attn.q_proj.weight: shape \(128, 32\) in the checkpoint, \(128, 128\) expected",
+        ),
+    ],
+)
 def test_missing_extra_and_misshaped_tensors(checkpoints, tmp_path, edit, message):
     bad = _edited_copy(checkpoints["published"], tmp_path / "bad", edit)
     with pytest.raises(ConvertError, match=message):
@@ -148,7 +162,10 @@ def test_config_contradicting_shapes(checkpoints, tmp_path):
     config = json.loads((bad / "config.json").read_text())
     config["intermediate_size"] = 768
     (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConvertError, match=r"mlp.gate_proj.weight: shape \(512, 128\) in the checkpoint, \(768, 128\) expected from .*config.json"):
+    with pytest.raises(
+        ConvertError,
+        match=r"mlp.gate_proj.weight: shape \(512, 128\) in the checkpoint, \(768, 128\) expected from .*config.json",
+    ):
         convert(str(bad), tmp_path / "out", progress=False)
     config["num_attention_heads"] = 3  # 128 is not a multiple of 3
     config.pop("head_dim"), config.pop("num_key_value_heads")

@@ -43,14 +43,33 @@ def free_port_pair() -> int:
 
 def launch(args: list[str], cwd: Path, timeout: int = 150) -> str:
     launcher = Path(sys.executable).with_name("mlx.launch")
-    prefix = [str(launcher)] if launcher.exists() else [
-        sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
-    command = [*prefix, "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "-p", str(free_port_pair()),
-               "--", sys.executable, "-m", "esmc_mlx.cli", *args, "--no-progress"]
+    prefix = (
+        [str(launcher)]
+        if launcher.exists()
+        else [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
+    )
+    command = [
+        *prefix,
+        "--backend",
+        "ring",
+        "--hosts",
+        "127.0.0.1",
+        "-n",
+        "2",
+        "-p",
+        str(free_port_pair()),
+        "--",
+        sys.executable,
+        "-m",
+        "esmc_mlx.cli",
+        *args,
+        "--no-progress",
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
-        done = subprocess.run(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                              text=True, timeout=timeout)
+        done = subprocess.run(
+            command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"mlx.launch timed out after {timeout} s: {e.stdout}\n{e.stderr}")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -64,8 +83,21 @@ def test_two_ranks_embed_like_one(converted, tmp_path):
     fasta.write_text("".join(f">p{i}\n{s}\n" for i, s in enumerate(seqs)))
     model = load(converted)[0]
     embed_fasta(model, fasta, tmp_path / "one", per_residue=True, layer=1, batch_tokens=80)
-    out = launch(["embed", str(converted), str(fasta), "-o", str(tmp_path / "two"), "--per-residue", "--layer", "1",
-                  "--batch-tokens", "80"], tmp_path)
+    out = launch(
+        [
+            "embed",
+            str(converted),
+            str(fasta),
+            "-o",
+            str(tmp_path / "two"),
+            "--per-residue",
+            "--layer",
+            "1",
+            "--batch-tokens",
+            "80",
+        ],
+        tmp_path,
+    )
     assert "Embedded 11 sequences on 2 ranks" in out
     one, two = read_embeddings(tmp_path / "one"), read_embeddings(tmp_path / "two")
     assert one.ids == two.ids
@@ -84,14 +116,29 @@ def test_two_ranks_score_like_one(converted, tmp_path):
     csv_in.write_text("mutant,DMS_score\n" + "".join(f"{m},{(-1) ** i * i}\n" for i, m in enumerate(mutants)))
     methods = ["masked_marginal", "wt_marginal", "pppl"]
     one = score_csv(load(converted)[0], WT, csv_in, tmp_path / "one.csv", methods=methods, batch_size=8)
-    out = launch(["score", str(converted), "--sequence", WT, "--mutations", str(csv_in), "-o", str(tmp_path / "two.csv"),
-                  "-B", "8", *[a for m in methods for a in ("--method", m.replace("_", "-"))]], tmp_path)
+    out = launch(
+        [
+            "score",
+            str(converted),
+            "--sequence",
+            WT,
+            "--mutations",
+            str(csv_in),
+            "-o",
+            str(tmp_path / "two.csv"),
+            "-B",
+            "8",
+            *[a for m in methods for a in ("--method", m.replace("_", "-"))],
+        ],
+        tmp_path,
+    )
     assert "on 2 ranks" in out and "Spearman masked_marginal vs DMS_score" in out
     rows = lambda p: [line.split(",") for line in p.read_text().splitlines()]  # noqa: E731
     a, b = rows(tmp_path / "one.csv"), rows(tmp_path / "two.csv")
     assert a[0] == b[0] == ["mutant", "DMS_score", *methods]
-    np.testing.assert_allclose(np.array([r[2:] for r in b[1:]], float), np.array([r[2:] for r in a[1:]], float),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.array([r[2:] for r in b[1:]], float), np.array([r[2:] for r in a[1:]], float), rtol=1e-5, atol=1e-5
+    )
     # rank 0 ran about half of the passes (one rounding per job list)
     rank0 = int(re.search(r"; (\d+) forward passes on 2 ranks", out).group(1))
     assert one.passes // 2 <= rank0 <= one.passes // 2 + 2
@@ -103,15 +150,39 @@ def test_two_ranks_scan_and_embed_layers_like_one(converted, tmp_path):
     fasta = tmp_path / "in.fa"
     seqs = random_sequences(5, 3, 40, seed=22)
     fasta.write_text("".join(f">p{i}\n{s}\n" for i, s in enumerate(seqs)))
-    out = launch(["scan", str(converted), "--fasta", str(fasta), "-o", str(tmp_path / "scan"), "-B", "4",
-                  "--no-plot"], tmp_path)
+    out = launch(
+        ["scan", str(converted), "--fasta", str(fasta), "-o", str(tmp_path / "scan"), "-B", "4", "--no-plot"], tmp_path
+    )
     assert "on 2 ranks" in out
     for i, s in enumerate(seqs):
         np.testing.assert_allclose(np.load(tmp_path / "scan" / f"p{i}_matrix.npy"), model.scan(s).scores, atol=1e-5)
-    embed_fasta(model, fasta, tmp_path / "one", layers="0,-1", pools="mean,max,per_residue", storage="safetensors",
-                batch_tokens=40)
-    launch(["embed", str(converted), str(fasta), "-o", str(tmp_path / "two"), "--layers", "0,-1", "--pool",
-            "mean,max,per-residue", "--format", "safetensors", "--batch-tokens", "40"], tmp_path)
+    embed_fasta(
+        model,
+        fasta,
+        tmp_path / "one",
+        layers="0,-1",
+        pools="mean,max,per_residue",
+        storage="safetensors",
+        batch_tokens=40,
+    )
+    launch(
+        [
+            "embed",
+            str(converted),
+            str(fasta),
+            "-o",
+            str(tmp_path / "two"),
+            "--layers",
+            "0,-1",
+            "--pool",
+            "mean,max,per-residue",
+            "--format",
+            "safetensors",
+            "--batch-tokens",
+            "40",
+        ],
+        tmp_path,
+    )
     one, two = read_embeddings(tmp_path / "one"), read_embeddings(tmp_path / "two")
     for name in one.arrays:
         np.testing.assert_allclose(np.asarray(two.arrays[name]), np.asarray(one.arrays[name]), atol=1e-5)

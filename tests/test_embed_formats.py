@@ -67,8 +67,9 @@ def test_storage_formats_round_trip_and_resume(model, storage, tmp_path, monkeyp
     monkeypatch.setattr(store, "SHARD_BYTES", 20_000)  # several safetensors shards
     seqs = random_sequences(12, 4, 40, seed=31)
     fasta = write_fasta(tmp_path / "in.fa", seqs)
-    kwargs = dict(layers=[0, -1], pools=["mean", "max", "cls", "per_residue"], storage=storage, batch_tokens=64,
-                  chunk_records=5)
+    kwargs = dict(
+        layers=[0, -1], pools=["mean", "max", "cls", "per_residue"], storage=storage, batch_tokens=64, chunk_records=5
+    )
     interrupted = Counting(model, fail_after=2)
     with pytest.raises(KeyboardInterrupt):
         embed_fasta(interrupted, fasta, tmp_path / "out", flush_every=1, **kwargs)
@@ -93,8 +94,9 @@ def test_storage_formats_round_trip_and_resume(model, storage, tmp_path, monkeyp
     assert (summary.skipped, summary.computed) == (12, 1)
     again = read_embeddings(tmp_path / "out")
     np.testing.assert_allclose(np.asarray(again.get("mean", 2))[:12], want.get("mean", 2), atol=1e-5)
-    np.testing.assert_allclose(again.per_residue("s12", 0), model.embed("MKVLAAGIVGW", layer=0,
-                                                                         per_residue=True).per_residue[0], atol=1e-5)
+    np.testing.assert_allclose(
+        again.per_residue("s12", 0), model.embed("MKVLAAGIVGW", layer=0, per_residue=True).per_residue[0], atol=1e-5
+    )
     with pytest.raises(JobError, match="other settings"):
         embed_fasta(model, grown, tmp_path / "out", **dict(kwargs, pools=["mean"]))
     # a shrunk FASTA drops the IDs it no longer holds, computing nothing
@@ -106,7 +108,8 @@ def test_storage_formats_round_trip_and_resume(model, storage, tmp_path, monkeyp
     if storage == "safetensors":  # no shard of the earlier merges is left behind
         index = json.loads((tmp_path / "out" / "embeddings.safetensors.index.json").read_text())
         assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == sorted(
-            s["file"] for s in index["shards"])
+            s["file"] for s in index["shards"]
+        )
     np.testing.assert_allclose(last.per_residue("s9", 0), want.get("per_residue", 0)[9], atol=1e-5)
 
 
@@ -132,8 +135,24 @@ def test_fasta_is_read_as_a_stream(tmp_path):
 def test_cli_layers_pools_and_formats(converted, model, tmp_path):
     fasta = write_fasta(tmp_path / "in.fa", SEQS)
     runner = CliRunner()
-    r = runner.invoke(cli, ["embed", str(converted), str(fasta), "-o", str(tmp_path / "st"), "--layers", "1,-1",
-                            "--pool", "mean,cls", "--per-residue", "--format", "safetensors", "--no-progress"])
+    r = runner.invoke(
+        cli,
+        [
+            "embed",
+            str(converted),
+            str(fasta),
+            "-o",
+            str(tmp_path / "st"),
+            "--layers",
+            "1,-1",
+            "--pool",
+            "mean,cls",
+            "--per-residue",
+            "--format",
+            "safetensors",
+            "--no-progress",
+        ],
+    )
     assert r.exit_code == 0, r.output
     stored = read_embeddings(tmp_path / "st")
     want = model.embed(SEQS, layers=[1, -1], pools=["mean", "cls", "per_residue"])
@@ -156,11 +175,24 @@ def test_a_version_1_directory_resumes(model, tmp_path):
 
     mean = model.embed(seqs[:3], layer=1).mean
     np.save(out / "mean.npy", mean)
-    (out / "index.tsv").write_text("id\tlength\tsha1\n" + "".join(
-        f"s{i}\t{len(s)}\t{sequence_hash(s)}\n" for i, s in enumerate(seqs[:3])))
-    (out / "manifest.json").write_text(json.dumps({
-        "format": "esmc-mlx-embeddings", "version": 1, "layer": 1, "per_residue": False, "dtype": "float32",
-        "hidden_size": 128, "num_hidden_layers": 2, "complete": True, "count": 3}))
+    (out / "index.tsv").write_text(
+        "id\tlength\tsha1\n" + "".join(f"s{i}\t{len(s)}\t{sequence_hash(s)}\n" for i, s in enumerate(seqs[:3]))
+    )
+    (out / "manifest.json").write_text(
+        json.dumps(
+            {
+                "format": "esmc-mlx-embeddings",
+                "version": 1,
+                "layer": 1,
+                "per_residue": False,
+                "dtype": "float32",
+                "hidden_size": 128,
+                "num_hidden_layers": 2,
+                "complete": True,
+                "count": 3,
+            }
+        )
+    )
     summary = embed_fasta(model, fasta, out, layer=1)
     assert (summary.skipped, summary.computed) == (3, 1)
     np.testing.assert_allclose(read_embeddings(out).mean, model.embed(seqs, layer=1).mean, atol=1e-5)

@@ -54,8 +54,11 @@ def snapshot(path: Path) -> dict:
     path = Path(path)
     if path.is_file():
         return {"": (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mode)}
-    return {str(p.relative_to(path)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mode)
-            for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mode)
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 DEBRIS = (".partial-", ".old-", ".tmp", ".lock", ".merge")
@@ -66,16 +69,18 @@ def debris(*folders: Path) -> list[str]:
     found = []
     for folder in folders:
         if Path(folder).is_dir():
-            found += [p.name for p in Path(folder).iterdir() if p.name.startswith(".")
-                      and any(d in p.name for d in DEBRIS)]
+            found += [
+                p.name for p in Path(folder).iterdir() if p.name.startswith(".") and any(d in p.name for d in DEBRIS)
+            ]
     return found
 
 
 def one_error_line(result, *fragments, code=1):
     """Exit code, exactly one `Error:` line and no traceback; the line holds every fragment."""
     assert result.exit_code == code, result.output
-    assert "Traceback" not in result.output and not isinstance(result.exception, (AssertionError, TypeError)), \
+    assert "Traceback" not in result.output and not isinstance(result.exception, (AssertionError, TypeError)), (
         result.output
+    )
     assert result.output.count("Error:") == 1, result.output
     lines = [line for line in re.split(r"[\r\n]", result.output) if line.startswith("Error:")]
     assert len(lines) == 1, result.output  # on a line of its own, after any progress bar
@@ -204,16 +209,20 @@ def _failing_validation(monkeypatch, passed=False, crash=False):
             raise ValidationError("the reference could not be read")
         (Path(directory) / "validation").mkdir()
         (Path(directory) / "validation" / "report.json").write_text(json.dumps({"passed": passed}))
-        return SimpleNamespace(passed=passed, failed=[] if passed else [SimpleNamespace(name="kl_mean")],
-                               summary=lambda: f"Validation {'PASSED' if passed else 'FAILED'}",
-                               directory=Path(directory) / "validation")
+        return SimpleNamespace(
+            passed=passed,
+            failed=[] if passed else [SimpleNamespace(name="kl_mean")],
+            summary=lambda: f"Validation {'PASSED' if passed else 'FAILED'}",
+            directory=Path(directory) / "validation",
+        )
 
     monkeypatch.setattr(pipeline, "validate", validate)
     monkeypatch.setattr(pipeline, "validation_available", lambda: True)
 
 
-def test_failed_validation_keeps_the_old_output_and_puts_the_new_one_beside_it(old_output, checkpoints, tmp_path,
-                                                                               monkeypatch):
+def test_failed_validation_keeps_the_old_output_and_puts_the_new_one_beside_it(
+    old_output, checkpoints, tmp_path, monkeypatch
+):
     out, before = old_output
     _failing_validation(monkeypatch)
     result = convert_cli(checkpoints["published"], "-o", out, "--force", "--dtype", "float16")
@@ -269,8 +278,11 @@ def test_ctrl_c_during_conversion_keeps_the_old_output(old_output, checkpoints, 
 
 def test_a_nan_source_with_force_keeps_the_old_output(old_output, checkpoints, tmp_path):
     out, before = old_output
-    bad = edited_checkpoint(checkpoints["published"], tmp_path / "nan",
-                            lambda s: s["esmc.layers.1.mlp.down_proj.weight"].__setitem__((3, 5), float("nan")))
+    bad = edited_checkpoint(
+        checkpoints["published"],
+        tmp_path / "nan",
+        lambda s: s["esmc.layers.1.mlp.down_proj.weight"].__setitem__((3, 5), float("nan")),
+    )
     result = convert_cli(bad, "-o", out, "--force", "--no-validate")
     one_error_line(result, "esmc.layers.1.mlp.down_proj.weight", "NaN or Inf")
     assert snapshot(out) == before and debris(tmp_path) == []
@@ -292,8 +304,12 @@ def locked_by_other_process(tmp_path):
     procs = []
 
     def hold(target):
-        proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(target)], stdout=subprocess.PIPE,
-                                text=True, env=dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1])))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOLD_LOCK, str(target)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1])),
+        )
         assert proc.stdout.readline().strip() == "locked"
         procs.append(proc)
         return proc.pid
@@ -304,8 +320,9 @@ def locked_by_other_process(tmp_path):
         proc.wait()
 
 
-def test_a_second_conversion_to_the_same_output_fails_naming_the_holder(old_output, checkpoints, tmp_path,
-                                                                        locked_by_other_process):
+def test_a_second_conversion_to_the_same_output_fails_naming_the_holder(
+    old_output, checkpoints, tmp_path, locked_by_other_process
+):
     out, before = old_output
     pid = locked_by_other_process(out)
     result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
@@ -320,10 +337,18 @@ def test_two_real_conversions_to_one_output(tmp_path):
     "Wrote" lines for one directory."""
     src = testing.write_random_checkpoint(tmp_path / "src", testing.tiny_config(**KILL_CONFIG), dtype="float32")
     env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
-    command = [shutil.which("esmc-convert") or "esmc-convert", str(src), "-o", str(tmp_path / "out"),
-               "--no-validate", "--shard-size", "8MB"]
-    procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    command = [
+        shutil.which("esmc-convert") or "esmc-convert",
+        str(src),
+        "-o",
+        str(tmp_path / "out"),
+        "--no-validate",
+        "--shard-size",
+        "8MB",
+    ]
+    procs = [
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
     results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
     assert sorted(rc for rc, _, _ in results) == [0, 1], results
     loser = next(err for rc, _, err in results if rc == 1)
@@ -375,8 +400,11 @@ def test_converter_refuses_a_stray_safetensors_beside_indexed_shards(tmp_path, t
 def test_quantize_info_validate_and_load_refuse_a_stray_file_in_an_artifact(old_output, checkpoints, tmp_path):
     out, _ = old_output
     shutil.copy(out / "model.safetensors", out / "model_old.safetensors")
-    for result in (cli("quantize", out, "-o", tmp_path / "q4", "--q", "4"), cli("info", out),
-                   cli("validate", out, "--reference", checkpoints["published"])):
+    for result in (
+        cli("quantize", out, "-o", tmp_path / "q4", "--q", "4"),
+        cli("info", out),
+        cli("validate", out, "--reference", checkpoints["published"]),
+    ):
         one_error_line(result, "model_old.safetensors")
     with pytest.raises(ConvertError, match="model_old.safetensors"):
         esmc_mlx.load(out)
@@ -393,8 +421,11 @@ def test_several_safetensors_without_an_index_are_refused(checkpoints, tmp_path)
 # --- rule 5: bad numbers are caught where they enter --------------------------------------------------
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_nan_or_inf_in_the_source_fails_naming_the_tensor(checkpoints, tmp_path, value):
-    bad = edited_checkpoint(checkpoints["published"], tmp_path / "bad",
-                            lambda s: s["esmc.layers.0.self_attn.q_proj.weight"].__setitem__((0, 0), value))
+    bad = edited_checkpoint(
+        checkpoints["published"],
+        tmp_path / "bad",
+        lambda s: s["esmc.layers.0.self_attn.q_proj.weight"].__setitem__((0, 0), value),
+    )
     result = convert_cli(bad, "-o", tmp_path / "out", "--no-validate")
     one_error_line(result, "esmc.layers.0.self_attn.q_proj.weight", "1 NaN or Inf value(s)", "damaged")
     assert not (tmp_path / "out").exists() and debris(tmp_path) == []
@@ -411,8 +442,9 @@ def test_nan_in_a_fused_legacy_tensor_names_the_checkpoint_tensor(reference_mode
 
 
 def test_a_cast_that_overflows_float16_is_refused(checkpoints, tmp_path):
-    bad = edited_checkpoint(checkpoints["published"], tmp_path / "big",
-                            lambda s: s["lm_head.dense.weight"].__setitem__((1, 1), 1e6))
+    bad = edited_checkpoint(
+        checkpoints["published"], tmp_path / "big", lambda s: s["lm_head.dense.weight"].__setitem__((1, 1), 1e6)
+    )
     result = convert_cli(bad, "-o", tmp_path / "out", "--dtype", "float16", "--no-validate")
     one_error_line(result, "lm_head.dense.weight", "overflows float16", "1e+06")
     assert convert_cli(bad, "-o", tmp_path / "out", "--no-validate").exit_code == 0  # float32 holds it
@@ -462,8 +494,15 @@ def test_a_killed_conversion_is_cleaned_up_and_named_by_the_next_run(tmp_path):
     src = testing.write_random_checkpoint(tmp_path / "src", testing.tiny_config(**KILL_CONFIG), dtype="float32")
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
-    command = [shutil.which("esmc-convert") or "esmc-convert", str(src), "-o", str(out), "--no-validate",
-               "--shard-size", "1MB"]
+    command = [
+        shutil.which("esmc-convert") or "esmc-convert",
+        str(src),
+        "-o",
+        str(out),
+        "--no-validate",
+        "--shard-size",
+        "1MB",
+    ]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     staging = None
     deadline = time.monotonic() + 120
@@ -490,8 +529,15 @@ def test_a_terminated_conversion_cleans_up_itself(tmp_path):
     """SIGTERM (a scheduler's time limit) unwinds like Ctrl-C: the run removes its own staging."""
     src = testing.write_random_checkpoint(tmp_path / "src", testing.tiny_config(**KILL_CONFIG), dtype="float32")
     env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
-    command = [shutil.which("esmc-convert") or "esmc-convert", str(src), "-o", str(tmp_path / "out"),
-               "--no-validate", "--shard-size", "1MB"]
+    command = [
+        shutil.which("esmc-convert") or "esmc-convert",
+        str(src),
+        "-o",
+        str(tmp_path / "out"),
+        "--no-validate",
+        "--shard-size",
+        "1MB",
+    ]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
@@ -558,8 +604,9 @@ def test_temporary_files_of_killed_jobs_are_removed_by_the_next_run(converted, t
     (tmp_path / f".scored.csv.tmp-{dead}-abcdef").write_text("half a csv")
     result = cli("embed", converted, fasta, "-o", emb, "--no-progress")
     assert result.exit_code == 0 and result.output.count("Warning: removed") == 2, result.output
-    result = cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", tmp_path / "scored.csv",
-                 "--no-progress")
+    result = cli(
+        "score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", tmp_path / "scored.csv", "--no-progress"
+    )
     assert result.exit_code == 0 and f".scored.csv.tmp-{dead}-abcdef" in result.output, result.output
     assert debris(tmp_path, emb, emb / "parts") == []
 
@@ -612,8 +659,13 @@ def small_disk(tmp_path):
     """A 1 MiB tmpfs (root only): a disk that really fills up."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("needs root to mount a small tmpfs")
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
@@ -650,13 +702,16 @@ def _with_header(src: Path, dst: Path, edit) -> Path:
 NAME = "esmc.layers.0.mlp.up_proj.weight"
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda h: h[NAME].__setitem__("dtype", "F16"), "needs"),  # dtype/offset mismatch
-    (lambda h: h[NAME].pop("data_offsets"), "no valid data_offsets"),
-    (lambda h: h[NAME].__setitem__("dtype", "Q4"), "unknown dtype 'Q4'"),
-    (lambda h: h[NAME].__setitem__("shape", [512, "x"]), "no valid shape"),
-    (lambda h: h[NAME].__setitem__("data_offsets", [10, 5]), "no valid data_offsets"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda h: h[NAME].__setitem__("dtype", "F16"), "needs"),  # dtype/offset mismatch
+        (lambda h: h[NAME].pop("data_offsets"), "no valid data_offsets"),
+        (lambda h: h[NAME].__setitem__("dtype", "Q4"), "unknown dtype 'Q4'"),
+        (lambda h: h[NAME].__setitem__("shape", [512, "x"]), "no valid shape"),
+        (lambda h: h[NAME].__setitem__("data_offsets", [10, 5]), "no valid data_offsets"),
+    ],
+)
 def test_malformed_safetensors_headers(checkpoints, tmp_path, edit, message):
     bad = _with_header(checkpoints["published"], tmp_path / "bad", edit)
     result = convert_cli(bad, "-o", tmp_path / "out", "--no-validate")
@@ -664,8 +719,10 @@ def test_malformed_safetensors_headers(checkpoints, tmp_path, edit, message):
     assert not (tmp_path / "out").exists() and debris(tmp_path) == []
 
 
-@pytest.mark.parametrize("field,value", [("num_attention_heads", 0), ("hidden_size", -1), ("num_hidden_layers", "2x"),
-                                         ("intermediate_size", 1.5)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("num_attention_heads", 0), ("hidden_size", -1), ("num_hidden_layers", "2x"), ("intermediate_size", 1.5)],
+)
 def test_nonsense_config_values(old_output, checkpoints, tmp_path, field, value):
     src = shutil.copytree(checkpoints["published"], tmp_path / "src")
     config = json.loads((src / "config.json").read_text())
@@ -681,14 +738,22 @@ def test_nonsense_config_values(old_output, checkpoints, tmp_path, field, value)
         esmc_mlx.load(out)
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda c: c.__setitem__("quantization", {"bits": 4}), "quantization needs positive integers bits and group_size"),
-    (lambda c: c.__setitem__("quantization", "yes"), "quantization is not an object"),
-    (lambda c: c.__setitem__("quantization_config", {"bits": 4, "group_size": 64, "x.y": {"bits": "4"}}),
-     "entry 'x.y'"),
-    (lambda c: c.__setitem__("esmc_mlx", "converted"), "esmc_mlx is not an object"),
-    (lambda c: c.__setitem__("dtype", "int8"), "dtype 'int8' is not one of float32, bfloat16, float16"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (
+            lambda c: c.__setitem__("quantization", {"bits": 4}),
+            "quantization needs positive integers bits and group_size",
+        ),
+        (lambda c: c.__setitem__("quantization", "yes"), "quantization is not an object"),
+        (
+            lambda c: c.__setitem__("quantization_config", {"bits": 4, "group_size": 64, "x.y": {"bits": "4"}}),
+            "entry 'x.y'",
+        ),
+        (lambda c: c.__setitem__("esmc_mlx", "converted"), "esmc_mlx is not an object"),
+        (lambda c: c.__setitem__("dtype", "int8"), "dtype 'int8' is not one of float32, bfloat16, float16"),
+    ],
+)
 def test_damaged_artifact_config_fields(old_output, tmp_path, edit, message):
     out, _ = old_output
     config = json.loads((out / "config.json").read_text())
@@ -696,8 +761,11 @@ def test_damaged_artifact_config_fields(old_output, tmp_path, edit, message):
     (out / "config.json").write_text(json.dumps(config))
     fasta = tmp_path / "in.fasta"
     fasta.write_text(f">a\n{SEQ}\n")
-    for result in (cli("info", out), cli("embed", out, fasta, "-o", tmp_path / "emb"),
-                   cli("quantize", out, "-o", tmp_path / "q", "--q", "4")):
+    for result in (
+        cli("info", out),
+        cli("embed", out, fasta, "-o", tmp_path / "emb"),
+        cli("quantize", out, "-o", tmp_path / "q", "--q", "4"),
+    ):
         one_error_line(result, "config.json", message)
     assert not (tmp_path / "emb").exists() and not (tmp_path / "q").exists() and debris(tmp_path) == []
 
@@ -759,8 +827,9 @@ def test_missing_local_paths_say_so(tmp_path, monkeypatch):
         raise HubError(f"{repo_id}: no such model repo on the Hub")
 
     monkeypatch.setattr(resolve_module, "download_checkpoint", offline)
-    one_error_line(convert_cli("models/esmc", "-o", tmp_path / "o"), "models/esmc: no such file or directory here",
-                   "Hub")
+    one_error_line(
+        convert_cli("models/esmc", "-o", tmp_path / "o"), "models/esmc: no such file or directory here", "Hub"
+    )
     assert debris(tmp_path) == [] and not (tmp_path / "e").exists()
 
 
@@ -769,8 +838,11 @@ def test_score_into_a_missing_folder_fails_before_scoring(converted, tmp_path, m
     csv_in.write_text("mutant\nM1A\n")
     monkeypatch.setattr("esmc_mlx.tasks.jobs.score_mutations", lambda *a, **k: pytest.fail("scored first"))
     monkeypatch.setattr("esmc_mlx.tasks.jobs.load", lambda *a, **k: pytest.fail("loaded the model first"))
-    one_error_line(cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o",
-                       tmp_path / "nope" / "scored.csv"), "no such directory", "nope")
+    one_error_line(
+        cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", tmp_path / "nope" / "scored.csv"),
+        "no such directory",
+        "nope",
+    )
     result = cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", tmp_path)
     assert result.exit_code == 2 and "is a directory" in result.output  # click's check of the option
     assert not (tmp_path / "nope").exists()
@@ -779,8 +851,9 @@ def test_score_into_a_missing_folder_fails_before_scoring(converted, tmp_path, m
 def test_failed_runs_leave_no_folders_they_made(checkpoints, converted, tmp_path):
     result = convert_cli(tmp_path / "missing", "-o", tmp_path / "new" / "deeper" / "out")
     one_error_line(result, "no such file or directory")
-    bad = edited_checkpoint(checkpoints["published"], tmp_path / "nan",
-                            lambda s: s["esmc.norm.weight"].__setitem__(0, float("nan")))
+    bad = edited_checkpoint(
+        checkpoints["published"], tmp_path / "nan", lambda s: s["esmc.norm.weight"].__setitem__(0, float("nan"))
+    )
     one_error_line(convert_cli(bad, "-o", tmp_path / "new" / "out", "--no-validate"), "esmc.norm.weight")
     (tmp_path / "bad.fasta").write_text("not fasta\n")
     one_error_line(cli("embed", converted, tmp_path / "bad.fasta", "-o", tmp_path / "new" / "emb"), "bad.fasta")
@@ -799,8 +872,10 @@ def test_system_errors_become_one_line_naming_the_path(checkpoints, tmp_path, mo
         raise PermissionError(13, "Permission denied", "/data/secret/model.safetensors")
 
     monkeypatch.setattr("esmc_mlx.convert.sources.safetensors_header", denied)
-    one_error_line(convert_cli(checkpoints["published"], "-o", tmp_path / "out"),
-                   "/data/secret/model.safetensors: Permission denied")
+    one_error_line(
+        convert_cli(checkpoints["published"], "-o", tmp_path / "out"),
+        "/data/secret/model.safetensors: Permission denied",
+    )
     assert debris(tmp_path) == []
 
 
@@ -810,8 +885,9 @@ class Custom:  # an object torch's safe loader refuses
 
 def test_pth_messages_never_advise_unsafe_loading(tmp_path):
     torch.save({"w": torch.zeros(2), "obj": Custom()}, tmp_path / "objects.pth")
-    line = one_error_line(convert_cli(tmp_path / "objects.pth", "-o", tmp_path / "o"), "objects.pth",
-                          "plain state dict", "state_dict()")
+    line = one_error_line(
+        convert_cli(tmp_path / "objects.pth", "-o", tmp_path / "o"), "objects.pth", "plain state dict", "state_dict()"
+    )
     assert "weights_only" not in line and "trust" not in line
     (tmp_path / "notes.pth").write_text("hello")  # not a checkpoint (and not a zip: no mmap)
     line = one_error_line(convert_cli(tmp_path / "notes.pth", "-o", tmp_path / "o"), "notes.pth", "cannot read it")
@@ -841,14 +917,21 @@ def test_a_spreadsheet_csv_with_bom_and_crlf(converted, tmp_path):
     assert rows[0].startswith("mutant,DMS_score,masked_marginal") and len(rows) == 4
 
 
-FASTA_TEXT = (">sp|P69905|HBA_HUMAN Hemoglobin subunit alpha OS=Homo sapiens OX=9606 GN=HBA1 PE=1 SV=2\n"
-              "mvlspadktn\nVKAAWGKVGA*\n\n\n>  tr|A0A024R161|A0A024R161_HUMAN  spaced header\n\nMKTAYIAKQR\n")
+FASTA_TEXT = (
+    ">sp|P69905|HBA_HUMAN Hemoglobin subunit alpha OS=Homo sapiens OX=9606 GN=HBA1 PE=1 SV=2\n"
+    "mvlspadktn\nVKAAWGKVGA*\n\n\n>  tr|A0A024R161|A0A024R161_HUMAN  spaced header\n\nMKTAYIAKQR\n"
+)
 
 
 @pytest.mark.parametrize("variant", ["plain", "crlf", "cr", "bom", "gzip", "gzip-unnamed", "latin1"])
 def test_fasta_from_common_tools(tmp_path, variant):
-    text = FASTA_TEXT.replace("\n", "\r\n") if variant == "crlf" else FASTA_TEXT.replace("\n", "\r") \
-        if variant == "cr" else FASTA_TEXT
+    text = (
+        FASTA_TEXT.replace("\n", "\r\n")
+        if variant == "crlf"
+        else FASTA_TEXT.replace("\n", "\r")
+        if variant == "cr"
+        else FASTA_TEXT
+    )
     data = text.encode("latin-1" if variant == "latin1" else "utf-8")
     if variant == "latin1":
         data = data.replace(b"spaced header", b"na\xefve header")
@@ -859,8 +942,10 @@ def test_fasta_from_common_tools(tmp_path, variant):
     path = tmp_path / ("in.fasta.gz" if variant == "gzip" else "in.fasta")
     path.write_bytes(data)
     records = read_fasta(path)
-    assert [(r.id, r.sequence) for r in records] == [("sp|P69905|HBA_HUMAN", "MVLSPADKTNVKAAWGKVGA"),
-                                                      ("tr|A0A024R161|A0A024R161_HUMAN", "MKTAYIAKQR")]
+    assert [(r.id, r.sequence) for r in records] == [
+        ("sp|P69905|HBA_HUMAN", "MVLSPADKTNVKAAWGKVGA"),
+        ("tr|A0A024R161|A0A024R161_HUMAN", "MKTAYIAKQR"),
+    ]
 
 
 def test_unreadable_fasta_is_one_error(converted, tmp_path):
@@ -871,28 +956,38 @@ def test_unreadable_fasta_is_one_error(converted, tmp_path):
     assert not (tmp_path / "e").exists()
 
 
-@pytest.mark.parametrize("args,option", [
-    (["--shard-size", "0"], "--shard-size"), (["--shard-size", "-5MB"], "--shard-size"),
-    (["--shard-size", "lots"], "--shard-size"), (["--shard-size", "0.5KB"], "--shard-size"),
-    (["--group-size", "0", "--q", "4"], "group"), (["--q", "17"], "17"),
-])
+@pytest.mark.parametrize(
+    "args,option",
+    [
+        (["--shard-size", "0"], "--shard-size"),
+        (["--shard-size", "-5MB"], "--shard-size"),
+        (["--shard-size", "lots"], "--shard-size"),
+        (["--shard-size", "0.5KB"], "--shard-size"),
+        (["--group-size", "0", "--q", "4"], "group"),
+        (["--q", "17"], "17"),
+    ],
+)
 def test_nonsense_convert_options(checkpoints, tmp_path, args, option):
     result = convert_cli(checkpoints["published"], "-o", tmp_path / "out", "--no-validate", *args)
     assert result.exit_code in (1, 2) and option in result.output and "Traceback" not in result.output
     assert not (tmp_path / "out").exists() and debris(tmp_path) == []
 
 
-@pytest.mark.parametrize("command", [
-    ["embed", "{model}", "{fasta}", "-o", "{tmp}/e", "--batch-tokens", "0"],
-    ["score", "{model}", "--sequence", SEQ, "--mutations", "{csv}", "-B", "0"],
-    ["validate", "{model}", "--reference", "tiny", "--max-length", "0"],
-    ["quantize", "{model}", "-o", "{tmp}/q", "--q", "4", "--shard-size", "0"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["embed", "{model}", "{fasta}", "-o", "{tmp}/e", "--batch-tokens", "0"],
+        ["score", "{model}", "--sequence", SEQ, "--mutations", "{csv}", "-B", "0"],
+        ["validate", "{model}", "--reference", "tiny", "--max-length", "0"],
+        ["quantize", "{model}", "-o", "{tmp}/q", "--q", "4", "--shard-size", "0"],
+    ],
+)
 def test_nonsense_job_options(converted, tmp_path, command):
     (tmp_path / "in.fasta").write_text(f">a\n{SEQ}\n")
     (tmp_path / "m.csv").write_text("mutant\nM1A\n")
-    args = [a.format(model=converted, fasta=tmp_path / "in.fasta", csv=tmp_path / "m.csv", tmp=tmp_path)
-            for a in command]
+    args = [
+        a.format(model=converted, fasta=tmp_path / "in.fasta", csv=tmp_path / "m.csv", tmp=tmp_path) for a in command
+    ]
     result = cli(*args)
     assert result.exit_code == 2 and "Invalid value" in result.output
     assert not (tmp_path / "e").exists() and not (tmp_path / "q").exists()

@@ -54,10 +54,12 @@ def write_validation(artifact: Path, passed: bool = True) -> None:
         {"name": "top1", "value": 0.99 if passed else 0.41, "threshold": 0.88, "passed": passed},
     ]
     (folder / "report.json").write_text(json.dumps({"passed": passed, "checks": checks}))
-    rows = "\n".join(f"| {c['name']} | {c['value']} | {c['threshold']} | {'yes' if c['passed'] else 'no'} |"
-                     for c in checks)
-    (folder / "report.md").write_text(f"# Validation report\n\n| check | value | threshold | passed |\n"
-                                      f"|---|---|---|---|\n{rows}\n")
+    rows = "\n".join(
+        f"| {c['name']} | {c['value']} | {c['threshold']} | {'yes' if c['passed'] else 'no'} |" for c in checks
+    )
+    (folder / "report.md").write_text(
+        f"# Validation report\n\n| check | value | threshold | passed |\n|---|---|---|---|\n{rows}\n"
+    )
     (folder / "quality.png").write_bytes(tiny_png())
 
 
@@ -69,8 +71,14 @@ def host_source(hub, checkpoint_dir: Path, license_: str = "mit") -> None:
     hub.state.commit_files(SOURCE_REPO, files, "add checkpoint")
 
 
-def make_artifact(source: str, out: Path, q: str | None = "4", validated: bool | None = True,
-                  shard_bytes: int | None = None, command: str | None = COMMAND) -> Path:
+def make_artifact(
+    source: str,
+    out: Path,
+    q: str | None = "4",
+    validated: bool | None = True,
+    shard_bytes: int | None = None,
+    command: str | None = COMMAND,
+) -> Path:
     kwargs = {"shard_bytes": shard_bytes} if shard_bytes else {}
     convert(source, out, q=q, force=True, progress=False, command=command, **kwargs)
     if validated is not None:
@@ -109,8 +117,9 @@ def test_convert_push_download_load_gives_the_same_logits(hub, checkpoints, tmp_
     artifact = make_artifact(SOURCE_REPO, tmp_path / "ESMC-tiny-4bit", validated=None)  # source from the local Hub
     panel = tmp_path / "panel.fasta"
     panel.write_text(">a\nMKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ\n>b\nMVLSPADKTNVKAAWGKVGAHAGEYGAEALERMF\n")
-    validated = CliRunner().invoke(main, ["validate", str(artifact), "--reference", SOURCE_REPO,
-                                          "--sequences", str(panel)])
+    validated = CliRunner().invoke(
+        main, ["validate", str(artifact), "--reference", SOURCE_REPO, "--sequences", str(panel)]
+    )
     assert validated.exit_code == 0, validated.output  # the real validator writes validation/
     before = logits(artifact)
 
@@ -123,8 +132,15 @@ def test_convert_push_download_load_gives_the_same_logits(hub, checkpoints, tmp_
     local = snapshot_download("my-org/ESMC-tiny-4bit")
     assert Path(local).name == history[0].commit_id
     names = {p.relative_to(local).as_posix() for p in Path(local).rglob("*") if p.is_file()}
-    assert {"README.md", "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
-            "validation/report.json", "validation/report.md"} <= names
+    assert {
+        "README.md",
+        "config.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "validation/report.json",
+        "validation/report.md",
+    } <= names
     plots = sorted(n for n in names if n.startswith("validation/") and n.endswith(".png"))
     assert plots
     assert (Path(local) / "model.safetensors").read_bytes() == (artifact / "model.safetensors").read_bytes()
@@ -137,8 +153,11 @@ def test_convert_push_download_load_gives_the_same_logits(hub, checkpoints, tmp_
     assert card.data.license == "mit"  # carried from the source's card
     assert {"mlx", "esmc", "protein", "4-bit"} <= set(card.data.tags)
     assert COMMAND in card.text and "bits per weight" in card.text.lower()
-    report_table = next(line for line in (artifact / "validation" / "report.md").read_text().splitlines()
-                        if line.startswith("| fidelity"))
+    report_table = next(
+        line
+        for line in (artifact / "validation" / "report.md").read_text().splitlines()
+        if line.startswith("| fidelity")
+    )
     assert report_table in card.text and f"]({plots[0]})" in card.text  # the report, its plot linked from the root
     assert 'load("my-org/ESMC-tiny-4bit")' in card.text and "esmc-mlx info" in card.text
     assert (artifact / "README.md").read_text() == card.content  # the local artifact carries the same card
@@ -172,8 +191,9 @@ def test_create_pr_opens_a_pr_ref_and_leaves_main_alone(hub, checkpoints, tmp_pa
     main_head = commits("my-org/tiny")[0].commit_id
     make_artifact(str(checkpoints["published"]), artifact, q="8")
 
-    result = CliRunner().invoke(main, ["push", str(artifact), "my-org/tiny", "--create-pr",
-                                       "--commit-message", "Re-quantize to 8 bits"])
+    result = CliRunner().invoke(
+        main, ["push", str(artifact), "my-org/tiny", "--create-pr", "--commit-message", "Re-quantize to 8 bits"]
+    )
     assert result.exit_code == 0, result.output
     assert "Opened a pull request" in result.output and "/my-org/tiny/discussions/1" in result.output
     refs = HfApi().list_repo_refs("my-org/tiny", include_pull_requests=True)
@@ -219,11 +239,14 @@ def test_no_token_then_the_stored_login(hub, checkpoints, tmp_path):
     assert push_artifact(artifact, "alice/tiny").created
 
 
-@pytest.mark.parametrize("token, message", [
-    ("hf_wrong", "rejected the token (401 Unauthorized"),
-    ("hf_read", "the token of alice is read-only"),
-    ("hf_fine", "the Hub refused to create alice/tiny for alice (403"),
-])
+@pytest.mark.parametrize(
+    "token, message",
+    [
+        ("hf_wrong", "rejected the token (401 Unauthorized"),
+        ("hf_read", "the token of alice is read-only"),
+        ("hf_fine", "the Hub refused to create alice/tiny for alice (403"),
+    ],
+)
 def test_tokens_without_write_access(hub, checkpoints, tmp_path, token, message):
     artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
     hub.use_token(token)
@@ -277,8 +300,11 @@ def test_failed_upload_names_the_file_and_publishes_nothing(hub, checkpoints, tm
     head = commits("alice/tiny")[0].commit_id
     make_artifact(str(checkpoints["published"]), artifact, q=None, shard_bytes=100_000)
     stored = hub.state.repos["alice/tiny"].lfs
-    lost = next(p for p in sorted(artifact.glob("model-*.safetensors"))
-                if hashlib.sha256(p.read_bytes()).hexdigest() not in stored)
+    lost = next(
+        p
+        for p in sorted(artifact.glob("model-*.safetensors"))
+        if hashlib.sha256(p.read_bytes()).hexdigest() not in stored
+    )
     lose(lost)
     with pytest.raises(HubError, match=f"Error while uploading '{lost.name}'") as failed:
         push_artifact(artifact, "alice/tiny")
@@ -292,15 +318,21 @@ def test_failed_upload_names_the_file_and_publishes_nothing(hub, checkpoints, tm
 def test_refused_commit_takes_back_the_repo_and_branch_it_created(hub, checkpoints, tmp_path):
     artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
     hub.state.faults.reject_commits = 1  # 422: retrying would not help
-    with pytest.raises(HubError, match=r"422.*file too large.*the repo alice/tiny that this push created was "
-                                       "deleted again") as refused:
+    with pytest.raises(
+        HubError,
+        match=r"422.*file too large.*the repo alice/tiny that this push created was "
+        "deleted again",
+    ) as refused:
         push_artifact(artifact, "alice/tiny")
     assert "alice/tiny" not in hub.state.repos and "\n" not in str(refused.value)
 
     hub.state.create_repo("alice/tiny")
     hub.state.faults.fail_commits = 3  # 500 on every attempt: transient, but it never clears
-    with pytest.raises(HubError, match=r"500.*alice/tiny is unchanged \(the branch dev that this push created was "
-                                       r"deleted again\). Run the same command again"):
+    with pytest.raises(
+        HubError,
+        match=r"500.*alice/tiny is unchanged \(the branch dev that this push created was "
+        r"deleted again\). Run the same command again",
+    ):
         push_artifact(artifact, "alice/tiny", revision="dev")
     assert set(hub.state.repos["alice/tiny"].refs) == {"main"} and len(commits("alice/tiny")) == 1
 
@@ -329,7 +361,9 @@ def test_offline_mode(hub, checkpoints, tmp_path):
     push_artifact(artifact, "alice/tiny")
     np.save(tmp_path / "online.npy", logits("alice/tiny"))  # downloads into the cache
 
-    script = GUARD + """
+    script = (
+        GUARD
+        + """
 import sys
 import numpy as np
 from esmc_mlx import load
@@ -346,9 +380,15 @@ for call in (lambda: load("alice/never-downloaded"), lambda: push_artifact(sys.a
     except EsmcMlxError as e:
         print("Error:", str(e).splitlines()[0])
 """
+    )
     requests = len(hub.state.log)
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "offline.npy"), str(artifact)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "offline.npy"), str(artifact)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert done.returncode == 0, done.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "offline.npy"), np.load(tmp_path / "online.npy"))  # the cache
     not_cached, push = done.stdout.strip().splitlines()[-2:]
@@ -379,15 +419,29 @@ def test_hand_written_card_is_kept(hub, checkpoints, tmp_path):
 def test_esmc_convert_upload_repo(hub, checkpoints, tmp_path, monkeypatch):
     import esmc_mlx.pipeline as convert_module  # the pipeline's convert step (writes into the staging directory)
 
-    def convert_and_validate(job, directory, *args, **kwargs):  # a quick stand-in for --validate (tested with the real one above)
+    def convert_and_validate(
+        job, directory, *args, **kwargs
+    ):  # a quick stand-in for --validate (tested with the real one above)
         convert_module_write(job, directory, *args, **kwargs)
         write_validation(Path(directory))
 
     convert_module_write = convert_module.write_artifact
     monkeypatch.setattr(convert_module, "write_artifact", convert_and_validate)
     out = tmp_path / "ESMC-tiny-4bit"
-    result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(out), "--q", "4",
-                                               "--no-validate", "--upload-repo", "my-org/ESMC-tiny-4bit", "--private"])
+    result = CliRunner().invoke(
+        convert_main,
+        [
+            str(checkpoints["published"]),
+            "-o",
+            str(out),
+            "--q",
+            "4",
+            "--no-validate",
+            "--upload-repo",
+            "my-org/ESMC-tiny-4bit",
+            "--private",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert f"Wrote {out}" in result.output and "Created my-org/ESMC-tiny-4bit" in result.output
     assert hub.state.repos["my-org/ESMC-tiny-4bit"].private
@@ -397,13 +451,15 @@ def test_esmc_convert_upload_repo(hub, checkpoints, tmp_path, monkeypatch):
 def test_esmc_convert_upload_repo_checks_access_before_converting(hub, checkpoints, tmp_path):
     out = tmp_path / "out"
     hub.use_token(None)
-    result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(out),
-                                               "--upload-repo", "my-org/x"])
+    result = CliRunner().invoke(
+        convert_main, [str(checkpoints["published"]), "-o", str(out), "--upload-repo", "my-org/x"]
+    )
     assert result.exit_code == 1 and "no Hugging Face token" in result.output and not out.exists()
 
     hub.use_token("hf_alice")  # converted, but not validated: kept locally, not published, and told how
-    result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(out), "--no-validate",
-                                               "--upload-repo", "my-org/x"])
+    result = CliRunner().invoke(
+        convert_main, [str(checkpoints["published"]), "-o", str(out), "--no-validate", "--upload-repo", "my-org/x"]
+    )
     assert result.exit_code == 1 and f"Wrote {out}" in result.output
     assert f"esmc-mlx push {out} my-org/x --allow-unvalidated" in result.output
     assert (out / "config.json").exists() and hub.state.repos == {}
@@ -418,12 +474,18 @@ def test_a_fresh_process_takes_endpoint_and_token_from_the_environment(hub, chec
 
     artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
     command = [sys.executable, "-c", GUARD + "from esmc_mlx.cli import main; main()", "push", str(artifact)]
-    done = subprocess.run([*command, "bob/tiny"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HF_TOKEN": "hf_bob"})
+    done = subprocess.run(
+        [*command, "bob/tiny"], capture_output=True, text=True, timeout=120, env={**os.environ, "HF_TOKEN": "hf_bob"}
+    )
     assert done.returncode == 0, done.stderr
     assert "Created bob/tiny" in done.stdout and "bob/tiny" in hub.state.repos
-    done = subprocess.run([*command, "bob/other"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HF_TOKEN": "hf_bob", "HF_HUB_OFFLINE": "1"})
+    done = subprocess.run(
+        [*command, "bob/other"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_TOKEN": "hf_bob", "HF_HUB_OFFLINE": "1"},
+    )
     assert done.returncode == 1 and "offline mode is on" in done.stderr
 
 
@@ -449,8 +511,13 @@ def test_nothing_private_is_uploaded(hub, checkpoints, tmp_path, monkeypatch):
     panel = work / "panel.fasta"
     panel.write_text(">a\nMKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ\n>b\nMVLSPADKTNVKAAWGKVGAHAGEYGAEALERMF\n")
     out = work / "ESMC-tiny-4bit"
-    convert(str(source), out, q="4", progress=False,
-            command=f"esmc-convert {source} -o {out} --q 4 --upload-repo alice/tiny --shard-size=~/x/y")
+    convert(
+        str(source),
+        out,
+        q="4",
+        progress=False,
+        command=f"esmc-convert {source} -o {out} --q 4 --upload-repo alice/tiny --shard-size=~/x/y",
+    )
     validated = CliRunner().invoke(main, ["validate", str(out), "--reference", str(source), "--sequences", str(panel)])
     assert validated.exit_code == 0, validated.output
     assert MARK in str(out) and MARK in validated.output  # the local output names the local paths
@@ -469,10 +536,13 @@ def test_nothing_private_is_uploaded(hub, checkpoints, tmp_path, monkeypatch):
     assert "esmc-convert ckpt -o ESMC-tiny-4bit" in result.card
 
 
-@pytest.mark.parametrize("where, leak, found", [
-    ("config.json", "command", "a local absolute path"),
-    ("validation/report.json", "token", "an access token"),
-])
+@pytest.mark.parametrize(
+    "where, leak, found",
+    [
+        ("config.json", "command", "a local absolute path"),
+        ("validation/report.json", "token", "an access token"),
+    ],
+)
 def test_an_artifact_holding_private_data_is_not_sent(hub, checkpoints, tmp_path, where, leak, found):
     """What an older esmc-mlx wrote (or a hand edit) is caught before anything is sent."""
     artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
@@ -492,14 +562,26 @@ def test_public_forms_of_paths_and_commands(tmp_path, monkeypatch):
     from esmc_mlx.privacy import public_command, public_source_id, scrub
 
     monkeypatch.setenv("HOME", "/home/Jane Doe")
-    assert public_source_id("/data/x/esmc_300m.pth") == "esmc_300m.pth" and public_source_id("biohub/ESMC-6B") == \
-        "biohub/ESMC-6B"
-    assert public_command("esmc-convert '/data/my models/ckpt' -o ./out --q 4 --upload-repo my-org/x") == \
-        "esmc-convert ckpt -o out --q 4 --upload-repo my-org/x"
-    report = {"a": "/home/Jane Doe/m/art/model.safetensors: truncated", "b": ["see https://hf.co/a/b, 1/2"],
-              "c": f"{tmp_path}/art/validation/r.png", "n": 3.5}
-    assert scrub(report, tmp_path / "art") == {"a": "model.safetensors: truncated", "b": ["see https://hf.co/a/b, 1/2"],
-                                               "c": "validation/r.png", "n": 3.5}
+    assert (
+        public_source_id("/data/x/esmc_300m.pth") == "esmc_300m.pth"
+        and public_source_id("biohub/ESMC-6B") == "biohub/ESMC-6B"
+    )
+    assert (
+        public_command("esmc-convert '/data/my models/ckpt' -o ./out --q 4 --upload-repo my-org/x")
+        == "esmc-convert ckpt -o out --q 4 --upload-repo my-org/x"
+    )
+    report = {
+        "a": "/home/Jane Doe/m/art/model.safetensors: truncated",
+        "b": ["see https://hf.co/a/b, 1/2"],
+        "c": f"{tmp_path}/art/validation/r.png",
+        "n": 3.5,
+    }
+    assert scrub(report, tmp_path / "art") == {
+        "a": "model.safetensors: truncated",
+        "b": ["see https://hf.co/a/b, 1/2"],
+        "c": "validation/r.png",
+        "n": 3.5,
+    }
 
 
 @pytest.mark.parametrize("bad", ["no-slash", "a/b/c", "org/na--me", "org/-name", "org/name.git", ""])
@@ -509,7 +591,9 @@ def test_one_repo_id_check_for_push_and_card(hub, checkpoints, tmp_path, bad):
     artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
     with pytest.raises(HubError, match="is not a Hub repo id"):
         push_artifact(artifact, bad)
-    assert base_model_of({"source": {"id": bad}}) is None and base_model_of({"source": {"id": "biohub/x"}}) == "biohub/x"
+    assert (
+        base_model_of({"source": {"id": bad}}) is None and base_model_of({"source": {"id": "biohub/x"}}) == "biohub/x"
+    )
     assert hub.state.log == []
 
 

@@ -53,9 +53,13 @@ def test_mlx_lm_quantized_is_dequantized(reference_model, tmp_path):
     ckpt = open_checkpoint(resolve(str(src)))
     assert not [n for n in ckpt.shapes if n.endswith((".scales", ".biases"))]
     assert ckpt.shapes["esmc.transformer.blocks.0.attn.qkv.weight"] == (384, 128)
-    want = mx.dequantize(raw["esmc.transformer.blocks.0.attn.qkv.weight"],
-                         raw["esmc.transformer.blocks.0.attn.qkv.scales"],
-                         raw["esmc.transformer.blocks.0.attn.qkv.biases"], group_size=64, bits=8)
+    want = mx.dequantize(
+        raw["esmc.transformer.blocks.0.attn.qkv.weight"],
+        raw["esmc.transformer.blocks.0.attn.qkv.scales"],
+        raw["esmc.transformer.blocks.0.attn.qkv.biases"],
+        group_size=64,
+        bits=8,
+    )
     assert mx.array_equal(ckpt.read("esmc.transformer.blocks.0.attn.qkv.weight"), want)
     out = convert(str(src), tmp_path / "out", progress=False)
     # transformers with the dequantized weights gives the converted model's logits
@@ -75,16 +79,26 @@ def test_mlx_lm_quantized_is_dequantized(reference_model, tmp_path):
 
 
 def test_validate_accepts_the_mlx_lm_layout_as_reference(mlx_lm_dir, converted, tmp_path):
-    r = CliRunner().invoke(main, ["validate", str(converted), "--reference", str(mlx_lm_dir), "--quick",
-                                  "--report", str(tmp_path / "report")])
+    r = CliRunner().invoke(
+        main,
+        ["validate", str(converted), "--reference", str(mlx_lm_dir), "--quick", "--report", str(tmp_path / "report")],
+    )
     assert r.exit_code == 0, r.output
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["passed"]
 
 
 def test_mlx_lm_config_spelling():
-    c = ESMCConfig.from_dict({"model_type": "esmc", "d_model": 960, "n_heads": 15, "n_layers": 30,
-                              "rope_base": 5000.0, "residue_scaling_base": 36.0})
+    c = ESMCConfig.from_dict(
+        {
+            "model_type": "esmc",
+            "d_model": 960,
+            "n_heads": 15,
+            "n_layers": 30,
+            "rope_base": 5000.0,
+            "residue_scaling_base": 36.0,
+        }
+    )
     assert (c.hidden_size, c.num_attention_heads, c.num_hidden_layers, c.rope_theta) == (960, 15, 30, 5000.0)
     assert c.intermediate_size == 2560
     with pytest.raises(ConfigError, match="residue_scaling_base"):

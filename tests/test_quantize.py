@@ -146,15 +146,22 @@ def test_size_matches_bits_per_weight(spec, quantized, converted):
     # headers are ~1% of a tiny model's files (negligible at 300M+)
     assert size / float_size == pytest.approx((expected_total + float_rest) / fp32_total, rel=0.03)
     facts = describe(quantized[spec])
-    assert facts["bits per weight"] == pytest.approx(sum(nbytes.values()) * 8 / testing.tiny_config().num_parameters, abs=1e-3)
+    assert facts["bits per weight"] == pytest.approx(
+        sum(nbytes.values()) * 8 / testing.tiny_config().num_parameters, abs=1e-3
+    )
 
 
 def test_bfloat16_affine_4_is_4_5_bits(checkpoints, tmp_path):
     out = convert(str(checkpoints["published"]), tmp_path / "bf16-4", dtype="bfloat16", q="4", progress=False)
     header = safetensors_header(out / "model.safetensors")
     name = "esmc.layers.0.mlp.down_proj"
-    bits = sum(header[f"{name}.{p}"]["data_offsets"][1] - header[f"{name}.{p}"]["data_offsets"][0]
-               for p in ("weight", "scales", "biases")) * 8
+    bits = (
+        sum(
+            header[f"{name}.{p}"]["data_offsets"][1] - header[f"{name}.{p}"]["data_offsets"][0]
+            for p in ("weight", "scales", "biases")
+        )
+        * 8
+    )
     assert bits / (128 * 512) == 4.5
 
 
@@ -163,8 +170,15 @@ def test_mixed_recipe_assigns_documented_bits(quantized):
     config = testing.tiny_config(num_hidden_layers=16)
     plan = QuantPlan.parse("mixed_4_6", None, config)
     for layer in range(16):
-        for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        for module in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ):
             high = layer in (0, 1, 4, 7, 10, 13, 14, 15) and module in ("self_attn.v_proj", "mlp.down_proj")
             params = plan.params_for(f"esmc.layers.{layer}.{module}.weight", (128, 512))
             assert (params.bits, params.mode, params.group_size) == ((6 if high else 4), "affine", 64)
@@ -208,15 +222,18 @@ def test_quantize_command_equals_convert_q(checkpoints, converted, tmp_path):
     assert "size on disk" in info.output
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--q", "7"], "not a quantization spec"),
-    (["--q", "int4"], "not a quantization spec"),
-    (["--q", "4", "--group-size", "48"], "--group-size 48 is not one of 32, 64, 128"),
-    (["--q", "mxfp4", "--group-size", "64"], "fixed group size of 32"),
-    (["--q", "nvfp4", "--group-size", "32"], "fixed group size of 16"),
-    (["--group-size", "32"], "need --q"),
-    (["--quantize-head"], "need --q"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--q", "7"], "not a quantization spec"),
+        (["--q", "int4"], "not a quantization spec"),
+        (["--q", "4", "--group-size", "48"], "--group-size 48 is not one of 32, 64, 128"),
+        (["--q", "mxfp4", "--group-size", "64"], "fixed group size of 32"),
+        (["--q", "nvfp4", "--group-size", "32"], "fixed group size of 16"),
+        (["--group-size", "32"], "need --q"),
+        (["--quantize-head"], "need --q"),
+    ],
+)
 def test_bad_spec_or_group_size(args, message, checkpoints, tmp_path):
     out = tmp_path / "out"
     result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(out), *args])
@@ -226,8 +243,9 @@ def test_bad_spec_or_group_size(args, message, checkpoints, tmp_path):
 
 def test_group_size_that_does_not_divide_the_width(tmp_path):
     requires_torch()  # write_random_checkpoint saves with safetensors.torch
-    source = testing.write_random_checkpoint(tmp_path / "w192", testing.tiny_config(hidden_size=192, num_attention_heads=3),
-                                             dtype="float32")
+    source = testing.write_random_checkpoint(
+        tmp_path / "w192", testing.tiny_config(hidden_size=192, num_attention_heads=3), dtype="float32"
+    )
     with pytest.raises(QuantizeError, match=r"esmc.layers.0.self_attn.q_proj: input width 192 .* group size 128"):
         convert(str(source), tmp_path / "out", q="4", group_size=128, progress=False)
     assert not (tmp_path / "out").exists()

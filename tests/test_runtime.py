@@ -74,7 +74,9 @@ def test_bfloat16_within_2e2(tiny_config, tmp_path):
     batch = tok(SEQUENCES, return_tensors="np")
     mask = torch.tensor(batch["attention_mask"]).long()
     ref = torch_forward(reference, batch, attention_mask=mask).logits.numpy()
-    torch_bf16 = torch_forward(copy.deepcopy(reference).to(torch.bfloat16), batch, attention_mask=mask).logits.float().numpy()
+    torch_bf16 = (
+        torch_forward(copy.deepcopy(reference).to(torch.bfloat16), batch, attention_mask=mask).logits.float().numpy()
+    )
     out = np.array(model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits.astype(mx.float32))
     valid = batch["attention_mask"].astype(bool)
     err = rel_l2(out[valid], ref[valid])
@@ -104,8 +106,10 @@ def test_runtime_imports_neither_torch_nor_transformers():
     import subprocess
     import sys
 
-    code = ("import sys, esmc_mlx, esmc_mlx.runtime, esmc_mlx.cli, esmc_mlx.artifact; "
-            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    code = (
+        "import sys, esmc_mlx, esmc_mlx.runtime, esmc_mlx.cli, esmc_mlx.artifact; "
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -70,8 +70,10 @@ def test_fused_quantized_is_exact(tiny_config, weights, mode):
     for part in ("weight", "scales", "biases"):  # the fusion itself is exact: packed rows concatenated
         if part in plain.esmc.layers[0].mlp.gate_proj:
             mlp = plain.esmc.layers[0].mlp
-            np.testing.assert_array_equal(np.array(fused.esmc.layers[0].mlp.gate_up_proj[part]),
-                                          np.array(mx.concatenate([mlp.gate_proj[part], mlp.up_proj[part]])))
+            np.testing.assert_array_equal(
+                np.array(fused.esmc.layers[0].mlp.gate_up_proj[part]),
+                np.array(mx.concatenate([mlp.gate_proj[part], mlp.up_proj[part]])),
+            )
     ids = np.random.default_rng(3).integers(4, 24, size=(2, 13))
     # Equal up to float32 rounding: OpenBLAS 0.3.34's AVX2 sgemm (MLX's BLAS since the
     # scipy-openblas32 wheel) can round a row of the fused GEMM differently in the last bit
@@ -98,10 +100,13 @@ def test_fast_mxfp4_quantize_is_bit_identical():
     from esmc_mlx.quantize.fast import quantize
 
     rng = np.random.default_rng(0)
-    grid = np.array([0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 6, 0.5, 1, 1.5, 2, 3, 4, 7, -0.25, -0.75, -5, -6],
-                    np.float32)
+    grid = np.array(
+        [0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 6, 0.5, 1, 1.5, 2, 3, 4, 7, -0.25, -0.75, -5, -6], np.float32
+    )
     cases = [rng.standard_normal((64, 256)).astype(np.float32) * 10.0 ** rng.uniform(-6, 3) for _ in range(4)]
-    ties = rng.choice(grid, size=(64, 256)) * 2.0 ** rng.integers(-4, 4, size=(64, 8, 1)).repeat(32, -1).reshape(64, 256)
+    ties = rng.choice(grid, size=(64, 256)) * 2.0 ** rng.integers(-4, 4, size=(64, 8, 1)).repeat(32, -1).reshape(
+        64, 256
+    )
     cases += [ties, np.zeros((2, 64), np.float32), -np.abs(cases[0])]
     for case in cases:
         for dtype in (mx.bfloat16, mx.float32):

@@ -94,8 +94,14 @@ def test_heatmap_png_has_the_expected_size(n, per_row, tmp_path):
 
     rng = np.random.default_rng(0)
     seq = random_sequences(1, n, n, seed=n)[0]
-    scan = Scan(seq, "masked_marginal", np.arange(n), rng.normal(size=(n, 20)).astype(np.float32),
-                rng.uniform(0, 3, n).astype(np.float32), name="x")
+    scan = Scan(
+        seq,
+        "masked_marginal",
+        np.arange(n),
+        rng.normal(size=(n, 20)).astype(np.float32),
+        rng.uniform(0, 3, n).astype(np.float32),
+        name="x",
+    )
     paths = scan.write(tmp_path, per_row=per_row)
     assert png_size(paths["png"]) == heatmap_size(n, per_row)
     w, h = heatmap_size(n, per_row)
@@ -109,16 +115,30 @@ def test_cli_scan_fasta_and_long_sequences(converted, model, tmp_path):
     fasta = tmp_path / "in.fa"
     fasta.write_text(f">sp|P1|ONE\n{WT}\n>two\n{WT[:20]}\n")
     runner = CliRunner()
-    r = runner.invoke(cli, ["scan", str(converted), "--fasta", str(fasta), "-o", str(tmp_path / "scan"),
-                            "--no-progress"])
+    r = runner.invoke(
+        cli, ["scan", str(converted), "--fasta", str(fasta), "-o", str(tmp_path / "scan"), "--no-progress"]
+    )
     assert r.exit_code == 0, r.output
     rows = list(csv.DictReader(open(tmp_path / "scan" / "sp_P1_ONE_scan.csv")))
     assert len(rows) == 19 * len(WT) and rows[0].keys() >= {"position", "wt", "mut", "masked_marginal", "entropy"}
     want = model.scan(WT)
     np.testing.assert_allclose(np.load(tmp_path / "scan" / "sp_P1_ONE_matrix.npy"), want.scores, atol=1e-6)
     assert png_size(tmp_path / "scan" / "two_heatmap.png") == heatmap_size(20)
-    r = runner.invoke(cli, ["scan", str(converted), "--sequence", long, "-o", str(tmp_path / "long"),
-                            "--method", "wt-marginal", "--no-plot", "--no-progress"])
+    r = runner.invoke(
+        cli,
+        [
+            "scan",
+            str(converted),
+            "--sequence",
+            long,
+            "-o",
+            str(tmp_path / "long"),
+            "--method",
+            "wt-marginal",
+            "--no-plot",
+            "--no-progress",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert np.load(tmp_path / "long" / "sequence_matrix.npy").shape == (300, 20)
     assert not (tmp_path / "long" / "sequence_heatmap.png").exists()

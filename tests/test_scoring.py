@@ -57,6 +57,7 @@ class Counting:
 
 # --- the torch reference: same formulas, written out plainly ---------------------------------
 
+
 def torch_log_probs(ref, sequence, mask_positions=None):
     """log_softmax over all 64 logits. With mask_positions: one copy per position, that
     position masked, its row read -> (n, 64). Without: one unmasked pass -> (L, 64)."""
@@ -89,6 +90,7 @@ def torch_scores(ref, sequence, mutants):
 
 
 # --- scores ----------------------------------------------------------------------------------
+
 
 @pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_scores_match_torch(model, reference_model):
@@ -164,14 +166,16 @@ def test_batch_size_does_not_change_scores(model):
 
 # --- embeddings --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("layer", [0, 1, -1])
 def test_embeddings_match_torch(model, reference_model, layer):
     seqs = ["MKTAYIAKQRQISFVKSHFSRQ", "MK", "ACDEFGHIKLMNPQRSTVWYXBZUO", "GSHMSLFDKLG"]
     got = model.embed(seqs, layer=layer, per_residue=True, batch_tokens=60)  # forces padded, mixed batches
     for i, seq in enumerate(seqs):
         with torch.no_grad():
-            out = reference_model(input_ids=torch.tensor(HF_TOK(seq)["input_ids"]).long()[None],
-                                  output_hidden_states=True)
+            out = reference_model(
+                input_ids=torch.tensor(HF_TOK(seq)["input_ids"]).long()[None], output_hidden_states=True
+            )
         hidden = out.hidden_states[layer][0, 1:-1].numpy()
         np.testing.assert_allclose(got.per_residue[i], hidden, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(got.mean[i], hidden.mean(0), rtol=1e-4, atol=1e-4)
@@ -190,6 +194,7 @@ def test_length_batches_bound_padded_tokens():
 
 
 # --- resumable embedding job -------------------------------------------------------------------
+
 
 def write_fasta(path, seqs, prefix="s"):
     path.write_text("".join(f">{prefix}{i} test record\n{s[:7]}\n{s[7:]}\n" for i, s in enumerate(seqs)))
@@ -255,13 +260,17 @@ def test_embed_refuses_foreign_directory(model, tmp_path):
 
 # --- bad input ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, message", [
-    (">a\nMKV\n>b x\nMKJVQ1\n", r"in.fa, record 'b': invalid character 'J' at position 3, '1' at position 6"),
-    (">a\nMKV\n>b\nLL\n>a\nMKV\n", r"line 5: duplicate ID 'a' \(first seen on line 1\)"),
-    (">a\n>b\nMKV\n", r"line 1: record 'a' has no sequence"),
-    ("MKV\n>a\nMKV\n", r"line 1: text before the first '>'"),
-    ("\n", r"no FASTA records"),
-])
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (">a\nMKV\n>b x\nMKJVQ1\n", r"in.fa, record 'b': invalid character 'J' at position 3, '1' at position 6"),
+        (">a\nMKV\n>b\nLL\n>a\nMKV\n", r"line 5: duplicate ID 'a' \(first seen on line 1\)"),
+        (">a\n>b\nMKV\n", r"line 1: record 'a' has no sequence"),
+        ("MKV\n>a\nMKV\n", r"line 1: text before the first '>'"),
+        ("\n", r"no FASTA records"),
+    ],
+)
 def test_bad_fasta(text, message):
     with pytest.raises(FastaError, match=message):
         parse_fasta(text, "in.fa")
@@ -274,15 +283,18 @@ def test_fasta_reading_conventions(tmp_path):
         read_fasta(tmp_path / "missing.fa")
 
 
-@pytest.mark.parametrize("mutant, message", [
-    ("G4A", r"wild-type residue G at position 4 does not match the sequence, which has A there"),
-    ("A40G", r"position 40 is out of range \(the sequence spans 1..33\)"),
-    ("M0A", r"position 0 is out of range"),
-    ("A4", r"'A4' is not a substitution like A23G"),
-    ("A4G;K2P", r"not a substitution"),
-    ("A4G:A4C", r"position 4 is mutated twice"),
-    ("A4X", r"mutant residue 'X' is not one of the 20 amino acids"),
-])
+@pytest.mark.parametrize(
+    "mutant, message",
+    [
+        ("G4A", r"wild-type residue G at position 4 does not match the sequence, which has A there"),
+        ("A40G", r"position 40 is out of range \(the sequence spans 1..33\)"),
+        ("M0A", r"position 0 is out of range"),
+        ("A4", r"'A4' is not a substitution like A23G"),
+        ("A4G;K2P", r"not a substitution"),
+        ("A4G:A4C", r"position 4 is mutated twice"),
+        ("A4X", r"mutant residue 'X' is not one of the 20 amino acids"),
+    ],
+)
 def test_bad_mutants(mutant, message):
     with pytest.raises(MutationError, match=message):
         parse_mutant(mutant, WT, where="row 1: ")
@@ -324,13 +336,30 @@ def test_spearman_matches_scipy():
 
 # --- command line ----------------------------------------------------------------------------
 
+
 @pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_cli_score_and_embed(converted, model, tmp_path):
     csv_in = tmp_path / "dms.csv"
     csv_in.write_text("mutant,DMS_score\n" + "".join(f"{m},{i * 0.5}\n" for i, m in enumerate(MUTANTS)))
     runner = CliRunner()
-    result = runner.invoke(cli, ["score", str(converted), "--sequence", WT, "--mutations", str(csv_in),
-                                 "-B", "8", "--method", "masked-marginal", "--method", "pppl", "--no-progress"])
+    result = runner.invoke(
+        cli,
+        [
+            "score",
+            str(converted),
+            "--sequence",
+            WT,
+            "--mutations",
+            str(csv_in),
+            "-B",
+            "8",
+            "--method",
+            "masked-marginal",
+            "--method",
+            "pppl",
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "Spearman masked_marginal vs DMS_score" in result.output and "Wild-type pseudo-perplexity" in result.output
     scored = (tmp_path / "dms.scored.csv").read_text().splitlines()
@@ -344,8 +373,22 @@ def test_cli_score_and_embed(converted, model, tmp_path):
     assert result.exit_code == 1
     assert "Error:" in result.output and "record 'broken': invalid character '@' at position 3" in result.output
     fasta.write_text(">ok\nMKV\n>fine\nMKLV\n")
-    result = runner.invoke(cli, ["embed", str(converted), str(fasta), "-o", str(tmp_path / "emb"), "--layer", "1",
-                                 "--per-residue", "--dtype", "float16", "--no-progress"])
+    result = runner.invoke(
+        cli,
+        [
+            "embed",
+            str(converted),
+            str(fasta),
+            "-o",
+            str(tmp_path / "emb"),
+            "--layer",
+            "1",
+            "--per-residue",
+            "--dtype",
+            "float16",
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 0, result.output
     stored = read_embeddings(tmp_path / "emb")
     assert stored.ids == ["ok", "fine"] and stored.mean.dtype == np.float16
@@ -358,8 +401,10 @@ def test_errors_are_user_errors():
 
 
 def test_runtime_imports_neither_torch_nor_transformers():
-    code = ("import sys, esmc_mlx.tasks.scoring, esmc_mlx.tasks.jobs, esmc_mlx.tasks.fasta, "
-            "esmc_mlx.tasks.mutations, esmc_mlx.tasks.distributed; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, esmc_mlx.tasks.scoring, esmc_mlx.tasks.jobs, esmc_mlx.tasks.fasta, "
+        "esmc_mlx.tasks.mutations, esmc_mlx.tasks.distributed; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

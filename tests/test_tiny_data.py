@@ -46,8 +46,9 @@ def test_clean_and_parsers():
         ("sp|P69905|HBA_HUMAN", "P69905", "Hemoglobin", "MVLSPADK"),
         ("CCCA", "", "cytochrome c", "GDVEKGKK"),
     ]
-    sto = ("# STOCKHOLM 1.0\n#=GF AC PF00001\n#=GS a/1-9 AC Q12345\n"
-           "a/1-9 AC-DE\nb/2-7 ..acd\n\na/1-9 FG\nb/2-7 EF.\n//\n")
+    sto = (
+        "# STOCKHOLM 1.0\n#=GF AC PF00001\n#=GS a/1-9 AC Q12345\na/1-9 AC-DE\nb/2-7 ..acd\n\na/1-9 FG\nb/2-7 EF.\n//\n"
+    )
     assert list(td.parse_stockholm(sto)) == [
         ("a/1-9", "Q12345", "PF00001 seed member", "ACDEFG"),
         ("b/2-7", "b", "PF00001 seed member", "ACDEF"),
@@ -55,9 +56,13 @@ def test_clean_and_parsers():
 
 
 def test_dedupe_keeps_highest_priority_copy_and_notes_the_others():
-    records = [rec("p:f:pf1", "MKVLAAGIVG", "pfam"), rec("p:f:ref", "MKVLAAGIVG", "refseq"),
-               rec("p:f:up", "MKVLAAGIVG", "uniprot"), rec("p:f:ins1", "WWWWYYYYHH", "insdc"),
-               rec("p:f:ins2", "WWWWYYYYHH", "insdc")]
+    records = [
+        rec("p:f:pf1", "MKVLAAGIVG", "pfam"),
+        rec("p:f:ref", "MKVLAAGIVG", "refseq"),
+        rec("p:f:up", "MKVLAAGIVG", "uniprot"),
+        rec("p:f:ins1", "WWWWYYYYHH", "insdc"),
+        rec("p:f:ins2", "WWWWYYYYHH", "insdc"),
+    ]
     unique = {r.seq: r for r in td.dedupe(records)}
     assert len(unique) == 2
     assert unique["MKVLAAGIVG"].name == "p:f:up"
@@ -71,8 +76,12 @@ def test_substring_groups_put_fragments_with_their_parent():
 
     rng = random.Random(3)
     parent, other = random_seq(rng, 120), random_seq(rng, 80)
-    records = [rec("a:f:domain", parent[30:70]), rec("a:f:other", other),
-               rec("a:f:full", parent), rec("a:f:nterm", parent[:25])]
+    records = [
+        rec("a:f:domain", parent[30:70]),
+        rec("a:f:other", other),
+        rec("a:f:full", parent),
+        rec("a:f:nterm", parent[:25]),
+    ]
     groups = td.substring_groups(records)
     as_names = sorted(sorted(records[i].name for i in g) for g in groups)
     assert as_names == [["a:f:domain", "a:f:full", "a:f:nterm"], ["a:f:other"]]
@@ -114,8 +123,10 @@ def test_written_dataset_reads_back_by_split(tmp_path):
     assert td.load_dataset(path) == {"train": [("a:f:one", "ACDEFGHIKL" * 3)], "test": [("b:f:two", "M" * 130)]}
 
 
-@pytest.mark.skipif(not all(root.exists() for root in (td.EMBOSS, td.HMMER, td.ANY2FASTA)),
-                    reason="needs apt packages emboss-test hmmer-examples any2fasta-examples")
+@pytest.mark.skipif(
+    not all(root.exists() for root in (td.EMBOSS, td.HMMER, td.ANY2FASTA)),
+    reason="needs apt packages emboss-test hmmer-examples any2fasta-examples",
+)
 @pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_debian_packages_give_the_documented_dataset(tmp_path):
     """The figures of docs/esmc-tiny.md and the sha256 of the dataset the shipped model used."""
@@ -126,4 +137,5 @@ def test_debian_packages_give_the_documented_dataset(tmp_path):
     assert Counter(splits.values()) == {"train": 4146, "val": 244, "test": 488}
     td.write_dataset(unique, splits, tmp_path / "d.fasta")
     assert hashlib.sha256((tmp_path / "d.fasta").read_bytes()).hexdigest() == (
-        "58dc59e5642ae6c56934ef43add632abeb366126570c002bf9bf3672fa1a24a9")
+        "58dc59e5642ae6c56934ef43add632abeb366126570c002bf9bf3672fa1a24a9"
+    )

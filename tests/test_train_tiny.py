@@ -80,14 +80,38 @@ def keep_torch_determinism():
 def test_short_cpu_run_writes_a_checkpoint_and_metrics(tmp_path, keep_torch_determinism):
     td = load_script("tiny_data")
     rng = np.random.default_rng(0)
-    records = [td.Record(f"p:f:{i}", str(i), "", "", "".join(rng.choice(list(td.STANDARD), size=n)),
-                         "p", "f", "uniprot") for i, n in enumerate(rng.integers(30, 90, size=40))]
+    records = [
+        td.Record(f"p:f:{i}", str(i), "", "", "".join(rng.choice(list(td.STANDARD), size=n)), "p", "f", "uniprot")
+        for i, n in enumerate(rng.integers(30, 90, size=40))
+    ]
     splits = {r.name: ("test" if i < 4 else "val" if i < 8 else "train") for i, r in enumerate(records)}
     td.write_dataset(records, splits, tmp_path / "data.fasta")
     out = tmp_path / "out"
-    argv = ["train", "--data", str(tmp_path / "data.fasta"), "--out", str(out), "--steps", "4",
-            "--warmup", "1", "--eval-every", "2", "--log-every", "1", "--hidden", "64", "--heads", "1",
-            "--layers", "1", "--intermediate", "256", "--batch-tokens", "512"]
+    argv = [
+        "train",
+        "--data",
+        str(tmp_path / "data.fasta"),
+        "--out",
+        str(out),
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--eval-every",
+        "2",
+        "--log-every",
+        "1",
+        "--hidden",
+        "64",
+        "--heads",
+        "1",
+        "--layers",
+        "1",
+        "--intermediate",
+        "256",
+        "--batch-tokens",
+        "512",
+    ]
     tt.main(argv)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps_run"] == 4 and [h["step"] for h in metrics["history"]] == [2, 4]

@@ -56,16 +56,19 @@ def damaged_copy(src, tmp_path, kind):
     out = tmp_path / kind
     shutil.copytree(src, out)
     if kind == "layers_swapped":
+
         def change(w):
             for name in [n for n in w if n.startswith("esmc.layers.0.")]:
                 other = name.replace("esmc.layers.0.", "esmc.layers.1.")
                 w[name], w[other] = w[other], w[name]
     elif kind == "perturbed_1pct":
+
         def change(w):
             t = w["esmc.layers.1.mlp.up_proj.weight"]
             noise = mx.random.normal(t.shape, key=mx.random.key(0))
             w["esmc.layers.1.mlp.up_proj.weight"] = t + 0.01 * noise * mx.sqrt(mx.mean(t * t))
     elif kind == "scale_zeroed":
+
         def change(w):
             w["esmc.layers.0.mlp.down_proj.scales"] = mx.zeros_like(w["esmc.layers.0.mlp.down_proj.scales"])
     elif kind == "wrong_heads":
@@ -132,8 +135,9 @@ def test_layered_torch_reference_equals_the_full_model(checkpoints, reference_mo
         assert rel_l2(b, a) <= 1e-6
     batch = next(b for b in batches if b.sequence_id is None)
     with torch.no_grad():
-        direct = reference_model(input_ids=torch.tensor(batch.input_ids).long(),
-                                 attention_mask=torch.tensor(batch.attention_mask).long()).logits.numpy()
+        direct = reference_model(
+            input_ids=torch.tensor(batch.input_ids).long(), attention_mask=torch.tensor(batch.attention_mask).long()
+        ).logits.numpy()
     for r, row in enumerate(batch.rows):
         assert rel_l2(full.logits[row], direct[r, : len(full.logits[row])]) <= 1e-6
 
@@ -142,9 +146,11 @@ def test_weights_sums_agree_on_the_gpu_and_cpu_paths(monkeypatch):
     """The weights check's sums: MLX all at once (GPU), numpy (CPU); NaN named, fp32 overflow exact."""
     import esmc_mlx.validate.core as core
 
-    pairs = {"w": (mx.random.normal((64, 48), key=mx.random.key(1)), mx.random.normal((64, 48), key=mx.random.key(2))),
-             "nan": (mx.array([1.0, float("nan")]), mx.array([1.0, 2.0])),
-             "huge": (mx.array([3e20]), mx.array([1e20]))}
+    pairs = {
+        "w": (mx.random.normal((64, 48), key=mx.random.key(1)), mx.random.normal((64, 48), key=mx.random.key(2))),
+        "nan": (mx.array([1.0, float("nan")]), mx.array([1.0, 2.0])),
+        "huge": (mx.array([3e20]), mx.array([1e20])),
+    }
     on_cpu = core._sums_of_squares(pairs)
     monkeypatch.setattr(core.mx, "default_device", lambda: mx.gpu)  # the GPU branch, computed here
     on_gpu = core._sums_of_squares(pairs)
@@ -191,13 +197,33 @@ def test_correct_artifact_passes_with_a_complete_report(converted, checkpoints, 
     assert report.passed, report.summary()
     assert report.check("fidelity_logits").value <= 1e-5 and report.check("weights").value == 0
     data = json.loads((tmp_path / "report" / "report.json").read_text())
-    for key in ("passed", "checks", "fidelity", "quality", "versions", "platform", "reference_mode", "thresholds",
-                "panel", "resources"):
+    for key in (
+        "passed",
+        "checks",
+        "fidelity",
+        "quality",
+        "versions",
+        "platform",
+        "reference_mode",
+        "thresholds",
+        "panel",
+        "resources",
+    ):
         assert key in data
     assert data["passed"] is True
-    assert {c["name"] for c in data["checks"]} >= {"config", "weights", "fidelity_logits", "fidelity_hidden",
-                                                   "kl_mean", "kl_max", "top1", "logits_rel_err",
-                                                   "hidden_rel_err", "embedding_cosine", "spearman"}
+    assert {c["name"] for c in data["checks"]} >= {
+        "config",
+        "weights",
+        "fidelity_logits",
+        "fidelity_hidden",
+        "kl_mean",
+        "kl_max",
+        "top1",
+        "logits_rel_err",
+        "hidden_rel_err",
+        "embedding_cosine",
+        "spearman",
+    }
     assert all({"name", "value", "threshold", "passed"} <= set(c) for c in data["checks"])
     assert all(data["versions"][k] for k in ("esmc_mlx", "mlx", "torch", "transformers"))
     assert data["reference_mode"]["torch"] == "full" and data["reference_mode"]["torch_dtype"] == "float32"
@@ -233,12 +259,15 @@ def test_quantized_artifact_passes_fidelity(q4, checkpoints, tmp_path):
 
 
 # --- damaged artifacts fail, naming the check -----------------------------------------------------
-@pytest.mark.parametrize("kind, caught_by", [
-    ("layers_swapped", "weights"),
-    ("perturbed_1pct", "weights"),
-    ("scale_zeroed", "weights"),
-    ("wrong_heads", "config"),
-])
+@pytest.mark.parametrize(
+    "kind, caught_by",
+    [
+        ("layers_swapped", "weights"),
+        ("perturbed_1pct", "weights"),
+        ("scale_zeroed", "weights"),
+        ("wrong_heads", "config"),
+    ],
+)
 @pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_damaged_artifact_fails_naming_the_check(kind, caught_by, converted, q4, checkpoints, tmp_path):
     artifact = damaged_copy(q4 if kind == "scale_zeroed" else converted, tmp_path, kind)
@@ -356,13 +385,37 @@ def test_threshold_override(converted, checkpoints, tmp_path):
 
 
 def test_threshold_table_has_every_precision():
-    for row in ("float32", "bfloat16", "float16", "8bit", "mxfp8", "6bit", "5bit", "4bit", "mxfp4", "nvfp4",
-                "3bit", "2bit"):
+    for row in (
+        "float32",
+        "bfloat16",
+        "float16",
+        "8bit",
+        "mxfp8",
+        "6bit",
+        "5bit",
+        "4bit",
+        "mxfp4",
+        "nvfp4",
+        "3bit",
+        "2bit",
+    ):
         assert set(thresholds.QUALITY[row]) == set(thresholds.QUALITY_COLUMNS)
     assert thresholds.precision_class({"dtype": "bfloat16"}, "bfloat16") == "float32"
     assert thresholds.precision_class({"dtype": "bfloat16"}, "float32") == "bfloat16"
-    assert thresholds.precision_class({"quantization": {"bits": 4, "group_size": 64, "mode": "affine",
-                                                        "esmc.layers.0.mlp.down_proj": {"bits": 6}}}, "x") == "4bit"
+    assert (
+        thresholds.precision_class(
+            {
+                "quantization": {
+                    "bits": 4,
+                    "group_size": 64,
+                    "mode": "affine",
+                    "esmc.layers.0.mlp.down_proj": {"bits": 6},
+                }
+            },
+            "x",
+        )
+        == "4bit"
+    )
     assert thresholds.precision_class({"quantization": {"bits": 4, "group_size": 32, "mode": "mxfp4"}}, "x") == "mxfp4"
     # MLX computing in bf16 (GPU) loosens the output bounds to the bf16 row, never the weights bound
     on_gpu = thresholds.resolve("float32", "bfloat16").values
@@ -374,8 +427,19 @@ def test_threshold_table_has_every_precision():
 @pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_cli_validate_exit_codes(converted, checkpoints, tmp_path):
     runner = CliRunner()
-    ok = runner.invoke(main, ["validate", str(converted), "--reference", str(checkpoints["esm"]), "--max-length", "40",
-                              "--report", str(tmp_path / "ok")])
+    ok = runner.invoke(
+        main,
+        [
+            "validate",
+            str(converted),
+            "--reference",
+            str(checkpoints["esm"]),
+            "--max-length",
+            "40",
+            "--report",
+            str(tmp_path / "ok"),
+        ],
+    )
     assert ok.exit_code == 0, ok.output
     assert "Validation PASSED" in ok.output and (tmp_path / "ok" / "report.json").exists()
     bad = damaged_copy(converted, tmp_path, "wrong_heads")
@@ -383,8 +447,9 @@ def test_cli_validate_exit_codes(converted, checkpoints, tmp_path):
     assert result.exit_code == 1 and "FAILED (config)" in result.output
     assert "num_attention_heads: artifact 4, reference 2" in result.output
     assert (bad / "validation" / "report.json").exists()  # default location
-    usage = runner.invoke(main, ["validate", str(converted), "--reference", str(checkpoints["esm"]),
-                                 "--threshold", "kl_mean"])
+    usage = runner.invoke(
+        main, ["validate", str(converted), "--reference", str(checkpoints["esm"]), "--threshold", "kl_mean"]
+    )
     assert usage.exit_code == 2 and "NAME=VALUE" in usage.output
 
 
@@ -398,8 +463,9 @@ def test_esmc_convert_validates_by_default(checkpoints, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "Validation PASSED" in result.output
     assert json.loads((out / "validation" / "report.json").read_text())["passed"]
-    skipped = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(tmp_path / "o2"),
-                                                "--no-validate"])
+    skipped = CliRunner().invoke(
+        convert_main, [str(checkpoints["published"]), "-o", str(tmp_path / "o2"), "--no-validate"]
+    )
     assert skipped.exit_code == 0 and not (tmp_path / "o2" / "validation").exists()
 
 
@@ -483,12 +549,15 @@ def test_convert_many_reads_once_and_writes_what_convert_writes(checkpoints, tmp
     import esmc_mlx.validate.core as core
 
     monkeypatch.setattr(core, "build_panel", lambda *a, **k: build_panel(max_length=30, marginal_positions=4))
-    result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(tmp_path / "cli"),
-                                               "--q", "8", "--q", "mxfp8"])
+    result = CliRunner().invoke(
+        convert_main, [str(checkpoints["published"]), "-o", str(tmp_path / "cli"), "--q", "8", "--q", "mxfp8"]
+    )
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in (tmp_path / "cli").iterdir() if not p.name.startswith(".")) == ["8bit", "mxfp8"]
-    hits = [json.loads((tmp_path / "cli" / d / "validation" / "report.json").read_text())["reference_cache"]["hit"]
-            for d in ("8bit", "mxfp8")]
+    hits = [
+        json.loads((tmp_path / "cli" / d / "validation" / "report.json").read_text())["reference_cache"]["hit"]
+        for d in ("8bit", "mxfp8")
+    ]
     assert hits == [False, True] and result.output.count("Validation PASSED") == 2
 
 
@@ -498,11 +567,35 @@ def test_reference_device_option(converted, checkpoints, tmp_path):
     runner = CliRunner()
     absent = "cuda" if not torch.cuda.is_available() else None
     if absent:
-        result = runner.invoke(main, ["validate", str(converted), "--reference", str(checkpoints["published"]),
-                                      "--reference-device", absent, "--report", str(tmp_path / "r")])
+        result = runner.invoke(
+            main,
+            [
+                "validate",
+                str(converted),
+                "--reference",
+                str(checkpoints["published"]),
+                "--reference-device",
+                absent,
+                "--report",
+                str(tmp_path / "r"),
+            ],
+        )
         assert result.exit_code == 1 and "--reference-device cuda" in result.output and "no CUDA" in result.output
-    result = runner.invoke(main, ["validate", str(converted), "--reference", str(checkpoints["published"]),
-                                  "--reference-device", "cpu", "--max-length", "30", "--report", str(tmp_path / "c")])
+    result = runner.invoke(
+        main,
+        [
+            "validate",
+            str(converted),
+            "--reference",
+            str(checkpoints["published"]),
+            "--reference-device",
+            "cpu",
+            "--max-length",
+            "30",
+            "--report",
+            str(tmp_path / "c"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "c" / "report.json").read_text())["reference_mode"]["torch_device"] == "cpu (fp32)"
     bad = runner.invoke(main, ["validate", str(converted), "--reference", "x", "--reference-device", "tpu"])

@@ -82,9 +82,16 @@ class Conversion:
         return [self.src.path, *self.ckpt.files]
 
 
-def prepare(source: str, dtype: str | None = None, q: str | None = None, group_size: int | None = None,
-            quantize_head: bool = False, revision: str | None = None, command: str | None = None,
-            derived_from: dict | None = None) -> Conversion:
+def prepare(
+    source: str,
+    dtype: str | None = None,
+    q: str | None = None,
+    group_size: int | None = None,
+    quantize_head: bool = False,
+    revision: str | None = None,
+    command: str | None = None,
+    derived_from: dict | None = None,
+) -> Conversion:
     """Resolve and open ``source`` and check everything that can be checked before writing:
     options, tensor names and shapes against the config, quantization widths."""
     if dtype is not None and dtype not in FLOAT_DTYPES:
@@ -106,23 +113,27 @@ def prepare(source: str, dtype: str | None = None, q: str | None = None, group_s
     return Conversion(src, ckpt, out_dtype, plan, command, derived_from)
 
 
-def write_artifact(job: Conversion, directory: Path, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                   progress: bool = True) -> None:
+def write_artifact(
+    job: Conversion, directory: Path, shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True
+) -> None:
     """Write the MLX artifact of ``job`` into the (empty, staging) ``directory``."""
     started = time.perf_counter()
     overrides = write_tensors(job.ckpt, directory, job.dtype, job.plan, shard_bytes, progress)
     plan = job.plan
     extra = {
         # an older parent's record may hold local paths: scrub keeps only their basenames
-        "source": dict(source_record(job.src, job.ckpt, progress),
-                       **({"derived_from": scrub(job.derived_from)} if job.derived_from else {})),
+        "source": dict(
+            source_record(job.src, job.ckpt, progress),
+            **({"derived_from": scrub(job.derived_from)} if job.derived_from else {}),
+        ),
         "converter": {"name": "esmc-mlx", "version": __version__},
         "command": public_command(job.command),  # typed paths cut to basenames (issue 12, rule 9)
         "quantization": {"spec": plan.spec, "quantize_head": plan.quantize_head} if plan else None,
         "seconds": round(time.perf_counter() - started, 2),
     }
-    write_config(directory, job.ckpt.config, job.dtype, plan.record(overrides) if plan else None, extra,
-                 license=job.ckpt.license)
+    write_config(
+        directory, job.ckpt.config, job.dtype, plan.record(overrides) if plan else None, extra, license=job.ckpt.license
+    )
     copy_tokenizer(job.src, directory)
 
 
@@ -158,8 +169,9 @@ def convert(
     return Path(out_dir)
 
 
-def write_tensors(ckpt: Checkpoint, directory: Path, dtype: mx.Dtype, plan: QuantPlan | None,
-                  shard_bytes: int, progress: bool) -> dict[str, QuantParams]:
+def write_tensors(
+    ckpt: Checkpoint, directory: Path, dtype: mx.Dtype, plan: QuantPlan | None, shard_bytes: int, progress: bool
+) -> dict[str, QuantParams]:
     """Stream every tensor through rename -> cast -> quantize -> shard writer."""
     from tqdm.auto import tqdm
 
@@ -188,7 +200,11 @@ def write_tensors(ckpt: Checkpoint, directory: Path, dtype: mx.Dtype, plan: Quan
 
 
 # The exponent bits of each float dtype: all ones means Inf or NaN.
-_EXPONENT_BITS = {mx.float32: (mx.uint32, 0x7F800000), mx.bfloat16: (mx.uint16, 0x7F80), mx.float16: (mx.uint16, 0x7C00)}
+_EXPONENT_BITS = {
+    mx.float32: (mx.uint32, 0x7F800000),
+    mx.bfloat16: (mx.uint16, 0x7F80),
+    mx.float16: (mx.uint16, 0x7C00),
+}
 
 
 def all_finite(tensor: mx.array) -> bool:
@@ -211,11 +227,15 @@ def check_finite(source_name: str, source: mx.array, cast: mx.array) -> None:
         return
     if not all_finite(source):
         bad = int((~mx.isfinite(source)).sum().item())
-        raise ConvertError(f"tensor {source_name} of the checkpoint holds {bad} NaN or Inf value(s) out of "
-                           f"{source.size}; the checkpoint is damaged")
+        raise ConvertError(
+            f"tensor {source_name} of the checkpoint holds {bad} NaN or Inf value(s) out of "
+            f"{source.size}; the checkpoint is damaged"
+        )
     big = mx.abs(source.astype(mx.float32)).max().item()
-    raise ConvertError(f"tensor {source_name} overflows {dtype_name(cast.dtype)} (largest magnitude {big:.4g}); "
-                       "convert to float32 or bfloat16 instead")
+    raise ConvertError(
+        f"tensor {source_name} overflows {dtype_name(cast.dtype)} (largest magnitude {big:.4g}); "
+        "convert to float32 or bfloat16 instead"
+    )
 
 
 def source_record(src: Source, ckpt: Checkpoint, progress: bool) -> dict:
@@ -227,8 +247,14 @@ def source_record(src: Source, ckpt: Checkpoint, progress: bool) -> dict:
     return {"id": public_source_id(src.id), "revision": src.revision, "files": files}
 
 
-def write_config(directory: Path, config: ESMCConfig, dtype: mx.Dtype, quantization: dict | None,
-                 provenance: dict, license: str | None = None) -> dict:
+def write_config(
+    directory: Path,
+    config: ESMCConfig,
+    dtype: mx.Dtype,
+    quantization: dict | None,
+    provenance: dict,
+    license: str | None = None,
+) -> dict:
     payload = config.to_dict()
     payload["dtype"] = dtype_name(dtype)
     if quantization:
@@ -251,9 +277,18 @@ def copy_tokenizer(src: Source, directory: Path) -> None:
         write_tokenizer_files(directory)
 
 
-def quantize_directory(model_dir: str | Path, out_dir: str | Path, q: str, group_size: int | None = None,
-             quantize_head: bool = False, dtype: str | None = None, force: bool = False,
-             progress: bool = True, command: str | None = None, **convert_kwargs) -> Path:
+def quantize_directory(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    q: str,
+    group_size: int | None = None,
+    quantize_head: bool = False,
+    dtype: str | None = None,
+    force: bool = False,
+    progress: bool = True,
+    command: str | None = None,
+    **convert_kwargs,
+) -> Path:
     """Quantize an existing float MLX directory (``esmc-mlx quantize``) into ``out_dir``.
 
     An MLX directory has the published layout's tensor names, so this is the converter's
@@ -264,5 +299,16 @@ def quantize_directory(model_dir: str | Path, out_dir: str | Path, q: str, group
     model_dir = Path(model_dir)
     parse_spec(q, group_size)
     parent = read_config(model_dir).get("esmc_mlx", {}).get("source")
-    return convert(str(model_dir), out_dir, dtype=dtype, q=q, group_size=group_size, quantize_head=quantize_head,
-                   force=force, progress=progress, command=command, derived_from=parent, **convert_kwargs)
+    return convert(
+        str(model_dir),
+        out_dir,
+        dtype=dtype,
+        q=q,
+        group_size=group_size,
+        quantize_head=quantize_head,
+        force=force,
+        progress=progress,
+        command=command,
+        derived_from=parent,
+        **convert_kwargs,
+    )

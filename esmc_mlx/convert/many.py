@@ -34,20 +34,29 @@ def spec_label(q: str | None, dtype: str | None = None, group_size: int | None =
     return f"{label}-g{group_size}" if group_size else label
 
 
-def prepare_many(source: str, specs: list[str | None], dtype: str | None = None, group_size: int | None = None,
-                 quantize_head: bool = False, revision: str | None = None,
-                 command: str | None = None) -> dict[str, Conversion]:
+def prepare_many(
+    source: str,
+    specs: list[str | None],
+    dtype: str | None = None,
+    group_size: int | None = None,
+    quantize_head: bool = False,
+    revision: str | None = None,
+    command: str | None = None,
+) -> dict[str, Conversion]:
     """``{label: Conversion}`` for every spec, each checked as ``prepare`` checks one (headers
     only: nothing is read yet). Raises ConvertError for a spec given twice."""
     labels = [spec_label(q, dtype, group_size) for q in specs]
     if not labels or len(set(labels)) != len(labels):
         raise ConvertError(f"give each precision once: {', '.join(labels) or 'none given'}")
-    return {label: prepare(source, dtype, q, group_size if q else None, quantize_head if q else False, revision,
-                           command) for label, q in zip(labels, specs)}
+    return {
+        label: prepare(source, dtype, q, group_size if q else None, quantize_head if q else False, revision, command)
+        for label, q in zip(labels, specs)
+    }
 
 
-def write_many(jobs: list[Conversion], directories: list[Path], shard_bytes: int = DEFAULT_SHARD_BYTES,
-               progress: bool = True) -> None:
+def write_many(
+    jobs: list[Conversion], directories: list[Path], shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True
+) -> None:
     """Write the artifact of every job (all of one source and dtype) into its (empty, staging)
     directory, reading the source once."""
     from tqdm.auto import tqdm
@@ -56,8 +65,9 @@ def write_many(jobs: list[Conversion], directories: list[Path], shard_bytes: int
     started = time.perf_counter()
     writers = [ShardWriter(d, shard_bytes) for d in directories]
     quantized: list[dict[str, QuantParams]] = [{} for _ in jobs]
-    with tqdm(total=len(first.ckpt.shapes), unit="tensor", desc=f"converting to {len(jobs)} precisions",
-              disable=not progress) as bar:
+    with tqdm(
+        total=len(first.ckpt.shapes), unit="tensor", desc=f"converting to {len(jobs)} precisions", disable=not progress
+    ) as bar:
         for source_name, tensor in first.ckpt.tensors():
             if not mapping.IGNORED.match(source_name):
                 for name, t in mapping.rename(source_name, tensor):
@@ -78,19 +88,37 @@ def write_many(jobs: list[Conversion], directories: list[Path], shard_bytes: int
     seconds = round(time.perf_counter() - started, 2)
     for job, directory, record in zip(jobs, directories, quantized):
         plan = job.plan
-        extra = {"source": provenance, "converter": {"name": "esmc-mlx", "version": __version__},
-                 "command": public_command(job.command),
-                 "quantization": {"spec": plan.spec, "quantize_head": plan.quantize_head} if plan else None,
-                 "seconds": seconds}
-        write_config(directory, job.ckpt.config, job.dtype, plan.record(record) if plan else None, extra,
-                     license=job.ckpt.license)
+        extra = {
+            "source": provenance,
+            "converter": {"name": "esmc-mlx", "version": __version__},
+            "command": public_command(job.command),
+            "quantization": {"spec": plan.spec, "quantize_head": plan.quantize_head} if plan else None,
+            "seconds": seconds,
+        }
+        write_config(
+            directory,
+            job.ckpt.config,
+            job.dtype,
+            plan.record(record) if plan else None,
+            extra,
+            license=job.ckpt.license,
+        )
         copy_tokenizer(job.src, directory)
 
 
-def convert_many(source: str, out_dir: str | Path, specs: list[str | None], dtype: str | None = None,
-                 group_size: int | None = None, quantize_head: bool = False, revision: str | None = None,
-                 force: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True,
-                 command: str | None = None) -> dict[str, Path]:
+def convert_many(
+    source: str,
+    out_dir: str | Path,
+    specs: list[str | None],
+    dtype: str | None = None,
+    group_size: int | None = None,
+    quantize_head: bool = False,
+    revision: str | None = None,
+    force: bool = False,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool = True,
+    command: str | None = None,
+) -> dict[str, Path]:
     """Convert ``source`` once into ``out_dir/<label>`` for every spec; returns ``{label:
     directory}`` in the order given (``None`` in ``specs``: the float conversion). Raises
     ConvertError / QuantizeError / OutputError as ``convert`` does, before reading any weight for
@@ -101,7 +129,9 @@ def convert_many(source: str, out_dir: str | Path, specs: list[str | None], dtyp
         check_target(out_dir / label, force)
     jobs = prepare_many(source, specs, dtype, group_size, quantize_head, revision, command)
     with contextlib.ExitStack() as stack:
-        stages = [stack.enter_context(StagedDirectory(out_dir / label, force, sources=job.inputs))
-                  for label, job in jobs.items()]
+        stages = [
+            stack.enter_context(StagedDirectory(out_dir / label, force, sources=job.inputs))
+            for label, job in jobs.items()
+        ]
         write_many(list(jobs.values()), [s.path for s in stages], shard_bytes, progress)
         return {label: stage.publish() for label, stage in zip(jobs, stages)}

@@ -105,8 +105,7 @@ def infer_config(shapes: dict[str, tuple[int, ...]]) -> ESMCConfig:
     if "esmc.embed_tokens.weight" not in renamed:
         raise ValueError("cannot infer the architecture: no token embedding tensor found")
     vocab, hidden = renamed["esmc.embed_tokens.weight"]
-    layers = 1 + max((int(m.group(1)) for n in renamed if (m := re.match(r"esmc\.layers\.(\d+)\.", n))),
-                     default=-1)
+    layers = 1 + max((int(m.group(1)) for n in renamed if (m := re.match(r"esmc\.layers\.(\d+)\.", n))), default=-1)
     gate = renamed.get("esmc.layers.0.mlp.gate_proj.weight")
     return ESMCConfig(
         hidden_size=hidden,

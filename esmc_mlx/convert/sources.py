@@ -30,12 +30,15 @@ def _safetensors_files(directory: Path) -> list[Path]:
             raise ConvertError(f"{index} names shards that are missing: {', '.join(missing)}")
         strays = sorted(f.name for f in present - set(files))
         if strays:
-            raise ConvertError(f"{directory}: {', '.join(strays)} not named by {INDEX_FILE}; move it out of the "
-                               "checkpoint directory")
+            raise ConvertError(
+                f"{directory}: {', '.join(strays)} not named by {INDEX_FILE}; move it out of the checkpoint directory"
+            )
         return files
     if len(present) > 1:
-        raise ConvertError(f"{directory}: {len(present)} .safetensors files ({', '.join(sorted(f.name for f in present))}) "
-                           f"and no {INDEX_FILE} to say which make up the model; keep only the checkpoint's")
+        raise ConvertError(
+            f"{directory}: {len(present)} .safetensors files ({', '.join(sorted(f.name for f in present))}) "
+            f"and no {INDEX_FILE} to say which make up the model; keep only the checkpoint's"
+        )
     if not present:
         raise ConvertError(f"{directory}: no .safetensors checkpoint (or single .pth) found")
     return sorted(present)
@@ -68,8 +71,10 @@ def open_checkpoint(source: Source) -> Checkpoint:
         if len(pths) == 1:
             return _open_pth(pths[0])
         if pths:
-            raise ConvertError(f"{source.path}: no .safetensors checkpoint, and {len(pths)} .pth files "
-                               f"({', '.join(p.name for p in pths)}); pass the one to convert")
+            raise ConvertError(
+                f"{source.path}: no .safetensors checkpoint, and {len(pths)} .pth files "
+                f"({', '.join(p.name for p in pths)}); pass the one to convert"
+            )
     files = _safetensors_files(source.path)
     shapes, dtypes, where = {}, set(), {}
     for f in files:
@@ -127,7 +132,9 @@ def _dequantized(shapes: dict, read: Callable[[str], mx.array], directory: Path)
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ConvertError(f"{path}: unreadable ({e}); an mlx-lm-quantized checkpoint needs its quantization record") from None
+        raise ConvertError(
+            f"{path}: unreadable ({e}); an mlx-lm-quantized checkpoint needs its quantization record"
+        ) from None
     record = raw.get("quantization") or raw.get("quantization_config")
     if not isinstance(record, dict):
         raise ConvertError(f"{directory}: quantized tensors (*.scales) but no quantization record in {path}")
@@ -201,9 +208,7 @@ def _open_pth(path: Path) -> Checkpoint:
     try:
         import torch
     except ImportError:
-        raise ConvertError(
-            f"{path}: reading a .pth checkpoint needs torch; install esmc-mlx[torch]"
-        ) from None
+        raise ConvertError(f"{path}: reading a .pth checkpoint needs torch; install esmc-mlx[torch]") from None
     import pickle
     import zipfile
 
@@ -216,12 +221,14 @@ def _open_pth(path: Path) -> Checkpoint:
             raise ConvertError(
                 f"{path}: holds Python objects besides tensors; esmc-mlx reads only a plain state dict, because "
                 "unpickling anything else can run code. Save one from the code that made the file: "
-                "torch.save(model.state_dict(), 'state_dict.pth')") from None
+                "torch.save(model.state_dict(), 'state_dict.pth')"
+            ) from None
         raise ConvertError(f"{path}: cannot read it as a PyTorch checkpoint (not one, or damaged)") from None
     except Exception as e:  # RuntimeError, EOFError, KeyError ... for files that are not checkpoints
         detail = "its zip archive is truncated or corrupt" if "PytorchStreamReader" in str(e) else type(e).__name__
-        raise ConvertError(f"{path}: cannot read it as a PyTorch checkpoint: not one, or truncated or damaged "
-                           f"({detail})") from None
+        raise ConvertError(
+            f"{path}: cannot read it as a PyTorch checkpoint: not one, or truncated or damaged ({detail})"
+        ) from None
     for key in ("model", "state_dict"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
@@ -235,7 +242,7 @@ def _open_pth(path: Path) -> Checkpoint:
 
     torch_to_mx = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}
     config_path = path.parent / "config.json"
-    config = (_read_config(path.parent, shapes) if config_path.exists() else mapping.infer_config(shapes))
+    config = _read_config(path.parent, shapes) if config_path.exists() else mapping.infer_config(shapes)
     return Checkpoint(
         config=config,
         shapes=shapes,

@@ -128,8 +128,13 @@ def artifact_facts(model_dir: Path) -> dict:
                 quantized.add(name[: -len(".scales")])
             elif name.endswith(".weight") and len(meta.get("shape", ())) == 2:
                 linear.add(name[: -len(".weight")])
-    return {"config": config, "meta": config.get("esmc_mlx") or {}, "describe": facts,
-            "quantized_layers": sorted(quantized), "matrices": sorted(linear | quantized)}
+    return {
+        "config": config,
+        "meta": config.get("esmc_mlx") or {},
+        "describe": facts,
+        "quantized_layers": sorted(quantized),
+        "matrices": sorted(linear | quantized),
+    }
 
 
 def base_model_of(meta: dict) -> str | None:
@@ -194,7 +199,7 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
     converted_with = f"esmc-mlx {converter.get('version', __version__)}"
 
     out: list[str] = ["---", data.to_yaml(), "---", "", f"# {repo_id}", ""]
-    weights = (f"quantized to **{precision}**" if q else f"stored as **{precision}**")
+    weights = f"quantized to **{precision}**" if q else f"stored as **{precision}**"
     out += [
         f"ESMC protein language model {base_link} converted to [MLX](https://github.com/ml-explore/mlx) "
         f"with [esmc-mlx]({PROJECT_URL}), weights {weights}: {info['bits per weight']} bits per weight, "
@@ -202,7 +207,8 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
         "",
         _validation_banner(validation),
         "",
-        "| | |", "|---|---|",
+        "| | |",
+        "|---|---|",
         f"| Base model | {base_link}" + (f" at `{revision[:12]}`" if revision else "") + " |",
         f"| Architecture | {info['architecture']} |",
         f"| Parameters | {info['parameters']} |",
@@ -283,21 +289,29 @@ def _license_text(license_: str | None, base: str | None, endpoint: str) -> str:
 
 def _validation_banner(v: Validation) -> str:
     if v.passed:
-        return (f"**Validation: passed.** All {len(v.enforced)} checks against the PyTorch reference passed; "
-                "the report is [below](#validation).")
+        return (
+            f"**Validation: passed.** All {len(v.enforced)} checks against the PyTorch reference passed; "
+            "the report is [below](#validation)."
+        )
     if v.state == "failed":
-        return (f"**Validation: FAILED.** {len(v.failed_checks)} of {len(v.enforced)} checks failed "
-                "(see [below](#validation)). This artifact was published anyway; do not rely on it.")
-    return ("**Not validated.** This artifact carries no validation report: nothing has checked it against "
-            "the PyTorch reference.")
+        return (
+            f"**Validation: FAILED.** {len(v.failed_checks)} of {len(v.enforced)} checks failed "
+            "(see [below](#validation)). This artifact was published anyway; do not rely on it."
+        )
+    return (
+        "**Not validated.** This artifact carries no validation report: nothing has checked it against "
+        "the PyTorch reference."
+    )
 
 
 def _quantization_section(config: dict, facts: dict, info: dict) -> list[str]:
     q = config.get("quantization") or {}
     dtype = config.get("dtype", "float32")
     if not q:
-        return [f"Not quantized: every tensor is stored as {dtype} ({info['bits per weight']} bits per weight, "
-                f"{info['size on disk']})."]
+        return [
+            f"Not quantized: every tensor is stored as {dtype} ({info['bits per weight']} bits per weight, "
+            f"{info['size on disk']})."
+        ]
     mode = q.get("mode", "affine")
     overrides = {k: v for k, v in q.items() if isinstance(v, (dict, bool))}
     lines = [
@@ -309,8 +323,12 @@ def _quantization_section(config: dict, facts: dict, info: dict) -> list[str]:
     if overrides:
         by_bits: dict[str, int] = {}
         for v in overrides.values():
-            key = "kept in float" if v is False else f"{v.get('bits', q.get('bits'))}-bit" + (
-                f" {v['mode']}" if isinstance(v, dict) and v.get("mode") and v["mode"] != mode else "")
+            key = (
+                "kept in float"
+                if v is False
+                else f"{v.get('bits', q.get('bits'))}-bit"
+                + (f" {v['mode']}" if isinstance(v, dict) and v.get("mode") and v["mode"] != mode else "")
+            )
             by_bits[key] = by_bits.get(key, 0) + 1
         counts = ", ".join(f"{n} layers {k}" for k, n in sorted(by_bits.items()))
         lines.append(f"- Per-layer overrides (mixed recipe): {counts}")
@@ -326,8 +344,15 @@ def _validation_section(v: Validation, repo_id: str, base: str | None) -> list[s
     name = repo_id.split("/")[-1]
     recheck = f"esmc-mlx validate {name} --reference {base or 'SOURCE_CHECKPOINT'}"
     if v.state in ("missing", "unreadable"):
-        return ["Not validated: this artifact has no " + ("readable " if v.state == "unreadable" else "")
-                + "validation report. To check it against the PyTorch reference:", "", "```bash", recheck, "```"]
+        return [
+            "Not validated: this artifact has no "
+            + ("readable " if v.state == "unreadable" else "")
+            + "validation report. To check it against the PyTorch reference:",
+            "",
+            "```bash",
+            recheck,
+            "```",
+        ]
     lines = [f"Result: **{v.headline()}**.", ""]
     shown = set()
     if v.markdown:
@@ -336,14 +361,22 @@ def _validation_section(v: Validation, repo_id: str, base: str | None) -> list[s
         lines += [embedded, ""]
     elif v.checks:
         lines += ["| Check | Value | Threshold | Passed |", "|---|---|---|---|"]
-        lines += [f"| {c.get('name')} | {_fmt(c.get('value'))} | {_fmt(c.get('threshold'))} | "
-                  f"{'yes' if c.get('passed') is True else '**no**'} |" for c in v.checks]
+        lines += [
+            f"| {c.get('name')} | {_fmt(c.get('value'))} | {_fmt(c.get('threshold'))} | "
+            f"{'yes' if c.get('passed') is True else '**no**'} |"
+            for c in v.checks
+        ]
         lines.append("")
     for plot in v.plots:
         if plot not in shown:
             lines += [f"![Validation plot: {Path(plot).stem}]({plot})", ""]
-    lines += ["The full report is [validation/report.json](validation/report.json). Re-run it with:", "",
-              "```bash", recheck, "```"]
+    lines += [
+        "The full report is [validation/report.json](validation/report.json). Re-run it with:",
+        "",
+        "```bash",
+        recheck,
+        "```",
+    ]
     return lines
 
 

@@ -86,9 +86,11 @@ class PushResult:
         elif self.pr_url:
             lines = [f"Opened a pull request on {where}: {self.pr_url}", f"  commit {self.commit_url}, {size}"]
         else:
-            lines = [f"{'Created' if self.created else 'Updated'} {where}: {self.url}",
-                     f"  commit {self.commit_url}, {size}" + (f", {len(self.deletions)} stale files removed"
-                                                              if self.deletions else "")]
+            lines = [
+                f"{'Created' if self.created else 'Updated'} {where}: {self.url}",
+                f"  commit {self.commit_url}, {size}"
+                + (f", {len(self.deletions)} stale files removed" if self.deletions else ""),
+            ]
         lines.append(f"  validation: {self.validation.headline()}")
         lines.append("  model card: " + ("generated README.md" if self.card_generated else "your README.md (kept)"))
         lines += [f"  note: {n}" for n in self.notes]
@@ -146,7 +148,7 @@ def check_validation(model_dir: Path, repo_id: str, allow_unvalidated: bool) -> 
     raise HubError(
         f"refusing to push {model_dir}: it is not validated ({validation.problem}).\n"
         f"Validate it first:\n  esmc-mlx validate {model_dir} --reference {reference}\n"
-        f"or publish it anyway (its model card will say \"not validated\"):\n  {anyway}"
+        f'or publish it anyway (its model card will say "not validated"):\n  {anyway}'
     )
 
 
@@ -158,14 +160,21 @@ def check_private(model_dir: Path, card: str | None, tokens: list[str]) -> None:
     for name, path in texts.items():
         found = private_findings(path.read_text(errors="replace"), tokens)
         if found:
-            fix = ("run `esmc-mlx validate` again to rewrite it" if name.startswith("validation/")
-                   else "convert again with this esmc-mlx, or edit the file" if name == "config.json"
-                   else "edit the file")
-            raise HubError(f"refusing to push {model_dir}: {name} holds {' and '.join(found)}, which must not leave "
-                           f"this machine; {fix}.")
+            fix = (
+                "run `esmc-mlx validate` again to rewrite it"
+                if name.startswith("validation/")
+                else "convert again with this esmc-mlx, or edit the file"
+                if name == "config.json"
+                else "edit the file"
+            )
+            raise HubError(
+                f"refusing to push {model_dir}: {name} holds {' and '.join(found)}, which must not leave "
+                f"this machine; {fix}."
+            )
     if card is not None and (found := private_findings(card, tokens)):
-        raise HubError(f"refusing to push {model_dir}: the model card would hold {' and '.join(found)}; "
-                       "edit or delete README.md.")
+        raise HubError(
+            f"refusing to push {model_dir}: the model card would hold {' and '.join(found)}; edit or delete README.md."
+        )
 
 
 def _check_card(card: str, readme: Path) -> None:
@@ -196,38 +205,53 @@ def check_push_access(repo_id: str, token: str | None = None) -> Access:
     api = HfApi(token=token)
     tokens_url = f"{api.endpoint}/settings/tokens"
     if is_offline_mode():
-        raise HubError(f"cannot push to {repo_id}: offline mode is on (HF_HUB_OFFLINE is set). "
-                       "Unset it, or set HF_HUB_OFFLINE=0, to publish.")
+        raise HubError(
+            f"cannot push to {repo_id}: offline mode is on (HF_HUB_OFFLINE is set). "
+            "Unset it, or set HF_HUB_OFFLINE=0, to publish."
+        )
     if not (token or get_token()):
-        raise HubError(f"cannot push to {repo_id}: no Hugging Face token. Log in with `hf auth login` or set "
-                       f"HF_TOKEN to a token with write access ({tokens_url}).")
+        raise HubError(
+            f"cannot push to {repo_id}: no Hugging Face token. Log in with `hf auth login` or set "
+            f"HF_TOKEN to a token with write access ({tokens_url})."
+        )
     try:
         me = api.whoami()
     except Exception as e:
         if _status(e) == 401:
-            raise HubError(f"cannot push to {repo_id}: the Hub rejected the token (401 Unauthorized: invalid or "
-                           f"expired). Log in again with `hf auth login` or set HF_TOKEN ({tokens_url}).") from None
+            raise HubError(
+                f"cannot push to {repo_id}: the Hub rejected the token (401 Unauthorized: invalid or "
+                f"expired). Log in again with `hf auth login` or set HF_TOKEN ({tokens_url})."
+            ) from None
         raise HubError(f"cannot push to {repo_id}: {_describe(e, api, 'checking the token')}") from None
     user = me.get("name") or "?"
     role = ((me.get("auth") or {}).get("accessToken") or {}).get("role")
     orgs = {o.get("name"): o.get("roleInOrg") for o in me.get("orgs") or [] if isinstance(o, dict)}
     if role == "read":
-        raise HubError(f"cannot push to {repo_id}: the token of {user} is read-only. Create a token with write "
-                       f"access ({tokens_url}) and log in with it (`hf auth login`) or set HF_TOKEN.")
+        raise HubError(
+            f"cannot push to {repo_id}: the token of {user} is read-only. Create a token with write "
+            f"access ({tokens_url}) and log in with it (`hf auth login`) or set HF_TOKEN."
+        )
     namespace, name = repo_id.split("/")
     if namespace != user and namespace not in orgs:
         try:
             exists = bool(api.repo_exists(repo_id))
         except Exception:
             exists = False
-        whose = (f"{repo_id} already exists and belongs to {namespace!r}" if exists
-                 else f"{namespace!r} is not your user name")
+        whose = (
+            f"{repo_id} already exists and belongs to {namespace!r}"
+            if exists
+            else f"{namespace!r} is not your user name"
+        )
         member = f" or one of your organizations ({', '.join(sorted(orgs))})" if orgs else ""
-        raise HubError(f"cannot push to {repo_id} as {user}: {whose}, and you can only write under {user!r}"
-                       f"{member}. Push to {user}/{name}, or ask an admin of {namespace!r} for write access.")
+        raise HubError(
+            f"cannot push to {repo_id} as {user}: {whose}, and you can only write under {user!r}"
+            f"{member}. Push to {user}/{name}, or ask an admin of {namespace!r} for write access."
+        )
     if orgs.get(namespace) == "read":
-        raise HubError(f"cannot push to {repo_id}: {user} has the read role in {namespace!r}; ask one of its "
-                       "admins for write access.")
+        raise HubError(
+            f"cannot push to {repo_id}: {user} has the read role in {namespace!r}; ask one of its "
+            "admins for write access."
+        )
     return Access(api, user, orgs)
 
 
@@ -283,8 +307,9 @@ def push_artifact(
     remote = _remote_files(api, repo_id, head) if head else []
     deletions = sorted(p for p in remote if p not in local and any(fnmatch.fnmatch(p, pat) for pat in OWNED_PATTERNS))
     url = f"{api.endpoint}/{repo_id}" + (f"/tree/{branch}" if branch != "main" else "")
-    result = PushResult(repo_id, url, branch, files, deletions, card, generated, validation,
-                        dry_run=dry_run, created=not exists)
+    result = PushResult(
+        repo_id, url, branch, files, deletions, card, generated, validation, dry_run=dry_run, created=not exists
+    )
     if not generated:
         result.notes.append("README.md has no esmc-mlx marker line, so it was published as written")
     if not validation.passed:
@@ -298,13 +323,20 @@ def push_artifact(
         readme.write_text(card)
     config = json.loads((model_dir / "config.json").read_text())
     meta = config.get("esmc_mlx") or {}
-    message = commit_message or (f"{'Update' if exists else 'Upload'} {repo_id.split('/')[1]}: "
-                                 f"ESMC {precision_label(config)} for MLX (esmc-mlx {__version__})")
-    description = "\n".join(filter(None, [
-        f"Converted with: `{meta['command']}`" if meta.get("command") else None,
-        f"Validation: {validation.headline()}",
-        f"Pushed with esmc-mlx {__version__}",
-    ]))
+    message = commit_message or (
+        f"{'Update' if exists else 'Upload'} {repo_id.split('/')[1]}: "
+        f"ESMC {precision_label(config)} for MLX (esmc-mlx {__version__})"
+    )
+    description = "\n".join(
+        filter(
+            None,
+            [
+                f"Converted with: `{meta['command']}`" if meta.get("command") else None,
+                f"Validation: {validation.headline()}",
+                f"Pushed with esmc-mlx {__version__}",
+            ],
+        )
+    )
     created_repo = created_branch = False
     try:
         if not exists:
@@ -316,8 +348,9 @@ def push_artifact(
             head = _branch_head(api, repo_id, branch)
 
         def operations() -> list:  # fresh objects per attempt: create_commit consumes them
-            return ([CommitOperationDelete(path_in_repo=p) for p in deletions]
-                    + [CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(model_dir / p)) for p, _ in files])
+            return [CommitOperationDelete(path_in_repo=p) for p in deletions] + [
+                CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(model_dir / p)) for p, _ in files
+            ]
 
         oid, commit_url, pr_url = _commit(api, repo_id, operations, message, description, branch, create_pr, head)
     except Exception as error:  # (Ctrl-C is not one: it leaves everything as it is for a re-run to resume)
@@ -369,14 +402,17 @@ def _create_repo(access: Access, repo_id: str, private: bool) -> bool:
         if status == 409:
             return False
         if status in (401, 403):
-            raise HubError(f"the Hub refused to create {repo_id} for {access.user} ({status}: {_server_message(e)}). "
-                           f"The token needs write access to {repo_id.split('/')[0]!r}; fine-grained tokens "
-                           "need the repo-creation permission for that namespace.") from None
+            raise HubError(
+                f"the Hub refused to create {repo_id} for {access.user} ({status}: {_server_message(e)}). "
+                f"The token needs write access to {repo_id.split('/')[0]!r}; fine-grained tokens "
+                "need the repo-creation permission for that namespace."
+            ) from None
         raise HubError(f"cannot create {repo_id}: {_describe(e, access.api, 'creating the repo')}") from None
 
 
-def _commit(api: HfApi, repo_id: str, operations, message: str, description: str, branch: str, create_pr: bool,
-            head: str | None) -> tuple[str, str, str | None]:
+def _commit(
+    api: HfApi, repo_id: str, operations, message: str, description: str, branch: str, create_pr: bool, head: str | None
+) -> tuple[str, str, str | None]:
     """One ``create_commit`` (it uploads every file, then commits), tried ATTEMPTS times while the
     failure looks transient; a commit whose answer was lost is recognised, not made twice.
     Returns (commit id, commit URL, pull-request URL or None)."""
@@ -389,8 +425,14 @@ def _commit(api: HfApi, repo_id: str, operations, message: str, description: str
                 return landed
         try:
             info = api.create_commit(
-                repo_id, operations=operations(), commit_message=message, commit_description=description,
-                revision=branch, create_pr=create_pr, parent_commit=None if create_pr else head)
+                repo_id,
+                operations=operations(),
+                commit_message=message,
+                commit_description=description,
+                revision=branch,
+                create_pr=create_pr,
+                parent_commit=None if create_pr else head,
+            )
             return info.oid, info.commit_url, info.pr_url
         except Exception as e:
             if _status(e) == 412:
@@ -408,8 +450,9 @@ def _pr_refs(api: HfApi, repo_id: str) -> dict[str, str]:
         return {}
 
 
-def _landed(api: HfApi, repo_id: str, branch: str, head: str | None, message: str,
-            prs_before: dict[str, str] | None) -> tuple[str, str, str | None] | None:
+def _landed(
+    api: HfApi, repo_id: str, branch: str, head: str | None, message: str, prs_before: dict[str, str] | None
+) -> tuple[str, str, str | None] | None:
     """The commit this push made if the Hub has it although the request failed (the answer was lost),
     else None. ``prs_before``: the pull-request refs before the commit, or None when not opening one."""
     try:
@@ -428,8 +471,9 @@ def _landed(api: HfApi, repo_id: str, branch: str, head: str | None, message: st
     return None
 
 
-def _after_failure(api: HfApi, repo_id: str, branch: str, existed: bool, repo: bool, created_branch: bool,
-                   keep_repo: bool) -> str:
+def _after_failure(
+    api: HfApi, repo_id: str, branch: str, existed: bool, repo: bool, created_branch: bool, keep_repo: bool
+) -> str:
     """Put back what this push created, and say in which state the repo is left. ``keep_repo``: the
     failure looked transient, so a repo this push created stays for the next run to resume."""
     again = " Run the same command again to finish: files that reached the Hub are not sent again." if keep_repo else ""
@@ -491,19 +535,24 @@ def _root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _describe(error: BaseException, api: HfApi, action: str, user: str | None = None,
-              repo_id: str | None = None) -> str:
+def _describe(
+    error: BaseException, api: HfApi, action: str, user: str | None = None, repo_id: str | None = None
+) -> str:
     """What went wrong, in one sentence: what the client said (it names the file of a failed
     upload), the HTTP status and the Hub's message, or the network error."""
     status = _status(error)
     said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if status == 401:
-        return (f"the Hub rejected the token while {action} (401 Unauthorized: invalid or expired). Log in again "
-                f"with `hf auth login` or set HF_TOKEN ({api.endpoint}/settings/tokens).")
+        return (
+            f"the Hub rejected the token while {action} (401 Unauthorized: invalid or expired). Log in again "
+            f"with `hf auth login` or set HF_TOKEN ({api.endpoint}/settings/tokens)."
+        )
     if status == 403 and user and repo_id:
-        return (f"{user} has no write access to {repo_id} (403 Forbidden while {action}: {_server_message(error)}). "
-                f"Use a token with write access to {repo_id.split('/')[0]!r}, or push to {user}/"
-                f"{repo_id.split('/')[1]}.")
+        return (
+            f"{user} has no write access to {repo_id} (403 Forbidden while {action}: {_server_message(error)}). "
+            f"Use a token with write access to {repo_id.split('/')[0]!r}, or push to {user}/"
+            f"{repo_id.split('/')[1]}."
+        )
     if status is not None:
         http = _http_error(error)
         detail = _server_message(error) if http is error else f"{said.rstrip('.')} ({status}: {_server_message(error)})"
@@ -511,4 +560,3 @@ def _describe(error: BaseException, api: HfApi, action: str, user: str | None = 
     cause = _root_cause(error)
     detail = said if cause.endswith(said) else f"{said.rstrip('.')} ({cause})"
     return f"cannot reach the Hub at {api.endpoint} while {action}: {detail}."
-

@@ -30,8 +30,13 @@ DEFAULT_GROUP_SIZE = 64
 FIXED_MODES = {"mxfp4": (32, 4), "mxfp8": (32, 8), "nvfp4": (16, 4)}
 # Mixed recipes (mlx-lm's mixed_X_Y, after llama.cpp's Q4_K_M): affine, (low bits, high bits).
 # Which layers get the high bits: see QuantPlan._more_bits.
-MIXED_RECIPES = {"mixed_2_6": (2, 6), "mixed_3_4": (3, 4), "mixed_3_6": (3, 6), "mixed_4_6": (4, 6),
-                 "mixed_4_8": (4, 8)}
+MIXED_RECIPES = {
+    "mixed_2_6": (2, 6),
+    "mixed_3_4": (3, 4),
+    "mixed_3_6": (3, 6),
+    "mixed_4_6": (4, 6),
+    "mixed_4_8": (4, 8),
+}
 SPECS = (*map(str, AFFINE_BITS), *FIXED_MODES, *MIXED_RECIPES)
 
 BLOCK_LINEAR = re.compile(r"esmc\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)")
@@ -67,7 +72,8 @@ def parse_spec(spec: str, group_size: int | None = None) -> tuple[str, QuantPara
     group = DEFAULT_GROUP_SIZE if group_size is None else group_size
     if group not in AFFINE_GROUP_SIZES:
         raise QuantizeError(
-            f"--group-size {group_size} is not one of {', '.join(map(str, AFFINE_GROUP_SIZES))} (affine modes)")
+            f"--group-size {group_size} is not one of {', '.join(map(str, AFFINE_GROUP_SIZES))} (affine modes)"
+        )
     bits = MIXED_RECIPES[spec][0] if spec in MIXED_RECIPES else int(spec)
     return spec, QuantParams("affine", bits, group)
 
@@ -82,8 +88,7 @@ class QuantPlan:
     quantize_head: bool = False
 
     @classmethod
-    def parse(cls, spec: str, group_size: int | None, config: ESMCConfig,
-              quantize_head: bool = False) -> QuantPlan:
+    def parse(cls, spec: str, group_size: int | None, config: ESMCConfig, quantize_head: bool = False) -> QuantPlan:
         """Parse the spec and check that every layer it quantizes has a width its group size
         divides (raises QuantizeError naming the layer otherwise)."""
         spec, default = parse_spec(spec, group_size)
@@ -107,7 +112,8 @@ class QuantPlan:
         if shape[-1] % params.group_size:
             raise QuantizeError(
                 f"{layer}: input width {shape[-1]} is not divisible by the group size {params.group_size} "
-                f"of --q {self.spec}" + (" (choose --group-size 32 or 64)" if params.mode == "affine" else ""))
+                f"of --q {self.spec}" + (" (choose --group-size 32 or 64)" if params.mode == "affine" else "")
+            )
         return params
 
     def _more_bits(self, layer: int, module: str) -> bool:
@@ -147,4 +153,5 @@ def refuse_quantized(names, where: str) -> None:
     """Quantized weights cannot be quantized again (nor converted): say so, before any work."""
     if any(n.endswith(".scales") for n in names):
         raise QuantizeError(
-            f"{where} is already quantized; quantize from the float checkpoint (or a float MLX directory) instead")
+            f"{where} is already quantized; quantize from the float checkpoint (or a float MLX directory) instead"
+        )

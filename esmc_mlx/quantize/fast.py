@@ -45,7 +45,14 @@ _mxfp4_compiled = mx.compile(_mxfp4)
 
 def quantize(w: mx.array, group_size: int, bits: int, mode: str) -> list[mx.array]:
     """Same result as ``mx.quantize(w, group_size, bits, mode)``."""
-    if mode == "mxfp4" and group_size == 32 and bits == 4 and mx.default_device() == mx.cpu \
-            and w.ndim >= 1 and w.shape[-1] % 32 == 0 and mx.issubdtype(w.dtype, mx.floating):
+    if (
+        mode == "mxfp4"
+        and group_size == 32
+        and bits == 4
+        and mx.default_device() == mx.cpu
+        and w.ndim >= 1
+        and w.shape[-1] % 32 == 0
+        and mx.issubdtype(w.dtype, mx.floating)
+    ):
         return list(_mxfp4_compiled(w))
     return list(mx.quantize(w, group_size=group_size, bits=bits, mode=mode))

@@ -21,8 +21,10 @@ def resolve_model_dir(path_or_repo_id: str | Path, revision: str | None = None) 
     if not source.is_pth and not source.path.is_dir():
         raise ConvertError(f"{path_or_repo_id}: a file, not a model directory")
     if source.is_pth:
-        raise ConvertError(f"{path_or_repo_id}: a legacy checkpoint file, not a model directory; "
-                           f"convert it first: esmc-convert {path_or_repo_id}")
+        raise ConvertError(
+            f"{path_or_repo_id}: a legacy checkpoint file, not a model directory; "
+            f"convert it first: esmc-convert {path_or_repo_id}"
+        )
     return source.path
 
 
@@ -40,9 +42,15 @@ def compute_dtype_for_device(stored: mx.Dtype) -> mx.Dtype:
     return mx.float32 if mx.default_device() == mx.cpu else stored
 
 
-def load(path_or_repo_id: str | Path, revision: str | None = None, dtype: mx.Dtype | None = None,
-         lazy: bool = False, fuse: bool | None = None, compile: bool | None = None,
-         model_class: type[ESMC] = ESMC) -> tuple[ESMC, ESMCTokenizer]:
+def load(
+    path_or_repo_id: str | Path,
+    revision: str | None = None,
+    dtype: mx.Dtype | None = None,
+    lazy: bool = False,
+    fuse: bool | None = None,
+    compile: bool | None = None,
+    model_class: type[ESMC] = ESMC,
+) -> tuple[ESMC, ESMCTokenizer]:
     """Load an esmc-mlx artifact (local directory or Hub repo id) and its tokenizer.
 
     ``dtype`` overrides the compute dtype of float parameters (default: stored dtype on GPU,
@@ -69,8 +77,10 @@ def load(path_or_repo_id: str | Path, revision: str | None = None, dtype: mx.Dty
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise ConvertError(f"{directory}: weights do not match config.json ({e}); if this is a checkpoint in "
-                           "another layout, convert it first with esmc-convert") from None
+        raise ConvertError(
+            f"{directory}: weights do not match config.json ({e}); if this is a checkpoint in "
+            "another layout, convert it first with esmc-convert"
+        ) from None
     stored = FLOAT_DTYPES.get(raw.get("dtype", "float32"), mx.float32)
     target = dtype or compute_dtype_for_device(stored)
     if target != stored:

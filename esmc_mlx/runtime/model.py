@@ -37,7 +37,7 @@ def attention_mask_for(attention_mask: mx.array | None, sequence_id: mx.array | 
     tokens attend only within their own chain. ``attention_mask`` masks padded keys only.
     """
     if sequence_id is not None:
-        return (sequence_id[:, None, :, None] == sequence_id[:, None, None, :])
+        return sequence_id[:, None, :, None] == sequence_id[:, None, None, :]
     if attention_mask is not None:
         return attention_mask.astype(mx.bool_)[:, None, None, :]
     return None
@@ -168,8 +168,7 @@ class MaskedLMHead(nn.Module):
 RUNTIME_DEFAULTS = {"gpu": {"fuse": True, "compile": True}, "cpu": {"fuse": False, "compile": False}}
 
 # Projections that read the same input and can run as one GEMM: (module, fused name, parts).
-FUSIONS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
-           ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
+FUSIONS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
 
 
 def _array_keys(module: nn.Module) -> list[str]:
@@ -185,8 +184,9 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     if any(type(p) is not type(first) or _array_keys(p) != _array_keys(first) for p in parts):
         return None
     settings = ("mode", "bits", "group_size")
-    if any(tuple(getattr(p, a, None) for a in settings) != tuple(getattr(first, a, None) for a in settings)
-           for p in parts):
+    if any(
+        tuple(getattr(p, a, None) for a in settings) != tuple(getattr(first, a, None) for a in settings) for p in parts
+    ):
         return None
     fused = copy.copy(first)  # same class and settings (quantization, policy), new arrays
     for key in _array_keys(first):
@@ -266,8 +266,13 @@ class ESMC(nn.Module):
         self._seen_shapes.add(key)
         return False
 
-    def _forward(self, input_ids: mx.array, mask: mx.array | None, output_hidden_states: bool = False,
-                 output_attentions: bool = False) -> ESMCOutput:
+    def _forward(
+        self,
+        input_ids: mx.array,
+        mask: mx.array | None,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> ESMCOutput:
         x = self.esmc.embed_tokens(input_ids)
         hidden = [x] if output_hidden_states else None
         weights = [] if output_attentions else None
@@ -307,12 +312,16 @@ class ESMC(nn.Module):
     def _warn_long(self, residues: int) -> None:
         """Before the first pass over an input longer than ESMC's training crop: say so, and
         what the quadratic attention will cost (every command inherits this; once per length)."""
-        message = (f"an input of {residues:,} residues is longer than the {TRAINED_LENGTH:,} ESMC was trained on; "
-                   "its outputs are extrapolation")
+        message = (
+            f"an input of {residues:,} residues is longer than the {TRAINED_LENGTH:,} ESMC was trained on; "
+            "its outputs are extrapolation"
+        )
         if residues > 4 * TRAINED_LENGTH:
             scores = self.config.num_attention_heads * (residues + 2) ** 2 * 4  # fp32 scores, one layer, one row
-            message += (f". Attention grows with the square of the length: expect this to be slow and to need "
-                        f"about {scores / 2**30:,.1f} GB per sequence for attention alone")
+            message += (
+                f". Attention grows with the square of the length: expect this to be slow and to need "
+                f"about {scores / 2**30:,.1f} GB per sequence for attention alone"
+            )
         warnings.warn(message, EsmcMlxWarning, stacklevel=3)
 
     @property

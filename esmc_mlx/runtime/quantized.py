@@ -61,8 +61,15 @@ def dequantize_first(tokens: int, mode: str) -> bool:
 
 def dequantized_weight(module: nn.Module, dtype: mx.Dtype) -> mx.array:
     """The float weight of a quantized linear or embedding."""
-    return mx.dequantize(module["weight"], module["scales"], module.get("biases"), group_size=module.group_size,
-                         bits=module.bits, mode=module.mode, dtype=dtype)
+    return mx.dequantize(
+        module["weight"],
+        module["scales"],
+        module.get("biases"),
+        group_size=module.group_size,
+        bits=module.bits,
+        mode=module.mode,
+        dtype=dtype,
+    )
 
 
 class QuantizedLinear(nn.QuantizedLinear):
@@ -123,4 +130,3 @@ def dequantize_model(model: nn.Module, dtype: mx.Dtype | None = None) -> nn.Modu
     if swaps:
         model.update_modules(tree_unflatten(swaps))
     return model
-

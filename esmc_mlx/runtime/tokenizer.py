@@ -63,8 +63,9 @@ class ESMCTokenizer:
         encoded = [self.encode(s, name=names[i] if names else None) for i, s in enumerate(sequences)]
         return self.pad(encoded, return_tensors, return_sequence_id)
 
-    def pad(self, encoded: Sequence[Sequence[int]], return_tensors: str | None = "mlx",
-            return_sequence_id: bool = False) -> dict:
+    def pad(
+        self, encoded: Sequence[Sequence[int]], return_tensors: str | None = "mlx", return_sequence_id: bool = False
+    ) -> dict:
         """Right-pad already encoded rows into a batch; the same outputs as ``__call__``."""
         width = max(len(e) for e in encoded)
         ids = np.full((len(encoded), width), self.pad_token_id, dtype=np.int32)

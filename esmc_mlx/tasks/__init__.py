@@ -41,11 +41,27 @@ class ProteinModel(ESMC):
         return pseudo_perplexity(self, sequences, **kwargs)
 
 
-def load(path_or_repo_id: str | Path, revision: str | None = None, dtype: mx.Dtype | None = None,
-         **kwargs) -> tuple[ProteinModel, ESMCTokenizer]:
+def load(
+    path_or_repo_id: str | Path, revision: str | None = None, dtype: mx.Dtype | None = None, **kwargs
+) -> tuple[ProteinModel, ESMCTokenizer]:
     """``esmc_mlx.runtime.load`` returning a ``ProteinModel`` (same arguments, same errors)."""
     return load_runtime(path_or_repo_id, revision, dtype, model_class=ProteinModel, **kwargs)
 
 
-__all__ = ["Embeddings", "MutationScores", "ProteinModel", "Record", "Scan", "embed", "embed_fasta", "load",
-           "parse_fasta", "pseudo_perplexity", "read_embeddings", "read_fasta", "scan", "score_csv", "score_mutations"]
+__all__ = [
+    "Embeddings",
+    "MutationScores",
+    "ProteinModel",
+    "Record",
+    "Scan",
+    "embed",
+    "embed_fasta",
+    "load",
+    "parse_fasta",
+    "pseudo_perplexity",
+    "read_embeddings",
+    "read_fasta",
+    "scan",
+    "score_csv",
+    "score_mutations",
+]

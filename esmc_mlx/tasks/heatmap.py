@@ -40,8 +40,9 @@ def check_plotting() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise JobError("drawing the heatmap needs matplotlib: pip install 'esmc-mlx[plot]' "
-                       "(or pass --no-plot)") from None
+        raise JobError(
+            "drawing the heatmap needs matplotlib: pip install 'esmc-mlx[plot]' (or pass --no-plot)"
+        ) from None
 
 
 def plot_heatmap(scan, path: str | Path, per_row: int = 100) -> Path:
@@ -80,13 +81,17 @@ def plot_heatmap(scan, path: str | Path, per_row: int = 100) -> Path:
         top = ax.secondary_xaxis("top")
         top.set_xticks(range(hi - lo), list(wt[lo:hi]), fontsize=5)
         top.tick_params(length=0, pad=1)
-    cax = fig.add_axes(((width - RIGHT + 0.25) / width, (height - TOP - PANEL) / height, 0.12 / width,
-                        PANEL / height))
+    cax = fig.add_axes(((width - RIGHT + 0.25) / width, (height - TOP - PANEL) / height, 0.12 / width, PANEL / height))
     bar = fig.colorbar(image, cax=cax)
     bar.set_label(f"{scan.method.replace('_', '-')}\nlog p(mut) - log p(wt)", fontsize=6)
     bar.ax.tick_params(labelsize=6)
-    fig.text(LEFT / width, 1 - 0.15 / height, f"{scan.name}: {n} residues, {scan.method.replace('_', '-')}",
-             fontsize=8, va="top")
+    fig.text(
+        LEFT / width,
+        1 - 0.15 / height,
+        f"{scan.name}: {n} residues, {scan.method.replace('_', '-')}",
+        fontsize=8,
+        va="top",
+    )
     with atomic_file(path, "wb") as f:
         fig.savefig(f, dpi=DPI, format="png")
     return path

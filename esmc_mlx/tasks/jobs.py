@@ -43,6 +43,7 @@ CHUNK_RECORDS = 8192  # FASTA records read, sorted by length and embedded at a t
 
 # --- esmc-mlx embed ---------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class EmbedSummary:
     out: Path
@@ -62,11 +63,26 @@ def _model(model, name: str | None):
 
 
 @locked("out", when=lambda args: World.of(args["group"]).is_root)
-def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, per_residue: bool = False,
-                layers=None, pools=None, storage: str = "npy", batch_tokens: int = DEFAULT_BATCH_TOKENS,
-                dtype: str = "float32", force: bool = False, flush_every: int = 256, flush_seconds: float = 60.0,
-                chunk_records: int = CHUNK_RECORDS, group=None, progress: bool = False,
-                model_name: str | None = None) -> EmbedSummary:
+def embed_fasta(
+    model,
+    fasta: str | Path,
+    out: str | Path,
+    *,
+    layer: int = -1,
+    per_residue: bool = False,
+    layers=None,
+    pools=None,
+    storage: str = "npy",
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    dtype: str = "float32",
+    force: bool = False,
+    flush_every: int = 256,
+    flush_seconds: float = 60.0,
+    chunk_records: int = CHUNK_RECORDS,
+    group=None,
+    progress: bool = False,
+    model_name: str | None = None,
+) -> EmbedSummary:
     """Embed every record of ``fasta`` into the directory ``out``, resuming from what is there.
     ``model``: a loaded ESMC, or a path / Hub id to load once the FASTA has been read.
     ``layers`` (``"all"``, ``"6,12,-1"`` or ints; default ``layer``) and ``pools`` (mean, max,
@@ -99,11 +115,18 @@ def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, p
     n_layers = model.config.num_hidden_layers
     layers = resolve_layers(layer if layers is None else layers, n_layers)
     names = array_names(layers, pools)
-    settings = {"layers": list(layers), "pools": list(pools), "dtype": dtype, "storage": storage,
-                "hidden_size": model.config.hidden_size, "num_hidden_layers": n_layers,
-                "arrays": list(names.values()),
-                "pooling": "mean and max over the tokens between <cls> and <eos>; cls = the <cls> token",
-                "model": model_name, "fasta": str(fasta)}
+    settings = {
+        "layers": list(layers),
+        "pools": list(pools),
+        "dtype": dtype,
+        "storage": storage,
+        "hidden_size": model.config.hidden_size,
+        "num_hidden_layers": n_layers,
+        "arrays": list(names.values()),
+        "pooling": "mean and max over the tokens between <cls> and <eos>; cls = the <cls> token",
+        "model": model_name,
+        "fasta": str(fasta),
+    }
     store, id_index = (EmbeddingStore(out) if world.is_root else None), None
     # Rank 0 reads the directory; every rank learns what is left (and whether rank 0 failed).
     status, failure = np.zeros(len(ids) + 1, dtype=np.int32), None
@@ -113,8 +136,10 @@ def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, p
             id_index = IdIndex(ids)
             done, changed = store.status(id_index, hashes)
             if changed:
-                raise JobError(f"{out} holds an embedding of another sequence under the ID {changed[0]!r} "
-                               f"({len(changed)} such IDs); use another output directory or --force")
+                raise JobError(
+                    f"{out} holds an embedding of another sequence under the ID {changed[0]!r} "
+                    f"({len(changed)} such IDs); use another output directory or --force"
+                )
             status[1:] = done
         except EsmcMlxError as e:
             failure, status[0] = e, 1
@@ -133,15 +158,23 @@ def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, p
         nonlocal buffer, buffered, buffered_bytes, last_flush
         if store is not None and buffer:
             rows = np.concatenate([b[0] for b in buffer])
-            store.write_part([ids[i] for i in rows], hashes[rows].astype(str).tolist(), lengths[rows],
-                             {name: np.concatenate([b[1][name] for b in buffer]).astype(out_dtype)
-                              for name in names.values()})
+            store.write_part(
+                [ids[i] for i in rows],
+                hashes[rows].astype(str).tolist(),
+                lengths[rows],
+                {name: np.concatenate([b[1][name] for b in buffer]).astype(out_dtype) for name in names.values()},
+            )
         buffer, buffered, buffered_bytes, last_flush = [], 0, 0, time.monotonic()
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=int((~is_done).sum()), unit="seq", desc="embed", disable=not (progress and world.is_root),
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=int((~is_done).sum()),
+        unit="seq",
+        desc="embed",
+        disable=not (progress and world.is_root),
+        dynamic_ncols=True,
+    )
     try:
         for first, chunk in _chunks(iter_fasta(fasta), chunk_records):
             pending = [k for k in range(len(chunk)) if not is_done[first + k]]
@@ -166,8 +199,11 @@ def embed_fasta(model, fasta: str | Path, out: str | Path, *, layer: int = -1, p
                         buffered += n
                         buffered_bytes += flat.nbytes
                         bar.update(n)
-                if (buffered >= flush_every or buffered_bytes >= FLUSH_BYTES
-                        or time.monotonic() - last_flush >= flush_seconds):
+                if (
+                    buffered >= flush_every
+                    or buffered_bytes >= FLUSH_BYTES
+                    or time.monotonic() - last_flush >= flush_seconds
+                ):
                     flush()
     finally:
         flush()  # keep what was computed, also on Ctrl-C
@@ -213,6 +249,7 @@ def _unflatten(flat: np.ndarray, names: dict, lengths: np.ndarray, d: int) -> di
 
 # --- esmc-mlx scan ----------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class ScanSummary:
     out: Path
@@ -222,10 +259,22 @@ class ScanSummary:
 
 
 @locked("out", when=lambda args: World.of(args["group"]).is_root)
-def scan_job(model, out: str | Path, *, sequence: str | None = None, fasta: str | Path | None = None,
-             name: str = "sequence", method: str = "masked_marginal", batch_size: int = DEFAULT_BATCH_SIZE,
-             window: int | None = DEFAULT_WINDOW, offset: int = 1, plot: bool = True, per_row: int = 100,
-             group=None, progress: bool = False) -> ScanSummary:
+def scan_job(
+    model,
+    out: str | Path,
+    *,
+    sequence: str | None = None,
+    fasta: str | Path | None = None,
+    name: str = "sequence",
+    method: str = "masked_marginal",
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    window: int | None = DEFAULT_WINDOW,
+    offset: int = 1,
+    plot: bool = True,
+    per_row: int = 100,
+    group=None,
+    progress: bool = False,
+) -> ScanSummary:
     """Scan ``sequence`` (literal, or a FASTA file with one record) or every record of
     ``fasta`` and write each protein's files into ``out`` (see ``Scan.write``); rank 0 writes.
     Raises FastaError, ScoringError, JobError (matplotlib missing with ``plot``)."""
@@ -240,8 +289,17 @@ def scan_job(model, out: str | Path, *, sequence: str | None = None, fasta: str 
     model, _ = _model(model, None)
     world, scanned = World.of(group), []
     for ident, seq in records:
-        result = run_scan(model, seq, method=method, batch_size=batch_size, window=window, offset=offset,
-                          name=ident, group=world.group, progress=progress)
+        result = run_scan(
+            model,
+            seq,
+            method=method,
+            batch_size=batch_size,
+            window=window,
+            offset=offset,
+            name=ident,
+            group=world.group,
+            progress=progress,
+        )
         if world.is_root:
             result.write(out, plot=plot, per_row=per_row)
         scanned.append((ident, len(result.positions), result.passes))
@@ -249,6 +307,7 @@ def scan_job(model, out: str | Path, *, sequence: str | None = None, fasta: str 
 
 
 # --- esmc-mlx score ---------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class ScoreSummary:
@@ -281,8 +340,10 @@ def read_mutants_csv(path: str | Path, mutant_column: str = "mutant") -> tuple[l
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise JobError(f"{path}: cannot read CSV ({e})") from None
     if mutant_column not in columns:
-        raise JobError(f"{path}: no {mutant_column!r} column (columns: {', '.join(columns) or 'none'}); "
-                       "name the column of mutant strings with --mutant-column")
+        raise JobError(
+            f"{path}: no {mutant_column!r} column (columns: {', '.join(columns) or 'none'}); "
+            "name the column of mutant strings with --mutant-column"
+        )
     if not rows:
         raise JobError(f"{path}: no rows")
     return columns, rows, where
@@ -309,11 +370,22 @@ def _is_file(path: Path) -> bool:
 
 
 @locked("out", when=lambda args: World.of(args["group"]).is_root, create_parent=False)
-def score_csv(model, sequence: str, mutations_csv: str | Path, out: str | Path | None, *,
-              methods: Sequence[str] = ("masked_marginal", "wt_marginal"), batch_size: int = DEFAULT_BATCH_SIZE,
-              offset: int = 1, multi: str = "sum", window: int | None = DEFAULT_WINDOW,
-              mutant_column: str = "mutant", dms_column: str = "DMS_score",
-              group=None, progress: bool = False) -> ScoreSummary:
+def score_csv(
+    model,
+    sequence: str,
+    mutations_csv: str | Path,
+    out: str | Path | None,
+    *,
+    methods: Sequence[str] = ("masked_marginal", "wt_marginal"),
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    offset: int = 1,
+    multi: str = "sum",
+    window: int | None = DEFAULT_WINDOW,
+    mutant_column: str = "mutant",
+    dms_column: str = "DMS_score",
+    group=None,
+    progress: bool = False,
+) -> ScoreSummary:
     """Score the mutants of a CSV and write it back (to ``out``) with one column per method.
     ``sequence``: the wild type, or a FASTA file holding it. ``model``: a loaded ESMC, or a
     path / Hub id to load once the input has been checked.
@@ -336,11 +408,24 @@ def score_csv(model, sequence: str, mutations_csv: str | Path, out: str | Path |
         for row, subs, prefix in zip(rows, parsed, where):
             given = (row["mutated_sequence"] or "").strip().upper()
             if given and given != apply(wt, subs):
-                raise JobError(f"{prefix}mutated_sequence does not match the mutant {row[mutant_column]!r} "
-                               "applied to the wild type (wrong --sequence or --offset?)")
+                raise JobError(
+                    f"{prefix}mutated_sequence does not match the mutant {row[mutant_column]!r} "
+                    "applied to the wild type (wrong --sequence or --offset?)"
+                )
     model, _ = _model(model, None)
-    result = score_mutations(model, wt, mutants, methods=methods, batch_size=batch_size, offset=offset,
-                             multi=multi, window=window, group=world.group, progress=progress, where=where)
+    result = score_mutations(
+        model,
+        wt,
+        mutants,
+        methods=methods,
+        batch_size=batch_size,
+        offset=offset,
+        multi=multi,
+        window=window,
+        group=world.group,
+        progress=progress,
+        where=where,
+    )
     correlations = {}
     if dms_column in columns:
         measured = np.array([_float(row[dms_column]) for row in rows])
@@ -355,9 +440,17 @@ def score_csv(model, sequence: str, mutations_csv: str | Path, out: str | Path |
             writer.writeheader()
             for i, row in enumerate(rows):
                 writer.writerow({**row, **{m: _fmt(v[i]) for m, v in result.scores.items()}})
-    return ScoreSummary(out_path, len(rows), list(result.scores), correlations,
-                        dms_column if dms_column in columns else None, result.wt_pppl, result.passes,
-                        world.rank, world.size)
+    return ScoreSummary(
+        out_path,
+        len(rows),
+        list(result.scores),
+        correlations,
+        dms_column if dms_column in columns else None,
+        result.wt_pppl,
+        result.passes,
+        world.rank,
+        world.size,
+    )
 
 
 def _float(text: str | None) -> float:

@@ -68,11 +68,13 @@ def parse_mutant(text: str, sequence: str, offset: int = 1, where: str = "") -> 
     return subs
 
 
-def parse_mutants(mutants: list[str], sequence: str, offset: int = 1,
-                  where: list[str] | None = None) -> list[list[Substitution]]:
+def parse_mutants(
+    mutants: list[str], sequence: str, offset: int = 1, where: list[str] | None = None
+) -> list[list[Substitution]]:
     """Parse many mutant strings; ``where[i]`` prefixes the message for ``mutants[i]``."""
-    return [parse_mutant(m, sequence, offset, where[i] if where else f"mutant {i + 1}: ")
-            for i, m in enumerate(mutants)]
+    return [
+        parse_mutant(m, sequence, offset, where[i] if where else f"mutant {i + 1}: ") for i, m in enumerate(mutants)
+    ]
 
 
 def apply(sequence: str, subs: list[Substitution]) -> str:

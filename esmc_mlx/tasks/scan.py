@@ -66,8 +66,11 @@ class Scan:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         stem = safe_name(self.name)
-        paths = {"csv": out_dir / f"{stem}_scan.csv", "npy": out_dir / f"{stem}_matrix.npy",
-                 "matrix_csv": out_dir / f"{stem}_matrix.csv"}
+        paths = {
+            "csv": out_dir / f"{stem}_scan.csv",
+            "npy": out_dir / f"{stem}_matrix.npy",
+            "matrix_csv": out_dir / f"{stem}_matrix.csv",
+        }
         with atomic_file(paths["csv"], "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["mutant", "position", "wt", "mut", self.method, "entropy"])
@@ -79,8 +82,14 @@ class Scan:
             w = csv.writer(f)
             w.writerow(["position", "wt", *AMINO_ACIDS_20, "entropy"])
             for k, p in enumerate(self.positions):
-                w.writerow([int(p) + self.offset, self.sequence[p], *(f"{v:.6g}" for v in self.scores[k]),
-                            f"{self.entropy[k]:.6g}"])
+                w.writerow(
+                    [
+                        int(p) + self.offset,
+                        self.sequence[p],
+                        *(f"{v:.6g}" for v in self.scores[k]),
+                        f"{self.entropy[k]:.6g}",
+                    ]
+                )
         if plot:
             paths["png"] = out_dir / f"{stem}_heatmap.png"
             plot_heatmap(self, paths["png"], per_row=per_row)
@@ -92,9 +101,18 @@ def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "sequence"
 
 
-def scan(model, sequence: str, *, method: str = "masked_marginal", batch_size: int = DEFAULT_BATCH_SIZE,
-         window: int | None = DEFAULT_WINDOW, offset: int = 1, name: str = "sequence", group=None,
-         progress: bool = False) -> Scan:
+def scan(
+    model,
+    sequence: str,
+    *,
+    method: str = "masked_marginal",
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    window: int | None = DEFAULT_WINDOW,
+    offset: int = 1,
+    name: str = "sequence",
+    group=None,
+    progress: bool = False,
+) -> Scan:
     """Score all 19 substitutions at every residue of ``sequence``.
 
     ``masked_marginal``: one masked copy per residue (``batch_size`` copies a pass, so an
@@ -124,5 +142,6 @@ def scan(model, sequence: str, *, method: str = "masked_marginal", batch_size: i
     aa = logp[:, _AA_IDS]
     aa = aa - np.logaddexp.reduce(aa, axis=1, keepdims=True)  # renormalised over the 20
     entropy = -(np.exp(aa) * aa).sum(axis=1)
-    return Scan(sequence, method, positions, scores.astype(np.float32), entropy.astype(np.float32), offset, passes,
-                name)
+    return Scan(
+        sequence, method, positions, scores.astype(np.float32), entropy.astype(np.float32), offset, passes, name
+    )

@@ -46,10 +46,12 @@ _TOKENIZER = ESMCTokenizer()
 
 # --- shared plumbing ------------------------------------------------------------------------
 
+
 def encode(sequences: Sequence[str], tokenizer=None, names: Sequence[str] | None = None) -> list[np.ndarray]:
     tok = tokenizer or _TOKENIZER
-    return [np.asarray(tok.encode(s, name=names[i] if names else None), dtype=np.int32)
-            for i, s in enumerate(sequences)]
+    return [
+        np.asarray(tok.encode(s, name=names[i] if names else None), dtype=np.int32) for i, s in enumerate(sequences)
+    ]
 
 
 def _pack(encoded: list[np.ndarray], rows: Sequence[int], tokenizer=None):
@@ -106,8 +108,10 @@ def resolve_layer(layer: int, num_layers: int) -> int:
     """Index into ``hidden_states`` (0 = token embeddings, i = after block i, ``num_layers`` =
     final, after the last LayerNorm); negative counts from the end (-1 = final)."""
     if not -(num_layers + 1) <= layer <= num_layers:
-        raise ScoringError(f"layer {layer} is out of range: this model has hidden states 0..{num_layers} "
-                           f"(0 = token embeddings, {num_layers} or -1 = final)")
+        raise ScoringError(
+            f"layer {layer} is out of range: this model has hidden states 0..{num_layers} "
+            f"(0 = token embeddings, {num_layers} or -1 = final)"
+        )
     return layer % (num_layers + 1)
 
 
@@ -160,8 +164,9 @@ def length_batches(token_lengths: Sequence[int], batch_tokens: int) -> list[np.n
     return batches
 
 
-def iter_embeddings(model, encoded: list[np.ndarray], batches: Sequence[Sequence[int]], *,
-                    layers=(-1,), pools=("mean",)) -> Iterator[tuple[np.ndarray, dict]]:
+def iter_embeddings(
+    model, encoded: list[np.ndarray], batches: Sequence[Sequence[int]], *, layers=(-1,), pools=("mean",)
+) -> Iterator[tuple[np.ndarray, dict]]:
     """For each batch of indices into ``encoded`` (token ids with <cls>/<eos>): the indices and
     ``{(layer, pool): value}`` for every layer and pool, from one forward pass: pooled values
     (n, d) float32, per-residue values a list of (L_i, d) float32 arrays. Pools over the residue
@@ -196,8 +201,18 @@ def iter_embeddings(model, encoded: list[np.ndarray], batches: Sequence[Sequence
         yield rows, values
 
 
-def embed(model, sequences: str | Sequence[str], *, layer: int = -1, per_residue: bool = False, layers=None,
-          pools=None, batch_tokens: int = DEFAULT_BATCH_TOKENS, tokenizer=None, progress: bool = False) -> Embeddings:
+def embed(
+    model,
+    sequences: str | Sequence[str],
+    *,
+    layer: int = -1,
+    per_residue: bool = False,
+    layers=None,
+    pools=None,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    tokenizer=None,
+    progress: bool = False,
+) -> Embeddings:
     """Embeddings of ``sequences`` from the hidden states ``layers`` (0 = token embeddings, -1 =
     final; default: ``layer``) pooled as ``pools`` (mean, max, cls, per_residue; default: mean,
     plus per_residue with ``per_residue``), all from one forward pass per batch. Sequences are
@@ -210,8 +225,9 @@ def embed(model, sequences: str | Sequence[str], *, layer: int = -1, per_residue
     pools = resolve_pools(pools if pools is not None else ("mean", "per_residue") if per_residue else ("mean",))
     encoded = encode(sequences, tokenizer)
     d, n = model.config.hidden_size, len(encoded)
-    pooled = {(i, p): ([None] * n if p == "per_residue" else np.zeros((n, d), np.float32))
-              for i in layers for p in pools}
+    pooled = {
+        (i, p): ([None] * n if p == "per_residue" else np.zeros((n, d), np.float32)) for i in layers for p in pools
+    }
     batches = length_batches([len(e) for e in encoded], batch_tokens)
     with _progress(n, "seq", "embed", progress) as bar:
         for rows, values in iter_embeddings(model, encoded, batches, layers=layers, pools=pools):
@@ -223,15 +239,24 @@ def embed(model, sequences: str | Sequence[str], *, layer: int = -1, per_residue
                     pooled[key][rows] = v
             bar.update(len(rows))
     first = layers[0]
-    return Embeddings(pooled.get((first, "mean")), pooled.get((first, "per_residue")), first, pooled, layers,
-                      n_layers)
+    return Embeddings(pooled.get((first, "mean")), pooled.get((first, "per_residue")), first, pooled, layers, n_layers)
 
 
 # --- masked and unmasked log-probabilities ---------------------------------------------------
 
-def token_log_probs(model, sequences: Sequence[str], seq_index, mask_pos, *, batch_size: int = DEFAULT_BATCH_SIZE,
-                    targets_only: bool = False, world: World | None = None, progress: bool = False,
-                    desc: str = "score") -> tuple[np.ndarray, int]:
+
+def token_log_probs(
+    model,
+    sequences: Sequence[str],
+    seq_index,
+    mask_pos,
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    targets_only: bool = False,
+    world: World | None = None,
+    progress: bool = False,
+    desc: str = "score",
+) -> tuple[np.ndarray, int]:
     """Full-vocabulary log-probabilities for a list of jobs, ``batch_size`` rows a pass.
 
     Job j runs ``sequences[seq_index[j]]`` with residue ``mask_pos[j]`` (0-based) masked and reads
@@ -245,13 +270,33 @@ def token_log_probs(model, sequences: Sequence[str], seq_index, mask_pos, *, bat
     lengths = [len(s) for s in sequences]
     masks = [np.array([p]) if p >= 0 else np.zeros(0, np.int64) for p in mask_pos]
     reads = [np.array([p]) if p >= 0 else np.arange(lengths[i]) for i, p in zip(seq_index, mask_pos)]
-    return run_jobs(model, sequences, seq_index, masks, reads, batch_size=batch_size, targets_only=targets_only,
-                    world=world, progress=progress, desc=desc)
+    return run_jobs(
+        model,
+        sequences,
+        seq_index,
+        masks,
+        reads,
+        batch_size=batch_size,
+        targets_only=targets_only,
+        world=world,
+        progress=progress,
+        desc=desc,
+    )
 
 
-def run_jobs(model, sequences: Sequence[str], seq_index, masks: Sequence[np.ndarray], reads: Sequence[np.ndarray], *,
-             batch_size: int = DEFAULT_BATCH_SIZE, targets_only: bool = False, world: World | None = None,
-             progress: bool = False, desc: str = "score") -> tuple[np.ndarray, int]:
+def run_jobs(
+    model,
+    sequences: Sequence[str],
+    seq_index,
+    masks: Sequence[np.ndarray],
+    reads: Sequence[np.ndarray],
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    targets_only: bool = False,
+    world: World | None = None,
+    progress: bool = False,
+    desc: str = "score",
+) -> tuple[np.ndarray, int]:
     """The general form of ``token_log_probs``: job j runs ``sequences[seq_index[j]]`` with the
     residues ``masks[j]`` (0-based, any number, none for an unmasked pass) replaced by <mask>
     and reads the rows at ``reads[j]``. One row per job goes into a batch of ``batch_size``.
@@ -314,6 +359,7 @@ def _residue_positions(sequence: str) -> np.ndarray:
 
 # --- windows over long sequences ---------------------------------------------------------------
 
+
 def window_bounds(center: int, length: int, width: int | None) -> tuple[int, int]:
     """[start, end) of the residues scored with the window centred on residue ``center``
     (ProteinGym's ``scoring_window="optimal"``): the whole sequence when it fits in ``width``,
@@ -328,10 +374,16 @@ def window_bounds(center: int, length: int, width: int | None) -> tuple[int, int
 def check_length(sequence: str, window: int | None, what: str = "sequence") -> None:
     """Warn when ``sequence`` is longer than the model was trained on (2,048 tokens)."""
     if len(sequence) + 2 > TRAINED_TOKENS:
-        how = (f"it is scored in windows of {window} residues centred on each scored site" if window
-               and len(sequence) > window else "it is scored whole (no --window), beyond the trained length")
-        warnings.warn(f"{what} has {len(sequence)} residues, longer than the {TRAINED_TOKENS} tokens "
-                      f"({TRAINED_TOKENS - 2} residues) ESMC was trained on; {how}", stacklevel=3)
+        how = (
+            f"it is scored in windows of {window} residues centred on each scored site"
+            if window and len(sequence) > window
+            else "it is scored whole (no --window), beyond the trained length"
+        )
+        warnings.warn(
+            f"{what} has {len(sequence)} residues, longer than the {TRAINED_TOKENS} tokens "
+            f"({TRAINED_TOKENS - 2} residues) ESMC was trained on; {how}",
+            stacklevel=3,
+        )
 
 
 class _Jobs:
@@ -357,8 +409,10 @@ class _Jobs:
         sites = np.asarray(sites, dtype=np.int64)
         start, end = window_bounds(int(sites.min() + sites.max()) // 2, len(sequence), window)
         if sites.min() < start or sites.max() >= end:
-            raise ScoringError(f"sites {sites.min() + 1}..{sites.max() + 1} span more than the window of {window} "
-                               "residues; joint masking needs them in one window (raise --window)")
+            raise ScoringError(
+                f"sites {sites.min() + 1}..{sites.max() + 1} span more than the window of {window} "
+                "residues; joint masking needs them in one window (raise --window)"
+            )
         local = sites - start
         return self.add(sequence[start:end], local if masked else [], local)
 
@@ -370,8 +424,15 @@ class _Jobs:
         return np.split(rows, cuts), passes
 
 
-def pseudo_perplexity(model, sequences: str | Sequence[str], *, batch_size: int = DEFAULT_BATCH_SIZE,
-                      window: int | None = DEFAULT_WINDOW, group=None, progress: bool = False) -> np.ndarray:
+def pseudo_perplexity(
+    model,
+    sequences: str | Sequence[str],
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    window: int | None = DEFAULT_WINDOW,
+    group=None,
+    progress: bool = False,
+) -> np.ndarray:
     """exp(-mean_i log p(x_i | x with i masked)) over each sequence's residues: one masked
     copy per residue, masked copies of all sequences share passes, ``batch_size`` a pass.
     A sequence longer than ``window`` residues is read through a window centred on each
@@ -385,8 +446,9 @@ def pseudo_perplexity(model, sequences: str | Sequence[str], *, batch_size: int 
         for p in _residue_positions(s):
             jobs.site(s, [p], masked=True, window=window)
             owner.append(i)
-    rows, _ = jobs.run(model, batch_size=batch_size, targets_only=True, world=World.of(group), progress=progress,
-                       desc="pppl")
+    rows, _ = jobs.run(
+        model, batch_size=batch_size, targets_only=True, world=World.of(group), progress=progress, desc="pppl"
+    )
     logp = np.concatenate(rows).astype(np.float64)
     owner = np.array(owner)
     sums = np.bincount(owner, weights=logp, minlength=len(sequences))
@@ -394,6 +456,7 @@ def pseudo_perplexity(model, sequences: str | Sequence[str], *, batch_size: int 
 
 
 # --- variant scores --------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class MutationScores:
@@ -410,11 +473,20 @@ class MutationScores:
         return self.scores[method]
 
 
-def score_mutations(model, sequence: str, mutations: Sequence[str], *,
-                    methods: Sequence[str] = ("masked_marginal", "wt_marginal"),
-                    batch_size: int = DEFAULT_BATCH_SIZE, offset: int = 1, multi: str = "sum",
-                    window: int | None = DEFAULT_WINDOW, group=None,
-                    progress: bool = False, where: Sequence[str] | None = None) -> MutationScores:
+def score_mutations(
+    model,
+    sequence: str,
+    mutations: Sequence[str],
+    *,
+    methods: Sequence[str] = ("masked_marginal", "wt_marginal"),
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    offset: int = 1,
+    multi: str = "sum",
+    window: int | None = DEFAULT_WINDOW,
+    group=None,
+    progress: bool = False,
+    where: Sequence[str] | None = None,
+) -> MutationScores:
     """Score ProteinGym-style mutant strings (``A23G``, ``A23G:L40P``; 1-based from ``offset``)
     against the wild-type ``sequence``.
 
@@ -486,8 +558,9 @@ def score_mutations(model, sequence: str, mutations: Sequence[str], *,
         scores["masked_marginal"] = np.array(values, dtype=np.float64)
     if "wt_marginal" in methods:
         scores["wt_marginal"] = np.array(
-            [sum(ratio(rows[unmasked_job[s.index][0]][unmasked_job[s.index][1]], s) for s in subs)
-             for subs in parsed], dtype=np.float64)
+            [sum(ratio(rows[unmasked_job[s.index][0]][unmasked_job[s.index][1]], s) for s in subs) for subs in parsed],
+            dtype=np.float64,
+        )
     wt_pppl = None
     if "pppl" in methods:
         positions = _residue_positions(sequence)
@@ -500,8 +573,9 @@ def score_mutations(model, sequence: str, mutations: Sequence[str], *,
             for v in variants:
                 for p in positions:
                     more_jobs.site(v, [p], masked=True, window=window)
-            logp, more = more_jobs.run(model, batch_size=batch_size, targets_only=True, world=world,
-                                       progress=progress, desc="pppl")
+            logp, more = more_jobs.run(
+                model, batch_size=batch_size, targets_only=True, world=world, progress=progress, desc="pppl"
+            )
             means = np.concatenate(logp).astype(np.float64).reshape(len(variants), len(positions)).mean(axis=1)
             passes += more
             values.update(zip(variants, np.exp(-means)))

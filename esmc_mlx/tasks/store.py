@@ -51,9 +51,11 @@ ST_INDEX = "embeddings.safetensors.index.json"
 H5_FILE = "embeddings.h5"
 COPY_ROWS = 1 << 16  # rows per copy when converting the merged arrays to safetensors / HDF5
 # what an embeddings directory may hold: its files, parts, merge staging, temporary files
-_OURS = re.compile(r"manifest\.json|index\.tsv|[A-Za-z0-9_]+\.npy|embeddings-\d+-of-\d+\.safetensors"
-                   r"|embeddings\.safetensors\.index\.json|embeddings\.h5|parts|\.merge"
-                   r"|\.esmc-mlx|\..+\.tmp(-\d+-[0-9a-f]+)?")
+_OURS = re.compile(
+    r"manifest\.json|index\.tsv|[A-Za-z0-9_]+\.npy|embeddings-\d+-of-\d+\.safetensors"
+    r"|embeddings\.safetensors\.index\.json|embeddings\.h5|parts|\.merge"
+    r"|\.esmc-mlx|\..+\.tmp(-\d+-[0-9a-f]+)?"
+)
 
 
 def sequence_hash(sequence: str) -> str:
@@ -117,8 +119,11 @@ class IdIndex:
 
 
 def _keys(ids: Sequence[str]) -> np.ndarray:
-    return np.fromiter((int.from_bytes(hashlib.blake2b(i.encode(), digest_size=8).digest(), "little") for i in ids),
-                       dtype=np.uint64, count=len(ids))
+    return np.fromiter(
+        (int.from_bytes(hashlib.blake2b(i.encode(), digest_size=8).digest(), "little") for i in ids),
+        dtype=np.uint64,
+        count=len(ids),
+    )
 
 
 def array_names(layers: Sequence[int], pools: Sequence[str]) -> dict[tuple[int, str], str]:
@@ -139,6 +144,7 @@ def require_h5py():
 
 
 # --- the embedding directory (rank 0 only) ---------------------------------------------------
+
 
 class EmbeddingStore:
     def __init__(self, out: str | Path):
@@ -183,17 +189,24 @@ class EmbeddingStore:
             raise JobError(f"{self.out} exists, is not empty and is not an esmc-mlx embeddings directory")
         if force and self.out.exists():
             if foreign or _foreign_manifest(self.manifest_path):
-                raise JobError(f"--force will not clear {self.out}: it holds files esmc-mlx did not write "
-                               f"({', '.join(sorted(foreign or ['manifest.json'])[:5])}); move them out first")
+                raise JobError(
+                    f"--force will not clear {self.out}: it holds files esmc-mlx did not write "
+                    f"({', '.join(sorted(foreign or ['manifest.json'])[:5])}); move them out first"
+                )
             for p in self.out.iterdir():
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
             existing = None
         if existing is not None:
-            differ = [f"{k}: {existing.get(k)!r} there, {settings[k]!r} now" for k in SETTINGS_KEYS
-                      if existing.get(k) != settings[k]]
+            differ = [
+                f"{k}: {existing.get(k)!r} there, {settings[k]!r} now"
+                for k in SETTINGS_KEYS
+                if existing.get(k) != settings[k]
+            ]
             if differ:
-                raise JobError(f"{self.out} holds embeddings made with other settings ({'; '.join(differ)}); "
-                               "use another output directory or --force to start over")
+                raise JobError(
+                    f"{self.out} holds embeddings made with other settings ({'; '.join(differ)}); "
+                    "use another output directory or --force to start over"
+                )
         self.parts.mkdir(parents=True, exist_ok=True)
         for folder in (self.out, self.parts):  # temporary files of runs that were killed
             clean_leftovers(folder=folder)
@@ -201,8 +214,17 @@ class EmbeddingStore:
 
     def _write_manifest(self, data: dict) -> None:
         with atomic_file(self.manifest_path) as f:
-            f.write(json.dumps(dict(format=FORMAT, version=FORMAT_VERSION, **{
-                k: v for k, v in data.items() if k not in ("format", "version")}), indent=2) + "\n")
+            f.write(
+                json.dumps(
+                    dict(
+                        format=FORMAT,
+                        version=FORMAT_VERSION,
+                        **{k: v for k, v in data.items() if k not in ("format", "version")},
+                    ),
+                    indent=2,
+                )
+                + "\n"
+            )
 
     def _merged(self) -> dict | None:
         """The merged files, if present and consistent: ids, hashes, lengths, offsets, and
@@ -284,8 +306,12 @@ class EmbeddingStore:
         (merged files, then parts oldest first), so a later result for an ID wins."""
         index = index or IdIndex(ids)
         merged = self._merged()
-        if merged and not self._part_files() and len(merged["ids"]) == len(ids) \
-                and all(a == b for a, b in zip(merged["ids"], ids)):
+        if (
+            merged
+            and not self._part_files()
+            and len(merged["ids"]) == len(ids)
+            and all(a == b for a, b in zip(merged["ids"], ids))
+        ):
             self._write_manifest(dict(self.manifest() or {}, **settings, complete=True, count=len(ids)))
             return 0  # nothing new: the merged files are already this FASTA's
         dtype, d, names = np.dtype(settings["dtype"]), settings["hidden_size"], settings["arrays"]
@@ -294,9 +320,15 @@ class EmbeddingStore:
         staging = self.out / ".merge"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        out = {n: np.lib.format.open_memmap(staging / f"{n}.npy", mode="w+", dtype=dtype,
-                                            shape=(int(offsets[-1]) if is_per_residue(n) else len(ids), d))
-               for n in names}
+        out = {
+            n: np.lib.format.open_memmap(
+                staging / f"{n}.npy",
+                mode="w+",
+                dtype=dtype,
+                shape=(int(offsets[-1]) if is_per_residue(n) else len(ids), d),
+            )
+            for n in names
+        }
         filled = np.zeros(len(ids), dtype=bool)
         dropped: set[str] = set()
         sources = ([lambda: merged] if merged else []) + [lambda p=p: _load_part(p) for p in self._part_files()]
@@ -312,7 +344,9 @@ class EmbeddingStore:
                 at = dest[row]
                 for n in names:
                     if is_per_residue(n):
-                        out[n][offsets[at] : offsets[at + 1]] = src["arrays"][n][src_offsets[row] : src_offsets[row + 1]]
+                        out[n][offsets[at] : offsets[at + 1]] = src["arrays"][n][
+                            src_offsets[row] : src_offsets[row + 1]
+                        ]
                     else:
                         out[n][at] = src["arrays"][n][row]
             filled[dest[dest >= 0]] = True
@@ -320,8 +354,9 @@ class EmbeddingStore:
         if not filled.all():
             missing = ids[int(np.argmin(filled))]
             shutil.rmtree(staging, ignore_errors=True)
-            raise JobError(f"cannot merge {self.out}: {int((~filled).sum())} records have no embedding yet "
-                           f"(e.g. {missing!r})")
+            raise JobError(
+                f"cannot merge {self.out}: {int((~filled).sum())} records have no embedding yet (e.g. {missing!r})"
+            )
         for stored in out.values():
             stored.flush()
         del out
@@ -350,11 +385,16 @@ def _load_part(path: Path) -> dict:
     with np.load(path) as part:
         data = {k: part[k] for k in part.files}
     meta = ("ids", "sha1", "lengths")
-    return {"ids": data["ids"].tolist(), "sha1": data["sha1"], "lengths": data["lengths"],
-            "arrays": {k: v for k, v in data.items() if k not in meta}}
+    return {
+        "ids": data["ids"].tolist(),
+        "sha1": data["sha1"],
+        "lengths": data["lengths"],
+        "arrays": {k: v for k, v in data.items() if k not in meta},
+    }
 
 
 # --- the three formats of the merged arrays ----------------------------------------------------
+
 
 def _npy_read(out: Path, names):
     arrays = {n: np.load(out / f"{n}.npy", mmap_mode="r") for n in names}
@@ -408,8 +448,15 @@ def _safetensors_read(out: Path, names):
     arrays = {}
     for n in names:
         total = index["residues"] if is_per_residue(n) else index["records"]
-        arrays[n] = _Sharded(out, shards, n, "residue_start" if is_per_residue(n) else "start", total,
-                             index["hidden_size"], np.dtype(index["dtype"]))
+        arrays[n] = _Sharded(
+            out,
+            shards,
+            n,
+            "residue_start" if is_per_residue(n) else "start",
+            total,
+            index["hidden_size"],
+            np.dtype(index["dtype"]),
+        )
     return arrays, offsets
 
 
@@ -420,8 +467,9 @@ def _safetensors_write(staging: Path, names, offsets) -> list[str]:
     first = arrays[names[0]]
     width, itemsize = first.shape[1], first.dtype.itemsize
     lengths = np.diff(offsets)
-    per_record = width * itemsize * (sum(not is_per_residue(n) for n in names)
-                                     + lengths * sum(map(is_per_residue, names)))
+    per_record = (
+        width * itemsize * (sum(not is_per_residue(n) for n in names) + lengths * sum(map(is_per_residue, names)))
+    )
     ranges, start, size = [], 0, 0
     for i, nbytes in enumerate(per_record):
         if size and size + nbytes > SHARD_BYTES:
@@ -432,15 +480,36 @@ def _safetensors_write(staging: Path, names, offsets) -> list[str]:
     shards = []
     for k, (a, b) in enumerate(ranges):
         name = f"embeddings-{k + 1:05d}-of-{len(ranges):05d}.safetensors"
-        tensors = {n: np.ascontiguousarray(arrays[n][offsets[a] : offsets[b]] if is_per_residue(n) else arrays[n][a:b])
-                   for n in names}
+        tensors = {
+            n: np.ascontiguousarray(arrays[n][offsets[a] : offsets[b]] if is_per_residue(n) else arrays[n][a:b])
+            for n in names
+        }
         save_file(tensors, str(staging / name), metadata={"format": FORMAT})
-        shards.append({"file": name, "start": a, "count": b - a, "residue_start": int(offsets[a]),
-                       "residues": int(offsets[b] - offsets[a])})
+        shards.append(
+            {
+                "file": name,
+                "start": a,
+                "count": b - a,
+                "residue_start": int(offsets[a]),
+                "residues": int(offsets[b] - offsets[a]),
+            }
+        )
     del arrays
-    (staging / ST_INDEX).write_text(json.dumps({
-        "format": FORMAT, "records": len(lengths), "residues": int(offsets[-1]), "hidden_size": int(width),
-        "dtype": first.dtype.name, "arrays": list(names), "shards": shards}, indent=1) + "\n")
+    (staging / ST_INDEX).write_text(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "records": len(lengths),
+                "residues": int(offsets[-1]),
+                "hidden_size": int(width),
+                "dtype": first.dtype.name,
+                "arrays": list(names),
+                "shards": shards,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     np.save(staging / "offsets.npy", offsets)
     for n in names:
         (staging / f"{n}.npy").unlink()
@@ -461,7 +530,9 @@ def _h5_write(staging: Path, names, offsets) -> list[str]:
         f.attrs["format"] = FORMAT
         for n in names:
             src = np.load(staging / f"{n}.npy", mmap_mode="r")
-            dset = f.create_dataset(n, shape=src.shape, dtype=src.dtype, chunks=(min(len(src), 1024) or 1, src.shape[1]))
+            dset = f.create_dataset(
+                n, shape=src.shape, dtype=src.dtype, chunks=(min(len(src), 1024) or 1, src.shape[1])
+            )
             for a in range(0, len(src), COPY_ROWS):
                 dset[a : a + COPY_ROWS] = src[a : a + COPY_ROWS]
             del src
@@ -497,8 +568,10 @@ class StoredEmbeddings:
             layer += self.num_layers + 1  # -1 = final
         key = (layer, pool.replace("-", "_"))
         if key not in names:
-            raise JobError(f"no {pool} embeddings of layer {layer} here (stored: layers {list(self.layers)}, "
-                           f"pools {list(self.pools)})")
+            raise JobError(
+                f"no {pool} embeddings of layer {layer} here (stored: layers {list(self.layers)}, "
+                f"pools {list(self.pools)})"
+            )
         return self.arrays[names[key]]
 
     @property
@@ -524,8 +597,14 @@ def read_embeddings(out: str | Path) -> StoredEmbeddings:
     merged = store._merged() if manifest else None
     if not manifest or not manifest.get("complete") or merged is None:
         raise JobError(f"{out}: no completed embeddings (run esmc-mlx embed again to finish it)")
-    return StoredEmbeddings(merged["ids"], merged["arrays"], merged["offsets"], tuple(manifest["layers"]),
-                            tuple(manifest["pools"]), int(manifest.get("num_hidden_layers", 0)))
+    return StoredEmbeddings(
+        merged["ids"],
+        merged["arrays"],
+        merged["offsets"],
+        tuple(manifest["layers"]),
+        tuple(manifest["pools"]),
+        int(manifest.get("num_hidden_layers", 0)),
+    )
 
 
 def _foreign_manifest(path: Path) -> bool:

@@ -38,7 +38,9 @@ def cache_root() -> Path | None:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "esmc-mlx"
 
 
-def file_hashes(files: list[Path], known: dict[str, str] | None = None, known_at: float | None = None) -> dict[str, str]:
+def file_hashes(
+    files: list[Path], known: dict[str, str] | None = None, known_at: float | None = None
+) -> dict[str, str]:
     """sha256 of each file, remembered in ``<cache>/hashes.json`` by (path, size, mtime); the
     files are hashed in parallel threads (hashlib releases the GIL). ``known``: hashes the
     converter recorded (file name -> sha256) at time ``known_at``, taken for a file not modified
@@ -73,14 +75,26 @@ def file_hashes(files: list[Path], known: dict[str, str] | None = None, known_at
     return {f.name: memo[stamps[f]] for f in files}
 
 
-def key(files: list[Path], config: dict, panel_digest: str, device: str, known: dict[str, str] | None = None,
-        known_at: float | None = None) -> str:
+def key(
+    files: list[Path],
+    config: dict,
+    panel_digest: str,
+    device: str,
+    known: dict[str, str] | None = None,
+    known_at: float | None = None,
+) -> str:
     import torch
     import transformers
 
-    facts = {"version": CACHE_VERSION, "files": file_hashes(files, known, known_at), "config": config,
-             "panel": panel_digest,
-             "torch": torch.__version__, "transformers": transformers.__version__, "device": device}
+    facts = {
+        "version": CACHE_VERSION,
+        "files": file_hashes(files, known, known_at),
+        "config": config,
+        "panel": panel_digest,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+    }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
@@ -112,8 +126,12 @@ def store(entry: str, outputs: Outputs) -> Path | None:
     import io
 
     buffer = io.BytesIO()
-    np.savez(buffer, lengths=np.array([len(x) for x in outputs.logits]), logits=np.concatenate(outputs.logits),
-             hidden=np.concatenate(outputs.hidden))
+    np.savez(
+        buffer,
+        lengths=np.array([len(x) for x in outputs.logits]),
+        logits=np.concatenate(outputs.logits),
+        hidden=np.concatenate(outputs.hidden),
+    )
     try:
         _write_atomic(path, buffer.getvalue())
     except OSError:  # a read-only or full cache must not fail a validation

@@ -18,9 +18,22 @@ from pathlib import Path
 
 import mlx.core as mx
 
-SPECS = [("bfloat16", None), ("float16", None), (None, "8"), (None, "mxfp8"), (None, "6"), (None, "5"),
-         (None, "4"), (None, "mxfp4"), (None, "nvfp4"), (None, "3"), (None, "2"), (None, "mixed_4_6"),
-         (None, "mixed_3_6"), (None, "mixed_2_6")]
+SPECS = [
+    ("bfloat16", None),
+    ("float16", None),
+    (None, "8"),
+    (None, "mxfp8"),
+    (None, "6"),
+    (None, "5"),
+    (None, "4"),
+    (None, "mxfp4"),
+    (None, "nvfp4"),
+    (None, "3"),
+    (None, "2"),
+    (None, "mixed_4_6"),
+    (None, "mixed_3_6"),
+    (None, "mixed_2_6"),
+]
 
 
 def calibrate(source: str = "tiny", quick: bool = False, specs=SPECS) -> dict:
@@ -49,18 +62,40 @@ def calibrate(source: str = "tiny", quick: bool = False, specs=SPECS) -> dict:
             fid = fidelity(panel, mine, same_weights)
             qual = quality(panel, mine, original)
             weights, _ = compare_weights(art, src, float("inf"))
-            rows[label] = {"fidelity_logits": fid["logits_rel_l2"], "fidelity_hidden": fid["hidden_rel_l2"],
-                           "weights": weights.value,
-                           **{k: qual[k] for k in ("kl_mean", "kl_max", "top1", "logits_rel_err", "hidden_rel_err",
-                                                   "embedding_cosine", "spearman")},
-                           "seconds": round(time.perf_counter() - started, 1)}
+            rows[label] = {
+                "fidelity_logits": fid["logits_rel_l2"],
+                "fidelity_hidden": fid["hidden_rel_l2"],
+                "weights": weights.value,
+                **{
+                    k: qual[k]
+                    for k in (
+                        "kl_mean",
+                        "kl_max",
+                        "top1",
+                        "logits_rel_err",
+                        "hidden_rel_err",
+                        "embedding_cosine",
+                        "spearman",
+                    )
+                },
+                "seconds": round(time.perf_counter() - started, 1),
+            }
             print(label, json.dumps(rows[label]), flush=True)
     return {"source": src.id, "panel": panel.describe(), "rows": rows}
 
 
 def table(result: dict) -> str:
-    cols = ["fidelity_logits", "weights", "kl_mean", "kl_max", "top1", "logits_rel_err", "hidden_rel_err",
-            "embedding_cosine", "spearman"]
+    cols = [
+        "fidelity_logits",
+        "weights",
+        "kl_mean",
+        "kl_max",
+        "top1",
+        "logits_rel_err",
+        "hidden_rel_err",
+        "embedding_cosine",
+        "spearman",
+    ]
     lines = ["| precision | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for label, row in result["rows"].items():
         lines.append(f"| {label} | " + " | ".join(f"{row[c]:.3g}" for c in cols) + " |")

@@ -46,8 +46,15 @@ MODES = ("auto", "full", "layered")
 QUALITY_GATES = ("auto", "on", "off")
 FULL_MODEL_RAM_SHARE = 0.25  # auto mode: a whole fp32 model only when it takes <= 25% of RAM
 FULL_MODEL_GPU_SHARE = 0.5  # ... and, with the reference on CUDA, <= 50% of the GPU's memory
-CONFIG_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
-                 "rope_theta", "layer_norm_eps")
+CONFIG_FIELDS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "intermediate_size",
+    "vocab_size",
+    "rope_theta",
+    "layer_norm_eps",
+)
 
 
 @dataclasses.dataclass
@@ -67,9 +74,16 @@ class Check:
         return ">=" if self.name in th.HIGHER_IS_BETTER else "<="
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "value": _num(self.value), "threshold": self.threshold,
-                "comparison": self.comparison, "passed": self.passed, "enforced": self.enforced,
-                "detail": self.detail}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "value": _num(self.value),
+            "threshold": self.threshold,
+            "comparison": self.comparison,
+            "passed": self.passed,
+            "enforced": self.enforced,
+            "detail": self.detail,
+        }
 
 
 @dataclasses.dataclass
@@ -112,9 +126,13 @@ def choose_mode(mode: str, config: ESMCConfig, device_memory: int | None = None)
     if device_memory:
         why += f", GPU {device_memory / 2**30:.0f} GiB"
     if mode == "auto":
-        fits = size <= FULL_MODEL_RAM_SHARE * ram and (not device_memory or size <= FULL_MODEL_GPU_SHARE * device_memory)
+        fits = size <= FULL_MODEL_RAM_SHARE * ram and (
+            not device_memory or size <= FULL_MODEL_GPU_SHARE * device_memory
+        )
         mode = "full" if fits else "layered"
-        share = f"{FULL_MODEL_RAM_SHARE:.0%} of RAM" + (f", {FULL_MODEL_GPU_SHARE:.0%} of the GPU" if device_memory else "")
+        share = f"{FULL_MODEL_RAM_SHARE:.0%} of RAM" + (
+            f", {FULL_MODEL_GPU_SHARE:.0%} of the GPU" if device_memory else ""
+        )
         return mode, f"auto: {why} ({'<=' if fits else '>'} {share})"
     return mode, f"forced: {why}"
 
@@ -122,14 +140,22 @@ def choose_mode(mode: str, config: ESMCConfig, device_memory: int | None = None)
 def compare_configs(artifact: ArtifactWeights, source: SourceWeights) -> Check:
     if artifact.config is None:
         return Check("config", "integrity", None, None, False, detail=artifact.config_error)
-    diffs = [f"{f}: artifact {getattr(artifact.config, f)}, reference {getattr(source.config, f)}"
-             for f in CONFIG_FIELDS if getattr(artifact.config, f) != getattr(source.config, f)]
-    return Check("config", "integrity", float(len(diffs)), 0.0, not diffs,
-                 detail="; ".join(diffs) or "architecture matches the reference")
+    diffs = [
+        f"{f}: artifact {getattr(artifact.config, f)}, reference {getattr(source.config, f)}"
+        for f in CONFIG_FIELDS
+        if getattr(artifact.config, f) != getattr(source.config, f)
+    ]
+    return Check(
+        "config",
+        "integrity",
+        float(len(diffs)),
+        0.0,
+        not diffs,
+        detail="; ".join(diffs) or "architecture matches the reference",
+    )
 
 
-def compare_weights(artifact: ArtifactWeights, source: SourceWeights, bound: float,
-                    on_step=None) -> tuple[Check, dict]:
+def compare_weights(artifact: ArtifactWeights, source: SourceWeights, bound: float, on_step=None) -> tuple[Check, dict]:
     """Relative L2 error of each tensor, artifact (dequantized) against the original, one layer
     of each in memory at a time; computed by MLX (fp32 sums of squares, one evaluation per
     layer, on MLX's device). A tensor holding NaN or Inf on either side is a problem of its own
@@ -150,8 +176,9 @@ def compare_weights(artifact: ArtifactWeights, source: SourceWeights, bound: flo
         pairs = {}
         for n in present:
             if tuple(mine[n].shape) != tuple(theirs[n].shape):
-                problems.append(f"{n}: shape {tuple(mine[n].shape)} in the artifact, "
-                                f"{tuple(theirs[n].shape)} in the reference")
+                problems.append(
+                    f"{n}: shape {tuple(mine[n].shape)} in the artifact, {tuple(theirs[n].shape)} in the reference"
+                )
                 continue
             pairs[n] = (mine[n], theirs[n].astype(mx.float32))
         for n, (num, den, finite_a, finite_b) in _sums_of_squares(pairs).items():
@@ -168,8 +195,11 @@ def compare_weights(artifact: ArtifactWeights, source: SourceWeights, bound: flo
 
     def belongs(n: str) -> bool:  # a parameter, or the scales/biases of a quantized parameter
         module, _, leaf = n.rpartition(".")
-        return n in expected or (leaf in ("scales", "biases") and f"{module}.weight" in expected
-                                 and artifact.quant_params(module) is not None)
+        return n in expected or (
+            leaf in ("scales", "biases")
+            and f"{module}.weight" in expected
+            and artifact.quant_params(module) is not None
+        )
 
     extra = sorted(n for n in artifact.shapes if not belongs(n))
     problems += [f"{n}: not a parameter of the reference's architecture" for n in extra]
@@ -183,9 +213,16 @@ def compare_weights(artifact: ArtifactWeights, source: SourceWeights, bound: flo
         detail = (detail + "; " if detail else "") + f"{len(over)} tensor(s) over the bound: {shown}"
     elif worst and not problems:
         detail = f"worst tensor {worst}"
-    return (Check("weights", "integrity", value, bound, passed, detail=detail),
-            {"max_rel_err": value, "worst": worst, "problems": problems, "non_finite": non_finite,
-             "per_tensor": per_tensor})
+    return (
+        Check("weights", "integrity", value, bound, passed, detail=detail),
+        {
+            "max_rel_err": value,
+            "worst": worst,
+            "problems": problems,
+            "non_finite": non_finite,
+            "per_tensor": per_tensor,
+        },
+    )
 
 
 def _sums_of_squares(pairs: dict[str, tuple[mx.array, mx.array]]) -> dict[str, tuple[float, float, bool, bool]]:
@@ -194,8 +231,12 @@ def _sums_of_squares(pairs: dict[str, tuple[mx.array, mx.array]]) -> dict[str, t
     (its BLAS dot products run 10-20x faster than MLX's CPU reductions: measured 7 ms against
     130 ms for a 2.5M-element tensor)."""
     if mx.default_device() == mx.gpu:
-        stats = {n: mx.stack([mx.sum(mx.square(a - b)), mx.sum(mx.square(b)), mx.all(mx.isfinite(a)),
-                              mx.all(mx.isfinite(b))]) for n, (a, b) in pairs.items()}
+        stats = {
+            n: mx.stack(
+                [mx.sum(mx.square(a - b)), mx.sum(mx.square(b)), mx.all(mx.isfinite(a)), mx.all(mx.isfinite(b))]
+            )
+            for n, (a, b) in pairs.items()
+        }
         mx.eval(stats)
         out = {n: (s[0].item(), s[1].item(), bool(s[2].item()), bool(s[3].item())) for n, s in stats.items()}
         overflow = {n: pairs[n] for n, v in out.items() if v[2] and v[3] and not math.isfinite(v[0] + v[1])}
@@ -222,6 +263,7 @@ def _sums_of_squares_numpy(pairs: dict[str, tuple[mx.array, mx.array]]) -> dict[
 
 def _import_torch() -> threading.Thread:
     """Import torch and transformers' ESMC in a background thread (joined before torch runs)."""
+
     def work():
         try:
             import torch  # noqa: F401
@@ -243,12 +285,26 @@ def non_finite(outputs: Outputs, panel) -> str | None:
     return None
 
 
-def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None = None,
-             report_dir: str | Path | None = None, thresholds: dict[str, float] | None = None,
-             max_length: int | None = None, mode: str = "auto", quality_gate: str = "auto",
-             revision: str | None = None, compute_dtype: str | None = None, marginal_positions: int = 24,
-             max_tokens: int = 4096, progress: bool = False, write: bool = True, plot: bool = True,
-             reference_device: str = "auto", cache: bool = True, artifact_path: str | Path | None = None) -> Report:
+def validate(
+    mlx_dir: str | Path,
+    reference: str,
+    sequences: str | Path | None = None,
+    report_dir: str | Path | None = None,
+    thresholds: dict[str, float] | None = None,
+    max_length: int | None = None,
+    mode: str = "auto",
+    quality_gate: str = "auto",
+    revision: str | None = None,
+    compute_dtype: str | None = None,
+    marginal_positions: int = 24,
+    max_tokens: int = 4096,
+    progress: bool = False,
+    write: bool = True,
+    plot: bool = True,
+    reference_device: str = "auto",
+    cache: bool = True,
+    artifact_path: str | Path | None = None,
+) -> Report:
     """Validate the MLX artifact ``mlx_dir`` against the checkpoint ``reference`` (alias, Hub repo
     id, directory or legacy .pth) and write ``report.json``, ``report.md`` and a plot to
     ``report_dir`` (default ``<mlx_dir>/validation``; ``write=False`` writes nothing, ``plot=False``
@@ -275,8 +331,9 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
     if reference_device not in torch_ref.DEVICES:
         raise ValidationError(f"reference device {reference_device!r}: choose one of {', '.join(torch_ref.DEVICES)}")
     if not validation_available():
-        raise ValidationError("validation needs torch and transformers (>= 5.23, with EsmcForMaskedLM): "
-                              "pip install 'esmc-mlx[torch]'")
+        raise ValidationError(
+            "validation needs torch and transformers (>= 5.23, with EsmcForMaskedLM): pip install 'esmc-mlx[torch]'"
+        )
     from tqdm.auto import tqdm
 
     from . import cache as ref_cache
@@ -322,8 +379,9 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
             stopped = "config"
         else:
             phase("weights")
-            weights_check, weights_data = timed("weights", compare_weights, artifact, source, bounds.values["weights"],
-                                                on_step=bar.update)
+            weights_check, weights_data = timed(
+                "weights", compare_weights, artifact, source, bounds.values["weights"], on_step=bar.update
+            )
             checks.append(weights_check)
             data["weights"] = _rounded(weights_data)
             if weights_data["non_finite"]:
@@ -345,24 +403,40 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
             device = torch_ref.pick_device(reference_device)
             torch_mode, mode_reason = choose_mode(mode, source.config, torch_ref.device_memory(device))
             mlx_mode = "full" if "mlx" in outs or failure else torch_mode
-            lossless = (weights_check.value == 0 and not weights_data["problems"]
-                        and artifact.config.to_dict() == source.config.to_dict())
+            lossless = (
+                weights_check.value == 0
+                and not weights_data["problems"]
+                and artifact.config.to_dict() == source.config.to_dict()
+            )
             entry = None
             orig_out = None
             if cache:
                 t = time.perf_counter()
-                recorded = ((artifact.raw.get("esmc_mlx") or {}).get("source") or {})
+                recorded = (artifact.raw.get("esmc_mlx") or {}).get("source") or {}
                 known = recorded.get("files") if recorded.get("id") == source.id else None
-                entry = ref_cache.key(source.files, source.config.to_dict(), panel.digest, device.type, known,
-                                      (Path(mlx_dir) / "config.json").stat().st_mtime)
+                entry = ref_cache.key(
+                    source.files,
+                    source.config.to_dict(),
+                    panel.digest,
+                    device.type,
+                    known,
+                    (Path(mlx_dir) / "config.json").stat().st_mtime,
+                )
                 orig_out = ref_cache.load(entry, n)
                 timings["cache"] = round(time.perf_counter() - t, 2)
-                cache_info = {"used": True, "hit": orig_out is not None, "entry": entry,
-                              "path": str(ref_cache.path_for(entry) or "")}
+                cache_info = {
+                    "used": True,
+                    "hit": orig_out is not None,
+                    "entry": entry,
+                    "path": str(ref_cache.path_for(entry) or ""),
+                }
             if lossless:
                 shared["torch_artifact"] = "torch_original (the artifact's weights are the original's, bit for bit)"
-            passes = (([] if "mlx" in outs else ["mlx"]) + ([] if lossless else ["torch_artifact"])
-                      + ([] if orig_out is not None else ["torch_original"]))
+            passes = (
+                ([] if "mlx" in outs else ["mlx"])
+                + ([] if lossless else ["torch_artifact"])
+                + ([] if orig_out is not None else ["torch_original"])
+            )
             bar.total = bar.n + ((n_layers + 2) if torch_mode == "layered" else len(passes) * len(batches))
             bar.refresh()
             art_names, src_names = names_for(artifact.config, ""), names_for(source.config, "")
@@ -373,34 +447,63 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
                     raise _ArtifactFailed(failure)
                 if torch_mode == "layered":
                     phase("layered sweep: " + ", ".join(passes))
-                    steps = {"mlx": lambda: mlx_side.layered_steps(artifact, batches, n, dtype),
-                             "torch_artifact": lambda: torch_ref.layered_steps(artifact.get_many, artifact.config,
-                                                                               batches, n, art_names, device),
-                             "torch_original": lambda: torch_ref.layered_steps(source.get_many, source.config,
-                                                                               batches, n, src_names, device)}
+                    steps = {
+                        "mlx": lambda: mlx_side.layered_steps(artifact, batches, n, dtype),
+                        "torch_artifact": lambda: torch_ref.layered_steps(
+                            artifact.get_many, artifact.config, batches, n, art_names, device
+                        ),
+                        "torch_original": lambda: torch_ref.layered_steps(
+                            source.get_many, source.config, batches, n, src_names, device
+                        ),
+                    }
                     outs.update(timed("sweep", _lockstep, {p: steps[p]() for p in passes}, artifact, bar.update))
                 elif "torch_artifact" in passes:
                     phase(f"torch on the artifact's weights ({device.type})")
-                    outs["torch_artifact"] = timed("torch_artifact", torch_ref.run_full, artifact.get_many,
-                                                   artifact.config, batches, n, art_names, bar.update, device)
+                    outs["torch_artifact"] = timed(
+                        "torch_artifact",
+                        torch_ref.run_full,
+                        artifact.get_many,
+                        artifact.config,
+                        batches,
+                        n,
+                        art_names,
+                        bar.update,
+                        device,
+                    )
             except _ArtifactFailed as e:
                 checks.append(Check("artifact_loads", "integrity", None, None, False, detail=str(e)))
             except (ValueError, KeyError, RuntimeError, EsmcMlxError) as e:
-                checks.append(Check("artifact_loads", "integrity", None, None, False, detail=f"{type(e).__name__}: {e}"))
+                checks.append(
+                    Check("artifact_loads", "integrity", None, None, False, detail=f"{type(e).__name__}: {e}")
+                )
             if "mlx" in outs and (lossless or "torch_artifact" in outs):
                 if "torch_original" in passes and "torch_original" not in outs:
                     phase(f"torch on the original ({device.type})")
-                    outs["torch_original"] = timed("torch_original", torch_ref.run_full, source.get_many, source.config,
-                                                   batches, n, src_names, bar.update, device)
+                    outs["torch_original"] = timed(
+                        "torch_original",
+                        torch_ref.run_full,
+                        source.get_many,
+                        source.config,
+                        batches,
+                        n,
+                        src_names,
+                        bar.update,
+                        device,
+                    )
                 orig_out = outs.get("torch_original", orig_out)
                 if entry and "torch_original" in outs and non_finite(orig_out, panel) is None:
                     ref_cache.store(entry, orig_out)
                 art_out = orig_out if lossless else outs["torch_artifact"]
                 mlx_out = outs["mlx"]
-                bad = [f"{label}: NaN or Inf in the outputs for {where!r}"
-                       for label, out in (("MLX", mlx_out), ("torch on the artifact's weights", art_out),
-                                          ("torch on the original", orig_out))
-                       if (where := non_finite(out, panel))]
+                bad = [
+                    f"{label}: NaN or Inf in the outputs for {where!r}"
+                    for label, out in (
+                        ("MLX", mlx_out),
+                        ("torch on the artifact's weights", art_out),
+                        ("torch on the original", orig_out),
+                    )
+                    if (where := non_finite(out, panel))
+                ]
                 if bad:
                     checks.append(Check("finite_outputs", "integrity", None, None, False, detail="; ".join(bad)))
                 phase("metrics")
@@ -408,50 +511,81 @@ def validate(mlx_dir: str | Path, reference: str, sequences: str | Path | None =
                 quality = quality_metrics(panel, mlx_out, orig_out)
                 del mlx_out, art_out, orig_out, outs
                 for key, name in (("logits_rel_l2", "fidelity_logits"), ("hidden_rel_l2", "fidelity_hidden")):
-                    checks.append(Check(name, "fidelity", fidelity[key], bounds.values[name],
-                                        bounds.passes(name, fidelity[key]),
-                                        detail=f"MLX ({dtype_name}) vs torch fp32 on the artifact's weights"))
+                    checks.append(
+                        Check(
+                            name,
+                            "fidelity",
+                            fidelity[key],
+                            bounds.values[name],
+                            bounds.passes(name, fidelity[key]),
+                            detail=f"MLX ({dtype_name}) vs torch fp32 on the artifact's weights",
+                        )
+                    )
                 trained = quality["identity_accuracy"]["original"] >= th.TRAINED_IDENTITY_ACCURACY
                 enforce = {"auto": trained, "on": True, "off": False}[quality_gate]
                 for name in th.QUALITY_COLUMNS[1:]:
-                    checks.append(Check(name, "quality", quality[name], bounds.values[name],
-                                        bounds.passes(name, quality[name]), enforced=enforce))
+                    checks.append(
+                        Check(
+                            name,
+                            "quality",
+                            quality[name],
+                            bounds.values[name],
+                            bounds.passes(name, quality[name]),
+                            enforced=enforce,
+                        )
+                    )
                 quality["enforced"] = enforce
                 quality["reference_trained"] = trained
         bar.close()
         passed = all(c.passed for c in checks if c.enforced)
-        data.update({
-            "passed": passed,
-            "checks": [c.as_dict() for c in checks],
-            "stopped_before_panel": stopped,
-            "artifact": {"path": str(Path(artifact_path or mlx_dir).resolve()), "dtype": artifact.dtype,
-                         "quantization": artifact.record, "precision": precision,
-                         "config": artifact.config.to_dict() if artifact.config else None,
-                         "files": artifact_files(Path(mlx_dir))},
-            "reference": source.describe(),
-            "precision": precision,
-            "thresholds": bounds.values,
-            "quality_gate": quality_gate,
-            "reference_mode": {"torch": torch_mode, "mlx": mlx_mode, "torch_dtype": "float32",
-                               "torch_device": torch_ref.describe_device(device) if device is not None else None,
-                               "torch_threads": threads,
-                               "mlx_compute_dtype": dtype_name, "reason": mode_reason, "shared": shared},
-            "reference_cache": cache_info,
-            "fidelity": _rounded(fidelity),
-            "quality": _rounded(quality),
-            "panel": panel.describe(),
-            "versions": versions(),
-            "platform": platform_info(),
-            "resources": {"seconds": round(time.perf_counter() - started, 2), "timings": timings,
-                          "peak_rss_bytes": peak_rss()},
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        })
+        data.update(
+            {
+                "passed": passed,
+                "checks": [c.as_dict() for c in checks],
+                "stopped_before_panel": stopped,
+                "artifact": {
+                    "path": str(Path(artifact_path or mlx_dir).resolve()),
+                    "dtype": artifact.dtype,
+                    "quantization": artifact.record,
+                    "precision": precision,
+                    "config": artifact.config.to_dict() if artifact.config else None,
+                    "files": artifact_files(Path(mlx_dir)),
+                },
+                "reference": source.describe(),
+                "precision": precision,
+                "thresholds": bounds.values,
+                "quality_gate": quality_gate,
+                "reference_mode": {
+                    "torch": torch_mode,
+                    "mlx": mlx_mode,
+                    "torch_dtype": "float32",
+                    "torch_device": torch_ref.describe_device(device) if device is not None else None,
+                    "torch_threads": threads,
+                    "mlx_compute_dtype": dtype_name,
+                    "reason": mode_reason,
+                    "shared": shared,
+                },
+                "reference_cache": cache_info,
+                "fidelity": _rounded(fidelity),
+                "quality": _rounded(quality),
+                "panel": panel.describe(),
+                "versions": versions(),
+                "platform": platform_info(),
+                "resources": {
+                    "seconds": round(time.perf_counter() - started, 2),
+                    "timings": timings,
+                    "peak_rss_bytes": peak_rss(),
+                },
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+        )
         report = Report(passed, checks, data)
         if write:
             from .report import write_report
 
-            report.directory = write_report(report, panel, Path(report_dir) if report_dir else Path(mlx_dir) / "validation",
-                                            draw=plot)
+            report.directory = write_report(
+                report, panel, Path(report_dir) if report_dir else Path(mlx_dir) / "validation", draw=plot
+            )
         return report
     finally:
         stack.close()
@@ -500,8 +634,7 @@ def versions() -> dict:
 
     from .._version import __version__
 
-    out = {"esmc_mlx": __version__, "mlx": mx.__version__, "numpy": np.__version__,
-           "python": platform.python_version()}
+    out = {"esmc_mlx": __version__, "mlx": mx.__version__, "numpy": np.__version__, "python": platform.python_version()}
     for module in ("torch", "transformers", "scipy", "matplotlib"):
         try:
             out[module] = __import__(module).__version__
@@ -513,10 +646,17 @@ def versions() -> dict:
 def platform_info() -> dict:
     import mlx.core as mx
 
-    return {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
-            "platform": platform.platform(), "processor": platform.processor() or None,
-            "cpu_count": os.cpu_count(), "ram_bytes": total_ram(), "mlx_device": str(mx.default_device()),
-            "blas": _blas.loaded_path}
+    return {
+        "system": platform.system(),
+        "release": platform.release(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "ram_bytes": total_ram(),
+        "mlx_device": str(mx.default_device()),
+        "blas": _blas.loaded_path,
+    }
 
 
 def _num(x):

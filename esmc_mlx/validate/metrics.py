@@ -51,12 +51,15 @@ def fidelity(panel: Panel, mlx: Outputs, ref: Outputs) -> dict:
     for i in _rows(panel, ("record", "two-chain", "masked")):
         d = np.linalg.norm(mlx.logits[i] - ref.logits[i], axis=-1)
         n = np.linalg.norm(ref.logits[i], axis=-1)
-        per_input[panel.inputs[i].name] = {"logits_rel_l2": rel_l2(mlx.logits[i], ref.logits[i]),
-                                           "per_position": (d / np.maximum(n, 1e-30))[1:-1]}
+        per_input[panel.inputs[i].name] = {
+            "logits_rel_l2": rel_l2(mlx.logits[i], ref.logits[i]),
+            "per_position": (d / np.maximum(n, 1e-30))[1:-1],
+        }
     return {
         "logits_rel_l2": rel_l2(logits_mlx, logits_ref),
-        "hidden_rel_l2": rel_l2(np.concatenate([mlx.hidden[i] for i in rows]),
-                                np.concatenate([ref.hidden[i] for i in rows])),
+        "hidden_rel_l2": rel_l2(
+            np.concatenate([mlx.hidden[i] for i in rows]), np.concatenate([ref.hidden[i] for i in rows])
+        ),
         "logits_max_abs_diff": float(np.abs(logits_mlx - logits_ref).max()),
         "positions": int(logits_ref.shape[0]),
         "per_input": per_input,
@@ -118,11 +121,15 @@ def quality(panel: Panel, artifact: Outputs, original: Outputs) -> dict:
             cos = float(ea @ eo / max(np.linalg.norm(ea) * np.linalg.norm(eo), 1e-300))
             name = panel.inputs[i].name
             cosines[name] = cos
-            per_input[name] = {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-                               "top1": float((a.argmax(-1) == o.argmax(-1)).mean()),
-                               "logits_rel_err": rel_l2(a, o), "embedding_cosine": cos,
-                               "per_position_kl": kl,
-                               "masked_positions": [p for p, t in enumerate(panel.inputs[i].tokens) if t == "<mask>"]}
+            per_input[name] = {
+                "kl_mean": float(kl.mean()),
+                "kl_max": float(kl.max()),
+                "top1": float((a.argmax(-1) == o.argmax(-1)).mean()),
+                "logits_rel_err": rel_l2(a, o),
+                "embedding_cosine": cos,
+                "per_position_kl": kl,
+                "masked_positions": [p for p, t in enumerate(panel.inputs[i].tokens) if t == "<mask>"],
+            }
     kl_all = np.concatenate(kl_all)
     ma, mo = masked_marginals(panel, artifact), masked_marginals(panel, original)
     return {
@@ -135,7 +142,9 @@ def quality(panel: Panel, artifact: Outputs, original: Outputs) -> dict:
         "spearman": spearman(ma, mo),
         "spearman_scores": int(len(ma)),
         "positions": int(len(kl_all)),
-        "identity_accuracy": {"original": identity_accuracy(panel, original),
-                              "artifact": identity_accuracy(panel, artifact)},
+        "identity_accuracy": {
+            "original": identity_accuracy(panel, original),
+            "artifact": identity_accuracy(panel, artifact),
+        },
         "per_input": per_input,
     }

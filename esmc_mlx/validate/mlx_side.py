@@ -53,8 +53,13 @@ def _call_args(batch: Batch) -> dict:
     return {"attention_mask": mx.array(batch.attention_mask)}
 
 
-def run_full(artifact: ArtifactWeights, batches: list[Batch], n_inputs: int, dtype: mx.Dtype,
-             on_step: Callable[[], None] | None = None) -> Outputs:
+def run_full(
+    artifact: ArtifactWeights,
+    batches: list[Batch],
+    n_inputs: int,
+    dtype: mx.Dtype,
+    on_step: Callable[[], None] | None = None,
+) -> Outputs:
     model, _ = load(artifact.directory, dtype=dtype)
     sink: dict[int, tuple] = {}
     for batch in batches:
@@ -78,26 +83,33 @@ class _Holder(nn.Module):
             setattr(self, name, module)
 
 
-def _materialize(module: nn.Module, artifact: ArtifactWeights, prefix: str, dtype: mx.Dtype,
-                 select: str | None = None) -> nn.Module:
+def _materialize(
+    module: nn.Module, artifact: ArtifactWeights, prefix: str, dtype: mx.Dtype, select: str | None = None
+) -> nn.Module:
     """Quantize ``module`` where the artifact holds quantized tensors, load its weights, cast.
     ``module``'s paths are artifact names less ``prefix``; ``select`` narrows the names read."""
     names = artifact.stored_names(select or prefix)
 
     if artifact.record:  # the runtime's own swap, with the record's per-layer keys made relative
         record = {k: v for k, v in artifact.record.items() if not isinstance(v, dict)}
-        record.update({k[len(prefix):]: v for k, v in artifact.record.items()
-                       if isinstance(v, dict) and k.startswith(prefix)})
+        record.update(
+            {k[len(prefix) :]: v for k, v in artifact.record.items() if isinstance(v, dict) and k.startswith(prefix)}
+        )
         quantize_modules(module, record, lambda path: artifact.has(f"{prefix}{path}.scales"))
     weights = artifact.raw_many(names)
-    module.load_weights([(n[len(prefix):], w) for n, w in weights.items()], strict=True)
+    module.load_weights([(n[len(prefix) :], w) for n, w in weights.items()], strict=True)
     module.set_dtype(dtype)
     mx.eval(module.parameters())
     return module
 
 
-def run_layered(artifact: ArtifactWeights, batches: list[Batch], n_inputs: int, dtype: mx.Dtype,
-                on_step: Callable[[], None] | None = None) -> Outputs:
+def run_layered(
+    artifact: ArtifactWeights,
+    batches: list[Batch],
+    n_inputs: int,
+    dtype: mx.Dtype,
+    on_step: Callable[[], None] | None = None,
+) -> Outputs:
     return drain(layered_steps(artifact, batches, n_inputs, dtype), on_step)
 
 
@@ -105,8 +117,13 @@ def layered_steps(artifact: ArtifactWeights, batches: list[Batch], n_inputs: int
     """``run_layered`` as a generator: yields after the embedding and after each layer, returns
     the Outputs (the same steps as ``reference.layered_steps``)."""
     config = artifact.config
-    embed = _materialize(_Holder(embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size)), artifact,
-                         "esmc.", dtype, select="esmc.embed_tokens.").embed_tokens
+    embed = _materialize(
+        _Holder(embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size)),
+        artifact,
+        "esmc.",
+        dtype,
+        select="esmc.embed_tokens.",
+    ).embed_tokens
     states, masks = [], []
     for batch in batches:
         args = _call_args(batch)
@@ -123,8 +140,13 @@ def layered_steps(artifact: ArtifactWeights, batches: list[Batch], n_inputs: int
         del layer
         mx.clear_cache()
         yield
-    norm = _materialize(_Holder(norm=nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=False)),
-                        artifact, "esmc.", dtype, select="esmc.norm.").norm
+    norm = _materialize(
+        _Holder(norm=nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=False)),
+        artifact,
+        "esmc.",
+        dtype,
+        select="esmc.norm.",
+    ).norm
     head = _materialize(MaskedLMHead(config), artifact, "lm_head.", dtype)
     sink: dict[int, tuple] = {}
     for b, batch in enumerate(batches):

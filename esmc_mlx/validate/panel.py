@@ -82,8 +82,16 @@ class Panel:
         for i in self.inputs:
             kinds[i.kind] = kinds.get(i.kind, 0) + 1
         lengths = [len(i.tokens) for i in self.inputs if i.kind == "record"]
-        return {"source": self.source, "sha256": self.sha256, "digest": self.digest, "inputs": len(self.inputs),
-                "by_kind": kinds, "tokens": self.tokens, "record_lengths": lengths, "max_length": self.max_length}
+        return {
+            "source": self.source,
+            "sha256": self.sha256,
+            "digest": self.digest,
+            "inputs": len(self.inputs),
+            "by_kind": kinds,
+            "tokens": self.tokens,
+            "record_lengths": lengths,
+            "max_length": self.max_length,
+        }
 
     def batches(self, max_tokens: int = 4096) -> list[Batch]:
         """Right-padded batches, rows sorted by length, B x L <= max_tokens (one row at least),
@@ -93,24 +101,36 @@ class Panel:
         groups: list[list[int]] = []
         for i in order:
             length = self.inputs[i].length
-            if (groups and (len(groups[-1]) + 1) * length <= max_tokens
-                    and length <= PAD_SLACK * self.inputs[groups[-1][0]].length + 8):
+            if (
+                groups
+                and (len(groups[-1]) + 1) * length <= max_tokens
+                and length <= PAD_SLACK * self.inputs[groups[-1][0]].length + 8
+            ):
                 groups[-1].append(i)
             else:
                 groups.append([i])
         out = []
         for rows in groups:
-            enc = tok([self.inputs[r].text for r in rows], return_tensors="np", return_sequence_id=True,
-                      names=[self.inputs[r].name for r in rows])
+            enc = tok(
+                [self.inputs[r].text for r in rows],
+                return_tensors="np",
+                return_sequence_id=True,
+                names=[self.inputs[r].name for r in rows],
+            )
             chained = bool((enc["input_ids"] == tok.chain_break_token_id).any())
-            out.append(Batch(rows, enc["input_ids"], enc["attention_mask"],
-                             enc["sequence_id"] if chained else None))
+            out.append(Batch(rows, enc["input_ids"], enc["attention_mask"], enc["sequence_id"] if chained else None))
         return out
 
 
-def build_panel(fasta: str | Path | None = None, max_length: int | None = None, masked_inputs: int = 2,
-                marginal_positions: int = 24, seed: int = 0, record_window: int | None = RECORD_WINDOW,
-                marginal_window: int | None = MARGINAL_WINDOW) -> Panel:
+def build_panel(
+    fasta: str | Path | None = None,
+    max_length: int | None = None,
+    masked_inputs: int = 2,
+    marginal_positions: int = 24,
+    seed: int = 0,
+    record_window: int | None = RECORD_WINDOW,
+    marginal_window: int | None = MARGINAL_WINDOW,
+) -> Panel:
     """Read ``fasta`` (default: the bundled panel) and derive the two-chain, ``<mask>`` and
     masked-marginal inputs. ``max_length`` crops every record; otherwise the longest stays whole
     and the others are cut to ``record_window`` residues (None: all whole). Marginal rows see
@@ -164,10 +184,11 @@ def _marginal_rows(records, positions: int, rng, window: int | None) -> list[Inp
         for pos in sorted(rng.choice(candidates, size=min(share, len(candidates)), replace=False).tolist()):
             start = 0 if not window else min(max(0, pos - window // 2), max(0, len(toks) - window))
             stop = len(toks) if not window else start + window
-            masked = toks[start:pos] + (MASK,) + toks[pos + 1:stop]
+            masked = toks[start:pos] + (MASK,) + toks[pos + 1 : stop]
             where = f" [{start + 1}-{min(stop, len(toks))}]" if (start, stop) != (0, len(toks)) and window else ""
-            rows.append(Input(f"{name} {toks[pos]}{pos + 1}<mask>{where}", masked, "marginal",
-                              (name, pos - start, toks[pos])))
+            rows.append(
+                Input(f"{name} {toks[pos]}{pos + 1}<mask>{where}", masked, "marginal", (name, pos - start, toks[pos]))
+            )
     return rows
 
 

@@ -142,8 +142,15 @@ def _by_layer(names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def run_full(get: Callable[..., dict], config: ESMCConfig, batches: list[Batch], n_inputs: int,
-             names: list[str], on_step: Callable[[], None] | None = None, device=None) -> Outputs:
+def run_full(
+    get: Callable[..., dict],
+    config: ESMCConfig,
+    batches: list[Batch],
+    n_inputs: int,
+    names: list[str],
+    on_step: Callable[[], None] | None = None,
+    device=None,
+) -> Outputs:
     """transformers' EsmcForMaskedLM as a whole on ``device`` (default: the CPU), with the
     weights ``get(names, device)`` returns, fetched one layer at a time."""
     import torch
@@ -175,8 +182,15 @@ def run_full(get: Callable[..., dict], config: ESMCConfig, batches: list[Batch],
     return collect(sink, n_inputs)
 
 
-def run_layered(get: Callable[..., dict], config: ESMCConfig, batches: list[Batch], n_inputs: int,
-                names: list[str], on_step: Callable[[], None] | None = None, device=None) -> Outputs:
+def run_layered(
+    get: Callable[..., dict],
+    config: ESMCConfig,
+    batches: list[Batch],
+    n_inputs: int,
+    names: list[str],
+    on_step: Callable[[], None] | None = None,
+    device=None,
+) -> Outputs:
     """The same computation as ``EsmcForMaskedLM.forward``, one layer's weights in memory at a time."""
     return drain(layered_steps(get, config, batches, n_inputs, names, device), on_step)
 
@@ -192,8 +206,9 @@ def drain(steps, on_step: Callable[[], None] | None = None):
             on_step()
 
 
-def layered_steps(get: Callable[..., dict], config: ESMCConfig, batches: list[Batch], n_inputs: int,
-                  names: list[str], device=None):
+def layered_steps(
+    get: Callable[..., dict], config: ESMCConfig, batches: list[Batch], n_inputs: int, names: list[str], device=None
+):
     """``run_layered`` as a generator: yields after the embedding and after each layer
     (``num_hidden_layers + 1`` steps), returns the Outputs."""
     import torch
@@ -210,7 +225,7 @@ def layered_steps(get: Callable[..., dict], config: ESMCConfig, batches: list[Ba
         with torch.device("meta"):
             module = module_factory()
         state = get([n for n in names if n.startswith(prefix)], device)
-        module.load_state_dict({n[len(prefix):]: t for n, t in state.items()}, strict=True, assign=True)
+        module.load_state_dict({n[len(prefix) :]: t for n, t in state.items()}, strict=True, assign=True)
         return module.eval()
 
     with torch.inference_mode():
@@ -222,8 +237,12 @@ def layered_steps(get: Callable[..., dict], config: ESMCConfig, batches: list[Ba
             position_ids = torch.arange(h.shape[1], device=device).unsqueeze(0)
             rope.append(rotary(h, position_ids))
             if sid is not None:
-                mask = create_bidirectional_mask(config=cfg, inputs_embeds=h, attention_mask=None,
-                                                 and_mask_function=packed_sequence_mask_function(sid))
+                mask = create_bidirectional_mask(
+                    config=cfg,
+                    inputs_embeds=h,
+                    attention_mask=None,
+                    and_mask_function=packed_sequence_mask_function(sid),
+                )
             else:
                 mask = create_bidirectional_mask(config=cfg, inputs_embeds=h, attention_mask=am)
             states.append(h)

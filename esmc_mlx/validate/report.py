@@ -97,8 +97,11 @@ def markdown(report, plot: str | None) -> str:
         if quality.get("enforced"):
             lines.append(f"Quality bounds are those of the `{d['precision']}` row (docs/validation.md).")
         else:
-            why = (f"the reference looks untrained (its top-1 recovers {acc:.0%} of input residues)"
-                   if not quality.get("reference_trained") else "quality gate off")
+            why = (
+                f"the reference looks untrained (its top-1 recovers {acc:.0%} of input residues)"
+                if not quality.get("reference_trained")
+                else "quality gate off"
+            )
             lines.append(f"Quality figures are informational: {why}.")
         lines.append("")
     if d.get("stopped_before_panel"):
@@ -133,8 +136,10 @@ def text_summary(report) -> str:
     """What the CLI prints: one line per check."""
     rows = []
     for c in report.checks:
-        rows.append(f"  {_status(c).replace('**', ''):<8} {c.name:<17} {_fmt(c.value):>10}  {_bound(c)}"
-                    + (f"   {c.detail}" if c.detail and not c.passed else ""))
+        rows.append(
+            f"  {_status(c).replace('**', ''):<8} {c.name:<17} {_fmt(c.value):>10}  {_bound(c)}"
+            + (f"   {c.detail}" if c.detail and not c.passed else "")
+        )
     head = "PASSED" if report.passed else "FAILED (" + ", ".join(c.name for c in report.failed) + ")"
     return "\n".join([f"Validation {head}", *rows])
 
@@ -178,34 +183,70 @@ def plot(report, panel: Panel, path: Path) -> bool:
         window = max(5, len(kl) // 40)
         for ax, y in ((axes[0], kl), (axes[1], fe)):
             ax.plot(x, y, "-", color=color, lw=0.4, alpha=0.25)
-            ax.plot(x, _smooth(y, window), style, color=color, lw=1.3,
-                    label=f"{inp.name} ({len(kl)})" if ax is axes[0] else None)
+            ax.plot(
+                x,
+                _smooth(y, window),
+                style,
+                color=color,
+                lw=1.3,
+                label=f"{inp.name} ({len(kl)})" if ax is axes[0] else None,
+            )
         masked = quality["per_input"][inp.name].get("masked_positions") or []
         if masked:
             axes[0].plot(np.array(masked) + 1, kl[masked], "v", color=color, mec="black", mew=0.4, ms=4)
     thr = d["thresholds"]
     axes[0].axhline(thr["kl_mean"], color="crimson", ls="--", lw=1.2, label=f"bound on mean KL ({thr['kl_mean']:g})")
-    axes[0].axhline(max(quality["kl_mean"] or floor, floor), color="black", ls="-.", lw=1.2,
-                    label=f"mean KL ({_fmt(quality['kl_mean'])})")
-    axes[1].axhline(thr["fidelity_logits"], color="crimson", ls="--", lw=1.2,
-                    label=f"bound on pooled error ({thr['fidelity_logits']:g})")
-    axes[1].axhline(max(fidelity["logits_rel_l2"] or floor, floor), color="black", ls="-.", lw=1.2,
-                    label=f"pooled error ({_fmt(fidelity['logits_rel_l2'])})")
+    axes[0].axhline(
+        max(quality["kl_mean"] or floor, floor),
+        color="black",
+        ls="-.",
+        lw=1.2,
+        label=f"mean KL ({_fmt(quality['kl_mean'])})",
+    )
+    axes[1].axhline(
+        thr["fidelity_logits"],
+        color="crimson",
+        ls="--",
+        lw=1.2,
+        label=f"bound on pooled error ({thr['fidelity_logits']:g})",
+    )
+    axes[1].axhline(
+        max(fidelity["logits_rel_l2"] or floor, floor),
+        color="black",
+        ls="-.",
+        lw=1.2,
+        label=f"pooled error ({_fmt(fidelity['logits_rel_l2'])})",
+    )
     for ax in axes:
         ax.set_yscale("log")
         ax.grid(True, which="major", alpha=0.3)
     gate = "" if quality.get("enforced") else "  (informational: the reference looks untrained)"
     axes[0].set_title("Quality: KL(original ‖ artifact) per residue, nats" + gate, fontsize=10, loc="left")
-    axes[1].set_title("Fidelity: |Δ logits| / |logits| per residue, MLX vs torch on the artifact's weights",
-                      fontsize=10, loc="left")
-    axes[1].set_xlabel("residue position (faint: per residue; bold: running geometric mean; "
-                       "dashed: two-chain; dotted: 15% masked, ▼ at <mask>)", fontsize=8.5)
-    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="panel input (length)",
-                   title_fontsize=7.5, frameon=False)
+    axes[1].set_title(
+        "Fidelity: |Δ logits| / |logits| per residue, MLX vs torch on the artifact's weights", fontsize=10, loc="left"
+    )
+    axes[1].set_xlabel(
+        "residue position (faint: per residue; bold: running geometric mean; "
+        "dashed: two-chain; dotted: 15% masked, ▼ at <mask>)",
+        fontsize=8.5,
+    )
+    axes[0].legend(
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        title="panel input (length)",
+        title_fontsize=7.5,
+        frameon=False,
+    )
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     a = d["artifact"]
-    fig.suptitle(f"{Path(a['path']).name} ({_describe_precision(a)}) vs {public_source_id(d['reference']['id'])}: "
-                 f"{'PASSED' if report.passed else 'FAILED'}", fontsize=11, x=0.07, ha="left")
+    fig.suptitle(
+        f"{Path(a['path']).name} ({_describe_precision(a)}) vs {public_source_id(d['reference']['id'])}: "
+        f"{'PASSED' if report.passed else 'FAILED'}",
+        fontsize=11,
+        x=0.07,
+        ha="left",
+    )
     try:
         with atomic_file(path, "wb") as f:
             fig.savefig(f, dpi=100, format="png")

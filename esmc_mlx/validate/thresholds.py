@@ -31,13 +31,22 @@ FIDELITY: dict[str, float] = {  # compute dtype -> max relative L2 of logits and
     "float16": 2e-2,
 }
 
-QUALITY_COLUMNS = ("weights", "kl_mean", "kl_max", "top1", "logits_rel_err", "hidden_rel_err",
-                   "embedding_cosine", "spearman")
+QUALITY_COLUMNS = (
+    "weights",
+    "kl_mean",
+    "kl_max",
+    "top1",
+    "logits_rel_err",
+    "hidden_rel_err",
+    "embedding_cosine",
+    "spearman",
+)
 # Measured on esmc-tiny (6 layers), full panel: docs/validation.md has the figures. Error-like
 # bounds are 10x the measurement, agreement-like ones 1 - 10x the shortfall, rounded up on a
 # 1-1.5-2-3-5-7 grid; ``weights`` is 2x (it does not grow with depth); quantized rows are made
 # no tighter than the rows of more bits. "float32" is any lossless artifact.
 #              weights  kl_mean kl_max  top1    logits  hidden  cosine     spearman
+# fmt: off
 _ROWS = {
     "float32":  (1e-6,   1e-6,   1e-4,   0.999,  1e-4,   1e-4,   0.99999,   0.9999),
     "float16":  (5e-4,   5e-6,   3e-4,   0.999,  5e-3,   1.5e-2, 0.9999985, 0.99993),
@@ -52,6 +61,7 @@ _ROWS = {
     "3bit":     (0.5,    2e-2,   1.5,    0.85,   0.3,    1.0,    0.95,      0.93),
     "2bit":     (1.0,    0.1,    7.0,    0.7,    0.5,    1.0,    0.8,       0.7),
 }
+# fmt: on
 QUALITY: dict[str, dict[str, float]] = {p: dict(zip(QUALITY_COLUMNS, row)) for p, row in _ROWS.items()}
 
 # A reference counts as trained when its top-1 prediction recovers at least this fraction of the

@@ -85,8 +85,11 @@ class SourceWeights:
         self._handles: dict[Path, object] = {}  # open (memory-mapped) files; closed after each get_many
         self._last: tuple[str, object] | None = None  # the fused q/k/v is read once for three names
         self._read_mx = ckpt.read
-        self.files = [*ckpt.files] + ([self.source.path / "config.json"] if self.source.path.is_dir()
-                                      and (self.source.path / "config.json").exists() else [])
+        self.files = [*ckpt.files] + (
+            [self.source.path / "config.json"]
+            if self.source.path.is_dir() and (self.source.path / "config.json").exists()
+            else []
+        )
 
     def _read_source(self, name: str, device: str = "cpu"):
         import torch
@@ -133,8 +136,13 @@ class SourceWeights:
         return out
 
     def describe(self) -> dict:
-        return {"id": self.id, "revision": self.source.revision, "path": str(self.source.path),
-                "dtype": self.dtype, "layout": "legacy .pth" if self._pth_read else "safetensors"}
+        return {
+            "id": self.id,
+            "revision": self.source.revision,
+            "path": str(self.source.path),
+            "dtype": self.dtype,
+            "layout": "legacy .pth" if self._pth_read else "safetensors",
+        }
 
 
 class ArtifactWeights:
@@ -207,8 +215,11 @@ class ArtifactWeights:
             return None
         entry = self.record.get(module)
         params = entry if isinstance(entry, dict) else self.record
-        return {"group_size": int(params["group_size"]), "bits": int(params["bits"]),
-                "mode": params.get("mode", "affine")}
+        return {
+            "group_size": int(params["group_size"]),
+            "bits": int(params["bits"]),
+            "mode": params.get("mode", "affine"),
+        }
 
     # --- dequantized fp32 torch tensors, for the fidelity reference -------------------------
     def has(self, name: str) -> bool:
@@ -246,9 +257,10 @@ class ArtifactWeights:
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array | None, params: dict) -> mx.array:
     """The fp32 matrix a quantized layer multiplies by: floating scales and biases are widened
     to fp32 first, as the runtime computes on the CPU."""
+
     def widen(a):
         return a.astype(mx.float32) if a is not None and mx.issubdtype(a.dtype, mx.floating) else a
 
-    return mx.dequantize(w, widen(scales), widen(biases), group_size=params["group_size"], bits=params["bits"],
-                         mode=params["mode"]).astype(mx.float32)
-
+    return mx.dequantize(
+        w, widen(scales), widen(biases), group_size=params["group_size"], bits=params["bits"], mode=params["mode"]
+    ).astype(mx.float32)
