@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import EsmcMlxError, JobError, ScoringError
 from ..outputs import atomic_file, check_file_target, locked
 from ..runtime.load import load
+from ..runtime.model import ESMC
 from ..vocab import check_sequence
 from .distributed import World
 from .fasta import iter_fasta, read_fasta
@@ -55,7 +56,7 @@ class EmbedSummary:
     world_size: int = 1
 
 
-def _model(model, name: str | None):
+def _model(model: ESMC | str | Path, name: str | None):
     """A loaded model, or a path / Hub id to load (on every rank)."""
     if isinstance(model, (str, Path)):
         return load(model)[0], name or str(model)
@@ -64,7 +65,7 @@ def _model(model, name: str | None):
 
 @locked("out", when=lambda args: World.of(args["group"]).is_root)
 def embed_fasta(
-    model,
+    model: ESMC | str | Path,
     fasta: str | Path,
     out: str | Path,
     *,
@@ -260,7 +261,7 @@ class ScanSummary:
 
 @locked("out", when=lambda args: World.of(args["group"]).is_root)
 def scan_job(
-    model,
+    model: ESMC | str | Path,
     out: str | Path,
     *,
     sequence: str | None = None,
@@ -371,7 +372,7 @@ def _is_file(path: Path) -> bool:
 
 @locked("out", when=lambda args: World.of(args["group"]).is_root, create_parent=False)
 def score_csv(
-    model,
+    model: ESMC | str | Path,
     sequence: str,
     mutations_csv: str | Path,
     out: str | Path | None,

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..errors import ScoringError
 from ..outputs import atomic_file
+from ..runtime.model import ESMC
 from ..vocab import check_sequence
 from .distributed import World
 from .mutations import AMINO_ACIDS_20
@@ -102,7 +103,7 @@ def safe_name(name: str) -> str:
 
 
 def scan(
-    model,
+    model: ESMC,
     sequence: str,
     *,
     method: str = "masked_marginal",

@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ScoringError
+from ..runtime.model import ESMC
 from ..runtime.tokenizer import ESMCTokenizer
 from ..vocab import check_sequence
 from .distributed import World
@@ -64,7 +65,7 @@ def _pack(encoded: list[np.ndarray], rows: Sequence[int], tokenizer=None):
     return ids, (None if attn.all() else attn), sid
 
 
-def _forward(model, ids, attn, sid, output_hidden_states: bool = False):
+def _forward(model: ESMC, ids, attn, sid, output_hidden_states: bool = False):
     return model(
         mx.array(ids),
         attention_mask=None if attn is None else mx.array(attn),
@@ -165,7 +166,7 @@ def length_batches(token_lengths: Sequence[int], batch_tokens: int) -> list[np.n
 
 
 def iter_embeddings(
-    model, encoded: list[np.ndarray], batches: Sequence[Sequence[int]], *, layers=(-1,), pools=("mean",)
+    model: ESMC, encoded: list[np.ndarray], batches: Sequence[Sequence[int]], *, layers=(-1,), pools=("mean",)
 ) -> Iterator[tuple[np.ndarray, dict]]:
     """For each batch of indices into ``encoded`` (token ids with <cls>/<eos>): the indices and
     ``{(layer, pool): value}`` for every layer and pool, from one forward pass: pooled values
@@ -202,7 +203,7 @@ def iter_embeddings(
 
 
 def embed(
-    model,
+    model: ESMC,
     sequences: str | Sequence[str],
     *,
     layer: int = -1,
@@ -246,7 +247,7 @@ def embed(
 
 
 def token_log_probs(
-    model,
+    model: ESMC,
     sequences: Sequence[str],
     seq_index,
     mask_pos,
@@ -285,7 +286,7 @@ def token_log_probs(
 
 
 def run_jobs(
-    model,
+    model: ESMC,
     sequences: Sequence[str],
     seq_index,
     masks: Sequence[np.ndarray],
@@ -425,7 +426,7 @@ class _Jobs:
 
 
 def pseudo_perplexity(
-    model,
+    model: ESMC,
     sequences: str | Sequence[str],
     *,
     batch_size: int = DEFAULT_BATCH_SIZE,
@@ -474,7 +475,7 @@ class MutationScores:
 
 
 def score_mutations(
-    model,
+    model: ESMC,
     sequence: str,
     mutations: Sequence[str],
     *,

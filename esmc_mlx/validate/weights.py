@@ -250,9 +250,6 @@ class ArtifactWeights:
                 out[n] = raw[n].astype(mx.float32)
         return out
 
-    def get(self, name: str, device: str = "cpu"):
-        return self.get_many([name], device)[name]
-
 
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array | None, params: dict) -> mx.array:
     """The fp32 matrix a quantized layer multiplies by: floating scales and biases are widened
