@@ -71,44 +71,23 @@ def convert_validate_push(
     if upload_repo:  # a missing token or a foreign namespace fails now, not after converting
         check_push_access(upload_repo)
     job = prepare(source, dtype, q, group_size, quantize_head, revision, command)
-    result = PipelineResult(out)
     # The old output stays in place until the new one is proven: convert and validate in the
     # staging directory, swap in only after validation passed (or was skipped).
     with StagedDirectory(out, force, sources=job.inputs) as stage:
         write_artifact(job, stage.path, shard_bytes)
-        if validate_output is False:
-            pass
-        elif not validation_available():
-            log("Note: not validated (torch/transformers not installed); run `esmc-mlx validate` later.")
-        else:
-            log(f"Validating the conversion against {source} before it goes to {out} ...")
-            result.report = validate(
-                stage.path,
-                source,
-                revision=revision,
-                progress=True,
-                artifact_path=out,
-                reference_device=reference_device,
-            )
-            log(result.report.summary())
-            if not result.report.passed:
-                failed = ", ".join(c.name for c in result.report.failed)
-                if not os.path.lexists(out):  # nothing to keep: the failed artifact goes where asked
-                    stage.publish()
-                    raise ValidationError(
-                        f"validation failed ({failed}). The artifact stays at {out} with its failing report in "
-                        f"{out / 'validation'}; it will not be uploaded."
-                    )
-                kept = stage.keep_failed()
+        where, report = _prove_and_place(stage, out, source, validate_output, revision, reference_device, log)
+        result = PipelineResult(where, report)
+        if report is not None and not report.passed:
+            failed = ", ".join(c.name for c in report.failed)
+            if where == out:  # there was no old output to keep
                 raise ValidationError(
-                    f"validation failed ({failed}). The old {out} is unchanged; the new artifact is kept at "
-                    f"{kept} with its failing report in {kept / 'validation'}; it will not be uploaded."
+                    f"validation failed ({failed}). The artifact stays at {out} with its failing report in "
+                    f"{out / 'validation'}; it will not be uploaded."
                 )
-        stage.publish()
-        log(f"Wrote {out}")
-        if result.report is not None:
-            result.report.directory = out / "validation"
-            log(f"Report: {result.report.directory / 'report.md'}")
+            raise ValidationError(
+                f"validation failed ({failed}). The old {out} is unchanged; the new artifact is kept at "
+                f"{where} with its failing report in {where / 'validation'}; it will not be uploaded."
+            )
         if upload_repo:  # last, and still under the lock: no other run replaces OUT mid-upload
             result.push = push_artifact(out, upload_repo, private=private)
             log(result.push.summary())
@@ -150,33 +129,48 @@ def convert_validate_many(
             stack.enter_context(StagedDirectory(out / label, force, sources=job.inputs)) for label, job in jobs.items()
         ]
         write_many(list(jobs.values()), [s.path for s in stages], shard_bytes)
-        wanted = validate_output is not False and validation_available()
-        if validate_output is None and not wanted:
-            log("Note: not validated (torch/transformers not installed); run `esmc-mlx validate` later.")
         for label, stage in zip(jobs, stages):
-            target, report = out / label, None
-            if wanted:
-                log(f"Validating {label} against {source} before it goes to {target} ...")
-                report = validate(
-                    stage.path,
-                    source,
-                    revision=revision,
-                    progress=True,
-                    artifact_path=target,
-                    reference_device=reference_device,
-                )
-                log(report.summary())
-            if report is not None and not report.passed and os.path.lexists(target):
-                where = stage.keep_failed()  # the old output stays as it was
-            else:
-                where = stage.publish()
-            log(f"Wrote {where}")
-            if report is not None:
-                report.directory = where / "validation"
-                log(f"Report: {report.directory / 'report.md'}")
-                if not report.passed:
-                    failures.append(f"{label} ({', '.join(c.name for c in report.failed)}; kept at {where})")
+            where, report = _prove_and_place(
+                stage, out / label, source, validate_output, revision, reference_device, log
+            )
+            if report is not None and not report.passed:
+                failures.append(f"{label} ({', '.join(c.name for c in report.failed)}; kept at {where})")
             results.append(PipelineResult(where, report))
     if failures:
         raise ValidationError("validation failed for " + "; ".join(failures) + ". Nothing is uploaded.")
     return results
+
+
+def _prove_and_place(
+    stage: StagedDirectory,
+    target: Path,
+    source: str,
+    validate_output: bool | None,
+    revision: str | None,
+    reference_device: str,
+    log: Callable[[str], None],
+) -> tuple[Path, Report | None]:
+    """Validate the staged artifact (unless ``validate_output`` is False or torch is missing) and
+    put it in place: at ``target`` when it passed, was not validated, or there is no old output to
+    keep; else beside the old one as ``target.failed-<time>``. Returns (where it is, the report)."""
+    report = None
+    if validate_output is not False and validation_available():
+        log(f"Validating the conversion against {source} before it goes to {target} ...")
+        report = validate(
+            stage.path,
+            source,
+            revision=revision,
+            progress=True,
+            artifact_path=target,
+            reference_device=reference_device,
+        )
+        log(report.summary())
+    elif validate_output is None:
+        log("Note: not validated (torch/transformers not installed); run `esmc-mlx validate` later.")
+    failed_beside_old = report is not None and not report.passed and os.path.lexists(target)
+    where = stage.keep_failed() if failed_beside_old else stage.publish()
+    log(f"Wrote {where}")
+    if report is not None:
+        report.directory = where / "validation"
+        log(f"Report: {report.directory / 'report.md'}")
+    return where, report
