@@ -18,6 +18,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .thresholds import QUALITY_COLUMNS
+
 SPECS = [
     ("bfloat16", None),
     ("float16", None),
@@ -85,17 +87,7 @@ def calibrate(source: str = "tiny", quick: bool = False, specs=SPECS) -> dict:
 
 
 def table(result: dict) -> str:
-    cols = [
-        "fidelity_logits",
-        "weights",
-        "kl_mean",
-        "kl_max",
-        "top1",
-        "logits_rel_err",
-        "hidden_rel_err",
-        "embedding_cosine",
-        "spearman",
-    ]
+    cols = ["fidelity_logits", *QUALITY_COLUMNS]
     lines = ["| precision | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for label, row in result["rows"].items():
         lines.append(f"| {label} | " + " | ".join(f"{row[c]:.3g}" for c in cols) + " |")
