@@ -29,11 +29,16 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from . import _blas
 from .config import ESMCConfig
+from .convert.sources import torch_to_mlx
 from .errors import EsmcMlxError
 from .outputs import atomic_file
 from .quantize import BLOCK_LINEAR  # what `esmc-convert --q` quantizes by default
-from .runtime.model import ESMC
+from .runtime.model import ESMC, RUNTIME_DEFAULTS
+from .runtime.quantized import quantize_modules
+from .testing import SHAPES, tiny_config
+from .validate.reference import hf_config as transformers_config
 
 GPU_SHAPES = ((1, 256), (1, 1024), (16, 256), (64, 512))
 CPU_SHAPES = ((1, 256), (8, 256))
@@ -54,16 +59,12 @@ DEFAULT_VARIANT = "mlx+fuse+compile"  # what load() gives on a GPU
 
 def default_variant(device: str) -> str:
     """The variant ``load()`` gives on ``device`` ("cpu" or "gpu")."""
-    from .runtime.model import RUNTIME_DEFAULTS
-
     d = RUNTIME_DEFAULTS[device]
     return next(name for name, flags in VARIANTS.items() if flags == (d["fuse"], d["compile"]))
 
 
 # --- models --------------------------------------------------------------------------------
 def config_for(name: str) -> ESMCConfig:
-    from .testing import SHAPES, tiny_config
-
     if name == "tiny":
         return tiny_config()
     if name == "small":  # a 4-layer 300M-wide model: for smoke runs of the GPU suite
@@ -76,8 +77,6 @@ def torch_model(config: ESMCConfig, dtype: str = "float32", device: str = "cpu",
     directly on ``device`` in ``dtype`` (a 6B never passes through host memory in fp32)."""
     import torch
     from transformers import EsmcForMaskedLM
-
-    from .validate.reference import hf_config as transformers_config
 
     hf_config = transformers_config(config)
     torch_dtype = getattr(torch, dtype)
@@ -102,8 +101,6 @@ def torch_model(config: ESMCConfig, dtype: str = "float32", device: str = "cpu",
 
 def mlx_weights(tmodel, dtype: mx.Dtype) -> dict[str, mx.array]:
     """The torch model's state dict as MLX arrays in ``dtype`` (bf16 moves as raw bits)."""
-    from .convert.sources import torch_to_mlx
-
     out = {}
     for name, t in tmodel.state_dict().items():
         out[name] = torch_to_mlx(t).astype(dtype)
@@ -124,8 +121,6 @@ def mlx_model(
     names = {k for k, _ in tree_flatten(model.parameters())}
     model.load_weights([(k, v) for k, v in weights.items() if k in names], strict=True)
     if quant:
-        from .runtime.quantized import quantize_modules
-
         quantize_modules(model, dict(quant), lambda path: bool(BLOCK_LINEAR.fullmatch(path)))
     mx.eval(model.parameters())
     if fuse:
@@ -302,7 +297,6 @@ def machine(with_torch: bool = True) -> dict:
         info["transformers"] = transformers.__version__
     except ImportError:
         pass
-    from . import _blas
 
     info["blas"] = _blas.loaded_path
     info["blas_info"] = dict(_blas.info)

@@ -15,6 +15,7 @@ import click
 
 from ._version import __version__
 from .artifact import describe
+from .bench import parse_shapes, run
 from .convert import quantize_directory
 from .errors import EsmcMlxError, EsmcMlxWarning
 from .hub.push import push_artifact
@@ -835,8 +836,6 @@ Examples:
     type=click.Path(file_okay=False, path_type=Path),
 )
 def bench(models, shapes, device, dtype, variants, quant, no_torch, out_dir):
-    from .bench import parse_shapes, run
-
     try:
         parsed = parse_shapes(shapes) if shapes else None
     except ValueError as e:

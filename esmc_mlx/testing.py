@@ -15,6 +15,7 @@ import numpy as np
 from .artifact import expected_shapes
 from .config import ESMCConfig
 from .convert.mapping import GATE_UP, QKV
+from .validate.reference import hf_config
 
 SHAPES = {  # published ESMC sizes: hidden, heads, layers
     "300M": ESMCConfig(960, 15, 30, 2560),
@@ -37,8 +38,6 @@ def random_transformers_model(config: ESMCConfig, seed: int = 0, perturb_norms: 
     parameter changes the output; without it, transformers' own initialization."""
     import torch
     from transformers import EsmcForMaskedLM
-
-    from .validate.reference import hf_config
 
     torch.manual_seed(seed)
     model = EsmcForMaskedLM(hf_config(config)).eval()

@@ -108,3 +108,18 @@ def test_expected_shapes_are_the_models_parameters():
     model_shapes = {k: tuple(v.shape) for k, v in tree_flatten(ESMC(config).parameters())}
     assert expected_shapes(config) == model_shapes
     assert all(isinstance(v, mx.array) for _, v in tree_flatten(ESMC(config).parameters()))
+
+
+def test_package_modules_are_imported_at_the_top():
+    """A function-level import is for an optional heavy dependency (torch, matplotlib, h5py),
+    never for one of our own modules (that is how cycles hide)."""
+    late = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                for sub in ast.walk(node):
+                    own = isinstance(sub, ast.ImportFrom) and (sub.level or (sub.module or "").startswith("esmc_mlx"))
+                    own |= isinstance(sub, ast.Import) and any(a.name.startswith("esmc_mlx") for a in sub.names)
+                    if own:
+                        late.append(f"{path.relative_to(PACKAGE.parent)}:{sub.lineno}")
+    assert not late, "move these imports to the top of their module: " + ", ".join(sorted(late))

@@ -14,6 +14,7 @@ import json
 import re
 from pathlib import Path
 
+from .._version import __version__
 from ..artifact import (
     FP_MODES,
     describe,
@@ -167,8 +168,6 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
     parses the result (YAML metadata + markdown).
     """
     from huggingface_hub import ModelCardData, constants
-
-    from .._version import __version__
 
     model_dir = Path(model_dir)
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")

@@ -22,6 +22,7 @@ from ..outputs import atomic_file
 from ..runtime.model import ESMC
 from ..vocab import check_sequence
 from .distributed import World
+from .heatmap import plot_heatmap
 from .mutations import AMINO_ACIDS_20
 from .scoring import _TOKENIZER, DEFAULT_BATCH_SIZE, DEFAULT_WINDOW, _Jobs, _residue_positions, check_length
 
@@ -62,8 +63,6 @@ class Scan:
         """Write ``<name>_scan.csv`` (tidy: one row per variant), ``<name>_matrix.npy`` (n x 20
         float32), ``<name>_matrix.csv`` (position, wt, 20 columns, entropy) and, with ``plot``,
         ``<name>_heatmap.png`` into ``out_dir``. Each file is written beside and renamed."""
-        from .heatmap import plot_heatmap
-
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         stem = safe_name(self.name)

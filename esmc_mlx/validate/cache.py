@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..artifact import sha256
 from .reference import Outputs
 
 CACHE_VERSION = 1
@@ -45,7 +46,6 @@ def file_hashes(
     files are hashed in parallel threads (hashlib releases the GIL). ``known``: hashes the
     converter recorded (file name -> sha256) at time ``known_at``, taken for a file not modified
     since then (a 12 GB checkpoint is not hashed twice in one ``esmc-convert``)."""
-    from ..artifact import sha256
 
     root = cache_root()
     memo_path = root / "hashes.json" if root else None

@@ -18,7 +18,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..convert import convert
+from . import mlx_side
+from . import reference as torch_ref
+from .core import compare_weights
+from .metrics import fidelity, quality
+from .panel import build_panel
 from .thresholds import QUALITY_COLUMNS
+from .weights import ArtifactWeights, SourceWeights, names_for
 
 SPECS = [
     ("bfloat16", None),
@@ -39,14 +46,6 @@ SPECS = [
 
 
 def calibrate(source: str = "tiny", quick: bool = False, specs=SPECS) -> dict:
-    from ..convert import convert
-    from . import mlx_side
-    from . import reference as torch_ref
-    from .core import compare_weights
-    from .metrics import fidelity, quality
-    from .panel import build_panel
-    from .weights import ArtifactWeights, SourceWeights, names_for
-
     src = SourceWeights(source)
     panel = build_panel(max_length=256 if quick else None, marginal_positions=8 if quick else 24)
     batches = panel.batches()

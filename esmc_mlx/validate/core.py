@@ -32,14 +32,19 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _blas
+from .._version import __version__
 from ..artifact import sha256, weight_files
 from ..config import ESMCConfig
 from ..errors import EsmcMlxError, ValidationError
+from . import cache as ref_cache
+from . import mlx_side
+from . import reference as torch_ref
 from . import thresholds as th
 from .metrics import fidelity as fidelity_metrics
 from .metrics import quality as quality_metrics
 from .panel import build_panel
 from .reference import Outputs, fp32_bytes
+from .report import text_summary, write_report
 from .weights import ArtifactWeights, SourceWeights, names_for
 
 MODES = ("auto", "full", "layered")
@@ -101,8 +106,6 @@ class Report:
         return next(c for c in self.checks if c.name == name)
 
     def summary(self) -> str:
-        from .report import text_summary
-
         return text_summary(self)
 
 
@@ -326,7 +329,6 @@ def validate(
         raise ValidationError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
     if quality_gate not in QUALITY_GATES:
         raise ValidationError(f"quality gate {quality_gate!r}: choose one of {', '.join(QUALITY_GATES)}")
-    from . import reference as torch_ref
 
     if reference_device not in torch_ref.DEVICES:
         raise ValidationError(f"reference device {reference_device!r}: choose one of {', '.join(torch_ref.DEVICES)}")
@@ -335,9 +337,6 @@ def validate(
             "validation needs torch and transformers (>= 5.23, with EsmcForMaskedLM): pip install 'esmc-mlx[torch]'"
         )
     from tqdm.auto import tqdm
-
-    from . import cache as ref_cache
-    from . import mlx_side
 
     artifact = ArtifactWeights(mlx_dir)
     source = SourceWeights(reference, revision)
@@ -581,8 +580,6 @@ def validate(
         )
         report = Report(passed, checks, data)
         if write:
-            from .report import write_report
-
             report.directory = write_report(
                 report, panel, Path(report_dir) if report_dir else Path(mlx_dir) / "validation", draw=plot
             )
@@ -631,8 +628,6 @@ def artifact_files(directory: Path) -> dict[str, str]:
 
 def versions() -> dict:
     import mlx.core as mx
-
-    from .._version import __version__
 
     out = {"esmc_mlx": __version__, "mlx": mx.__version__, "numpy": np.__version__, "python": platform.python_version()}
     for module in ("torch", "transformers", "scipy", "matplotlib"):

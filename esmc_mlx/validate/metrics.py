@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime.tokenizer import ESMCTokenizer
+from ..tasks.stats import spearman as rank_correlation  # equals scipy's spearmanr (tested)
 from ..vocab import AMINO_ACIDS, VOCAB
 from .panel import Panel
 from .reference import Outputs
@@ -94,7 +95,6 @@ def masked_marginals(panel: Panel, out: Outputs) -> np.ndarray:
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
     if len(a) < 3:
         return float("nan")
-    from ..tasks.stats import spearman as rank_correlation  # equals scipy's spearmanr (tested)
 
     return rank_correlation(a, b)
 
