@@ -12,8 +12,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .convert import prepare, write_artifact
-from .convert.many import prepare_many, spec_label, write_many
+from .convert import prepare, write_artifact, write_artifacts
+from .convert.many import prepare_many, spec_label
 from .convert.writer import DEFAULT_SHARD_BYTES
 from .errors import ValidationError
 from .hub.push import PushResult, check_push_access, push_artifact
@@ -128,7 +128,7 @@ def convert_validate_many(
         stages = [
             stack.enter_context(StagedDirectory(out / label, force, sources=job.inputs)) for label, job in jobs.items()
         ]
-        write_many(list(jobs.values()), [s.path for s in stages], shard_bytes)
+        write_artifacts(list(jobs.values()), [s.path for s in stages], shard_bytes)
         for label, stage in zip(jobs, stages):
             where, report = _prove_and_place(
                 stage, out / label, source, validate_output, revision, reference_device, log

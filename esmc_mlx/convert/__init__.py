@@ -117,24 +117,38 @@ def write_artifact(
     job: Conversion, directory: Path, shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True
 ) -> None:
     """Write the MLX artifact of ``job`` into the (empty, staging) ``directory``."""
+    write_artifacts([job], [directory], shard_bytes, progress)
+
+
+def write_artifacts(
+    jobs: list[Conversion], directories: list[Path], shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True
+) -> None:
+    """Write the artifact of every job (all of one source and dtype) into its (empty, staging)
+    directory, reading the source once: each tensor is read, renamed, cast and checked once,
+    then quantized by each job's plan and handed to each job's shard writer."""
+    first = jobs[0]
     started = time.perf_counter()
-    overrides = write_tensors(job.ckpt, directory, job.dtype, job.plan, shard_bytes, progress)
-    plan = job.plan
-    extra = {
-        # an older parent's record may hold local paths: scrub keeps only their basenames
-        "source": dict(
-            source_record(job.src, job.ckpt, progress),
-            **({"derived_from": scrub(job.derived_from)} if job.derived_from else {}),
-        ),
-        "converter": {"name": "esmc-mlx", "version": __version__},
-        "command": public_command(job.command),  # typed paths cut to basenames (issue 12, rule 9)
-        "quantization": {"spec": plan.spec, "quantize_head": plan.quantize_head} if plan else None,
-        "seconds": round(time.perf_counter() - started, 2),
-    }
-    write_config(
-        directory, job.ckpt.config, job.dtype, plan.record(overrides) if plan else None, extra, license=job.ckpt.license
-    )
-    copy_tokenizer(job.src, directory)
+    quantized = write_tensors(first.ckpt, directories, first.dtype, [j.plan for j in jobs], shard_bytes, progress)
+    provenance = source_record(first.src, first.ckpt, progress)  # hashed once for all
+    for job, directory, overrides in zip(jobs, directories, quantized):
+        plan = job.plan
+        extra = {
+            # an older parent's record may hold local paths: scrub keeps only their basenames
+            "source": dict(provenance, **({"derived_from": scrub(job.derived_from)} if job.derived_from else {})),
+            "converter": {"name": "esmc-mlx", "version": __version__},
+            "command": public_command(job.command),  # typed paths cut to basenames (issue 12, rule 9)
+            "quantization": {"spec": plan.spec, "quantize_head": plan.quantize_head} if plan else None,
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+        write_config(
+            directory,
+            job.ckpt.config,
+            job.dtype,
+            plan.record(overrides) if plan else None,
+            extra,
+            license=job.ckpt.license,
+        )
+        copy_tokenizer(job.src, directory)
 
 
 def convert(
@@ -170,32 +184,39 @@ def convert(
 
 
 def write_tensors(
-    ckpt: Checkpoint, directory: Path, dtype: mx.Dtype, plan: QuantPlan | None, shard_bytes: int, progress: bool
-) -> dict[str, QuantParams]:
-    """Stream every tensor through rename -> cast -> quantize -> shard writer."""
+    ckpt: Checkpoint,
+    directories: list[Path],
+    dtype: mx.Dtype,
+    plans: list[QuantPlan | None],
+    shard_bytes: int,
+    progress: bool,
+) -> list[dict[str, QuantParams]]:
+    """Stream every tensor through rename -> cast -> check -> (per target) quantize -> shard
+    writer; returns each target's quantized layers."""
     from tqdm.auto import tqdm
 
-    writer = ShardWriter(directory, shard_bytes)
-    quantized: dict[str, QuantParams] = {}
+    writers = [ShardWriter(d, shard_bytes) for d in directories]
+    quantized: list[dict[str, QuantParams]] = [{} for _ in plans]
+    desc = "converting" if len(plans) == 1 else f"converting to {len(plans)} precisions"
     # a context: on an error the bar ends its line, so the Error line starts on its own
-    with tqdm(total=len(ckpt.shapes), unit="tensor", desc="converting", disable=not progress) as bar:
+    with tqdm(total=len(ckpt.shapes), unit="tensor", desc=desc, disable=not progress) as bar:
         for source_name, tensor in ckpt.tensors():
-            if mapping.IGNORED.match(source_name):
-                bar.update()
-                continue
-            for name, t in mapping.rename(source_name, tensor):
-                t, source = t.astype(dtype), t
-                check_finite(source_name, source, t)
-                params = plan.params_for(name, t.shape) if plan else None
-                if params is None:
-                    writer.add(name, t)
-                else:
-                    for qname, qt in quantize_tensor(name, t, params).items():
-                        writer.add(qname, qt)
-                    quantized[name[: -len(".weight")]] = params
+            if not mapping.IGNORED.match(source_name):
+                for name, t in mapping.rename(source_name, tensor):
+                    t, source = t.astype(dtype), t
+                    check_finite(source_name, source, t)  # evaluates the cast once for every target
+                    for writer, plan, record in zip(writers, plans, quantized):
+                        params = plan.params_for(name, t.shape) if plan else None
+                        if params is None:
+                            writer.add(name, t)
+                            continue
+                        for qname, qt in quantize_tensor(name, t, params).items():
+                            writer.add(qname, qt)
+                        record[name[: -len(".weight")]] = params
             bar.update()
-            bar.set_postfix_str(f"{writer.total_bytes / 2**20:,.0f} MiB written")
-    writer.close()
+            bar.set_postfix_str(f"{sum(w.total_bytes for w in writers) / 2**20:,.0f} MiB written")
+    for writer in writers:
+        writer.close()
     return quantized
 
 

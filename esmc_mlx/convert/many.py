@@ -14,16 +14,12 @@ its name (``mxfp4``, ``nvfp4``, ``mixed_4_6``), no spec is the float dtype (``bf
 from __future__ import annotations
 
 import contextlib
-import time
 from pathlib import Path
 
-from .._version import __version__
 from ..errors import ConvertError
 from ..outputs import StagedDirectory, check_target
-from ..privacy import public_command
-from ..quantize import QuantParams, quantize_tensor
-from . import Conversion, check_finite, copy_tokenizer, mapping, prepare, source_record, write_config
-from .writer import DEFAULT_SHARD_BYTES, ShardWriter
+from . import Conversion, prepare, write_artifacts
+from .writer import DEFAULT_SHARD_BYTES
 
 
 def spec_label(q: str | None, dtype: str | None = None, group_size: int | None = None) -> str:
@@ -54,58 +50,6 @@ def prepare_many(
     }
 
 
-def write_many(
-    jobs: list[Conversion], directories: list[Path], shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True
-) -> None:
-    """Write the artifact of every job (all of one source and dtype) into its (empty, staging)
-    directory, reading the source once."""
-    from tqdm.auto import tqdm
-
-    first = jobs[0]
-    started = time.perf_counter()
-    writers = [ShardWriter(d, shard_bytes) for d in directories]
-    quantized: list[dict[str, QuantParams]] = [{} for _ in jobs]
-    with tqdm(
-        total=len(first.ckpt.shapes), unit="tensor", desc=f"converting to {len(jobs)} precisions", disable=not progress
-    ) as bar:
-        for source_name, tensor in first.ckpt.tensors():
-            if not mapping.IGNORED.match(source_name):
-                for name, t in mapping.rename(source_name, tensor):
-                    t, source = t.astype(first.dtype), t
-                    check_finite(source_name, source, t)  # evaluates the cast once for every target
-                    for writer, job, record in zip(writers, jobs, quantized):
-                        params = job.plan.params_for(name, t.shape) if job.plan else None
-                        if params is None:
-                            writer.add(name, t)
-                            continue
-                        for qname, qt in quantize_tensor(name, t, params).items():
-                            writer.add(qname, qt)
-                        record[name[: -len(".weight")]] = params
-            bar.update()
-    for writer in writers:
-        writer.close()
-    provenance = source_record(first.src, first.ckpt, progress)  # hashed once for all
-    seconds = round(time.perf_counter() - started, 2)
-    for job, directory, record in zip(jobs, directories, quantized):
-        plan = job.plan
-        extra = {
-            "source": provenance,
-            "converter": {"name": "esmc-mlx", "version": __version__},
-            "command": public_command(job.command),
-            "quantization": {"spec": plan.spec, "quantize_head": plan.quantize_head} if plan else None,
-            "seconds": seconds,
-        }
-        write_config(
-            directory,
-            job.ckpt.config,
-            job.dtype,
-            plan.record(record) if plan else None,
-            extra,
-            license=job.ckpt.license,
-        )
-        copy_tokenizer(job.src, directory)
-
-
 def convert_many(
     source: str,
     out_dir: str | Path,
@@ -133,5 +77,5 @@ def convert_many(
             stack.enter_context(StagedDirectory(out_dir / label, force, sources=job.inputs))
             for label, job in jobs.items()
         ]
-        write_many(list(jobs.values()), [s.path for s in stages], shard_bytes, progress)
+        write_artifacts(list(jobs.values()), [s.path for s in stages], shard_bytes, progress)
         return {label: stage.publish() for label, stage in zip(jobs, stages)}
