@@ -67,18 +67,7 @@ def calibrate(source: str = "tiny", quick: bool = False, specs=SPECS) -> dict:
                 "fidelity_logits": fid["logits_rel_l2"],
                 "fidelity_hidden": fid["hidden_rel_l2"],
                 "weights": weights.value,
-                **{
-                    k: qual[k]
-                    for k in (
-                        "kl_mean",
-                        "kl_max",
-                        "top1",
-                        "logits_rel_err",
-                        "hidden_rel_err",
-                        "embedding_cosine",
-                        "spearman",
-                    )
-                },
+                **{k: qual[k] for k in QUALITY_COLUMNS if k != "weights"},  # weights: the check above
                 "seconds": round(time.perf_counter() - started, 1),
             }
             print(label, json.dumps(rows[label]), flush=True)
