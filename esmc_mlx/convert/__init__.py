@@ -17,9 +17,10 @@ import mlx.core as mx
 import numpy as np
 
 from .._version import __version__
-from ..artifact import FLOAT_DTYPES, dtype_name, expected_shapes, read_config, sha256
+from ..artifact import FLOAT_DTYPES, dtype_name, expected_shapes, read_config
 from ..config import ESMCConfig
 from ..errors import ConvertError, QuantizeError
+from ..hashes import file_hashes
 from ..outputs import StagedDirectory, check_target
 from ..privacy import public_command, public_source_id, scrub
 from ..quantize import QuantParams, QuantPlan, parse_spec, quantize_tensor, refuse_quantized
@@ -129,7 +130,7 @@ def write_artifacts(
     first = jobs[0]
     started = time.perf_counter()
     quantized = write_tensors(first.ckpt, directories, first.dtype, [j.plan for j in jobs], shard_bytes, progress)
-    provenance = source_record(first.src, first.ckpt, progress)  # hashed once for all
+    provenance = source_record(first.src, first.ckpt)  # hashed once for all
     for job, directory, overrides in zip(jobs, directories, quantized):
         plan = job.plan
         extra = {
@@ -259,13 +260,9 @@ def check_finite(source_name: str, source: mx.array, cast: mx.array) -> None:
     )
 
 
-def source_record(src: Source, ckpt: Checkpoint, progress: bool) -> dict:
-    from tqdm.auto import tqdm
-
-    files = {}
-    for f in tqdm(ckpt.files, desc="hashing source", unit="file", disable=not progress or len(ckpt.files) < 2):
-        files[f.name] = sha256(f)
-    return {"id": public_source_id(src.id), "revision": src.revision, "files": files}
+def source_record(src: Source, ckpt: Checkpoint) -> dict:
+    # remembered by (path, size, mtime): validating against this source later hashes nothing
+    return {"id": public_source_id(src.id), "revision": src.revision, "files": file_hashes(ckpt.files)}
 
 
 def write_config(

@@ -62,7 +62,7 @@ def calibrate(source: str = "tiny", quick: bool = False, specs=SPECS) -> dict:
             same_weights = torch_ref.run_full(art.get_many, art.config, batches, n, names_for(art.config, ""))
             fid = fidelity(panel, mine, same_weights)
             qual = quality(panel, mine, original)
-            weights, _ = compare_weights(art, src, float("inf"))
+            weights, _, _ = compare_weights(art, src, float("inf"))
             rows[label] = {
                 "fidelity_logits": fid["logits_rel_l2"],
                 "fidelity_hidden": fid["hidden_rel_l2"],

@@ -3,7 +3,10 @@
 In this order, so that whatever can fail cheaply fails before any panel work:
   1. config: the artifact's architecture is the reference's (else: a failing report, nothing run);
   2. weights: every tensor of the artifact (dequantized) against the original, one layer of each
-     at a time, in MLX (vectorised, on MLX's device); NaN or Inf in either fails here;
+     at a time, by torch on the reference device; NaN or Inf in either fails here. In ``full``
+     mode the tensors read for the check are the ones the torch references then run on: each
+     layer is read once (on the H200 the check and the loading of both references took 25 s
+     when each read its own copy);
   3. the forward passes over the panel: MLX on the artifact, torch on the artifact's weights
      (fidelity) and torch on the original (quality), torch on the fastest device present.
      ``full``: one pass after another, each over the whole model. ``layered``: one sweep over
@@ -11,8 +14,8 @@ In this order, so that whatever can fail cheaply fails before any panel work:
      once for both of its passes. The original's outputs come from the on-disk cache when the
      same source, panel and torch were seen before (``cache.py``); an artifact whose weights are
      the original's, bit for bit (a lossless conversion), reuses them for fidelity too.
-torch and transformers are imported in a background thread while the weights check and the MLX
-pass run (importing them takes 3-8 s on a small CPU, as long as the panel itself).
+torch and transformers are imported in a background thread while the panel and the inputs are
+prepared, and the artifact's files are hashed for the report in another while the passes run.
 """
 
 from __future__ import annotations
@@ -49,8 +52,11 @@ from .weights import ArtifactWeights, SourceWeights, names_for
 
 MODES = ("auto", "full", "layered")
 QUALITY_GATES = ("auto", "on", "off")
-FULL_MODEL_RAM_SHARE = 0.25  # auto mode: a whole fp32 model only when it takes <= 25% of RAM
-FULL_MODEL_GPU_SHARE = 0.5  # ... and, with the reference on CUDA, <= 50% of the GPU's memory
+# auto mode: whole fp32 models only when one takes <= 25% of RAM (full mode holds two at once: the
+# artifact's and the original's, kept from the weights check) and, with the reference on CUDA,
+# <= 30% of the GPU's memory (two of them and MLX's pass fit; the 6B's 23.7 GiB on an H200 does)
+FULL_MODEL_RAM_SHARE = 0.25
+FULL_MODEL_GPU_SHARE = 0.3
 CONFIG_FIELDS = (
     "hidden_size",
     "num_attention_heads",
@@ -158,11 +164,21 @@ def compare_configs(artifact: ArtifactWeights, source: SourceWeights) -> Check:
     )
 
 
-def compare_weights(artifact: ArtifactWeights, source: SourceWeights, bound: float, on_step=None) -> tuple[Check, dict]:
-    """Relative L2 error of each tensor, artifact (dequantized) against the original, one layer
-    of each in memory at a time; computed by MLX (fp32 sums of squares, one evaluation per
-    layer, on MLX's device). A tensor holding NaN or Inf on either side is a problem of its own
-    (``data["non_finite"]``)."""
+def compare_weights(
+    artifact: ArtifactWeights,
+    source: SourceWeights,
+    bound: float,
+    device="cpu",
+    keep: tuple[str, ...] = (),
+    on_step=None,
+) -> tuple[Check, dict, dict[str, dict]]:
+    """Relative L2 error of each tensor, artifact (dequantized) against the original, one layer of
+    each at a time, computed by torch on ``device`` from the very tensors the torch references
+    load: ``keep`` names the sides ("artifact", "source") whose tensors are kept for them (the
+    third value returned), so that each layer is read once for the check and its pass. A tensor
+    holding NaN or Inf on either side is a problem of its own (``data["non_finite"]``)."""
+    import torch
+
     config = source.config
     names = names_for(config, "")
     groups = [names_for(config, f"esmc.layers.{i}.") for i in range(config.num_hidden_layers)]
@@ -171,26 +187,34 @@ def compare_weights(artifact: ArtifactWeights, source: SourceWeights, bound: flo
     per_tensor: dict[str, float] = {}
     problems: list[str] = []
     non_finite: list[str] = []
+    kept: dict[str, dict] = {side: {} for side in keep}
     for group in groups:
         present = [n for n in group if artifact.has(n)]
         problems += [f"{n} missing from the artifact" for n in group if not artifact.has(n)]
-        theirs = source.get_mx(present)
-        mine = artifact.get_mx(present)
-        pairs = {}
+        theirs = source.get_many(present, device)
+        mine = artifact.get_many(present, device)
+        stats = {}
         for n in present:
             if tuple(mine[n].shape) != tuple(theirs[n].shape):
                 problems.append(
                     f"{n}: shape {tuple(mine[n].shape)} in the artifact, {tuple(theirs[n].shape)} in the reference"
                 )
                 continue
-            pairs[n] = (mine[n], theirs[n].astype(mx.float32))
-        for n, (num, den, finite_a, finite_b) in _sums_of_squares(pairs).items():
+            a, b = mine[n], theirs[n]
+            stats[n] = torch.stack(
+                [_l2(a - b), _l2(b), torch.isfinite(a).all().float(), torch.isfinite(b).all().float()]
+            )
+        rows = torch.stack(list(stats.values())).cpu().tolist() if stats else []  # one sync per layer
+        for n, (diff, norm, finite_a, finite_b) in zip(stats, rows):
             if not (finite_a and finite_b):
                 where = " and ".join(w for w, ok in (("the artifact", finite_a), ("the reference", finite_b)) if not ok)
                 non_finite.append(f"{n}: NaN or Inf in {where}")
                 continue
-            per_tensor[n] = math.sqrt(num / den) if den > 0 else math.sqrt(num)
-        del theirs, mine, pairs
+            per_tensor[n] = diff / norm if norm > 0 else diff
+        for side, tensors in (("artifact", mine), ("source", theirs)):
+            if side in kept:
+                kept[side].update(tensors)
+        del theirs, mine, stats
         if on_step:
             on_step()
     problems = non_finite + problems
@@ -225,43 +249,17 @@ def compare_weights(artifact: ArtifactWeights, source: SourceWeights, bound: flo
             "non_finite": non_finite,
             "per_tensor": per_tensor,
         },
+        kept,
     )
 
 
-def _sums_of_squares(pairs: dict[str, tuple[mx.array, mx.array]]) -> dict[str, tuple[float, float, bool, bool]]:
-    """For each (artifact, reference) pair of fp32 tensors: sum((a - b)^2), sum(b^2) and whether
-    each is free of NaN/Inf. On a GPU, MLX evaluates them all at once; on the CPU, numpy does
-    (its BLAS dot products run 10-20x faster than MLX's CPU reductions: measured 7 ms against
-    130 ms for a 2.5M-element tensor)."""
-    if mx.default_device() == mx.gpu:
-        stats = {
-            n: mx.stack(
-                [mx.sum(mx.square(a - b)), mx.sum(mx.square(b)), mx.all(mx.isfinite(a)), mx.all(mx.isfinite(b))]
-            )
-            for n, (a, b) in pairs.items()
-        }
-        mx.eval(stats)
-        out = {n: (s[0].item(), s[1].item(), bool(s[2].item()), bool(s[3].item())) for n, s in stats.items()}
-        overflow = {n: pairs[n] for n, v in out.items() if v[2] and v[3] and not math.isfinite(v[0] + v[1])}
-        return {**out, **_sums_of_squares_numpy(overflow)}
-    return _sums_of_squares_numpy(pairs)
+def _l2(x):
+    """||x|| in fp32 on x's device without overflow (MPS has no float64): scaled by max |x|, so
+    that a weight of 1e20 squares to no Inf. NaN stays NaN."""
+    import torch
 
-
-def _sums_of_squares_numpy(pairs: dict[str, tuple[mx.array, mx.array]]) -> dict[str, tuple[float, float, bool, bool]]:
-    out = {}
-    for n, (a, b) in pairs.items():
-        a, b = np.asarray(a).ravel(), np.asarray(b).ravel()
-        with np.errstate(over="ignore", invalid="ignore"):  # judged below, by the values
-            d = a - b
-            num, den = float(np.dot(d, d)), float(np.dot(b, b))
-        if not (math.isfinite(num) and math.isfinite(den)):  # NaN/Inf, or squares past fp32's range
-            finite_a, finite_b = bool(np.isfinite(a).all()), bool(np.isfinite(b).all())
-            if finite_a and finite_b:
-                num, den = (float(np.dot(x, x)) for x in (d.astype(np.float64), b.astype(np.float64)))
-            out[n] = (num, den, finite_a, finite_b)
-        else:
-            out[n] = (num, den, True, True)
-    return out
+    top = x.abs().amax()
+    return top * torch.linalg.vector_norm(x / top.clamp_min(torch.finfo(x.dtype).tiny))
 
 
 def _import_torch() -> threading.Thread:
@@ -366,6 +364,8 @@ def validate(
 
     checks = [compare_configs(artifact, source)]
     importing = _import_torch() if checks[0].passed else None
+    # the report's sha256 of the artifact's files (seconds for a 6B), hashed while the GPU works
+    hashing = _Background(artifact_files, Path(mlx_dir))
     stack = contextlib.ExitStack()  # torch's thread count, restored on the way out
     threads = None
     try:
@@ -374,53 +374,21 @@ def validate(
         torch_mode = mlx_mode = device = None
         mode_reason, shared, cache_info = "", {}, {"used": False}
         stopped = None  # why the panel did not run
+        outs: dict[str, Outputs] = {}
+        kept: dict[str, dict] = {}
+        orig_out = entry = None
         if not checks[0].passed:
             stopped = "config"
         else:
-            phase("weights")
-            weights_check, weights_data = timed(
-                "weights", compare_weights, artifact, source, bounds.values["weights"], on_step=bar.update
-            )
-            checks.append(weights_check)
-            data["weights"] = _rounded(weights_data)
-            if weights_data["non_finite"]:
-                stopped = "non-finite weights"
-        outs: dict[str, Outputs] = {}
-        failure = None
-        if stopped is None and choose_mode(mode, source.config)[0] == "full":
-            # MLX needs no torch: its pass runs while torch and transformers are still importing
-            phase("MLX")
-            try:
-                outs["mlx"] = timed("mlx", mlx_side.run_full, artifact, batches, n, dtype, on_step=bar.update)
-            except (ValueError, KeyError, RuntimeError, EsmcMlxError) as e:
-                failure = f"{type(e).__name__}: {e}"
-        if stopped is None:
             phase("importing torch")
             importing.join()
             import torch  # noqa: F401  (imported by now; raises here if the background import failed)
 
             device = torch_ref.pick_device(reference_device)
             torch_mode, mode_reason = choose_mode(mode, source.config, torch_ref.device_memory(device))
-            mlx_mode = "full" if "mlx" in outs or failure else torch_mode
-            lossless = (
-                weights_check.value == 0
-                and not weights_data["problems"]
-                and artifact.config.to_dict() == source.config.to_dict()
-            )
-            entry = None
-            orig_out = None
             if cache:
                 t = time.perf_counter()
-                recorded = (artifact.raw.get("esmc_mlx") or {}).get("source") or {}
-                known = recorded.get("files") if recorded.get("id") == source.id else None
-                entry = ref_cache.key(
-                    source.files,
-                    source.config.to_dict(),
-                    panel.digest,
-                    device.type,
-                    known,
-                    (Path(mlx_dir) / "config.json").stat().st_mtime,
-                )
+                entry = ref_cache.key(source.files, source.config.to_dict(), panel.digest, device.type)
                 orig_out = ref_cache.load(entry, n)
                 timings["cache"] = round(time.perf_counter() - t, 2)
                 cache_info = {
@@ -429,59 +397,92 @@ def validate(
                     "entry": entry,
                     "path": str(ref_cache.path_for(entry) or ""),
                 }
+            own_load = (time.process_time() - started_cpu) / max(time.perf_counter() - started, 1e-3)
+            threads = stack.enter_context(torch_ref.cpu_threads(device, own_load))
+            # full mode: the weights check reads each tensor once, onto the reference device,
+            # and hands it on to the torch pass that needs it; layered mode streams per layer
+            keep = ("artifact",) + (("source",) if orig_out is None else ()) if torch_mode == "full" else ()
+            phase("weights")
+            weights_check, weights_data, kept = timed(
+                "weights",
+                compare_weights,
+                artifact,
+                source,
+                bounds.values["weights"],
+                device,
+                keep,
+                on_step=bar.update,
+            )
+            checks.append(weights_check)
+            data["weights"] = _rounded(weights_data)
+            if weights_data["non_finite"]:
+                stopped = "non-finite weights"
+        if stopped is None:
+            lossless = (
+                weights_check.value == 0
+                and not weights_data["problems"]
+                and artifact.config.to_dict() == source.config.to_dict()
+            )
             if lossless:
                 shared["torch_artifact"] = "torch_original (the artifact's weights are the original's, bit for bit)"
+                kept.pop("artifact", None)
             passes = (
-                ([] if "mlx" in outs else ["mlx"])
+                ["mlx"]
                 + ([] if lossless else ["torch_artifact"])
                 + ([] if orig_out is not None else ["torch_original"])
             )
             bar.total = bar.n + ((n_layers + 2) if torch_mode == "layered" else len(passes) * len(batches))
             bar.refresh()
             art_names, src_names = names_for(artifact.config, ""), names_for(source.config, "")
-            own_load = (time.process_time() - started_cpu) / max(time.perf_counter() - started, 1e-3)
-            threads = stack.enter_context(torch_ref.cpu_threads(device, own_load))
+            art_get = _kept_first(kept.get("artifact"), artifact.get_many)
+            src_get = _kept_first(kept.get("source"), source.get_many)
+            mlx_mode = torch_mode
             try:
-                if failure:
-                    raise _ArtifactFailed(failure)
                 if torch_mode == "layered":
                     phase("layered sweep: " + ", ".join(passes))
                     steps = {
                         "mlx": lambda: mlx_side.layered_steps(artifact, batches, n, dtype),
                         "torch_artifact": lambda: torch_ref.layered_steps(
-                            artifact.get_many, artifact.config, batches, n, art_names, device
+                            art_get, artifact.config, batches, n, art_names, device
                         ),
                         "torch_original": lambda: torch_ref.layered_steps(
-                            source.get_many, source.config, batches, n, src_names, device
+                            src_get, source.config, batches, n, src_names, device
                         ),
                     }
                     outs.update(timed("sweep", _lockstep, {p: steps[p]() for p in passes}, artifact, bar.update))
-                elif "torch_artifact" in passes:
-                    phase(f"torch on the artifact's weights ({device.type})")
-                    outs["torch_artifact"] = timed(
-                        "torch_artifact",
-                        torch_ref.run_full,
-                        artifact.get_many,
-                        artifact.config,
-                        batches,
-                        n,
-                        art_names,
-                        bar.update,
-                        device,
-                    )
+                else:
+                    phase("MLX")
+                    try:
+                        outs["mlx"] = timed("mlx", mlx_side.run_full, artifact, batches, n, dtype, on_step=bar.update)
+                    except (ValueError, KeyError, RuntimeError, EsmcMlxError) as e:
+                        raise _ArtifactFailed(f"{type(e).__name__}: {e}") from None
+                    if "torch_artifact" in passes:
+                        phase(f"torch on the artifact's weights ({device.type})")
+                        outs["torch_artifact"] = timed(
+                            "torch_artifact",
+                            torch_ref.run_full,
+                            art_get,
+                            artifact.config,
+                            batches,
+                            n,
+                            art_names,
+                            bar.update,
+                            device,
+                        )
             except _ArtifactFailed as e:
                 checks.append(Check("artifact_loads", "integrity", None, None, False, detail=str(e)))
             except (ValueError, KeyError, RuntimeError, EsmcMlxError) as e:
                 checks.append(
                     Check("artifact_loads", "integrity", None, None, False, detail=f"{type(e).__name__}: {e}")
                 )
+            kept.pop("artifact", None)
             if "mlx" in outs and (lossless or "torch_artifact" in outs):
                 if "torch_original" in passes and "torch_original" not in outs:
                     phase(f"torch on the original ({device.type})")
                     outs["torch_original"] = timed(
                         "torch_original",
                         torch_ref.run_full,
-                        source.get_many,
+                        src_get,
                         source.config,
                         batches,
                         n,
@@ -508,7 +509,7 @@ def validate(
                 phase("metrics")
                 fidelity = fidelity_metrics(panel, mlx_out, art_out)
                 quality = quality_metrics(panel, mlx_out, orig_out)
-                del mlx_out, art_out, orig_out, outs
+                del mlx_out, art_out, orig_out
                 for key, name in (("logits_rel_l2", "fidelity_logits"), ("hidden_rel_l2", "fidelity_hidden")):
                     checks.append(
                         Check(
@@ -548,7 +549,7 @@ def validate(
                     "quantization": artifact.record,
                     "precision": precision,
                     "config": artifact.config.to_dict() if artifact.config else None,
-                    "files": artifact_files(Path(mlx_dir)),
+                    "files": hashing.result(),
                 },
                 "reference": source.describe(),
                 "precision": precision,
@@ -586,8 +587,43 @@ def validate(
         return report
     finally:
         stack.close()
+        hashing.join()
         if importing is not None:  # never leave an import running into interpreter shutdown
             importing.join()
+
+
+class _Background(threading.Thread):
+    """``fn(*args)`` in a thread, its value (or exception) at ``result()``."""
+
+    def __init__(self, fn, *args):
+        super().__init__(name=f"esmc-mlx-{fn.__name__}", daemon=True)
+        self._fn, self._args, self._value, self._error = fn, args, None, None
+        self.start()
+
+    def run(self):
+        try:
+            self._value = self._fn(*self._args)
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+            self._error = e
+
+    def result(self):
+        self.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _kept_first(kept: dict | None, get):
+    """A weights getter for a torch pass: tensors the weights check kept (handed over once, then
+    dropped), the rest from ``get``."""
+    kept = {} if kept is None else kept
+
+    def fetch(names: list[str], device) -> dict:
+        out = {n: kept.pop(n) for n in names if n in kept}
+        missing = [n for n in names if n not in out]
+        return {**out, **(get(missing, device) if missing else {})}
+
+    return fetch
 
 
 class _ArtifactFailed(Exception):
@@ -627,7 +663,6 @@ def artifact_files(directory: Path) -> dict[str, str]:
 
 
 def versions() -> dict:
-    import mlx.core as mx
 
     out = {"esmc_mlx": __version__, "mlx": mx.__version__, "numpy": np.__version__, "python": platform.python_version()}
     for module in ("torch", "transformers", "scipy", "matplotlib"):
@@ -639,7 +674,6 @@ def versions() -> dict:
 
 
 def platform_info() -> dict:
-    import mlx.core as mx
 
     return {
         "system": platform.system(),

@@ -5,10 +5,9 @@
 * ``ArtifactWeights``: an esmc-mlx directory; quantized tensors come back dequantized with the
   artifact's own quantization record (``mx.dequantize``), in fp32.
 
-Both hand out MLX arrays (``get_mx``: what the weights check compares, on MLX's device, torch
-not needed) or fp32 torch tensors on a given device (``get_many``: what the torch references
-load), and never hold more than what was asked for: a validation of the 6B keeps one layer of
-each in memory at a time. ``ArtifactWeights.share_reads()`` keeps the tensors read for one
+Both hand out fp32 torch tensors on a given device (``get_many``: what the weights check
+compares and the torch references then load) and hold nothing themselves: what stays in memory
+is what the caller keeps. ``ArtifactWeights.share_reads()`` keeps the tensors read for one
 layer until ``forget()``, so that the MLX pass and the torch pass on the artifact's weights,
 run in the same sweep, read that layer from disk once.
 """
@@ -34,11 +33,25 @@ def names_for(config: ESMCConfig, prefix: str) -> list[str]:
     return [n for n in expected_shapes(config) if n.startswith(prefix)]
 
 
-def to_torch(array: mx.array):
-    """An mx.array as an fp32 torch tensor (via numpy; bf16 is widened first)."""
+def _host(array: mx.array):
+    """An evaluated mx.array as a torch tensor sharing its memory, through DLPack: MLX's memory is
+    host-visible (unified on Apple silicon; managed with MLX's CUDA backend, which exports it as
+    CPU memory), so torch's copy to the device reads it in place. Measured on the H200: 0.27 GB
+    to the GPU took 90 ms through numpy (a host copy, then the transfer). numpy is the fallback."""
     import torch
 
-    return torch.from_numpy(np.array(array.astype(mx.float32), copy=True))
+    mx.eval(array)
+    try:
+        return torch.from_dlpack(array)
+    except (TypeError, RuntimeError, BufferError, ValueError):
+        return torch.from_numpy(np.array(array, copy=True))
+
+
+def to_torch(array: mx.array):
+    """An mx.array as an fp32 torch tensor on the CPU, owning its memory."""
+    import torch
+
+    return _host(array).to(dtype=torch.float32, copy=True)
 
 
 def to_device(array: mx.array, device, narrow: bool | None = None):
@@ -52,9 +65,8 @@ def to_device(array: mx.array, device, narrow: bool | None = None):
     if narrow:
         half = array.astype(mx.bfloat16)
         if mx.array_equal(half.astype(mx.float32), array).item():
-            bits = torch.from_numpy(np.array(half.view(mx.int16), copy=True))
-            return bits.view(torch.bfloat16).to(device).float()
-    return to_torch(array).to(device)
+            return _host(half).to(device=device, copy=True).float()
+    return _host(array).to(device=device, dtype=torch.float32, copy=True)
 
 
 class SourceWeights:
@@ -84,7 +96,6 @@ class SourceWeights:
                 self._origin[target] = (name, part, len(targets))
         self._handles: dict[Path, object] = {}  # open (memory-mapped) files; closed after each get_many
         self._last: tuple[str, object] | None = None  # the fused q/k/v is read once for three names
-        self._read_mx = ckpt.read
         self.files = [*ckpt.files] + (
             [self.source.path / "config.json"]
             if self.source.path.is_dir() and (self.source.path / "config.json").exists()
@@ -123,16 +134,6 @@ class SourceWeights:
         out = {n: self.get(n, device) for n in names}
         self._last = None
         self._handles.clear()
-        return out
-
-    def get_mx(self, names: list[str]) -> dict[str, mx.array]:
-        """Several tensors as MLX arrays in the stored dtype (lazy: read when evaluated)."""
-        out, last = {}, None
-        for n in names:
-            source_name, part, parts = self._origin[n]
-            if last is None or last[0] != source_name:
-                last = (source_name, self._read_mx(source_name))
-            out[n] = last[1] if parts == 1 else mx.split(last[1], parts, axis=0)[part]
         return out
 
     def describe(self) -> dict:
