@@ -161,11 +161,12 @@ def length_batches(token_lengths: Sequence[int], batch_tokens: int, multiple: in
     alone."""
     if batch_tokens < 1:
         raise ScoringError(f"batch_tokens must be positive, got {batch_tokens}")
-    lengths = -(-np.asarray(token_lengths) // multiple) * multiple
+    lengths = np.asarray(token_lengths)
+    widths = -(-lengths // multiple) * multiple
     order = np.argsort(-lengths, kind="stable")
     batches, current = [], []
     for i in order:
-        if current and (len(current) + 1) * lengths[current[0]] > batch_tokens:
+        if current and (len(current) + 1) * widths[current[0]] > batch_tokens:
             batches.append(np.array(current))
             current = []
         current.append(int(i))
