@@ -23,6 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path, tree_unflatten
 
+from esmc_mlx.runtime import kernels
+
 # Token count (rows of x, all batch dims flattened) from which dequantize-then-matmul is used
 # instead of quantized_matmul, per backend and mode. math.inf: always quantized_matmul.
 CROSSOVER_TOKENS = {
@@ -60,8 +62,9 @@ def dequantize_first(tokens: int, mode: str) -> bool:
 
 
 def dequantized_weight(module: nn.Module, dtype: mx.Dtype) -> mx.array:
-    """The float weight of a quantized linear or embedding."""
-    return mx.dequantize(
+    """The float weight of a quantized linear or embedding (kernels.dequantize: MLX's own
+    dequantize, or on CUDA a faster kernel with the same output)."""
+    return kernels.dequantize(
         module["weight"],
         module["scales"],
         module.get("biases"),

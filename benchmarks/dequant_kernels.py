@@ -1,0 +1,173 @@
+"""esmc_mlx.runtime.kernels.dequantize against mx.dequantize, and what it does to a linear.
+
+1. Dequantize (bf16 out) of the 6B's weight shapes (out x in: 6912x2560 gate/up,
+   2560x6912 down, 7680x2560 fused qkv, 2560x2560 out) for affine 2,3,4,5,6,8 bits at
+   group 64, mxfp4, mxfp8 and nvfp4: median time per call, GB/s (packed bytes + scales/biases
+   read, bf16 written), the speedup, and whether the two outputs are equal bit for bit.
+2. One quantized linear, bf16, at 16..4096 tokens: mx.quantized_matmul vs kernels.dequantize
+   + matmul vs mx.dequantize + matmul, and per mode the crossover (the smallest token count
+   from which kernel dequantize + matmul beats quantized_matmul at every larger count), what
+   runtime/quantized.CROSSOVER_TOKENS["cuda"] takes.
+Calls are timed in batches (one mx.eval of --batch calls, then a synchronize) so the launch
+overhead of a ~20 us kernel does not dominate; the batches of each contender interleave.
+
+    python -m benchmarks.dequant_kernels --json $OUT/dequant.json     # H200, well under 2 min
+    python -m benchmarks.dequant_kernels --device cpu                 # tiny shapes, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import mlx.core as mx
+
+from esmc_mlx.bench import time_interleaved
+from esmc_mlx.runtime import kernels
+
+MODES = [("affine", b, 64) for b in (2, 3, 4, 5, 6, 8)] + [(m, *kernels.FP_MODES[m]) for m in kernels.FP_MODES]
+SHAPES = {"gpu": [(6912, 2560), (2560, 6912), (7680, 2560), (2560, 2560)], "cpu": [(256, 128), (128, 256)]}
+TOKENS = {"gpu": [16, 64, 256, 1024, 4096], "cpu": [16, 64]}
+LINEAR = {"gpu": [(6912, 2560), (2560, 6912)], "cpu": [(256, 128)]}
+
+
+def label(mode: str, bits: int) -> str:
+    return f"affine{bits}" if mode == "affine" else mode
+
+
+def quantized_weight(shape, mode, bits, group_size):
+    w = mx.random.normal(shape).astype(mx.bfloat16)
+    parts = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
+    mx.eval(parts)
+    return parts[0], parts[1], parts[2] if mode == "affine" else None
+
+
+def batched(fn, batch: int):
+    def run():
+        mx.eval([fn() for _ in range(batch)])
+        mx.synchronize()
+
+    return run
+
+
+def bit_equal(a: mx.array, b: mx.array) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a.view(mx.uint16), b.view(mx.uint16)))
+
+
+def dequant_rows(device: str, batch: int, reps: int) -> list[dict]:
+    rows = []
+    for mode, bits, gs in MODES:
+        for shape in SHAPES[device]:
+            w, s, b = quantized_weight(shape, mode, bits, gs)
+            args = (w, s, b, gs, bits, mode, mx.bfloat16)
+            ref = mx.dequantize(w, s, b, group_size=gs, bits=bits, mode=mode, dtype=mx.bfloat16)
+            exact = bit_equal(kernels.dequantize(*args), ref)
+            t = time_interleaved(
+                {
+                    "mx": batched(
+                        lambda: mx.dequantize(w, s, b, group_size=gs, bits=bits, mode=mode, dtype=mx.bfloat16), batch
+                    ),
+                    "kernel": batched(lambda: kernels.dequantize(*args), batch),
+                },
+                warmup=1,
+                reps=reps,
+            )
+            nbytes = w.nbytes + s.nbytes + (b.nbytes if b is not None else 0) + ref.nbytes
+            ms = {k: v["median_ms"] / batch for k, v in t.items()}
+            row = {
+                "mode": label(mode, bits),
+                "group_size": gs,
+                "shape": list(shape),
+                "bytes": nbytes,
+                "mx_ms": ms["mx"],
+                "kernel_ms": ms["kernel"],
+                "mx_GBps": nbytes / ms["mx"] / 1e6,
+                "kernel_GBps": nbytes / ms["kernel"] / 1e6,
+                "speedup": ms["mx"] / ms["kernel"],
+                "bit_exact": exact,
+                "kernel_used": kernels.supported(*args),
+            }
+            rows.append(row)
+            print(
+                f"{row['mode']:8s} {shape[0]:5d}x{shape[1]:<5d} mx {row['mx_ms'] * 1e3:7.1f} us {row['mx_GBps']:6.0f} GB/s"
+                f"  kernel {row['kernel_ms'] * 1e3:7.1f} us {row['kernel_GBps']:6.0f} GB/s"
+                f"  x{row['speedup']:.2f}  bit-exact={exact}",
+                flush=True,
+            )
+    return rows
+
+
+def matmul_rows(device: str, batch: int, reps: int) -> tuple[list[dict], dict]:
+    rows, crossover = [], {}
+    for mode, bits, gs in MODES:
+        name = label(mode, bits)
+        for shape in LINEAR[device]:
+            w, s, b = quantized_weight(shape, mode, bits, gs)
+            per_t = {}
+            for tokens in TOKENS[device]:
+                x = mx.random.normal((tokens, shape[1])).astype(mx.bfloat16)
+                mx.eval(x)
+
+                def qmm():
+                    return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits, mode=mode)
+
+                def kernel_mm():
+                    return x @ kernels.dequantize(w, s, b, gs, bits, mode, mx.bfloat16).T
+
+                def mx_mm():
+                    return x @ mx.dequantize(w, s, b, group_size=gs, bits=bits, mode=mode, dtype=mx.bfloat16).T
+
+                fns = {"qmm": qmm, "kernel+mm": kernel_mm, "mx+mm": mx_mm}
+                t = time_interleaved({k: batched(f, batch) for k, f in fns.items()}, warmup=1, reps=reps)
+                ms = {k: v["median_ms"] / batch for k, v in t.items()}
+                per_t[tokens] = ms
+                rows.append(
+                    {"mode": name, "shape": list(shape), "tokens": tokens, **{f"{k}_ms": v for k, v in ms.items()}}
+                )
+                print(
+                    f"{name:8s} {shape[0]:5d}x{shape[1]:<5d} T={tokens:5d}  "
+                    + "  ".join(f"{k} {v * 1e3:8.1f} us" for k, v in ms.items()),
+                    flush=True,
+                )
+            # Smallest T from which kernel+mm is faster than qmm at every larger measured T.
+            cross = None
+            for tokens in reversed(TOKENS[device]):
+                if per_t[tokens]["kernel+mm"] >= per_t[tokens]["qmm"]:
+                    break
+                cross = tokens
+            crossover[f"{name} {shape[0]}x{shape[1]}"] = cross
+            print(f"{name:8s} {shape[0]}x{shape[1]}: kernel dequantize + matmul wins from T={cross}", flush=True)
+    return rows, crossover
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--batch", type=int, help="calls per timed batch (default 20 on gpu, 2 on cpu)")
+    p.add_argument("--reps", type=int, help="timed batches per contender (default 7 on gpu, 2 on cpu)")
+    a = p.parse_args(argv)
+    mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
+    batch = a.batch or (20 if a.device == "gpu" else 2)
+    reps = a.reps or (7 if a.device == "gpu" else 2)
+    result = {
+        "device": a.device,
+        "cuda": mx.cuda.is_available(),
+        "mlx": mx.__version__,
+        "host": platform.node(),
+        "batch": batch,
+        "reps": reps,
+        "dequantize": dequant_rows(a.device, batch, reps),
+    }
+    result["matmul"], result["crossover_tokens"] = matmul_rows(a.device, max(1, batch // 4), reps)
+    result["all_bit_exact"] = all(r["bit_exact"] for r in result["dequantize"])
+    print(f"all bit-exact: {result['all_bit_exact']}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""A fast dequantize for MLX's CUDA backend, bit for bit the same as ``mx.dequantize``.
+
+MLX 0.32.4's CUDA dequantize gives every thread one packed byte (or 3/5 bytes) and reloads
+the group's scale and bias per byte: on an H200 it reaches 400-750 GB/s of the card's 4.8 TB/s
+on the 6B's weights (issue 16). Here a thread takes 32 values at a time: their ``bits``
+packed words (32 values x bits = bits uint32, read with 128-bit loads where aligned), one
+scale (and bias) for all 32 (every group size is a multiple of 32, except nvfp4's 16: two
+scales), and 32 outputs written with 128-bit stores. A grid-stride loop over a grid sized
+for the H200's 132 SMs.
+
+Measured bandwidth on the H200 (benchmarks/dequant_kernels.py, bf16 out, 6B shapes):
+    TODO(lead): fill in from `python -m benchmarks.dequant_kernels --json $OUT/dequant.json`.
+
+The arithmetic is MLX's CUDA arithmetic (mlx/backend/cuda/quantized/affine_quantize.cu,
+fp_quantize.cuh), written as the same expressions so the same compiler makes the same
+instructions of them:
+- affine: ``T(q) * scale + bias`` in the scales' dtype T (bf16/fp16 operators, or fp32),
+  which the CUDA compiler contracts into one fused multiply-add (one rounding): the bf16/fp16
+  operators emit ``mul.bf16``/``add.bf16`` PTX without a rounding mode, which ptxas may fuse,
+  and does (checked with nvcc 13.0 for sm_90a: that expression assembles to the same machine
+  code as ``__hfma``, not as ``__hmul_rn``+``__hadd_rn``; fp32 is ``fma.rn.f32`` in the PTX
+  already). Then a cast to the output dtype (``mx.dequantize`` computes in the scales' dtype
+  and casts with astype).
+  MLX's CPU instead rounds after the multiply and again after the add (two ops), so CPU and
+  CUDA differ by one rounding in ~12% of elements with bf16 scales (tests/test_kernels.py).
+- mxfp4/mxfp8/nvfp4: ``float(scale) * float(value)`` in fp32 (exact: a power of two or an
+  e4m3 times an fp4/fp8 value), one rounding to the output dtype. The e8m0 scale decodes as
+  2^(e-127) (e = 0 gives 2^-127, e = 255 NaN), the e4m3 scale and fp8 values as OCP e4m3.
+  nvfp4 with a ``global_scale`` goes to ``mx.dequantize`` (MLX divides it by 448*6 in fp32
+  first; not worth a second kernel for a path the artifacts do not use).
+Everything else (CPU, Metal, other group sizes, odd sizes, fp64) is ``mx.dequantize``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+# Threads that can be resident on an H200: 132 SMs x 2048. More blocks than that only queue.
+MAX_THREADS = 132 * 2048
+THREADS_PER_BLOCK = 256
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+AFFINE_GROUPS = (32, 64, 128)
+FP_MODES = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}  # mode -> (bits, group)
+FLOATS = (mx.bfloat16, mx.float16, mx.float32)
+
+_HEADER = """
+// Load N packed words; 128-bit loads when the address allows (N is 2..8).
+template <int N>
+__device__ __forceinline__ void load_words(const uint32_t* p, uint32_t* q) {
+  if constexpr (N % 4 == 0) {
+    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+#pragma unroll
+      for (int k = 0; k < N / 4; ++k) {
+        uint4 v = reinterpret_cast<const uint4*>(p)[k];
+        q[4 * k] = v.x; q[4 * k + 1] = v.y; q[4 * k + 2] = v.z; q[4 * k + 3] = v.w;
+      }
+      return;
+    }
+  }
+  if constexpr (N % 2 == 0) {
+    if ((reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+#pragma unroll
+      for (int k = 0; k < N / 2; ++k) {
+        uint2 v = reinterpret_cast<const uint2*>(p)[k];
+        q[2 * k] = v.x; q[2 * k + 1] = v.y;
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) q[k] = p[k];
+}
+
+// Store 32 outputs; 128-bit stores when the address allows.
+template <typename O>
+__device__ __forceinline__ void store32(O* p, const O* v) {
+  if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+#pragma unroll
+    for (int k = 0; k < 32 * int(sizeof(O)) / 16; ++k)
+      reinterpret_cast<uint4*>(p)[k] = reinterpret_cast<const uint4*>(v)[k];
+  } else {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) p[i] = v[i];
+  }
+}
+
+// Value i (0..31) of a little-endian bit stream of 32 values of B bits held in B words.
+template <int B>
+__device__ __forceinline__ uint32_t unpack(const uint32_t* q, int i) {
+  const int bit = i * B, k = bit / 32, s = bit % 32;
+  uint32_t v = q[k] >> s;
+  if (s + B > 32) v |= q[k + 1] << (32 - s);
+  return v & ((1u << B) - 1u);
+}
+
+// Round through fp32 into the output dtype (exact when O == float or the value fits).
+template <typename O, typename T>
+__device__ __forceinline__ O to_out(T x) {
+  if constexpr (cuda::std::is_same_v<O, T>) return x;
+  else return static_cast<O>(static_cast<float>(x));
+}
+
+// OCP e4m3 (fp8 values, nvfp4 scales) to float, exact.
+__device__ __forceinline__ float e4m3(uint32_t b) {
+  const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+  float mag;
+  if (e == 0) mag = float(m) * 0.001953125f;  // m * 2^-9
+  else if (e == 15 && m == 7) mag = __int_as_float(0x7fc00000);
+  else mag = __int_as_float(int(((e + 120u) << 23) | (m << 20)));
+  return (b & 0x80u) ? -mag : mag;
+}
+
+// e8m0 (mx scales) to float: 2^(e-127); 0 is 2^-127, 255 NaN.
+__device__ __forceinline__ float e8m0(uint32_t e) {
+  if (e == 255u) return __int_as_float(0x7fc00000);
+  if (e == 0u) return __int_as_float(0x00400000);
+  return __int_as_float(int(e << 23));
+}
+
+// e2m1 (fp4 values) to float, built from its bits (a table would sit in local memory).
+__device__ __forceinline__ float e2m1(uint32_t b) {
+  const uint32_t e = (b >> 1) & 3u, m = b & 1u;
+  const float mag = e == 0 ? (m ? 0.5f : 0.0f) : __int_as_float(int(((e + 126u) << 23) | (m << 22)));
+  return (b & 8u) ? -mag : mag;
+}
+"""
+
+_LOOP = """
+  const size_t n_units = size_t(w_shape[0]) / BITS;  // 32 values = BITS words
+  const size_t step = size_t(gridDim.x) * blockDim.x;
+  for (size_t u = size_t(blockIdx.x) * blockDim.x + threadIdx.x; u < n_units; u += step) {
+    uint32_t q[BITS];
+    load_words<BITS>(w + u * BITS, q);
+    __align__(16) O v[32];
+    BODY
+    store32<O>(out + u * 32, v);
+  }
+"""
+
+_AFFINE = """
+    const T scale = scales[u * 32 / GROUP];
+    const T bias = biases[u * 32 / GROUP];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const T r = static_cast<T>(static_cast<int>(unpack<BITS>(q, i))) * scale + bias;
+      v[i] = to_out<O>(r);
+    }
+"""
+
+_FP = """
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const size_t g = (u * 32 + i) / GROUP;
+      const float scale = MX ? e8m0(scales[g]) : e4m3(scales[g]) * 1.0f;
+      const uint32_t d = unpack<BITS>(q, i);
+      v[i] = static_cast<O>(scale * (BITS == 8 ? e4m3(d) : e2m1(d)));
+    }
+"""
+
+_kernels: dict[tuple[str, int, int], object] = {}
+
+
+def _kernel(mode: str, bits: int, group_size: int):
+    """The compiled kernel for one (mode, bits, group size); dtypes are template arguments."""
+    key = (mode, bits, group_size)
+    if key not in _kernels:
+        affine = mode == "affine"
+        body = _AFFINE if affine else _FP
+        _kernels[key] = mx.fast.cuda_kernel(
+            name=f"esmc_dequantize_{mode}_{bits}_{group_size}",
+            input_names=["w", "scales", "biases"] if affine else ["w", "scales"],
+            output_names=["out"],
+            source=_LOOP.replace("BODY", body),
+            header=_HEADER,
+        )
+    return _kernels[key]
+
+
+def supported(w, scales, biases, group_size: int, bits: int, mode: str, dtype, global_scale=None) -> bool:
+    """True when the CUDA kernel handles this call (and the default device is a CUDA GPU)."""
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return False
+    if w.dtype != mx.uint32 or w.ndim < 2 or dtype not in FLOATS or w.size % bits:
+        return False
+    if mode == "affine":
+        return (
+            bits in AFFINE_BITS
+            and group_size in AFFINE_GROUPS
+            and biases is not None
+            and scales.dtype in FLOATS
+            and biases.dtype == scales.dtype
+            and scales.shape == biases.shape
+            and scales.size * group_size == w.size * 32 // bits
+        )
+    return (
+        FP_MODES.get(mode) == (bits, group_size)
+        and global_scale is None
+        and scales.dtype == mx.uint8
+        and scales.size * group_size == w.size * 32 // bits
+    )
+
+
+def dequantize(
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None = None,
+    group_size: int | None = None,
+    bits: int | None = None,
+    mode: str = "affine",
+    dtype: mx.Dtype | None = None,
+    global_scale: mx.array | None = None,
+) -> mx.array:
+    """``mx.dequantize`` with the same arguments and the same output, bit for bit; on a CUDA
+    GPU the custom kernel above does the work."""
+    defaults = FP_MODES.get(mode, (4, 64))  # mx.dequantize's defaults per mode
+    bits = bits or defaults[0]
+    group_size = group_size or defaults[1]
+    if dtype is None:
+        dtype = scales.dtype if mode == "affine" else mx.bfloat16
+    if not supported(w, scales, biases, group_size, bits, mode, dtype, global_scale):
+        return mx.dequantize(
+            w,
+            scales,
+            biases,
+            group_size=group_size,
+            bits=bits,
+            mode=mode,
+            dtype=dtype,
+            **({} if global_scale is None else {"global_scale": global_scale}),
+        )
+    out_shape = (*w.shape[:-1], w.shape[-1] * 32 // bits)
+    inputs = [w.reshape(-1), scales.reshape(-1)]
+    template = [("O", dtype), ("BITS", bits), ("GROUP", group_size)]
+    if mode == "affine":
+        inputs.append(biases.reshape(-1))
+        template.append(("T", scales.dtype))
+    else:
+        template.append(("MX", int(mode != "nvfp4")))
+    units = w.size // bits
+    threads = max(THREADS_PER_BLOCK, min(units, MAX_THREADS) // THREADS_PER_BLOCK * THREADS_PER_BLOCK)
+    (out,) = _kernel(mode, bits, group_size)(
+        inputs=inputs,
+        template=template,
+        grid=(threads, 1, 1),
+        threadgroup=(THREADS_PER_BLOCK, 1, 1),
+        output_shapes=[out_shape],
+        output_dtypes=[dtype],
+    )
+    return out
