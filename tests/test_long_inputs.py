@@ -4,6 +4,7 @@ bit-identical to one lazy graph, and the activation memory stays within a few la
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -99,3 +100,18 @@ def test_chunked_peak_memory_is_a_few_layers():
     mx.eval(out.logits, *out.hidden_states)
     kept = sum(h.nbytes for h in out.hidden_states)
     assert mx.get_peak_memory() - weights < 2 * per_layer + kept
+
+
+def test_chunking_steps_aside_under_grad():
+    # Evaluation is not allowed inside mx.grad; a training step gets the unchunked graph.
+
+    model = random_model(tiny_config(num_hidden_layers=3))
+    ids = mx.array(np.random.default_rng(4).integers(4, 24, size=(2, 16)))
+
+    def loss(m):
+        return m(ids).logits.mean()
+
+    chunked = nn.value_and_grad(model, loss)(model.chunk_layers(1))
+    whole = nn.value_and_grad(model, loss)(model.chunk_layers(None))
+    assert same(chunked[0], whole[0])
+    assert all(same(a, b) for (_, a), (_, b) in zip(tree_flatten(chunked[1]), tree_flatten(whole[1])))

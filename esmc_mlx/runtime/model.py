@@ -337,7 +337,11 @@ class ESMC(nn.Module):
                 # Queue this chunk, then wait for the previous one: at most two chunks' work
                 # is in flight (bounded memory), and the device never idles while the next
                 # chunk's graph is built (a plain mx.eval per chunk would idle it).
-                mx.async_eval(x)
+                try:
+                    mx.async_eval(x)
+                except ValueError:  # under mx.grad / vmap: the backward pass keeps every
+                    chunk = None  # intermediate anyway, and evaluation is not allowed
+                    continue
                 if queued is not None:
                     mx.eval(queued)
                 queued = x
