@@ -431,7 +431,10 @@ class ESMC(nn.Module):
         if input_ids.ndim == 1:
             input_ids = input_ids[None]
         if input_ids.shape[-1] - 2 > TRAINED_LENGTH:
-            self._warn_long(input_ids.shape[-1] - 2)
+            # the longest real row (batches may be padded wider than their longest sequence)
+            tokens = input_ids.shape[-1] if attention_mask is None else int(np.asarray(attention_mask).sum(-1).max())
+            if tokens - 2 > TRAINED_LENGTH:
+                self._warn_long(tokens - 2)
         if sequence_id is None and attention_mask is not None and _no_padding(attention_mask):
             attention_mask = None  # no mask at all lets the fused attention kernels run
         mask = attention_mask_for(
