@@ -10,12 +10,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
-from .artifact import expected_shapes
+from .artifact import dtype_name, expected_shapes
 from .config import ESMCConfig
 from .convert.mapping import GATE_UP, QKV
+from .runtime.model import ESMC
 from .validate.reference import hf_config
+from .vocab import write_tokenizer_files
 
 SHAPES = {  # published ESMC sizes: hidden, heads, layers
     "300M": ESMCConfig(960, 15, 30, 2560),
@@ -260,6 +264,30 @@ def write_random_checkpoint(
         weight_map.update({n: final for n in names})
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (directory / "config.json").write_text(json.dumps(dict(config.to_dict(), dtype=dtype), indent=2))
+    return directory
+
+
+def random_mlx_model(config: ESMCConfig, dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -> ESMC:
+    """An ESMC with MLX's own random initialization, made on the default device in ``dtype``
+    block by block: no torch, no disk (a 6B in bf16 holds 12 GB and takes seconds on a GPU)."""
+    mx.random.seed(seed)
+    model = ESMC(config)  # parameters are lazy until evaluated
+    model.set_dtype(dtype)
+    for layer in model.esmc.layers:  # one block's fp32 draws at a time
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    return model
+
+
+def write_random_artifact(directory: Path, config: ESMCConfig, dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -> Path:
+    """An esmc-mlx artifact (config.json, model.safetensors, tokenizer files) with the weights
+    of ``random_mlx_model``: what ``load`` reads, without a checkpoint or a conversion."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(random_mlx_model(config, dtype, seed).parameters()))
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (directory / "config.json").write_text(json.dumps(dict(config.to_dict(), dtype=dtype_name(dtype)), indent=2))
+    write_tokenizer_files(directory)
     return directory
 
 

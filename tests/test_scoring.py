@@ -191,6 +191,12 @@ def test_length_batches_bound_padded_tokens():
     for b in batches:
         assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 200
     assert [lengths[b[0]] for b in batches] == sorted((lengths[b[0]] for b in batches), reverse=True)
+    # widths rounded up to a multiple of 32: 52, 50 and 49 count as 64 tokens each, so three
+    # of them no longer fit 180 (3 x 52 = 156 did)
+    groups = [[lengths[i] for i in b] for b in length_batches(lengths, 180)]
+    assert groups == [[600], [300], [52, 50, 49], [10, 8]]
+    groups = [[lengths[i] for i in b] for b in length_batches(lengths, 180, 32)]
+    assert groups == [[600], [300], [52, 50], [49, 10], [8]]
 
 
 # --- resumable embedding job -------------------------------------------------------------------

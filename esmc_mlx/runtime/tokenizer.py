@@ -64,10 +64,17 @@ class ESMCTokenizer:
         return self.pad(encoded, return_tensors, return_sequence_id)
 
     def pad(
-        self, encoded: Sequence[Sequence[int]], return_tensors: str | None = "mlx", return_sequence_id: bool = False
+        self,
+        encoded: Sequence[Sequence[int]],
+        return_tensors: str | None = "mlx",
+        return_sequence_id: bool = False,
+        pad_to_multiple_of: int | None = None,
     ) -> dict:
-        """Right-pad already encoded rows into a batch; the same outputs as ``__call__``."""
+        """Right-pad already encoded rows into a batch; the same outputs as ``__call__``.
+        ``pad_to_multiple_of``: widen the batch to a multiple of this many tokens."""
         width = max(len(e) for e in encoded)
+        if pad_to_multiple_of:
+            width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
         ids = np.full((len(encoded), width), self.pad_token_id, dtype=np.int32)
         mask = np.zeros((len(encoded), width), dtype=np.int32)
         for row, e in enumerate(encoded):

@@ -30,6 +30,7 @@ from .scoring import (
     DEFAULT_BATCH_TOKENS,
     DEFAULT_WINDOW,
     METHODS,
+    PAD_MULTIPLE,
     encode,
     iter_embeddings,
     length_batches,
@@ -41,6 +42,8 @@ from .stats import spearman
 from .store import FLUSH_BYTES, FORMATS, EmbeddingStore, IdIndex, IdList, array_names, require_h5py, sequence_hash
 
 CHUNK_RECORDS = 8192  # FASTA records read, sorted by length and embedded at a time
+GATHER_BYTES = 64 << 20  # results a rank holds before sending them to rank 0 (upper bound)
+GATHER_ROUNDS = 32  # batches between two gathers, at most (rank 0 flushes after a gather)
 
 # --- esmc-mlx embed ---------------------------------------------------------------------------
 
@@ -152,6 +155,7 @@ def embed_fasta(
     is_done = status[1:].astype(bool)
     skipped = int(is_done.sum())
     d, out_dtype = model.config.hidden_size, np.dtype(dtype)
+    every = gather_every(batch_tokens, d, names) if world.size > 1 else 1  # alone: flush as before
     buffer: list[tuple] = []
     buffered, buffered_bytes, last_flush, computed = 0, 0, time.monotonic(), 0
 
@@ -184,12 +188,19 @@ def embed_fasta(
             encoded = encode([chunk[k].sequence for k in pending], names=[chunk[k].id for k in pending])
             record_of = np.array([first + k for k in pending], dtype=np.int64)
             token_lengths = np.array([len(e) for e in encoded])
-            mine = world.shard(np.argsort(-token_lengths, kind="stable"))
-            batches = [mine[b] for b in length_batches(token_lengths[mine], batch_tokens)]
+            # The batches one process would run, dealt out round-robin (longest first, so every
+            # rank gets a similar mix): each sequence is embedded in the same batch, padded to
+            # the same width, whatever the number of ranks, so the outputs are the same.
+            batches = world.shard(length_batches(token_lengths, batch_tokens, PAD_MULTIPLE))
             embeddings = iter_embeddings(model, encoded, batches, layers=layers, pools=pools)
-            for _ in range(world.max(len(batches))):
+            rounds, pending = world.max(len(batches)), []
+            for step in range(rounds):
                 rows, values = next(embeddings, (np.zeros(0, np.int64), None))
-                rows = record_of[rows]
+                pending.append((record_of[rows], values))
+                if (step + 1) % every and step + 1 < rounds:
+                    continue
+                rows, values = _merge(pending, names)
+                pending = []
                 ints = world.gather(rows.astype(np.int64))
                 floats = world.gather(_flatten(values, names, d))
                 for got_rows, flat in zip(ints, floats):
@@ -212,6 +223,32 @@ def embed_fasta(
     world.barrier()
     dropped = store.merge(ids, lengths, hashes, settings, id_index) if store is not None else 0
     return EmbedSummary(Path(out), len(ids), skipped, computed, dropped, world.rank, world.size)
+
+
+def gather_every(batch_tokens: int, d: int, names: dict) -> int:
+    """Batches each rank embeds between two gathers: as many as fit ``GATHER_BYTES`` (at most
+    ``GATHER_ROUNDS``), the same number on every rank. Every gather makes the ranks wait for
+    each other and for rank 0's writing; a gather per batch kept them in lockstep."""
+    per_residue = sum(1 for key in names if key[1] == "per_residue")
+    pooled = len(names) - per_residue
+    # rows per batch: at most batch_tokens residues, at most batch_tokens / PAD_MULTIPLE sequences
+    round_bytes = 4 * d * (per_residue * batch_tokens + pooled * max(1, batch_tokens // PAD_MULTIPLE))
+    return max(1, min(GATHER_ROUNDS, GATHER_BYTES // round_bytes))
+
+
+def _merge(pending: list[tuple], names: dict) -> tuple[np.ndarray, dict | None]:
+    """Several batches' (rows, values) as one batch's."""
+    rows = np.concatenate([r for r, _ in pending])
+    parts = [v for _, v in pending if v is not None]
+    if not parts:
+        return rows, None
+    merged = {}
+    for key in names:
+        if key[1] == "per_residue":
+            merged[key] = [a for v in parts for a in v[key]]
+        else:
+            merged[key] = np.concatenate([v[key] for v in parts])
+    return rows, merged
 
 
 def _chunks(records, size: int):

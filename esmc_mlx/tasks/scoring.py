@@ -41,6 +41,12 @@ TRAINED_TOKENS = 2048  # ESMC's training context (ESM C paper), <cls> and <eos> 
 DEFAULT_WINDOW = TRAINED_TOKENS - 2  # residues per scoring window: the trained length
 DEFAULT_BATCH_SIZE = 32  # masked copies per forward pass
 DEFAULT_BATCH_TOKENS = 4096  # padded tokens per embedding batch
+# Embedding batches are padded to a multiple of this many tokens. A compiled forward is traced
+# once per input shape (and runs from the second sighting): 20,000 sequences of 50-500 residues
+# in exact-width batches of 4096 tokens made 645 shapes in 1,413 batches (1,139 of them eager or
+# tracing); widths in steps of 32 make a few dozen, for ~6% more padded tokens. Padded keys are
+# masked: the outputs are the same function.
+PAD_MULTIPLE = 32
 
 _TOKENIZER = ESMCTokenizer()
 
@@ -55,11 +61,13 @@ def encode(sequences: Sequence[str], tokenizer=None, names: Sequence[str] | None
     ]
 
 
-def _pack(encoded: list[np.ndarray], rows: Sequence[int], tokenizer=None):
+def _pack(encoded: list[np.ndarray], rows: Sequence[int], tokenizer=None, pad_to_multiple_of: int | None = None):
     """Right-padded ids, attention mask (None when nothing is padded) and sequence_id (None
     unless a chain break is present) for ``encoded[rows]``."""
     tok = tokenizer or _TOKENIZER
-    batch = tok.pad([encoded[r] for r in rows], return_tensors="np", return_sequence_id=True)
+    batch = tok.pad(
+        [encoded[r] for r in rows], return_tensors="np", return_sequence_id=True, pad_to_multiple_of=pad_to_multiple_of
+    )
     ids, attn = batch["input_ids"], batch["attention_mask"]
     sid = batch["sequence_id"] if (ids == tok.chain_break_token_id).any() else None
     return ids, (None if attn.all() else attn), sid
@@ -147,16 +155,18 @@ def resolve_pools(pools) -> tuple[str, ...]:
     return out
 
 
-def length_batches(token_lengths: Sequence[int], batch_tokens: int) -> list[np.ndarray]:
+def length_batches(token_lengths: Sequence[int], batch_tokens: int, multiple: int = 1) -> list[np.ndarray]:
     """Group indices longest first so that a batch holds at most ``batch_tokens`` padded
-    tokens (rows x longest row); a sequence longer than that runs alone."""
+    tokens (rows x longest row, rounded up to ``multiple``); a sequence longer than that runs
+    alone."""
     if batch_tokens < 1:
         raise ScoringError(f"batch_tokens must be positive, got {batch_tokens}")
     lengths = np.asarray(token_lengths)
+    widths = -(-lengths // multiple) * multiple
     order = np.argsort(-lengths, kind="stable")
     batches, current = [], []
     for i in order:
-        if current and (len(current) + 1) * lengths[current[0]] > batch_tokens:
+        if current and (len(current) + 1) * widths[current[0]] > batch_tokens:
             batches.append(np.array(current))
             current = []
         current.append(int(i))
@@ -177,7 +187,7 @@ def iter_embeddings(
     need_all = any(i != n_layers for i in layers)
     for rows in batches:
         rows = np.asarray(rows)
-        ids, attn, sid = _pack(encoded, rows)
+        ids, attn, sid = _pack(encoded, rows, pad_to_multiple_of=PAD_MULTIPLE)
         out = _forward(model, ids, attn, sid, output_hidden_states=need_all)
         lengths = np.array([len(encoded[r]) - 2 for r in rows])
         positions = np.arange(ids.shape[1])[None, :]
@@ -229,7 +239,7 @@ def embed(
     pooled = {
         (i, p): ([None] * n if p == "per_residue" else np.zeros((n, d), np.float32)) for i in layers for p in pools
     }
-    batches = length_batches([len(e) for e in encoded], batch_tokens)
+    batches = length_batches([len(e) for e in encoded], batch_tokens, PAD_MULTIPLE)
     with _progress(n, "seq", "embed", progress) as bar:
         for rows, values in iter_embeddings(model, encoded, batches, layers=layers, pools=pools):
             for key, v in values.items():

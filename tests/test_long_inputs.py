@@ -1,0 +1,117 @@
+"""Long inputs run in chunks of layers (runtime/model.py, ACTIVATION_BUDGET): the outputs are
+bit-identical to one lazy graph, and the activation memory stays within a few layers'."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from esmc_mlx.runtime.model import ESMC, layer_activation_bytes, layers_per_eval
+from esmc_mlx.testing import SHAPES, random_mlx_model, tiny_config
+
+
+def random_model(config) -> ESMC:
+    return random_mlx_model(config, mx.float32)
+
+
+def same(a: mx.array, b: mx.array) -> bool:
+    return a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+def test_long_inputs_are_chunked_short_ones_are_not():
+    # 6B at 1x4096: one block's activations (1.6 GB with unfused attention scores) exceed the
+    # budget: evaluate after every block. A 300M at 1x256 runs as one graph (no syncs).
+    assert layers_per_eval(SHAPES["6B"], 1, 4096, 2) == 1
+    assert layers_per_eval(SHAPES["6B"], 1, 8192, 2) == 1
+    assert layers_per_eval(SHAPES["300M"], 1, 256, 2) is None
+    assert 1 < layers_per_eval(SHAPES["6B"], 1, 256, 2) < 80
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_chunked_forward_is_bit_identical(fuse):
+    model = random_model(tiny_config(num_hidden_layers=5))
+    if fuse:
+        model.fuse()
+    rng = np.random.default_rng(1)
+    ids = rng.integers(4, 24, size=(2, 37))
+    mask = np.ones((2, 37), np.int32)
+    mask[1, 25:] = 0
+    chains = np.zeros((2, 37), np.int32)
+    chains[:, 20:] = 1
+    chains[1, 30:] = -1
+    for kwargs in ({}, {"attention_mask": mask}, {"sequence_id": chains}):
+        ref = model.chunk_layers(None)(ids, output_hidden_states=True, **kwargs)
+        for every in (1, 2, 3):
+            out = model.chunk_layers(every)(ids, output_hidden_states=True, **kwargs)
+            assert same(out.logits, ref.logits) and same(out.last_hidden_state, ref.last_hidden_state)
+            assert len(out.hidden_states) == len(ref.hidden_states) == 6
+            assert all(same(a, b) for a, b in zip(out.hidden_states, ref.hidden_states))
+
+
+@pytest.mark.slow  # JIT-builds the compiled kernels on the CPU
+def test_chunked_compiled_forward_is_bit_identical():
+    # Long inputs run one compiled function per block (a whole-model trace cannot evaluate in
+    # between); fp32 on the CPU, compiled and eager outputs are equal too.
+    model = random_model(tiny_config(num_hidden_layers=3)).fuse()
+    ids = np.random.default_rng(2).integers(4, 24, size=(2, 29))
+    mask = np.ones((2, 29), np.int32)
+    mask[0, 20:] = 0
+    for kwargs in ({}, {"attention_mask": mask}):
+        ref = model.chunk_layers(None)(ids, **kwargs).logits
+        for every in (None, 2):
+            model.compile().chunk_layers(every)
+            for _ in range(2):  # the first sighting of a shape runs eagerly, the second compiled
+                out = model(ids, **kwargs)
+            assert same(out.logits, ref)
+        assert any(key[0] == "blocks" for key in model._compiled)  # the per-block trace ran
+        model.compile(False)
+
+
+def test_chunk_layers_rejects_nonsense():
+    model = random_model(tiny_config())
+    for bad in (0, -1, "all", 1.5):
+        with pytest.raises(ValueError):
+            model.chunk_layers(bad)
+
+
+def test_chunked_peak_memory_is_a_few_layers():
+    # MLX's CPU allocator tracks its peak (mx.get_peak_memory after mx.reset_peak_memory).
+    # On the CPU a whole lazy graph also runs in about one block's memory (the GPU queues
+    # blocks ahead, see ACTIVATION_BUDGET), so the check here is the analytic bound: the
+    # chunked forward holds at most two blocks' intermediates beyond the weights.
+    config = tiny_config(hidden_size=256, num_attention_heads=4, num_hidden_layers=8, intermediate_size=768)
+    model = random_model(config).chunk_layers(1)
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    ids = mx.array(np.random.default_rng(3).integers(4, 24, size=(1, 1024)))
+    mx.eval(model(ids).logits)  # warm: allocator caches and the RoPE tables
+    mx.reset_peak_memory()
+    assert mx.get_peak_memory() <= mx.get_active_memory() + 1024
+    out = model(ids)
+    mx.eval(out.logits)
+    peak = mx.get_peak_memory() - weights
+    per_layer = layer_activation_bytes(config, 1, 1024, 4)
+    assert per_layer / 4 < peak < 2 * per_layer, (peak, per_layer)
+    # with every hidden state kept, those add up on top, and nothing else does
+    mx.reset_peak_memory()
+    out = model(ids, output_hidden_states=True)
+    mx.eval(out.logits, *out.hidden_states)
+    kept = sum(h.nbytes for h in out.hidden_states)
+    assert mx.get_peak_memory() - weights < 2 * per_layer + kept
+
+
+def test_chunking_steps_aside_under_grad():
+    # Evaluation is not allowed inside mx.grad; a training step gets the unchunked graph.
+
+    model = random_model(tiny_config(num_hidden_layers=3))
+    ids = mx.array(np.random.default_rng(4).integers(4, 24, size=(2, 16)))
+
+    def loss(m):
+        return m(ids).logits.mean()
+
+    chunked = nn.value_and_grad(model, loss)(model.chunk_layers(1))
+    whole = nn.value_and_grad(model, loss)(model.chunk_layers(None))
+    assert same(chunked[0], whole[0])
+    assert all(same(a, b) for (_, a), (_, b) in zip(tree_flatten(chunked[1]), tree_flatten(whole[1])))
