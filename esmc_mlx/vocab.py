@@ -57,6 +57,11 @@ AMINO_ACIDS = "LAGVSERTIDPKQNFYMHWC"  # the 20 standard residues, in vocabulary 
 RESIDUE_ALPHABET = frozenset("LAGVSERTIDPKQNFYMHWCXBUZO.-|")
 ALLOWED_TEXT = "the 20 amino acids, X B Z U O, '.', '-', '|' (chain break)"
 _TOKEN_RE = re.compile(r"<[a-z]+>|.", re.DOTALL)
+# The common case, one regex call instead of a Python step per character (~2.5 us a residue:
+# ~14 s for 20,000 proteins of 50-500 residues, paid by every rank of a launched embed). On ASCII
+# text str.upper() is exactly split_tokens' per-character rule (no allowed character is a
+# lower-case letter), so the answer is the same; anything else takes the slow path and its errors.
+_RESIDUES_RE = re.compile("[" + re.escape("".join(sorted(RESIDUE_ALPHABET))) + "]+")
 
 
 def split_tokens(
@@ -89,6 +94,10 @@ def split_tokens(
 
 def check_sequence(sequence: str, name: str | None = None, where: str = "", label: str = "record") -> str:
     """``sequence`` upper-cased, or SequenceError naming ``name`` and each bad position."""
+    if sequence.isascii():
+        upper = sequence.upper()
+        if _RESIDUES_RE.fullmatch(upper):
+            return upper
     return "".join(split_tokens(sequence, name, where, label))
 
 

@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 from conftest import requires_torch
 
 from esmc_mlx import ESMCTokenizer, TokenizerError
+from esmc_mlx.errors import EsmcMlxError
 from esmc_mlx.testing import random_sequences
+from esmc_mlx.vocab import TOKEN_TO_ID, check_sequence, split_tokens
 
 
 def test_ids_equal_transformers_on_200_random_sequences():
@@ -50,3 +54,26 @@ def test_saved_files_load_in_transformers(tmp_path):
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded("MKV<mask>|A")["input_ids"] == ESMCTokenizer().encode("MKV<mask>|A")
     assert loaded.mask_token_id == 32
+
+
+def test_fast_paths_agree_with_the_per_character_rule():
+    """check_sequence and encode read plain ASCII sequences with one regex / one numpy lookup;
+    every answer, error messages included, must be the per-character one of split_tokens."""
+
+    def answer(f, s):
+        try:
+            return f(s)
+        except EsmcMlxError as e:
+            return str(e)
+
+    tok = ESMCTokenizer()
+    rng = random.Random(0)
+    alphabet = "LAGVSERTIDPKQNFYMHWCXBUZO.-|lagvxbuzo*<>mask\n é\u0131ß1"
+    cases = ["", "<mask>AK", "a<cls>", "\u0131A", "ßA", "MKV\n"]
+    cases += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 8))) for _ in range(5000)]
+    for s in cases:
+        assert answer(lambda x: check_sequence(x, "r"), s) == answer(
+            lambda x: "".join(split_tokens(x, "r", label="record")), s
+        )
+        slow = answer(lambda x: [0, *(TOKEN_TO_ID[t] for t in split_tokens(x, "r", special_tokens=True)), 2], s)
+        assert answer(lambda x: tok.encode(x, name="r"), s) == slow, s

@@ -185,13 +185,17 @@ def embed_fasta(
             pending = [k for k in range(len(chunk)) if not is_done[first + k]]
             if not pending:
                 continue
-            encoded = encode([chunk[k].sequence for k in pending], names=[chunk[k].id for k in pending])
             record_of = np.array([first + k for k in pending], dtype=np.int64)
-            token_lengths = np.array([len(e) for e in encoded])
+            # a checked FASTA sequence holds residues only: one token each, plus <cls> and <eos>
+            token_lengths = np.array([len(chunk[k].sequence) + 2 for k in pending])
             # The batches one process would run, dealt out round-robin (longest first, so every
             # rank gets a similar mix): each sequence is embedded in the same batch, padded to
             # the same width, whatever the number of ranks, so the outputs are the same.
             batches = world.shard(length_batches(token_lengths, batch_tokens, PAD_MULTIPLE))
+            encoded = [None] * len(pending)  # this rank tokenizes its own batches only
+            for b in batches:
+                for i, e in zip(b, encode([chunk[pending[i]].sequence for i in b])):
+                    encoded[i] = e
             embeddings = iter_embeddings(model, encoded, batches, layers=layers, pools=pools)
             rounds, pending = world.max(len(batches)), []
             for step in range(rounds):

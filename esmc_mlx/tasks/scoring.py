@@ -56,6 +56,8 @@ _TOKENIZER = ESMCTokenizer()
 
 def encode(sequences: Sequence[str], tokenizer=None, names: Sequence[str] | None = None) -> list[np.ndarray]:
     tok = tokenizer or _TOKENIZER
+    if hasattr(tok, "encode_array"):
+        return [tok.encode_array(s, name=names[i] if names else None) for i, s in enumerate(sequences)]
     return [
         np.asarray(tok.encode(s, name=names[i] if names else None), dtype=np.int32) for i, s in enumerate(sequences)
     ]
@@ -185,7 +187,8 @@ def iter_embeddings(
     n_layers = model.config.num_hidden_layers
     layers, pools = resolve_layers(list(layers), n_layers), resolve_pools(pools)
     need_all = any(i != n_layers for i in layers)
-    for rows in batches:
+
+    def start(rows):
         rows = np.asarray(rows)
         ids, attn, sid = _pack(encoded, rows, pad_to_multiple_of=PAD_MULTIPLE)
         out = _forward(model, ids, attn, sid, output_hidden_states=need_all)
@@ -204,12 +207,27 @@ def iter_embeddings(
                     lazy[(i, pool)] = h[:, 0]
                 else:
                     lazy[(i, pool)] = h
-        mx.eval(*lazy.values())
+        mx.async_eval(*lazy.values())
+        return rows, lengths, lazy
+
+    def finish(rows, lengths, lazy):
         values = {}
         for key, v in lazy.items():
-            v = np.array(v)
+            v = np.array(v)  # waits for this batch only
             values[key] = [v[k, 1 : 1 + n].copy() for k, n in enumerate(lengths)] if key[1] == "per_residue" else v
-        yield rows, values
+        return rows, values
+
+    # One batch ahead: the next batch is packed and queued before this one is copied to host
+    # memory and handed on, so the device is not idle while the host copies, gathers and writes
+    # (the same graph is evaluated: the values are the same).
+    running = None
+    for rows in batches:
+        queued = start(rows)
+        if running is not None:
+            yield finish(*running)
+        running = queued
+    if running is not None:
+        yield finish(*running)
 
 
 def embed(
