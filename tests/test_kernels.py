@@ -15,8 +15,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten, tree_unflatten
 
+from esmc_mlx import testing
 from esmc_mlx.runtime import kernels
+from esmc_mlx.runtime.model import ESMC, FUSED_QKV_ENV, Attention
 
 FLOATS = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 AFFINE = [(b, g) for b in kernels.AFFINE_BITS for g in kernels.AFFINE_GROUPS]
@@ -246,3 +249,131 @@ def test_unsupported_cases_fall_back_on_cuda():
     got = kernels.dequantize(w2, s2, None, 16, 4, "nvfp4", mx.bfloat16, global_scale=gs)
     np.testing.assert_array_equal(as_bits(got), as_bits(ref))
     assert kernels.dequantize(w, s, b, 64, 4).dtype == mx.bfloat16
+
+
+# ---- qkv_heads: QK LayerNorm + RoPE + head layout in one kernel ------------------------------
+
+QKV_CASES = [(2, 17), (1, 300)]
+EPS, THETA = 1e-5, 10000.0
+
+
+def qkv_inputs(B, L, heads, dtype, seed=0):
+    """A fused projection output with a per-row offset and scale (LayerNorm has work to do)
+    and norm weights around 1, as trained ESMC's."""
+    rng = np.random.default_rng(seed)
+    d = heads * 64
+    x = rng.standard_normal((B, L, 3 * d)).astype(np.float32) * rng.uniform(0.5, 4, (B, L, 1))
+    x += rng.standard_normal((B, L, 1)).astype(np.float32)
+    wq = 1 + 0.3 * rng.standard_normal(d).astype(np.float32)
+    wk = 1 + 0.3 * rng.standard_normal(d).astype(np.float32)
+    return mx.array(x).astype(dtype), mx.array(wq).astype(dtype), mx.array(wk).astype(dtype)
+
+
+def ulps(a: mx.array, b: mx.array) -> np.ndarray:
+    """|a - b| in units in the last place of a's dtype, elementwise (same-sign values)."""
+    width = {mx.bfloat16: np.int16, mx.float16: np.int16, mx.float32: np.int32}[a.dtype]
+    ia = np.array(a.view(mx.int16 if width is np.int16 else mx.int32)).astype(np.int64)
+    ib = np.array(b.view(mx.int16 if width is np.int16 else mx.int32)).astype(np.int64)
+    sign = np.int64(1) << (8 * np.dtype(width).itemsize - 1)
+    ia = np.where(ia < 0, -(ia + sign), ia)  # sign-magnitude to a monotone integer line
+    ib = np.where(ib < 0, -(ib + sign), ib)
+    return np.abs(ia - ib)
+
+
+def test_rope_log2_base_is_fp32_log2():
+    assert kernels.rope_log2_base(THETA) == float(np.log2(np.float32(THETA)))
+    assert kernels.rope_log2_base(THETA) == float(np.float32(13.287712379549449))
+
+
+def test_qkv_heads_falls_back_on_cpu():
+    """On the CPU qkv_heads is the model's own unfused path, and the model never asks for it."""
+    with mx.stream(mx.cpu):
+        qkv, wq, wk = qkv_inputs(2, 17, 2, mx.bfloat16)
+        assert not kernels.qkv_heads_supported(qkv, wq, wk, 2)
+        got = kernels.qkv_heads(qkv, wq, wk, EPS, THETA, 2)
+        cfg = testing.tiny_config()
+        attn = Attention(cfg)
+        attn.q_norm.weight, attn.k_norm.weight = wq, wk
+        q, k, v = mx.split(qkv, 3, axis=-1)
+        ref = (attn._rope(attn._heads(attn.q_norm(q))), attn._rope(attn._heads(attn.k_norm(k))), attn._heads(v))
+        for g, r in zip(got, ref, strict=True):
+            assert g.shape == (2, 2, 17, 64) and g.dtype == mx.bfloat16
+            assert mx.array_equal(g, r).item()
+    if mx.default_device() == mx.cpu:
+        attn["qkv_proj"] = attn.q_proj
+        assert attn._fused_heads(mx.zeros((1, 3, 128))) is None
+
+
+def _check_qkv(B, L, heads, dtype):
+    qkv, wq, wk = qkv_inputs(B, L, heads, dtype, seed=B * L)
+    assert kernels.qkv_heads_supported(qkv, wq, wk, heads)
+    got = kernels.qkv_heads(qkv, wq, wk, EPS, THETA, heads)
+    ref = kernels.qkv_heads_reference(qkv, wq, wk, EPS, THETA, heads)
+    out = []
+    for name, g, r in zip("qkv", got, ref, strict=True):
+        assert g.shape == r.shape == (B, heads, L, 64) and g.dtype == r.dtype
+        u = ulps(g, r)
+        out.append((name, int(u.max()), int((u > 0).sum()), u.size))
+    return out
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize(("B", "L"), QKV_CASES)
+@pytest.mark.parametrize("heads", [40, 15])  # 6B width; 300M's odd head count (idle threads)
+def test_qkv_heads_within_one_ulp_on_cuda(B, L, dtype, heads):
+    for name, worst, _, _ in _check_qkv(B, L, heads, FLOATS[dtype]):
+        assert worst <= 1, f"{name}: {worst} ulps"
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize(("B", "L"), QKV_CASES)
+def test_qkv_heads_bit_exact_on_cuda(B, L, dtype):
+    """The claim of the kernel's docstring: MLX's own roundings, so no element differs."""
+    stats = _check_qkv(B, L, 40, FLOATS[dtype])
+    assert all(n == 0 for _, _, n, _ in stats), f"(name, max ulps, elements differing, size): {stats}"
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+def test_qkv_heads_compiled_and_sliced_on_cuda():
+    """Inside mx.compile, and on an input whose rows start 2-byte aligned (scalar loads)."""
+    qkv, wq, wk = qkv_inputs(1, 33, 40, mx.bfloat16)
+    ref = kernels.qkv_heads_reference(qkv, wq, wk, EPS, THETA, 40)
+    fn = mx.compile(lambda a: kernels.qkv_heads(a, wq, wk, EPS, THETA, 40))
+    for g, r in zip(fn(qkv), ref, strict=True):
+        assert int(ulps(g, r).max()) <= 1
+    flat = mx.concatenate([mx.zeros((1,), mx.bfloat16), qkv.reshape(-1)])[1:].reshape(qkv.shape)
+    for g, r in zip(kernels.qkv_heads(flat, wq, wk, EPS, THETA, 40), ref, strict=True):
+        assert int(ulps(g, r).max()) <= 1
+
+
+def random_model(config, dtype=mx.bfloat16, seed=0) -> ESMC:
+    """An ESMC with random weights built in MLX (N(0, 1/fan_in) matrices, norms around 1)."""
+    mx.random.seed(seed)
+    model = ESMC(config)
+    params = [
+        (k, mx.random.normal(v.shape) * (v.shape[-1] ** -0.5 if v.ndim == 2 else 0.2) + (1.0 if "norm" in k else 0.0))
+        for k, v in tree_flatten(model.parameters())
+    ]
+    model.update(tree_unflatten(params))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+def test_forward_with_and_without_qkv_kernel_on_cuda(monkeypatch):
+    config = testing.tiny_config(hidden_size=256, num_attention_heads=4, num_hidden_layers=3)
+    model = random_model(config).fuse()
+    ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(2, 40)))
+    monkeypatch.setenv(FUSED_QKV_ENV, "0")
+    ref = model(ids).logits.astype(mx.float32)
+    monkeypatch.setenv(FUSED_QKV_ENV, "1")
+    assert model.esmc.layers[0].self_attn._fused_heads(mx.zeros((1, 3, 256), mx.bfloat16)) is not None
+    for every in (None, 1):  # one graph, and evaluated block by block (compiled blocks)
+        model.chunk_layers(every).compile()
+        for _ in range(3):  # eager, then traced, then the trace reused
+            out = model(ids).logits.astype(mx.float32)
+            err = float(mx.abs(out - ref).max() / mx.abs(ref).max())
+            assert err <= 2e-2, err

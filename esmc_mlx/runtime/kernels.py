@@ -1,4 +1,8 @@
-"""A fast dequantize for MLX's CUDA backend, bit for bit the same as ``mx.dequantize``.
+"""Custom CUDA kernels for MLX's CUDA backend, each bit for bit the same as the MLX ops it
+replaces: ``dequantize`` (below) and ``qkv_heads`` (the attention's QK LayerNorm, RoPE and
+head layout in one pass; its docstring has the details). Elsewhere both are the MLX ops.
+
+A fast dequantize, bit for bit the same as ``mx.dequantize``.
 
 MLX 0.32.4's CUDA dequantize gives every thread one packed byte (or 3/5 bytes) and reloads
 the group's scale and bias per byte: on an H200 it reaches 400-750 GB/s of the card's 4.8 TB/s
@@ -33,7 +37,10 @@ Everything else (CPU, Metal, other group sizes, odd sizes, fp64) is ``mx.dequant
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
+import numpy as np
 
 # Threads that can be resident on an H200: 132 SMs x 2048. More blocks than that only queue.
 MAX_THREADS = 132 * 2048
@@ -247,3 +254,265 @@ def dequantize(
         output_dtypes=[dtype],
     )
     return out
+
+
+# ---- q/k/v heads: QK LayerNorm + RoPE + head layout in one pass ------------------------------
+
+QKV_HEAD_DIM = 64
+
+_QKV_HEADER = """
+#include <cooperative_groups/reduce.h>
+
+// 4 consecutive values; one 64/128-bit access when the address allows.
+template <typename T>
+__device__ __forceinline__ void load4(const T* p, T* v) {
+  if constexpr (sizeof(T) == 2) {
+    if ((reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+      *reinterpret_cast<uint2*>(v) = *reinterpret_cast<const uint2*>(p);
+      return;
+    }
+  } else if constexpr (sizeof(T) == 4) {
+    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+      *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(p);
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = p[i];
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const T* v) {
+  if constexpr (sizeof(T) == 2) {
+    if ((reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+      *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(v);
+      return;
+    }
+  } else if constexpr (sizeof(T) == 4) {
+    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+      *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = v[i];
+}
+
+// Two block sums in MLX's layer_norm order (BlockBroadcastReduce): a cg::reduce per warp,
+// the warp results through shared memory (0 past the last warp), a cg::reduce of those.
+__device__ __forceinline__ void block_sum2(float& a, float& b, float* ta, float* tb) {
+  auto block = cooperative_groups::this_thread_block();
+  auto warp = cooperative_groups::tiled_partition<32>(block);
+  a = cooperative_groups::reduce(warp, a, cooperative_groups::plus<float>());
+  b = cooperative_groups::reduce(warp, b, cooperative_groups::plus<float>());
+  if (warp.thread_rank() == 0) {
+    ta[warp.meta_group_rank()] = a;
+    tb[warp.meta_group_rank()] = b;
+  }
+  block.sync();
+  const bool has = warp.thread_rank() < warp.meta_group_size();
+  a = has ? ta[warp.thread_rank()] : 0.0f;
+  b = has ? tb[warp.thread_rank()] : 0.0f;
+  a = cooperative_groups::reduce(warp, a, cooperative_groups::plus<float>());
+  b = cooperative_groups::reduce(warp, b, cooperative_groups::plus<float>());
+}
+"""
+
+# One block per token row; thread t owns columns 4t..4t+3 of q, k and v (MLX's layer_norm
+# layout with N_READS = 4, so the sums are added in its order). A RoPE pair (j, j + 32) of a
+# head sits in threads t and t ^ 8 of one warp: exchanged with a shuffle.
+_QKV_SOURCE = """
+  constexpr int DH = 64, D = HEADS * DH;
+  __shared__ float red[4][32];
+  const int t = threadIdx.x;
+  const int L = qkv_shape[1];
+  const size_t row = blockIdx.x;
+  const size_t b = row / L;
+  const int l = int(row % L);
+  const T* src = qkv + row * (3 * D);
+  const int c = 4 * t, h = c / DH, j = c % DH;
+  const bool active = c < D;
+  const size_t dst = ((b * HEADS + h) * L + l) * DH + j;
+  const float eps = __int_as_float(EPS_BITS);
+  const float log2_base = __int_as_float(LOG2_BASE_BITS);
+
+  __align__(16) T xq[4], xk[4], xv[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) xq[i] = xk[i] = T(0);
+  if (active) {
+    load4(src + c, xq);
+    load4(src + D + c, xk);
+    load4(src + 2 * D + c, xv);
+    store4(v + dst, xv);
+  }
+
+  // Mean (fp32 sum in MLX's order), then the variance as a second pass over (x - mean)^2.
+  float sq = 0, sk = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    sq += static_cast<float>(xq[i]);
+    sk += static_cast<float>(xk[i]);
+  }
+  block_sum2(sq, sk, red[0], red[1]);
+  const float mq = sq / D, mk = sk / D;
+  float nq = 0, nk = 0;
+  if (active) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float tq = static_cast<float>(xq[i]) - mq;
+      nq += tq * tq;
+      float tk = static_cast<float>(xk[i]) - mk;
+      nk += tk * tk;
+    }
+  }
+  block_sum2(nq, nk, red[2], red[3]);
+  nq = rsqrt(nq / D + eps);
+  nk = rsqrt(nk / D + eps);
+
+  // Normalized, times the weight, plus MLX's zero bias: rounded to T as mx.fast.layer_norm
+  // writes it; RoPE reads those rounded values back as fp32.
+  const T zero = T(0);
+  float yq[4], yk[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const T wqi = active ? q_weight[c + i] : zero;
+    const T wki = active ? k_weight[c + i] : zero;
+    float norm_q = (static_cast<float>(xq[i]) - mq) * nq;
+    float norm_k = (static_cast<float>(xk[i]) - mk) * nk;
+    yq[i] = static_cast<float>(T(wqi * static_cast<T>(norm_q) + zero));
+    yk[i] = static_cast<float>(T(wki * static_cast<T>(norm_k) + zero));
+  }
+
+  // RoPE as mx.fast.rope (non-traditional, base^(-p/32) through exp2 of log2(base), scale 1,
+  // offset 0): the same fp32 expressions.
+  const bool first = j < DH / 2;
+  __align__(16) T oq[4], ok[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float pq = __shfl_xor_sync(0xffffffffu, yq[i], 8);
+    const float pk = __shfl_xor_sync(0xffffffffu, yk[i], 8);
+    const int p = (j + i) % (DH / 2);
+    float d = static_cast<float>(p) / static_cast<float>(DH / 2);
+    float inv_freq = exp2(-d * log2_base);
+    float pos = 1.0f * static_cast<float>(l);
+    float theta = pos * inv_freq;
+    float costheta = cos(theta);
+    float sintheta = sin(theta);
+    float x1 = first ? yq[i] : pq, x2 = first ? pq : yq[i];
+    float rx1 = x1 * costheta - x2 * sintheta;
+    float rx2 = x1 * sintheta + x2 * costheta;
+    oq[i] = static_cast<T>(first ? rx1 : rx2);
+    x1 = first ? yk[i] : pk;
+    x2 = first ? pk : yk[i];
+    rx1 = x1 * costheta - x2 * sintheta;
+    rx2 = x1 * sintheta + x2 * costheta;
+    ok[i] = static_cast<T>(first ? rx1 : rx2);
+  }
+  if (active) {
+    store4(q + dst, oq);
+    store4(k + dst, ok);
+  }
+"""
+
+_qkv_kernel = None
+
+
+def _qkv_heads_kernel():
+    global _qkv_kernel
+    if _qkv_kernel is None:
+        _qkv_kernel = mx.fast.cuda_kernel(
+            name="esmc_qkv_heads",
+            input_names=["qkv", "q_weight", "k_weight"],
+            output_names=["q", "k", "v"],
+            source=_QKV_SOURCE,
+            header=_QKV_HEADER,
+        )
+    return _qkv_kernel
+
+
+def _f32_bits(x: float) -> int:
+    """The fp32 bit pattern of x as a signed int (a kernel template argument)."""
+    return int(np.array(x, np.float32).view(np.int32))
+
+
+def rope_log2_base(base: float) -> float:
+    """log2(base) as mx.fast.rope's CUDA path passes it to its kernel: ``std::log2`` of the
+    fp32 base, in fp32 (here the exact log2 rounded once to fp32)."""
+    return float(np.float32(math.log2(float(np.float32(base)))))
+
+
+def qkv_heads_supported(qkv: mx.array, q_norm_weight: mx.array, k_norm_weight: mx.array, num_heads: int) -> bool:
+    """True when ``qkv_heads`` runs the CUDA kernel for these arrays (on a CUDA GPU)."""
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return False
+    d = num_heads * QKV_HEAD_DIM
+    return (
+        qkv.ndim == 3
+        and qkv.shape[-1] == 3 * d
+        and qkv.dtype in FLOATS
+        and q_norm_weight.dtype == qkv.dtype
+        and k_norm_weight.dtype == qkv.dtype
+        and q_norm_weight.shape == (d,)
+        and k_norm_weight.shape == (d,)
+        and d <= 4 * 1024  # one column group of 4 per thread, at most 1024 threads
+        and qkv.size > 0
+    )
+
+
+def qkv_heads_reference(qkv, q_norm_weight, k_norm_weight, eps: float, rope_theta: float, num_heads: int):
+    """What the model computes without the kernel (runtime/model.py ``Attention``): split,
+    LayerNorm without bias over the whole width, (B, H, L, Dh) heads, RoPE."""
+    B, L, _ = qkv.shape
+    q, k, v = mx.split(qkv, 3, axis=-1)
+
+    def heads(x):
+        return x.reshape(B, L, num_heads, -1).transpose(0, 2, 1, 3)
+
+    def rope(x):
+        return mx.fast.rope(x, x.shape[-1], traditional=False, base=rope_theta, scale=1.0, offset=0)
+
+    q = rope(heads(mx.fast.layer_norm(q, q_norm_weight, None, eps)))
+    k = rope(heads(mx.fast.layer_norm(k, k_norm_weight, None, eps)))
+    return q, k, heads(v)
+
+
+def qkv_heads(
+    qkv: mx.array, q_norm_weight: mx.array, k_norm_weight: mx.array, eps: float, rope_theta: float, num_heads: int
+) -> tuple[mx.array, mx.array, mx.array]:
+    """q, k, v as contiguous (B, H, L, 64) from the fused projection output (B, L, 3d):
+    ``rope(layer_norm(q) * w_q)``, the same for k, and v re-laid out. One CUDA kernel on a GPU
+    instead of MLX's copies of the strided q/k views, two layer norms, three head transposes
+    and two ropes; elsewhere ``qkv_heads_reference``.
+
+    The kernel repeats MLX's CUDA arithmetic (mlx/backend/cuda/layer_norm.cu and rope.cu,
+    0.32.x) as the same expressions: fp32 sum in layer_norm's thread/warp order (4 values per
+    thread, cg::reduce per warp, then across warps), mean = sum / d, the variance as a second
+    pass over (x - mean)^2, rsqrt(var / d + eps), ``w * T(norm) + T(0)`` in the input dtype;
+    RoPE reads that rounded value, ``inv_freq = exp2(-(p / 32) * log2(base))`` with log2(base)
+    rounded to fp32 on the host as MLX does, ``theta = pos * inv_freq``, fp32 cos/sin, one
+    rounding at the end.
+
+    Measured on the H200 (benchmarks/qkv_heads.py, 6B bf16):
+        TODO(lead): fill in from `python -m benchmarks.qkv_heads --json $OUT/qkv.json`.
+    """
+    if not qkv_heads_supported(qkv, q_norm_weight, k_norm_weight, num_heads):
+        return qkv_heads_reference(qkv, q_norm_weight, k_norm_weight, eps, rope_theta, num_heads)
+    B, L, _ = qkv.shape
+    d = num_heads * QKV_HEAD_DIM
+    threads = -(-d // 4 // 32) * 32
+    shape = (B, num_heads, L, QKV_HEAD_DIM)
+    return tuple(
+        _qkv_heads_kernel()(
+            inputs=[qkv, q_norm_weight, k_norm_weight],
+            template=[
+                ("T", qkv.dtype),
+                ("HEADS", num_heads),
+                ("EPS_BITS", _f32_bits(eps)),
+                ("LOG2_BASE_BITS", _f32_bits(rope_log2_base(rope_theta))),
+            ],
+            grid=(B * L * threads, 1, 1),
+            threadgroup=(threads, 1, 1),
+            output_shapes=[shape] * 3,
+            output_dtypes=[qkv.dtype] * 3,
+        )
+    )

@@ -18,7 +18,16 @@ import numpy as np
 
 from ..config import TRAINED_LENGTH, ESMCConfig
 from ..errors import EsmcMlxWarning
+from . import kernels
 from .quantized import POLICY_ENV as QUANT_POLICY_ENV
+
+# Set to 0 to run the QK LayerNorm, RoPE and head layout as separate MLX ops on a CUDA GPU
+# instead of kernels.qkv_heads (one kernel reading the fused q/k/v projection once).
+FUSED_QKV_ENV = "ESMC_MLX_FUSED_QKV"
+
+
+def fused_qkv_enabled() -> bool:
+    return os.environ.get(FUSED_QKV_ENV, "1") != "0"
 
 
 @dataclasses.dataclass
@@ -87,12 +96,28 @@ class Attention(nn.Module):
             return tuple(mx.split(self.qkv_proj(x), 3, axis=-1))
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
+    def _fused_heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array] | None:
+        """q, k, v heads from kernels.qkv_heads (same values), or None where it does not
+        apply: unfused projections, head_dim other than 64, not a CUDA GPU, other dtypes."""
+        if "qkv_proj" not in self or self.head_dim != kernels.QKV_HEAD_DIM or not fused_qkv_enabled():
+            return None
+        qkv = self.qkv_proj(x)  # lazy: left unevaluated (free) when the kernel does not apply
+        if not kernels.qkv_heads_supported(qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads):
+            return None
+        return kernels.qkv_heads(
+            qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.rope_theta, self.num_heads
+        )
+
     def __call__(self, x: mx.array, mask: mx.array | None, return_weights: bool = False):
         B, L, _ = x.shape
-        q, k, v = self._qkv(x)
-        q = self._rope(self._heads(self.q_norm(q)))
-        k = self._rope(self._heads(self.k_norm(k)))
-        v = self._heads(v)
+        heads = None if return_weights else self._fused_heads(x)
+        if heads is not None:
+            q, k, v = heads
+        else:
+            q, k, v = self._qkv(x)
+            q = self._rope(self._heads(self.q_norm(q)))
+            k = self._rope(self._heads(self.k_norm(k)))
+            v = self._heads(v)
         weights = None
         if mask is not None and mask.dtype == mx.bool_:
             mask = additive_mask(mask, q.dtype)
@@ -417,7 +442,7 @@ class ESMC(nn.Module):
         """One compiled function per block, (x, mask) -> x, for chunked inputs: evaluation
         cannot happen inside one trace of the whole model, and tracing 80 blocks one by one
         costs what tracing the model once does (one trace per block and input shape)."""
-        key = ("blocks", mask is None, os.environ.get(QUANT_POLICY_ENV, "auto"))
+        key = ("blocks", mask is None, os.environ.get(QUANT_POLICY_ENV, "auto"), fused_qkv_enabled())
         blocks = self._compiled.get(key)
         if blocks is None:
             blocks = [self._compile_block(layer, mask is None) for layer in self.esmc.layers]
@@ -436,8 +461,9 @@ class ESMC(nn.Module):
         if chunk is not None:
             out = self._forward(input_ids, mask, chunk=chunk, blocks=self._compiled_blocks(mask))
             return out.logits, out.last_hidden_state
-        # A trace bakes in the quantized layers' matmul choice: key it by the forced policy too.
-        key = (mask is None, os.environ.get(QUANT_POLICY_ENV, "auto"))
+        # A trace bakes in the quantized layers' matmul choice and the q/k/v kernel choice:
+        # key it by the forced policy and FUSED_QKV_ENV too.
+        key = (mask is None, os.environ.get(QUANT_POLICY_ENV, "auto"), fused_qkv_enabled())
         fn = self._compiled.get(key)
         if fn is None:
             # Parameters are implicit inputs (not constants): one trace per input shape.
