@@ -12,6 +12,9 @@ CUDA GPU the kernel itself is compared with mx.dequantize (and with ``emulate(fu
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -336,8 +339,10 @@ def test_qkv_heads_bit_exact_on_cuda(B, L, dtype):
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
-def test_qkv_heads_compiled_and_sliced_on_cuda():
-    """Inside mx.compile, and on an input whose rows start 2-byte aligned (scalar loads)."""
+def test_qkv_heads_compiled_sliced_and_2d_grid_on_cuda(monkeypatch):
+    """Inside mx.compile, on an input whose rows start 2-byte aligned (scalar loads), and
+    with the rows spread over a 2D grid of blocks (as past 2^31 threads) whose last row of
+    blocks is partial."""
     qkv, wq, wk = qkv_inputs(1, 33, 40, mx.bfloat16)
     ref = kernels.qkv_heads_reference(qkv, wq, wk, EPS, THETA, 40)
     fn = mx.compile(lambda a: kernels.qkv_heads(a, wq, wk, EPS, THETA, 40))
@@ -345,6 +350,9 @@ def test_qkv_heads_compiled_and_sliced_on_cuda():
         assert int(ulps(g, r).max()) <= 1
     flat = mx.concatenate([mx.zeros((1,), mx.bfloat16), qkv.reshape(-1)])[1:].reshape(qkv.shape)
     for g, r in zip(kernels.qkv_heads(flat, wq, wk, EPS, THETA, 40), ref, strict=True):
+        assert int(ulps(g, r).max()) <= 1
+    monkeypatch.setattr(kernels, "GRID_X_THREADS", 640 * 7)  # 33 rows: 5 rows of 7 blocks
+    for g, r in zip(kernels.qkv_heads(qkv, wq, wk, EPS, THETA, 40), ref, strict=True):
         assert int(ulps(g, r).max()) <= 1
 
 
@@ -377,3 +385,36 @@ def test_forward_with_and_without_qkv_kernel_on_cuda(monkeypatch):
             out = model(ids).logits.astype(mx.float32)
             err = float(mx.abs(out - ref).max() / mx.abs(ref).max())
             assert err <= 2e-2, err
+
+
+# What mx.fast.cuda_kernel wraps a kernel's source in (mlx/backend/cuda/custom_kernel.cpp,
+# build_kernel), with stand-ins for MLX's device header; one kernel per dtype.
+NVCC_STANDIN = """
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cstdint>
+#include <cooperative_groups.h>
+namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 10>; }
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_qkv_kernel_source_compiles_with_nvcc(tmp_path):
+    src = NVCC_STANDIN + kernels._QKV_HEADER + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+    for T in ("__nv_bfloat16", "__half", "float"):
+        src += (
+            f"__global__ void qkv_{T.strip('_')}(const {T}* qkv, const __grid_constant__ Shape qkv_shape, "
+            f"const {T}* q_weight, const {T}* k_weight, {T}* q, {T}* k, {T}* v) {{\n"
+            f"  using T = {T};\n  constexpr int HEADS = 40;\n"
+            f"  constexpr int EPS_BITS = {kernels._f32_bits(EPS)};\n"
+            f"  constexpr int LOG2_BASE_BITS = {kernels._f32_bits(kernels.rope_log2_base(THETA))};\n"
+            f"{kernels._QKV_SOURCE}\n}}\n"
+        )
+    (tmp_path / "qkv.cu").write_text(src + "}\n")
+    run = subprocess.run(
+        ["nvcc", "-arch=sm_90a", "-std=c++17", "-cubin", "-o", str(tmp_path / "qkv.cubin"), str(tmp_path / "qkv.cu")],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr

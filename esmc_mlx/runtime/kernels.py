@@ -259,6 +259,7 @@ def dequantize(
 # ---- q/k/v heads: QK LayerNorm + RoPE + head layout in one pass ------------------------------
 
 QKV_HEAD_DIM = 64
+GRID_X_THREADS = 2**31 - 1  # the most threads along a grid's x axis (an int32)
 
 _QKV_HEADER = """
 #include <cooperative_groups/reduce.h>
@@ -326,7 +327,8 @@ _QKV_SOURCE = """
   __shared__ float red[4][32];
   const int t = threadIdx.x;
   const int L = qkv_shape[1];
-  const size_t row = blockIdx.x;
+  const size_t row = size_t(blockIdx.y) * gridDim.x + blockIdx.x;
+  if (row >= size_t(qkv_shape[0]) * L) return;  // the whole block: the grid's last, partial row of blocks
   const size_t b = row / L;
   const int l = int(row % L);
   const T* src = qkv + row * (3 * D);
@@ -344,6 +346,19 @@ _QKV_SOURCE = """
     load4(src + D + c, xk);
     load4(src + 2 * D + c, xv);
     store4(v + dst, xv);
+  }
+
+  // The row's 32 RoPE angles as mx.fast.rope computes them (non-traditional: pair p is
+  // (p, p + 32); inv_freq = exp2(-(p / 32) * log2(base)), scale 1, offset 0), once per row
+  // rather than per element; block_sum2's sync publishes them.
+  __shared__ float rot[2][DH / 2];
+  if (t < DH / 2) {
+    float d = static_cast<float>(t) / static_cast<float>(DH / 2);
+    float inv_freq = exp2(-d * log2_base);
+    float pos = 1.0f * static_cast<float>(l);
+    float theta = pos * inv_freq;
+    rot[0][t] = cos(theta);
+    rot[1][t] = sin(theta);
   }
 
   // Mean (fp32 sum in MLX's order), then the variance as a second pass over (x - mean)^2.
@@ -383,8 +398,7 @@ _QKV_SOURCE = """
     yk[i] = static_cast<float>(T(wki * static_cast<T>(norm_k) + zero));
   }
 
-  // RoPE as mx.fast.rope (non-traditional, base^(-p/32) through exp2 of log2(base), scale 1,
-  // offset 0): the same fp32 expressions.
+  // The rotation in mx.fast.rope's fp32 expressions, one rounding at the end.
   const bool first = j < DH / 2;
   __align__(16) T oq[4], ok[4];
 #pragma unroll
@@ -392,12 +406,7 @@ _QKV_SOURCE = """
     const float pq = __shfl_xor_sync(0xffffffffu, yq[i], 8);
     const float pk = __shfl_xor_sync(0xffffffffu, yk[i], 8);
     const int p = (j + i) % (DH / 2);
-    float d = static_cast<float>(p) / static_cast<float>(DH / 2);
-    float inv_freq = exp2(-d * log2_base);
-    float pos = 1.0f * static_cast<float>(l);
-    float theta = pos * inv_freq;
-    float costheta = cos(theta);
-    float sintheta = sin(theta);
+    const float costheta = rot[0][p], sintheta = rot[1][p];
     float x1 = first ? yq[i] : pq, x2 = first ? pq : yq[i];
     float rx1 = x1 * costheta - x2 * sintheta;
     float rx2 = x1 * sintheta + x2 * costheta;
@@ -500,6 +509,10 @@ def qkv_heads(
     B, L, _ = qkv.shape
     d = num_heads * QKV_HEAD_DIM
     threads = -(-d // 4 // 32) * 32
+    # One block per row; a 2D grid of blocks once the row count times the block would pass
+    # the grid's int32 width.
+    nx = min(B * L, GRID_X_THREADS // threads)
+    ny = -(-(B * L) // nx)
     shape = (B, num_heads, L, QKV_HEAD_DIM)
     return tuple(
         _qkv_heads_kernel()(
@@ -510,7 +523,7 @@ def qkv_heads(
                 ("EPS_BITS", _f32_bits(eps)),
                 ("LOG2_BASE_BITS", _f32_bits(rope_log2_base(rope_theta))),
             ],
-            grid=(B * L * threads, 1, 1),
+            grid=(nx * threads, ny, 1),
             threadgroup=(threads, 1, 1),
             output_shapes=[shape] * 3,
             output_dtypes=[qkv.dtype] * 3,
