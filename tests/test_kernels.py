@@ -292,7 +292,7 @@ def test_qkv_heads_falls_back_on_cpu():
     """On the CPU qkv_heads is the model's own unfused path, and the model never asks for it."""
     with mx.stream(mx.cpu):
         qkv, wq, wk = qkv_inputs(2, 17, 2, mx.bfloat16)
-        assert not kernels.qkv_heads_supported(qkv, wq, wk, 2)
+        assert not kernels.qkv_heads_supported(qkv, wq, wk, EPS, THETA, 2)
         got = kernels.qkv_heads(qkv, wq, wk, EPS, THETA, 2)
         cfg = testing.tiny_config()
         attn = Attention(cfg)
@@ -309,7 +309,8 @@ def test_qkv_heads_falls_back_on_cpu():
 
 def _check_qkv(B, L, heads, dtype):
     qkv, wq, wk = qkv_inputs(B, L, heads, dtype, seed=B * L)
-    assert kernels.qkv_heads_supported(qkv, wq, wk, heads)
+    assert kernels.qkv_heads_supported(qkv, wq, wk, EPS, THETA, heads)
+    assert not kernels.qkv_heads_supported(qkv, wq, wk, EPS, 0.5, heads)  # log2 < 0
     got = kernels.qkv_heads(qkv, wq, wk, EPS, THETA, heads)
     ref = kernels.qkv_heads_reference(qkv, wq, wk, EPS, THETA, heads)
     out = []

@@ -450,8 +450,12 @@ def rope_log2_base(base: float) -> float:
     return float(np.float32(math.log2(float(np.float32(base)))))
 
 
-def qkv_heads_supported(qkv: mx.array, q_norm_weight: mx.array, k_norm_weight: mx.array, num_heads: int) -> bool:
-    """True when ``qkv_heads`` runs the CUDA kernel for these arrays (on a CUDA GPU)."""
+def qkv_heads_supported(
+    qkv: mx.array, q_norm_weight: mx.array, k_norm_weight: mx.array, eps: float, rope_theta: float, num_heads: int
+) -> bool:
+    """True when ``qkv_heads`` runs the CUDA kernel for these arguments (on a CUDA GPU).
+    eps and log2(rope_theta) reach the kernel as the bits of positive fp32 values (template
+    integers, which become part of the kernel's name: no minus sign)."""
     if mx.default_device() != mx.gpu or not mx.cuda.is_available():
         return False
     d = num_heads * QKV_HEAD_DIM
@@ -465,6 +469,8 @@ def qkv_heads_supported(qkv: mx.array, q_norm_weight: mx.array, k_norm_weight: m
         and k_norm_weight.shape == (d,)
         and d <= 4 * 1024  # one column group of 4 per thread, at most 1024 threads
         and qkv.size > 0
+        and 0 < eps < math.inf
+        and 1 < rope_theta < math.inf
     )
 
 
@@ -504,7 +510,7 @@ def qkv_heads(
     Measured on the H200 (benchmarks/qkv_heads.py, 6B bf16):
         TODO(lead): fill in from `python -m benchmarks.qkv_heads --json $OUT/qkv.json`.
     """
-    if not qkv_heads_supported(qkv, q_norm_weight, k_norm_weight, num_heads):
+    if not qkv_heads_supported(qkv, q_norm_weight, k_norm_weight, eps, rope_theta, num_heads):
         return qkv_heads_reference(qkv, q_norm_weight, k_norm_weight, eps, rope_theta, num_heads)
     B, L, _ = qkv.shape
     d = num_heads * QKV_HEAD_DIM

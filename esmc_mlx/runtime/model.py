@@ -102,11 +102,9 @@ class Attention(nn.Module):
         if "qkv_proj" not in self or self.head_dim != kernels.QKV_HEAD_DIM or not fused_qkv_enabled():
             return None
         qkv = self.qkv_proj(x)  # lazy: left unevaluated (free) when the kernel does not apply
-        if not kernels.qkv_heads_supported(qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads):
-            return None
-        return kernels.qkv_heads(
-            qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.rope_theta, self.num_heads
-        )
+        # q_norm and k_norm share config.layer_norm_eps
+        args = (qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.rope_theta, self.num_heads)
+        return kernels.qkv_heads(*args) if kernels.qkv_heads_supported(*args) else None
 
     def __call__(self, x: mx.array, mask: mx.array | None, return_weights: bool = False):
         B, L, _ = x.shape
