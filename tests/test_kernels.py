@@ -419,3 +419,34 @@ def test_qkv_kernel_source_compiles_with_nvcc(tmp_path):
         text=True,
     )
     assert run.returncode == 0, run.stderr
+
+
+def test_dequantize_stream_only_on_cuda(monkeypatch):
+    """The per-call dequantize gets a stream of its own on CUDA alone, and the switch turns it off."""
+    from esmc_mlx.runtime import quantized
+
+    if not ON_CUDA:
+        assert quantized.dequantize_stream() is None
+        return
+    assert quantized.dequantize_stream() is not None
+    monkeypatch.setenv(quantized.STREAM_ENV, "0")
+    assert quantized.dequantize_stream() is None
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.parametrize("mode, bits, group_size", [("affine", 4, 64), ("affine", 8, 64), ("mxfp4", 4, 32)])
+def test_side_stream_matmul_equals_default_stream(monkeypatch, mode, bits, group_size):
+    """A quantized linear above the crossover gives the same bits with the dequantize on its own
+    stream as on the default one."""
+    import mlx.nn as nn
+
+    from esmc_mlx.runtime import quantized
+
+    layer = quantized.QuantizedLinear.from_linear(nn.Linear(512, 384, bias=False), group_size, bits, mode=mode)
+    layer.set_dtype(mx.bfloat16)
+    x = mx.random.normal((4, 300, 512), key=mx.random.key(3)).astype(mx.bfloat16)
+    monkeypatch.setenv(quantized.POLICY_ENV, "dequantize")
+    side = layer(x)
+    monkeypatch.setenv(quantized.STREAM_ENV, "0")
+    plain = layer(x)
+    assert mx.array_equal(side, plain).item()

@@ -216,9 +216,12 @@ def dequantize(
     mode: str = "affine",
     dtype: mx.Dtype | None = None,
     global_scale: mx.array | None = None,
+    stream: mx.Stream | None = None,
 ) -> mx.array:
     """``mx.dequantize`` with the same arguments and the same output, bit for bit; on a CUDA
-    GPU the custom kernel above does the work."""
+    GPU the custom kernel above does the work. ``stream``: where it runs (default: the
+    default stream)."""
+    on = {} if stream is None else {"stream": stream}
     defaults = FP_MODES.get(mode, (4, 64))  # mx.dequantize's defaults per mode
     bits = bits or defaults[0]
     group_size = group_size or defaults[1]
@@ -234,6 +237,7 @@ def dequantize(
             mode=mode,
             dtype=dtype,
             **({} if global_scale is None else {"global_scale": global_scale}),
+            **on,
         )
     out_shape = (*w.shape[:-1], w.shape[-1] * 32 // bits)
     inputs = [w.reshape(-1), scales.reshape(-1)]
@@ -252,6 +256,7 @@ def dequantize(
         threadgroup=(THREADS_PER_BLOCK, 1, 1),
         output_shapes=[out_shape],
         output_dtypes=[dtype],
+        **on,
     )
     return out
 
