@@ -12,8 +12,8 @@ Measured on the H200 (``python -m benchmarks.dequant_kernels``, bf16 out, the 6B
 docs/bench/dequant_kernels_h200.txt): 6912x2560, 2560x6912 and 7680x2560 take 47-66 us here
 against 52-107 us with mx.dequantize (affine6 1.10-1.16x, affine8 1.32-1.53x, mxfp4 1.39-1.63x,
 mxfp8 1.72-1.85x, nvfp4 1.07-1.13x faster; 730-1145 GB/s against 520-990), bit-exact in every
-case timed. That is still a fifth of the card's bandwidth: a launch through mx.fast.cuda_kernel
-costs ~20 us, and a 2560x2560 weight is slower here (29-39 us against 24-32 us), so weights of
+case timed. That is still a fifth of the card's bandwidth, and fixed costs dominate small
+weights: a 2560x2560 one (13 MB out) is slower here (29-39 us against 24-32 us), so weights of
 fewer than MIN_VALUES values stay with mx.dequantize.
 
 The arithmetic is MLX's CUDA arithmetic (mlx/backend/cuda/quantized/affine_quantize.cu,
