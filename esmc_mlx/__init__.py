@@ -4,7 +4,10 @@ import os
 
 from . import _blas  # noqa: E402
 from ._version import __version__
-from .hashes import cache_root
+
+_blas.load_mlx()  # a clear error for a broken MLX install; MLX's CPU GEMMs on OpenBLAS (Linux)
+
+from .hashes import cache_root  # noqa: E402
 
 # MLX's CUDA backend compiles kernels (its own and ours, runtime/kernels.py) at first use and
 # keeps them under /tmp, which a reboot or a fresh container empties: keep them in esmc-mlx's
@@ -12,8 +15,6 @@ from .hashes import cache_root
 # validation spent about 8 s in the compiler). Read by MLX at its first compile.
 if "MLX_PTX_CACHE_DIR" not in os.environ and (_root := cache_root()) is not None:
     os.environ["MLX_PTX_CACHE_DIR"] = str(_root / "ptx")
-
-_blas.load_mlx()  # a clear error for a broken MLX install; MLX's CPU GEMMs on OpenBLAS (Linux)
 
 from .errors import EsmcMlxError, EsmcMlxWarning, SequenceError, TokenizerError  # noqa: E402
 from .runtime import ESMC, ESMCOutput, ESMCTokenizer  # noqa: E402

@@ -33,6 +33,13 @@ ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 # ---- numpy emulation of the kernel ------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def kernel_at_every_size(monkeypatch):
+    """The tests' weights are small: let the kernel take them (kernels.MIN_VALUES routes small
+    weights to mx.dequantize, which is faster there)."""
+    monkeypatch.setattr(kernels, "MIN_VALUES", 0)
+
+
 def round_to(x: np.ndarray, dtype) -> np.ndarray:
     """fp32 values rounded (nearest even) to ``dtype``, returned as fp32."""
     x = np.asarray(x, np.float32)

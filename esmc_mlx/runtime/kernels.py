@@ -12,8 +12,13 @@ scale (and bias) for all 32 (every group size is a multiple of 32, except nvfp4'
 scales), and 32 outputs written with 128-bit stores. A grid-stride loop over a grid sized
 for the H200's 132 SMs.
 
-Measured bandwidth on the H200 (benchmarks/dequant_kernels.py, bf16 out, 6B shapes):
-    TODO(lead): fill in from `python -m benchmarks.dequant_kernels --json $OUT/dequant.json`.
+Measured on the H200 (``python -m benchmarks.dequant_kernels``, bf16 out, the 6B's weights;
+docs/bench/dequant_kernels_h200.txt): 6912x2560, 2560x6912 and 7680x2560 take 47-66 us here
+against 52-107 us with mx.dequantize (affine6 1.10-1.16x, affine8 1.32-1.53x, mxfp4 1.39-1.63x,
+mxfp8 1.72-1.85x, nvfp4 1.07-1.13x faster; 730-1145 GB/s against 520-990), bit-exact in every
+case timed. That is still a fifth of the card's bandwidth, and fixed costs dominate small
+weights: a 2560x2560 one (13 MB out) is slower here (29-39 us against 24-32 us), so weights of
+fewer than MIN_VALUES values stay with mx.dequantize.
 
 The arithmetic is MLX's CUDA arithmetic (mlx/backend/cuda/quantized/affine_quantize.cu,
 fp_quantize.cuh), written as the same expressions so the same compiler makes the same
@@ -44,6 +49,10 @@ import numpy as np
 
 # Threads that can be resident on an H200: 132 SMs x 2048. More blocks than that only queue.
 MAX_THREADS = 132 * 2048
+# Below this many values MLX's own dequantize is as fast or faster (H200, bf16 out: a 2560x2560
+# weight took 24-32 us with mx.dequantize and 29-39 us with this kernel, while 6912x2560 and
+# larger took 1.1-1.85x less time here): launch costs dominate.
+MIN_VALUES = 8 << 20
 THREADS_PER_BLOCK = 256
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUPS = (32, 64, 128)
@@ -227,7 +236,8 @@ def dequantize(
     group_size = group_size or defaults[1]
     if dtype is None:
         dtype = scales.dtype if mode == "affine" else mx.bfloat16
-    if not supported(w, scales, biases, group_size, bits, mode, dtype, global_scale):
+    small = w.size * 32 // bits < MIN_VALUES
+    if small or not supported(w, scales, biases, group_size, bits, mode, dtype, global_scale):
         return mx.dequantize(
             w,
             scales,

@@ -215,37 +215,8 @@ def layers_per_eval(config: ESMCConfig, batch: int, length: int, itemsize: int) 
     return None if k >= config.num_hidden_layers else k
 
 
-# Set to 1 to store the block linears' weights pre-transposed on a GPU (ESMC.transpose_linears);
-# off until measured: benchmarks/gemm_layout.py times both layouts of every GEMM shape.
-TRANSPOSE_ENV = "ESMC_MLX_TRANSPOSE_LINEARS"
-
 # Projections that read the same input and can run as one GEMM: (module, fused name, parts).
 FUSIONS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
-
-
-def transpose_from_env() -> bool:
-    """Whether TRANSPOSE_ENV asks for pre-transposed linears on this device (GPU only)."""
-    return os.environ.get(TRANSPOSE_ENV, "0") == "1" and mx.default_device() != mx.cpu
-
-
-class TransposedLinear(nn.Module):
-    """A float linear holding its weight as a contiguous (in, out) ``weight_t``, so the GEMM is
-    ``x @ weight_t``. MLX's CUDA matmul hands cublasLt the weight with op N instead of op T (the
-    view ``weight.T`` of nn.Linear): another heuristic pick, same products. Deliberately not an
-    nn.Linear subclass: quantization, which converts nn.Linear, leaves it alone."""
-
-    concat_axis = -1  # outputs run along the last axis of weight_t (and of bias): ESMC.fuse
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.weight_t = mx.contiguous(linear.weight.T)
-        if "bias" in linear:
-            self.bias = linear.bias
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if "bias" in self:  # as nn.Linear: the bias added in the GEMM's epilogue
-            return mx.addmm(self["bias"], x, self["weight_t"])
-        return x @ self["weight_t"]
 
 
 def _array_keys(module: nn.Module) -> list[str]:
@@ -256,8 +227,7 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     """One linear computing ``parts`` side by side (output rows concatenated), or None when
     they cannot be fused: different classes, or quantized with different mode/bits/group
     size. Quantization groups run along the input width, so row-concatenating the packed
-    weights, scales and biases of identically quantized layers is exact. Pre-transposed
-    linears concatenate along their last axis."""
+    weights, scales and biases of identically quantized layers is exact."""
     first = parts[0]
     if any(type(p) is not type(first) or _array_keys(p) != _array_keys(first) for p in parts):
         return None
@@ -267,9 +237,8 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     ):
         return None
     fused = copy.copy(first)  # same class and settings (quantization, policy), new arrays
-    axis = getattr(first, "concat_axis", 0)
     for key in _array_keys(first):
-        fused[key] = mx.concatenate([p[key] for p in parts], axis=axis)
+        fused[key] = mx.concatenate([p[key] for p in parts], axis=0)
     return fused
 
 
@@ -308,35 +277,12 @@ class ESMC(nn.Module):
         self.reset_compiled()
         return self
 
-    def transpose_linears(self) -> ESMC:
-        """Store every float linear of the blocks as a ``TransposedLinear`` (weight kept as a
-        contiguous (in, out) copy). Quantized layers stay as they are. Call after ``fuse`` or
-        before: either order gives the same arrays. A runtime layout: parameter names change
-        (``weight_t``), artifacts do not."""
-        for layer in self.esmc.layers:
-            for owner in (layer.self_attn, layer.mlp):
-                swaps = {k: TransposedLinear(m) for k, m in owner.children().items() if type(m) is nn.Linear}
-                if swaps:
-                    mx.eval([m.parameters() for m in swaps.values()])  # copy now, free the originals layer by layer
-                    for k, m in swaps.items():
-                        owner[k] = m
-        self.reset_compiled()
-        return self
-
-    @property
-    def is_transposed(self) -> bool:
-        return any(isinstance(m, TransposedLinear) for _, m in self.named_modules())
-
-    def optimize(self, fuse: bool | None = None, compile: bool | None = None, transpose: bool | None = None) -> ESMC:
+    def optimize(self, fuse: bool | None = None, compile: bool | None = None) -> ESMC:
         """Apply the runtime optimizations measured faster on the default device (see
-        RUNTIME_DEFAULTS); ``fuse``/``compile`` override. ``transpose``: pre-transposed block
-        linears (default: off, or on a GPU when ESMC_MLX_TRANSPOSE_LINEARS=1). Call after the
-        weights are loaded."""
+        RUNTIME_DEFAULTS); ``fuse``/``compile`` override. Call after the weights are loaded."""
         defaults = RUNTIME_DEFAULTS["cpu" if mx.default_device() == mx.cpu else "gpu"]
         if defaults["fuse"] if fuse is None else fuse:
             self.fuse()
-        if transpose_from_env() if transpose is None else transpose:
-            self.transpose_linears()
         self.compile(defaults["compile"] if compile is None else compile)
         return self
 
