@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--q", help="first precision (default: 4 for tiny, mxfp4 otherwise)")
     parser.add_argument("--second-q", help="second precision (default: mxfp4 for tiny, 4 otherwise)")
     parser.add_argument("--work", type=Path, help="scratch directory (default: a temporary one, deleted)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["quick", "layered", "second"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["quick", "layered", "second", "warmup"])
     parser.add_argument(
         "--env",
         action="append",
@@ -156,6 +156,22 @@ def main() -> None:
             return r
 
         print(f"esmc-{args.shape} --q {q1}, reference on {args.device}; work in {work}")
+        # MLX compiles its CUDA kernels (and ours) at first use, once per machine (kept in
+        # MLX_PTX_CACHE_DIR): compile them here, on a 2-layer model of each precision, so that
+        # the timed steps measure validation and not a fresh machine's compiler. The warm-up's
+        # own time is reported (what a brand-new machine pays once).
+        env["MLX_PTX_CACHE_DIR"] = str(work / "ptx")
+        if args.device == "gpu" and "warmup" not in args.skip:
+            from esmc_mlx.testing import tiny_config, write_random_checkpoint
+
+            small = work / "small-source"
+            write_random_checkpoint(small, tiny_config(), dtype="bfloat16")
+            for q in (q1, q2):
+                steps[f"jit_warmup_{q}"] = child(
+                    ["convert", str(small), "-o", str(work / f"small-{q}"), "--q", q, "--force", "--validate", *device],
+                    cache("warmup"),
+                    work / f"warmup-{q}.log",
+                )
         steps["convert"] = convert(q1, False, "q1", "none")
         steps["convert+validate"] = convert(q1, True, "q1v", "main")
         if "second" not in args.skip:

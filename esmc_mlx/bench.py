@@ -35,7 +35,7 @@ from .convert.sources import torch_to_mlx
 from .errors import EsmcMlxError
 from .outputs import atomic_file
 from .quantize import BLOCK_LINEAR  # what `esmc-convert --q` quantizes by default
-from .runtime.model import ESMC, RUNTIME_DEFAULTS, transpose_from_env
+from .runtime.model import ESMC, RUNTIME_DEFAULTS
 from .runtime.quantized import quantize_modules
 from .testing import SHAPES, tiny_config
 from .validate.reference import hf_config as transformers_config
@@ -114,11 +114,9 @@ def mlx_model(
     fuse: bool = False,
     compile: bool = False,
     quant: dict | None = None,
-    transpose: bool | None = None,
 ) -> ESMC:
     """An MLX ESMC holding ``weights`` (shared, not copied), optionally quantized (the block
-    projections, as ``esmc-convert --q`` does), fused, with pre-transposed float linears
-    (copies; default: on a GPU when ESMC_MLX_TRANSPOSE_LINEARS=1) and compiled."""
+    projections, as ``esmc-convert --q`` does), fused and compiled."""
     model = ESMC(config)
     names = {k for k, _ in tree_flatten(model.parameters())}
     model.load_weights([(k, v) for k, v in weights.items() if k in names], strict=True)
@@ -127,8 +125,6 @@ def mlx_model(
     mx.eval(model.parameters())
     if fuse:
         model.fuse()
-    if transpose_from_env() if transpose is None else transpose:
-        model.transpose_linears()
     if compile:
         model.compile()
     model.eval()

@@ -12,11 +12,17 @@ CUDA GPU the kernel itself is compared with mx.dequantize (and with ``emulate(fu
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten, tree_unflatten
 
+from esmc_mlx import testing
 from esmc_mlx.runtime import kernels
+from esmc_mlx.runtime.model import ESMC, FUSED_QKV_ENV, Attention
 
 FLOATS = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 AFFINE = [(b, g) for b in kernels.AFFINE_BITS for g in kernels.AFFINE_GROUPS]
@@ -25,6 +31,13 @@ ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 
 
 # ---- numpy emulation of the kernel ------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def kernel_at_every_size(monkeypatch):
+    """The tests' weights are small: let the kernel take them (kernels.MIN_VALUES routes small
+    weights to mx.dequantize, which is faster there)."""
+    monkeypatch.setattr(kernels, "MIN_VALUES", 0)
 
 
 def round_to(x: np.ndarray, dtype) -> np.ndarray:
@@ -246,3 +259,201 @@ def test_unsupported_cases_fall_back_on_cuda():
     got = kernels.dequantize(w2, s2, None, 16, 4, "nvfp4", mx.bfloat16, global_scale=gs)
     np.testing.assert_array_equal(as_bits(got), as_bits(ref))
     assert kernels.dequantize(w, s, b, 64, 4).dtype == mx.bfloat16
+
+
+# ---- qkv_heads: QK LayerNorm + RoPE + head layout in one kernel ------------------------------
+
+QKV_CASES = [(2, 17), (1, 300)]
+EPS, THETA = 1e-5, 10000.0
+
+
+def qkv_inputs(B, L, heads, dtype, seed=0):
+    """A fused projection output with a per-row offset and scale (LayerNorm has work to do)
+    and norm weights around 1, as trained ESMC's."""
+    rng = np.random.default_rng(seed)
+    d = heads * 64
+    x = rng.standard_normal((B, L, 3 * d)).astype(np.float32) * rng.uniform(0.5, 4, (B, L, 1))
+    x += rng.standard_normal((B, L, 1)).astype(np.float32)
+    wq = 1 + 0.3 * rng.standard_normal(d).astype(np.float32)
+    wk = 1 + 0.3 * rng.standard_normal(d).astype(np.float32)
+    return mx.array(x).astype(dtype), mx.array(wq).astype(dtype), mx.array(wk).astype(dtype)
+
+
+def ulps(a: mx.array, b: mx.array) -> np.ndarray:
+    """|a - b| in units in the last place of a's dtype, elementwise (same-sign values)."""
+    width = {mx.bfloat16: np.int16, mx.float16: np.int16, mx.float32: np.int32}[a.dtype]
+    ia = np.array(a.view(mx.int16 if width is np.int16 else mx.int32)).astype(np.int64)
+    ib = np.array(b.view(mx.int16 if width is np.int16 else mx.int32)).astype(np.int64)
+    sign = np.int64(1) << (8 * np.dtype(width).itemsize - 1)
+    ia = np.where(ia < 0, -(ia + sign), ia)  # sign-magnitude to a monotone integer line
+    ib = np.where(ib < 0, -(ib + sign), ib)
+    return np.abs(ia - ib)
+
+
+def test_rope_log2_base_is_fp32_log2():
+    assert kernels.rope_log2_base(THETA) == float(np.log2(np.float32(THETA)))
+    assert kernels.rope_log2_base(THETA) == float(np.float32(13.287712379549449))
+
+
+def test_qkv_heads_falls_back_on_cpu():
+    """On the CPU qkv_heads is the model's own unfused path, and the model never asks for it."""
+    with mx.stream(mx.cpu):
+        qkv, wq, wk = qkv_inputs(2, 17, 2, mx.bfloat16)
+        assert not kernels.qkv_heads_supported(qkv, wq, wk, EPS, THETA, 2)
+        got = kernels.qkv_heads(qkv, wq, wk, EPS, THETA, 2)
+        cfg = testing.tiny_config()
+        attn = Attention(cfg)
+        attn.q_norm.weight, attn.k_norm.weight = wq, wk
+        q, k, v = mx.split(qkv, 3, axis=-1)
+        ref = (attn._rope(attn._heads(attn.q_norm(q))), attn._rope(attn._heads(attn.k_norm(k))), attn._heads(v))
+        for g, r in zip(got, ref, strict=True):
+            assert g.shape == (2, 2, 17, 64) and g.dtype == mx.bfloat16
+            assert mx.array_equal(g, r).item()
+    if mx.default_device() == mx.cpu:
+        attn["qkv_proj"] = attn.q_proj
+        assert attn._fused_heads(mx.zeros((1, 3, 128))) is None
+
+
+def _check_qkv(B, L, heads, dtype):
+    qkv, wq, wk = qkv_inputs(B, L, heads, dtype, seed=B * L)
+    assert kernels.qkv_heads_supported(qkv, wq, wk, EPS, THETA, heads)
+    assert not kernels.qkv_heads_supported(qkv, wq, wk, EPS, 0.5, heads)  # log2 < 0
+    got = kernels.qkv_heads(qkv, wq, wk, EPS, THETA, heads)
+    ref = kernels.qkv_heads_reference(qkv, wq, wk, EPS, THETA, heads)
+    out = []
+    for name, g, r in zip("qkv", got, ref, strict=True):
+        assert g.shape == r.shape == (B, heads, L, 64) and g.dtype == r.dtype
+        u = ulps(g, r)
+        out.append((name, int(u.max()), int((u > 0).sum()), u.size))
+    return out
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize(("B", "L"), QKV_CASES)
+@pytest.mark.parametrize("heads", [40, 15])  # 6B width; 300M's odd head count (idle threads)
+def test_qkv_heads_within_one_ulp_on_cuda(B, L, dtype, heads):
+    for name, worst, _, _ in _check_qkv(B, L, heads, FLOATS[dtype]):
+        assert worst <= 1, f"{name}: {worst} ulps"
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize(("B", "L"), QKV_CASES)
+def test_qkv_heads_bit_exact_on_cuda(B, L, dtype):
+    """The claim of the kernel's docstring: MLX's own roundings, so no element differs."""
+    stats = _check_qkv(B, L, 40, FLOATS[dtype])
+    assert all(n == 0 for _, _, n, _ in stats), f"(name, max ulps, elements differing, size): {stats}"
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+def test_qkv_heads_compiled_sliced_and_2d_grid_on_cuda(monkeypatch):
+    """Inside mx.compile, on an input whose rows start 2-byte aligned (scalar loads), and
+    with the rows spread over a 2D grid of blocks (as past 2^31 threads) whose last row of
+    blocks is partial."""
+    qkv, wq, wk = qkv_inputs(1, 33, 40, mx.bfloat16)
+    ref = kernels.qkv_heads_reference(qkv, wq, wk, EPS, THETA, 40)
+    fn = mx.compile(lambda a: kernels.qkv_heads(a, wq, wk, EPS, THETA, 40))
+    for g, r in zip(fn(qkv), ref, strict=True):
+        assert int(ulps(g, r).max()) <= 1
+    flat = mx.concatenate([mx.zeros((1,), mx.bfloat16), qkv.reshape(-1)])[1:].reshape(qkv.shape)
+    for g, r in zip(kernels.qkv_heads(flat, wq, wk, EPS, THETA, 40), ref, strict=True):
+        assert int(ulps(g, r).max()) <= 1
+    monkeypatch.setattr(kernels, "GRID_X_THREADS", 640 * 7)  # 33 rows: 5 rows of 7 blocks
+    for g, r in zip(kernels.qkv_heads(qkv, wq, wk, EPS, THETA, 40), ref, strict=True):
+        assert int(ulps(g, r).max()) <= 1
+
+
+def random_model(config, dtype=mx.bfloat16, seed=0) -> ESMC:
+    """An ESMC with random weights built in MLX (N(0, 1/fan_in) matrices, norms around 1)."""
+    mx.random.seed(seed)
+    model = ESMC(config)
+    params = [
+        (k, mx.random.normal(v.shape) * (v.shape[-1] ** -0.5 if v.ndim == 2 else 0.2) + (1.0 if "norm" in k else 0.0))
+        for k, v in tree_flatten(model.parameters())
+    ]
+    model.update(tree_unflatten(params))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+def test_forward_with_and_without_qkv_kernel_on_cuda(monkeypatch):
+    config = testing.tiny_config(hidden_size=256, num_attention_heads=4, num_hidden_layers=3)
+    model = random_model(config).fuse()
+    ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(2, 40)))
+    monkeypatch.setenv(FUSED_QKV_ENV, "0")
+    ref = model(ids).logits.astype(mx.float32)
+    monkeypatch.setenv(FUSED_QKV_ENV, "1")
+    assert model.esmc.layers[0].self_attn._fused_heads(mx.zeros((1, 3, 256), mx.bfloat16)) is not None
+    for every in (None, 1):  # one graph, and evaluated block by block (compiled blocks)
+        model.chunk_layers(every).compile()
+        for _ in range(3):  # eager, then traced, then the trace reused
+            out = model(ids).logits.astype(mx.float32)
+            err = float(mx.abs(out - ref).max() / mx.abs(ref).max())
+            assert err <= 2e-2, err
+
+
+# What mx.fast.cuda_kernel wraps a kernel's source in (mlx/backend/cuda/custom_kernel.cpp,
+# build_kernel), with stand-ins for MLX's device header; one kernel per dtype.
+NVCC_STANDIN = """
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cstdint>
+#include <cooperative_groups.h>
+namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 10>; }
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_qkv_kernel_source_compiles_with_nvcc(tmp_path):
+    src = NVCC_STANDIN + kernels._QKV_HEADER + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+    for T in ("__nv_bfloat16", "__half", "float"):
+        src += (
+            f"__global__ void qkv_{T.strip('_')}(const {T}* qkv, const __grid_constant__ Shape qkv_shape, "
+            f"const {T}* q_weight, const {T}* k_weight, {T}* q, {T}* k, {T}* v) {{\n"
+            f"  using T = {T};\n  constexpr int HEADS = 40;\n"
+            f"  constexpr int EPS_BITS = {kernels._f32_bits(EPS)};\n"
+            f"  constexpr int LOG2_BASE_BITS = {kernels._f32_bits(kernels.rope_log2_base(THETA))};\n"
+            f"{kernels._QKV_SOURCE}\n}}\n"
+        )
+    (tmp_path / "qkv.cu").write_text(src + "}\n")
+    run = subprocess.run(
+        ["nvcc", "-arch=sm_90a", "-std=c++17", "-cubin", "-o", str(tmp_path / "qkv.cubin"), str(tmp_path / "qkv.cu")],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+
+
+def test_dequantize_stream_only_on_cuda(monkeypatch):
+    """The per-call dequantize gets a stream of its own on CUDA alone, and the switch turns it off."""
+    from esmc_mlx.runtime import quantized
+
+    if not ON_CUDA:
+        assert quantized.dequantize_stream() is None
+        return
+    assert quantized.dequantize_stream() is not None
+    monkeypatch.setenv(quantized.STREAM_ENV, "0")
+    assert quantized.dequantize_stream() is None
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.parametrize("mode, bits, group_size", [("affine", 4, 64), ("affine", 8, 64), ("mxfp4", 4, 32)])
+def test_side_stream_matmul_equals_default_stream(monkeypatch, mode, bits, group_size):
+    """A quantized linear above the crossover gives the same bits with the dequantize on its own
+    stream as on the default one."""
+    import mlx.nn as nn
+
+    from esmc_mlx.runtime import quantized
+
+    layer = quantized.QuantizedLinear.from_linear(nn.Linear(512, 384, bias=False), group_size, bits, mode=mode)
+    layer.set_dtype(mx.bfloat16)
+    x = mx.random.normal((4, 300, 512), key=mx.random.key(3)).astype(mx.bfloat16)
+    monkeypatch.setenv(quantized.POLICY_ENV, "dequantize")
+    side = layer(x)
+    monkeypatch.setenv(quantized.STREAM_ENV, "0")
+    plain = layer(x)
+    assert mx.array_equal(side, plain).item()

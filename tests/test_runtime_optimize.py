@@ -4,13 +4,12 @@ function as the plain model. Speed is shown by benchmarks/, not tested here."""
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as mlx_nn
 import numpy as np
 import pytest
 from conftest import requires_torch
 
 from esmc_mlx import bench
-from esmc_mlx.runtime.model import ESMC, TRANSPOSE_ENV, TransposedLinear
+from esmc_mlx.runtime.model import ESMC
 
 
 def rel(a, b) -> float:
@@ -117,56 +116,3 @@ def test_fast_mxfp4_quantize_is_bit_identical():
             assert len(out) == len(ref)
             for a, b in zip(out, ref):
                 assert a.dtype == b.dtype and mx.array_equal(a, b).item()
-
-
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("fuse", [False, True])
-def test_transposed_linears_are_bit_identical(tiny_config, weights, dtype, fuse):
-    cast = {k: v.astype(dtype) for k, v in weights.items()}
-    plain = bench.mlx_model(tiny_config, cast, fuse=fuse)
-    fast = bench.mlx_model(tiny_config, cast, fuse=fuse, transpose=True)
-    assert fast.is_transposed and not plain.is_transposed
-    mlp = fast.esmc.layers[0].mlp
-    assert mlp.down_proj.weight_t.shape == (tiny_config.intermediate_size, tiny_config.hidden_size)
-    assert "weight" not in mlp.down_proj and mlp.down_proj.weight_t.dtype == dtype
-    ids = np.random.default_rng(4).integers(4, 24, size=(3, 17))
-    mask = np.ones((3, 17), dtype=np.int32)
-    mask[2, 10:] = 0
-    for kwargs in ({}, {"attention_mask": mask}):
-        ref = plain(ids, **kwargs)
-        out = fast(ids, **kwargs)
-        assert mx.array_equal(out.logits, ref.logits).item()
-        assert mx.array_equal(out.last_hidden_state, ref.last_hidden_state).item()
-
-
-def test_transpose_then_fuse_equals_fuse_then_transpose(tiny_config, weights):
-    a = bench.mlx_model(tiny_config, weights, fuse=True, transpose=True)
-    b = bench.mlx_model(tiny_config, weights, transpose=True).fuse()
-    for layer_a, layer_b in zip(a.esmc.layers, b.esmc.layers):
-        for owner, name in (("self_attn", "qkv_proj"), ("mlp", "gate_up_proj")):
-            assert mx.array_equal(layer_a[owner][name].weight_t, layer_b[owner][name].weight_t).item()
-
-
-def test_transpose_leaves_quantized_layers_alone(tiny_config, weights):
-    quant = bench.QUANT_MODES["affine4"]
-    plain = bench.mlx_model(tiny_config, weights, quant=quant)
-    fast = bench.mlx_model(tiny_config, weights, quant=quant, transpose=True)
-    assert not fast.is_transposed
-    assert type(fast.esmc.layers[0].mlp.down_proj) is type(plain.esmc.layers[0].mlp.down_proj)
-    ids = np.random.default_rng(5).integers(4, 24, size=(2, 13))
-    assert mx.array_equal(fast(ids).logits, plain(ids).logits).item()
-    mixed = ESMC(tiny_config)  # one quantized projection among float ones
-    mixed.esmc.layers[0].mlp.up_proj = mlx_nn.QuantizedLinear(tiny_config.hidden_size, tiny_config.intermediate_size)
-    mixed.transpose_linears()
-    assert isinstance(mixed.esmc.layers[0].mlp.up_proj, mlx_nn.QuantizedLinear)
-    assert isinstance(mixed.esmc.layers[0].mlp.gate_proj, TransposedLinear)
-    assert isinstance(mixed.lm_head.dense, mlx_nn.Linear)  # the head is not a block linear
-
-
-def test_transpose_env_applies_on_gpu_only(tiny_config, monkeypatch):
-    monkeypatch.setenv(TRANSPOSE_ENV, "1")
-    on_gpu = mx.default_device() != mx.cpu
-    assert ESMC(tiny_config).optimize(fuse=False, compile=False).is_transposed == on_gpu
-    assert ESMC(tiny_config).optimize(fuse=False, compile=False, transpose=True).is_transposed
-    monkeypatch.setenv(TRANSPOSE_ENV, "0")
-    assert not ESMC(tiny_config).optimize(fuse=False, compile=False).is_transposed

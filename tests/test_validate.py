@@ -176,6 +176,25 @@ def test_weights_travel_to_the_device_exactly(q4, checkpoints, tmp_path):
         assert torch.equal(to_device(a, "cpu", narrow=True), to_torch(a))
 
 
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX on a CUDA GPU and torch with CUDA")
+def test_weights_reach_the_gpu_exactly(q4, checkpoints, tmp_path):
+    """MLX's managed memory copied within the GPU (bf16 and fp32, one evaluation per layer): the
+    same values as through the host."""
+    import torch
+
+    from esmc_mlx.validate.weights import to_devices, to_torch
+
+    mxfp4 = convert(str(checkpoints["published"]), tmp_path / "mxfp4", q="mxfp4", progress=False)
+    for directory in (q4, mxfp4):
+        artifact = ArtifactWeights(directory)
+        arrays = artifact.get_mx(names_for(artifact.config, "esmc.layers.0."))
+        for narrow in (True, False):
+            on_gpu = to_devices(arrays, torch.device("cuda", 0), narrow=narrow)
+            for name, a in arrays.items():
+                assert on_gpu[name].dtype == torch.float32 and on_gpu[name].is_cuda
+                assert torch.equal(on_gpu[name].cpu(), to_torch(a)), name
+
+
 @pytest.mark.parametrize("which", ["fp32", "q4"])
 def test_layered_mlx_equals_the_runtime(which, converted, q4):
     artifact = ArtifactWeights(converted if which == "fp32" else q4)

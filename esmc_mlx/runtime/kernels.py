@@ -1,4 +1,8 @@
-"""A fast dequantize for MLX's CUDA backend, bit for bit the same as ``mx.dequantize``.
+"""Custom CUDA kernels for MLX's CUDA backend, each written to give the MLX ops it replaces
+bit for bit: ``dequantize`` (below) and ``qkv_heads`` (the attention's QK LayerNorm, RoPE and
+head layout in one pass; its docstring has the details). Elsewhere both are the MLX ops.
+
+A fast dequantize, bit for bit the same as ``mx.dequantize``.
 
 MLX 0.32.4's CUDA dequantize gives every thread one packed byte (or 3/5 bytes) and reloads
 the group's scale and bias per byte: on an H200 it reaches 400-750 GB/s of the card's 4.8 TB/s
@@ -8,8 +12,13 @@ scale (and bias) for all 32 (every group size is a multiple of 32, except nvfp4'
 scales), and 32 outputs written with 128-bit stores. A grid-stride loop over a grid sized
 for the H200's 132 SMs.
 
-Measured bandwidth on the H200 (benchmarks/dequant_kernels.py, bf16 out, 6B shapes):
-    TODO(lead): fill in from `python -m benchmarks.dequant_kernels --json $OUT/dequant.json`.
+Measured on the H200 (``python -m benchmarks.dequant_kernels``, bf16 out, the 6B's weights;
+docs/bench/dequant_kernels_h200.txt): 6912x2560, 2560x6912 and 7680x2560 take 47-66 us here
+against 52-107 us with mx.dequantize (affine6 1.10-1.16x, affine8 1.32-1.53x, mxfp4 1.39-1.63x,
+mxfp8 1.72-1.85x, nvfp4 1.07-1.13x faster; 730-1145 GB/s against 520-990), bit-exact in every
+case timed. That is still a fifth of the card's bandwidth, and fixed costs dominate small
+weights: a 2560x2560 one (13 MB out) is slower here (29-39 us against 24-32 us), so weights of
+fewer than MIN_VALUES values stay with mx.dequantize.
 
 The arithmetic is MLX's CUDA arithmetic (mlx/backend/cuda/quantized/affine_quantize.cu,
 fp_quantize.cuh), written as the same expressions so the same compiler makes the same
@@ -33,10 +42,17 @@ Everything else (CPU, Metal, other group sizes, odd sizes, fp64) is ``mx.dequant
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
+import numpy as np
 
 # Threads that can be resident on an H200: 132 SMs x 2048. More blocks than that only queue.
 MAX_THREADS = 132 * 2048
+# Below this many values MLX's own dequantize is as fast or faster (H200, bf16 out: a 2560x2560
+# weight took 24-32 us with mx.dequantize and 29-39 us with this kernel, while 6912x2560 and
+# larger took 1.1-1.85x less time here): launch costs dominate.
+MIN_VALUES = 8 << 20
 THREADS_PER_BLOCK = 256
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUPS = (32, 64, 128)
@@ -209,15 +225,19 @@ def dequantize(
     mode: str = "affine",
     dtype: mx.Dtype | None = None,
     global_scale: mx.array | None = None,
+    stream: mx.Stream | None = None,
 ) -> mx.array:
     """``mx.dequantize`` with the same arguments and the same output, bit for bit; on a CUDA
-    GPU the custom kernel above does the work."""
+    GPU the custom kernel above does the work. ``stream``: where it runs (default: the
+    default stream)."""
+    on = {} if stream is None else {"stream": stream}
     defaults = FP_MODES.get(mode, (4, 64))  # mx.dequantize's defaults per mode
     bits = bits or defaults[0]
     group_size = group_size or defaults[1]
     if dtype is None:
         dtype = scales.dtype if mode == "affine" else mx.bfloat16
-    if not supported(w, scales, biases, group_size, bits, mode, dtype, global_scale):
+    small = w.size * 32 // bits < MIN_VALUES
+    if small or not supported(w, scales, biases, group_size, bits, mode, dtype, global_scale):
         return mx.dequantize(
             w,
             scales,
@@ -227,6 +247,7 @@ def dequantize(
             mode=mode,
             dtype=dtype,
             **({} if global_scale is None else {"global_scale": global_scale}),
+            **on,
         )
     out_shape = (*w.shape[:-1], w.shape[-1] * 32 // bits)
     inputs = [w.reshape(-1), scales.reshape(-1)]
@@ -245,5 +266,289 @@ def dequantize(
         threadgroup=(THREADS_PER_BLOCK, 1, 1),
         output_shapes=[out_shape],
         output_dtypes=[dtype],
+        **on,
     )
     return out
+
+
+# ---- q/k/v heads: QK LayerNorm + RoPE + head layout in one pass ------------------------------
+
+QKV_HEAD_DIM = 64
+GRID_X_THREADS = 2**31 - 1  # the most threads along a grid's x axis (an int32)
+
+_QKV_HEADER = """
+#include <cooperative_groups/reduce.h>
+
+// 4 consecutive values; one 64/128-bit access when the address allows.
+template <typename T>
+__device__ __forceinline__ void load4(const T* p, T* v) {
+  if constexpr (sizeof(T) == 2) {
+    if ((reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+      *reinterpret_cast<uint2*>(v) = *reinterpret_cast<const uint2*>(p);
+      return;
+    }
+  } else if constexpr (sizeof(T) == 4) {
+    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+      *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(p);
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = p[i];
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const T* v) {
+  if constexpr (sizeof(T) == 2) {
+    if ((reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+      *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(v);
+      return;
+    }
+  } else if constexpr (sizeof(T) == 4) {
+    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+      *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = v[i];
+}
+
+// Two block sums in MLX's layer_norm order (BlockBroadcastReduce): a cg::reduce per warp,
+// the warp results through shared memory (0 past the last warp), a cg::reduce of those.
+__device__ __forceinline__ void block_sum2(float& a, float& b, float* ta, float* tb) {
+  auto block = cooperative_groups::this_thread_block();
+  auto warp = cooperative_groups::tiled_partition<32>(block);
+  a = cooperative_groups::reduce(warp, a, cooperative_groups::plus<float>());
+  b = cooperative_groups::reduce(warp, b, cooperative_groups::plus<float>());
+  if (warp.thread_rank() == 0) {
+    ta[warp.meta_group_rank()] = a;
+    tb[warp.meta_group_rank()] = b;
+  }
+  block.sync();
+  const bool has = warp.thread_rank() < warp.meta_group_size();
+  a = has ? ta[warp.thread_rank()] : 0.0f;
+  b = has ? tb[warp.thread_rank()] : 0.0f;
+  a = cooperative_groups::reduce(warp, a, cooperative_groups::plus<float>());
+  b = cooperative_groups::reduce(warp, b, cooperative_groups::plus<float>());
+}
+"""
+
+# One block per token row; thread t owns columns 4t..4t+3 of q, k and v (MLX's layer_norm
+# layout with N_READS = 4, so the sums are added in its order). A RoPE pair (j, j + 32) of a
+# head sits in threads t and t ^ 8 of one warp: exchanged with a shuffle.
+_QKV_SOURCE = """
+  constexpr int DH = 64, D = HEADS * DH;
+  __shared__ float red[4][32];
+  const int t = threadIdx.x;
+  const int L = qkv_shape[1];
+  const size_t row = size_t(blockIdx.y) * gridDim.x + blockIdx.x;
+  if (row >= size_t(qkv_shape[0]) * L) return;  // the whole block: the grid's last, partial row of blocks
+  const size_t b = row / L;
+  const int l = int(row % L);
+  const T* src = qkv + row * (3 * D);
+  const int c = 4 * t, h = c / DH, j = c % DH;
+  const bool active = c < D;
+  const size_t dst = ((b * HEADS + h) * L + l) * DH + j;
+  const float eps = __int_as_float(EPS_BITS);
+  const float log2_base = __int_as_float(LOG2_BASE_BITS);
+
+  __align__(16) T xq[4], xk[4], xv[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) xq[i] = xk[i] = T(0);
+  if (active) {
+    load4(src + c, xq);
+    load4(src + D + c, xk);
+    load4(src + 2 * D + c, xv);
+    store4(v + dst, xv);
+  }
+
+  // The row's 32 RoPE angles as mx.fast.rope computes them (non-traditional: pair p is
+  // (p, p + 32); inv_freq = exp2(-(p / 32) * log2(base)), scale 1, offset 0), once per row
+  // rather than per element; block_sum2's sync publishes them.
+  __shared__ float rot[2][DH / 2];
+  if (t < DH / 2) {
+    float d = static_cast<float>(t) / static_cast<float>(DH / 2);
+    float inv_freq = exp2(-d * log2_base);
+    float pos = 1.0f * static_cast<float>(l);
+    float theta = pos * inv_freq;
+    rot[0][t] = cos(theta);
+    rot[1][t] = sin(theta);
+  }
+
+  // Mean (fp32 sum in MLX's order), then the variance as a second pass over (x - mean)^2.
+  float sq = 0, sk = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    sq += static_cast<float>(xq[i]);
+    sk += static_cast<float>(xk[i]);
+  }
+  block_sum2(sq, sk, red[0], red[1]);
+  const float mq = sq / D, mk = sk / D;
+  float nq = 0, nk = 0;
+  if (active) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float tq = static_cast<float>(xq[i]) - mq;
+      nq += tq * tq;
+      float tk = static_cast<float>(xk[i]) - mk;
+      nk += tk * tk;
+    }
+  }
+  block_sum2(nq, nk, red[2], red[3]);
+  nq = rsqrt(nq / D + eps);
+  nk = rsqrt(nk / D + eps);
+
+  // Normalized, times the weight, plus MLX's zero bias: rounded to T as mx.fast.layer_norm
+  // writes it; RoPE reads those rounded values back as fp32.
+  const T zero = T(0);
+  float yq[4], yk[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const T wqi = active ? q_weight[c + i] : zero;
+    const T wki = active ? k_weight[c + i] : zero;
+    float norm_q = (static_cast<float>(xq[i]) - mq) * nq;
+    float norm_k = (static_cast<float>(xk[i]) - mk) * nk;
+    yq[i] = static_cast<float>(T(wqi * static_cast<T>(norm_q) + zero));
+    yk[i] = static_cast<float>(T(wki * static_cast<T>(norm_k) + zero));
+  }
+
+  // The rotation in mx.fast.rope's fp32 expressions, one rounding at the end.
+  const bool first = j < DH / 2;
+  __align__(16) T oq[4], ok[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float pq = __shfl_xor_sync(0xffffffffu, yq[i], 8);
+    const float pk = __shfl_xor_sync(0xffffffffu, yk[i], 8);
+    const int p = (j + i) % (DH / 2);
+    const float costheta = rot[0][p], sintheta = rot[1][p];
+    float x1 = first ? yq[i] : pq, x2 = first ? pq : yq[i];
+    float rx1 = x1 * costheta - x2 * sintheta;
+    float rx2 = x1 * sintheta + x2 * costheta;
+    oq[i] = static_cast<T>(first ? rx1 : rx2);
+    x1 = first ? yk[i] : pk;
+    x2 = first ? pk : yk[i];
+    rx1 = x1 * costheta - x2 * sintheta;
+    rx2 = x1 * sintheta + x2 * costheta;
+    ok[i] = static_cast<T>(first ? rx1 : rx2);
+  }
+  if (active) {
+    store4(q + dst, oq);
+    store4(k + dst, ok);
+  }
+"""
+
+_qkv_kernel = None
+
+
+def _qkv_heads_kernel():
+    global _qkv_kernel
+    if _qkv_kernel is None:
+        _qkv_kernel = mx.fast.cuda_kernel(
+            name="esmc_qkv_heads",
+            input_names=["qkv", "q_weight", "k_weight"],
+            output_names=["q", "k", "v"],
+            source=_QKV_SOURCE,
+            header=_QKV_HEADER,
+        )
+    return _qkv_kernel
+
+
+def _f32_bits(x: float) -> int:
+    """The fp32 bit pattern of x as a signed int (a kernel template argument)."""
+    return int(np.array(x, np.float32).view(np.int32))
+
+
+def rope_log2_base(base: float) -> float:
+    """log2(base) as mx.fast.rope's CUDA path passes it to its kernel: ``std::log2`` of the
+    fp32 base, in fp32 (here the exact log2 rounded once to fp32)."""
+    return float(np.float32(math.log2(float(np.float32(base)))))
+
+
+def qkv_heads_supported(
+    qkv: mx.array, q_norm_weight: mx.array, k_norm_weight: mx.array, eps: float, rope_theta: float, num_heads: int
+) -> bool:
+    """True when ``qkv_heads`` runs the CUDA kernel for these arguments (on a CUDA GPU).
+    eps and log2(rope_theta) reach the kernel as the bits of positive fp32 values (template
+    integers, which become part of the kernel's name: no minus sign)."""
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return False
+    d = num_heads * QKV_HEAD_DIM
+    return (
+        qkv.ndim == 3
+        and qkv.shape[-1] == 3 * d
+        and qkv.dtype in FLOATS
+        and q_norm_weight.dtype == qkv.dtype
+        and k_norm_weight.dtype == qkv.dtype
+        and q_norm_weight.shape == (d,)
+        and k_norm_weight.shape == (d,)
+        and d <= 4 * 1024  # one column group of 4 per thread, at most 1024 threads
+        and qkv.size > 0
+        and 0 < eps < math.inf
+        and 1 < rope_theta < math.inf
+    )
+
+
+def qkv_heads_reference(qkv, q_norm_weight, k_norm_weight, eps: float, rope_theta: float, num_heads: int):
+    """What the model computes without the kernel (runtime/model.py ``Attention``): split,
+    LayerNorm without bias over the whole width, (B, H, L, Dh) heads, RoPE."""
+    B, L, _ = qkv.shape
+    q, k, v = mx.split(qkv, 3, axis=-1)
+
+    def heads(x):
+        return x.reshape(B, L, num_heads, -1).transpose(0, 2, 1, 3)
+
+    def rope(x):
+        return mx.fast.rope(x, x.shape[-1], traditional=False, base=rope_theta, scale=1.0, offset=0)
+
+    q = rope(heads(mx.fast.layer_norm(q, q_norm_weight, None, eps)))
+    k = rope(heads(mx.fast.layer_norm(k, k_norm_weight, None, eps)))
+    return q, k, heads(v)
+
+
+def qkv_heads(
+    qkv: mx.array, q_norm_weight: mx.array, k_norm_weight: mx.array, eps: float, rope_theta: float, num_heads: int
+) -> tuple[mx.array, mx.array, mx.array]:
+    """q, k, v as contiguous (B, H, L, 64) from the fused projection output (B, L, 3d):
+    ``rope(layer_norm(q) * w_q)``, the same for k, and v re-laid out. One CUDA kernel on a GPU
+    instead of MLX's copies of the strided q/k views, two layer norms, three head transposes
+    and two ropes; elsewhere ``qkv_heads_reference``.
+
+    The kernel repeats MLX's CUDA arithmetic (mlx/backend/cuda/layer_norm.cu and rope.cu,
+    0.32.x) as the same expressions: fp32 sum in layer_norm's thread/warp order (4 values per
+    thread, cg::reduce per warp, then across warps), mean = sum / d, the variance as a second
+    pass over (x - mean)^2, rsqrt(var / d + eps), ``w * T(norm) + T(0)`` in the input dtype;
+    RoPE reads that rounded value, ``inv_freq = exp2(-(p / 32) * log2(base))`` with log2(base)
+    rounded to fp32 on the host as MLX does, ``theta = pos * inv_freq``, fp32 cos/sin, one
+    rounding at the end. tests/test_kernels.py checks on CUDA that no element differs (and,
+    separately, that none is more than 1 ulp off, should a compiler choice differ: the same
+    reduction order relies on cg::reduce being the same in MLX's build and in NVRTC's headers).
+
+    Measured on the H200 (benchmarks/qkv_heads.py, 6B bf16):
+        TODO(lead): fill in from `python -m benchmarks.qkv_heads --json $OUT/qkv.json`.
+    """
+    if not qkv_heads_supported(qkv, q_norm_weight, k_norm_weight, eps, rope_theta, num_heads):
+        return qkv_heads_reference(qkv, q_norm_weight, k_norm_weight, eps, rope_theta, num_heads)
+    B, L, _ = qkv.shape
+    d = num_heads * QKV_HEAD_DIM
+    threads = -(-d // 4 // 32) * 32
+    # One block per row; a 2D grid of blocks once the row count times the block would pass
+    # the grid's int32 width.
+    nx = min(B * L, GRID_X_THREADS // threads)
+    ny = -(-(B * L) // nx)
+    shape = (B, num_heads, L, QKV_HEAD_DIM)
+    return tuple(
+        _qkv_heads_kernel()(
+            inputs=[qkv, q_norm_weight, k_norm_weight],
+            template=[
+                ("T", qkv.dtype),
+                ("HEADS", num_heads),
+                ("EPS_BITS", _f32_bits(eps)),
+                ("LOG2_BASE_BITS", _f32_bits(rope_log2_base(rope_theta))),
+            ],
+            grid=(nx * threads, ny, 1),
+            threadgroup=(threads, 1, 1),
+            output_shapes=[shape] * 3,
+            output_dtypes=[qkv.dtype] * 3,
+        )
+    )

@@ -87,6 +87,6 @@ def load(
         model.set_dtype(target)
     if not lazy:
         mx.eval(model.parameters())
-    model.optimize(fuse=False if lazy else fuse, compile=compile, transpose=False if lazy else None)
+    model.optimize(fuse=False if lazy else fuse, compile=compile)
     model.eval()
     return model, ESMCTokenizer()

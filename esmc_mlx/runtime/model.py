@@ -18,7 +18,16 @@ import numpy as np
 
 from ..config import TRAINED_LENGTH, ESMCConfig
 from ..errors import EsmcMlxWarning
+from . import kernels
 from .quantized import POLICY_ENV as QUANT_POLICY_ENV
+
+# Set to 0 to run the QK LayerNorm, RoPE and head layout as separate MLX ops on a CUDA GPU
+# instead of kernels.qkv_heads (one kernel reading the fused q/k/v projection once).
+FUSED_QKV_ENV = "ESMC_MLX_FUSED_QKV"
+
+
+def fused_qkv_enabled() -> bool:
+    return os.environ.get(FUSED_QKV_ENV, "1") != "0"
 
 
 @dataclasses.dataclass
@@ -87,12 +96,26 @@ class Attention(nn.Module):
             return tuple(mx.split(self.qkv_proj(x), 3, axis=-1))
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
+    def _fused_heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array] | None:
+        """q, k, v heads from kernels.qkv_heads (same values), or None where it does not
+        apply: unfused projections, head_dim other than 64, not a CUDA GPU, other dtypes."""
+        if "qkv_proj" not in self or self.head_dim != kernels.QKV_HEAD_DIM or not fused_qkv_enabled():
+            return None
+        qkv = self.qkv_proj(x)  # lazy: left unevaluated (free) when the kernel does not apply
+        # q_norm and k_norm share config.layer_norm_eps
+        args = (qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.rope_theta, self.num_heads)
+        return kernels.qkv_heads(*args) if kernels.qkv_heads_supported(*args) else None
+
     def __call__(self, x: mx.array, mask: mx.array | None, return_weights: bool = False):
         B, L, _ = x.shape
-        q, k, v = self._qkv(x)
-        q = self._rope(self._heads(self.q_norm(q)))
-        k = self._rope(self._heads(self.k_norm(k)))
-        v = self._heads(v)
+        heads = None if return_weights else self._fused_heads(x)
+        if heads is not None:
+            q, k, v = heads
+        else:
+            q, k, v = self._qkv(x)
+            q = self._rope(self._heads(self.q_norm(q)))
+            k = self._rope(self._heads(self.k_norm(k)))
+            v = self._heads(v)
         weights = None
         if mask is not None and mask.dtype == mx.bool_:
             mask = additive_mask(mask, q.dtype)
@@ -192,37 +215,8 @@ def layers_per_eval(config: ESMCConfig, batch: int, length: int, itemsize: int) 
     return None if k >= config.num_hidden_layers else k
 
 
-# Set to 1 to store the block linears' weights pre-transposed on a GPU (ESMC.transpose_linears);
-# off until measured: benchmarks/gemm_layout.py times both layouts of every GEMM shape.
-TRANSPOSE_ENV = "ESMC_MLX_TRANSPOSE_LINEARS"
-
 # Projections that read the same input and can run as one GEMM: (module, fused name, parts).
 FUSIONS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
-
-
-def transpose_from_env() -> bool:
-    """Whether TRANSPOSE_ENV asks for pre-transposed linears on this device (GPU only)."""
-    return os.environ.get(TRANSPOSE_ENV, "0") == "1" and mx.default_device() != mx.cpu
-
-
-class TransposedLinear(nn.Module):
-    """A float linear holding its weight as a contiguous (in, out) ``weight_t``, so the GEMM is
-    ``x @ weight_t``. MLX's CUDA matmul hands cublasLt the weight with op N instead of op T (the
-    view ``weight.T`` of nn.Linear): another heuristic pick, same products. Deliberately not an
-    nn.Linear subclass: quantization, which converts nn.Linear, leaves it alone."""
-
-    concat_axis = -1  # outputs run along the last axis of weight_t (and of bias): ESMC.fuse
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.weight_t = mx.contiguous(linear.weight.T)
-        if "bias" in linear:
-            self.bias = linear.bias
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if "bias" in self:  # as nn.Linear: the bias added in the GEMM's epilogue
-            return mx.addmm(self["bias"], x, self["weight_t"])
-        return x @ self["weight_t"]
 
 
 def _array_keys(module: nn.Module) -> list[str]:
@@ -233,8 +227,7 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     """One linear computing ``parts`` side by side (output rows concatenated), or None when
     they cannot be fused: different classes, or quantized with different mode/bits/group
     size. Quantization groups run along the input width, so row-concatenating the packed
-    weights, scales and biases of identically quantized layers is exact. Pre-transposed
-    linears concatenate along their last axis."""
+    weights, scales and biases of identically quantized layers is exact."""
     first = parts[0]
     if any(type(p) is not type(first) or _array_keys(p) != _array_keys(first) for p in parts):
         return None
@@ -244,9 +237,8 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     ):
         return None
     fused = copy.copy(first)  # same class and settings (quantization, policy), new arrays
-    axis = getattr(first, "concat_axis", 0)
     for key in _array_keys(first):
-        fused[key] = mx.concatenate([p[key] for p in parts], axis=axis)
+        fused[key] = mx.concatenate([p[key] for p in parts], axis=0)
     return fused
 
 
@@ -285,35 +277,12 @@ class ESMC(nn.Module):
         self.reset_compiled()
         return self
 
-    def transpose_linears(self) -> ESMC:
-        """Store every float linear of the blocks as a ``TransposedLinear`` (weight kept as a
-        contiguous (in, out) copy). Quantized layers stay as they are. Call after ``fuse`` or
-        before: either order gives the same arrays. A runtime layout: parameter names change
-        (``weight_t``), artifacts do not."""
-        for layer in self.esmc.layers:
-            for owner in (layer.self_attn, layer.mlp):
-                swaps = {k: TransposedLinear(m) for k, m in owner.children().items() if type(m) is nn.Linear}
-                if swaps:
-                    mx.eval([m.parameters() for m in swaps.values()])  # copy now, free the originals layer by layer
-                    for k, m in swaps.items():
-                        owner[k] = m
-        self.reset_compiled()
-        return self
-
-    @property
-    def is_transposed(self) -> bool:
-        return any(isinstance(m, TransposedLinear) for _, m in self.named_modules())
-
-    def optimize(self, fuse: bool | None = None, compile: bool | None = None, transpose: bool | None = None) -> ESMC:
+    def optimize(self, fuse: bool | None = None, compile: bool | None = None) -> ESMC:
         """Apply the runtime optimizations measured faster on the default device (see
-        RUNTIME_DEFAULTS); ``fuse``/``compile`` override. ``transpose``: pre-transposed block
-        linears (default: off, or on a GPU when ESMC_MLX_TRANSPOSE_LINEARS=1). Call after the
-        weights are loaded."""
+        RUNTIME_DEFAULTS); ``fuse``/``compile`` override. Call after the weights are loaded."""
         defaults = RUNTIME_DEFAULTS["cpu" if mx.default_device() == mx.cpu else "gpu"]
         if defaults["fuse"] if fuse is None else fuse:
             self.fuse()
-        if transpose_from_env() if transpose is None else transpose:
-            self.transpose_linears()
         self.compile(defaults["compile"] if compile is None else compile)
         return self
 
@@ -417,7 +386,7 @@ class ESMC(nn.Module):
         """One compiled function per block, (x, mask) -> x, for chunked inputs: evaluation
         cannot happen inside one trace of the whole model, and tracing 80 blocks one by one
         costs what tracing the model once does (one trace per block and input shape)."""
-        key = ("blocks", mask is None, os.environ.get(QUANT_POLICY_ENV, "auto"))
+        key = ("blocks", mask is None, os.environ.get(QUANT_POLICY_ENV, "auto"), fused_qkv_enabled())
         blocks = self._compiled.get(key)
         if blocks is None:
             blocks = [self._compile_block(layer, mask is None) for layer in self.esmc.layers]
@@ -436,8 +405,9 @@ class ESMC(nn.Module):
         if chunk is not None:
             out = self._forward(input_ids, mask, chunk=chunk, blocks=self._compiled_blocks(mask))
             return out.logits, out.last_hidden_state
-        # A trace bakes in the quantized layers' matmul choice: key it by the forced policy too.
-        key = (mask is None, os.environ.get(QUANT_POLICY_ENV, "auto"))
+        # A trace bakes in the quantized layers' matmul choice and the q/k/v kernel choice:
+        # key it by the forced policy and FUSED_QKV_ENV too.
+        key = (mask is None, os.environ.get(QUANT_POLICY_ENV, "auto"), fused_qkv_enabled())
         fn = self._compiled.get(key)
         if fn is None:
             # Parameters are implicit inputs (not constants): one trace per input shape.

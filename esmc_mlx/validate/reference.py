@@ -56,6 +56,11 @@ def pick_device(name: str = "auto"):
     if name == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+        # An explicit index: MLX's CUDA backend sets the thread's current device as it sets up
+        # each GPU it sees (on a 2-GPU host, plain "cuda" meant cuda:0 before MLX's pass and
+        # cuda:1 after it, and the reference failed with tensors on two devices). MLX runs on
+        # GPU 0 of the visible ones; so does the reference.
+        return torch.device("cuda", 0)
     return torch.device(name)
 
 
