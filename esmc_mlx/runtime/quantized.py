@@ -61,25 +61,9 @@ def dequantize_first(tokens: int, mode: str) -> bool:
     return tokens >= CROSSOVER_TOKENS[backend()].get(mode, math.inf)
 
 
-# On CUDA the per-call dequantize runs on a stream of its own: it reads no activations, so it
-# can run while the previous layer's GEMMs still occupy the default stream (MLX orders the two
-# streams with events). ESMC_MLX_DEQUANT_STREAM=0 keeps it on the default stream.
-STREAM_ENV = "ESMC_MLX_DEQUANT_STREAM"
-_side: list[mx.Stream] = []
-
-
-def dequantize_stream() -> mx.Stream | None:
-    """The stream the per-call dequantize runs on: a second GPU stream on CUDA, else None."""
-    if backend() != "cuda" or os.environ.get(STREAM_ENV, "1") == "0":
-        return None
-    if not _side:
-        _side.append(mx.new_stream(mx.gpu))
-    return _side[0]
-
-
-def dequantized_weight(module: nn.Module, dtype: mx.Dtype, stream: mx.Stream | None = None) -> mx.array:
+def dequantized_weight(module: nn.Module, dtype: mx.Dtype) -> mx.array:
     """The float weight of a quantized linear or embedding (kernels.dequantize: MLX's own
-    dequantize, or on CUDA a faster kernel with the same output), on ``stream``."""
+    dequantize, or on CUDA a faster kernel with the same output)."""
     return kernels.dequantize(
         module["weight"],
         module["scales"],
@@ -88,7 +72,6 @@ def dequantized_weight(module: nn.Module, dtype: mx.Dtype, stream: mx.Stream | N
         bits=module.bits,
         mode=module.mode,
         dtype=dtype,
-        stream=stream,
     )
 
 
@@ -99,7 +82,7 @@ class QuantizedLinear(nn.QuantizedLinear):
         tokens = x.size // x.shape[-1] if x.shape[-1] else 0
         if not dequantize_first(tokens, self.mode):
             return super().__call__(x)
-        w = dequantized_weight(self, x.dtype, dequantize_stream()).T
+        w = dequantized_weight(self, x.dtype).T
         return mx.addmm(self["bias"], x, w) if "bias" in self else x @ w
 
 
