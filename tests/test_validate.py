@@ -377,6 +377,27 @@ def test_reference_cache_hit_is_identical_and_misses_on_change(q4, checkpoints, 
     assert run(q4, checkpoints["published"], tmp_path, cache=False).data["reference_cache"] == {"used": False}
 
 
+def test_validation_after_a_conversion_hashes_no_weight_file(checkpoints, tmp_path, reference_cache, monkeypatch):
+    """The converter's hashes of its source are remembered (esmc_mlx.hashes): validating the
+    artifact against that source afterwards, in another call, hashes no weight file (only the
+    source's config.json, which the converter does not record); a weight file changed since is
+    hashed again."""
+    import esmc_mlx.hashes as hashes
+
+    source = tmp_path / "source"
+    shutil.copytree(checkpoints["published"], source)
+    out = convert(str(source), tmp_path / "q4", q="4", progress=False)
+    memo = json.loads((reference_cache / "hashes.json").read_text())
+    assert any(str((source / "model.safetensors").resolve()) in stamp for stamp in memo)
+    hashed = []
+    real = hashes.sha256
+    monkeypatch.setattr(hashes, "sha256", lambda path: hashed.append(path) or real(path))
+    assert run(out, source, tmp_path).passed and [p.name for p in hashed] == ["config.json"]
+    (source / "model.safetensors").touch()  # a new mtime: a new stamp
+    run(out, source, tmp_path)
+    assert [p.name for p in hashed] == ["config.json", "model.safetensors"]
+
+
 def test_layered_report_equals_full_report(q4, checkpoints, tmp_path):
     full = run(q4, checkpoints["published"], tmp_path, mode="full", cache=False)
     layered = run(q4, checkpoints["published"], tmp_path, mode="layered", cache=False)
