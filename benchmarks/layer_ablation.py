@@ -10,16 +10,17 @@ difference between "full" and a "-part" row is that part's cost. Issue 16's prof
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
 
 from esmc_mlx.bench import config_for, transformers_config
 from esmc_mlx.runtime.model import ESMC, Layer
+from esmc_mlx.testing import init_random_mlx_
 
 REPEAT = 10  # block calls chained per evaluation
 VARIANTS = {
@@ -34,18 +35,10 @@ VARIANTS = {
 
 
 def fused_layer(config) -> Layer:
-    layer = Layer(config)
-    params = [
-        (k, (mx.random.normal(v.shape) * v.shape[-1] ** -0.5) if v.ndim == 2 else v)
-        for k, v in tree_flatten(layer.parameters())
-    ]
-    layer.update(tree_unflatten(params))
-    layer.set_dtype(mx.bfloat16)
-    model = ESMC(config)
-    model.esmc.layers = [layer]
-    model.fuse()
-    mx.eval(model.parameters())
-    return model.esmc.layers[0]
+    """One block of ``config`` (its residual scale), random bf16 weights, q/k/v and gate/up fused."""
+    model = ESMC(dataclasses.replace(config, num_hidden_layers=1))
+    model.esmc.layers = [Layer(config)]
+    return init_random_mlx_(model, mx.bfloat16).fuse().esmc.layers[0]
 
 
 def variant(layer: Layer, drop: set[str]):

@@ -21,11 +21,11 @@ import os
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
 
 from esmc_mlx.bench import config_for, machine, time_interleaved
 from esmc_mlx.runtime import kernels
 from esmc_mlx.runtime.model import ESMC, FUSED_QKV_ENV, Layer
+from esmc_mlx.testing import init_random_mlx_
 
 SHAPES = [(16, 256), (64, 512), (1, 4096)]
 
@@ -92,18 +92,10 @@ def step_rows(cfg, batch: int, reps: int) -> list[dict]:
 
 
 def random_block(cfg):
-    """One fused 6B block with random bf16 weights (N(0, 1/fan_in), norms around 1)."""
+    """One fused 6B block with random bf16 weights (``testing.init_random_mlx_``)."""
     model = ESMC(dataclasses.replace(cfg, num_hidden_layers=1))
     model.esmc.layers = [Layer(cfg)]  # the 6B's residual scale
-    params = [
-        (k, mx.random.normal(v.shape) * (v.shape[-1] ** -0.5 if v.ndim == 2 else 0.2) + (1.0 if "norm" in k else 0.0))
-        for k, v in tree_flatten(model.parameters())
-    ]
-    model.update(tree_unflatten(params))
-    model.set_dtype(mx.bfloat16)
-    model.fuse()
-    mx.eval(model.parameters())
-    return model.esmc.layers[0]
+    return init_random_mlx_(model, mx.bfloat16).fuse().esmc.layers[0]
 
 
 def block_rows(cfg, repeat: int, reps: int) -> list[dict]:

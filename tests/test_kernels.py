@@ -18,11 +18,10 @@ import subprocess
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
 
 from esmc_mlx import testing
 from esmc_mlx.runtime import kernels
-from esmc_mlx.runtime.model import ESMC, FUSED_QKV_ENV, Attention
+from esmc_mlx.runtime.model import FUSED_QKV_ENV, Attention
 
 FLOATS = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 AFFINE = [(b, g) for b in kernels.AFFINE_BITS for g in kernels.AFFINE_GROUPS]
@@ -366,24 +365,10 @@ def test_qkv_heads_compiled_sliced_and_2d_grid_on_cuda(monkeypatch):
         assert int(ulps(g, r).max()) <= 1
 
 
-def random_model(config, dtype=mx.bfloat16, seed=0) -> ESMC:
-    """An ESMC with random weights built in MLX (N(0, 1/fan_in) matrices, norms around 1)."""
-    mx.random.seed(seed)
-    model = ESMC(config)
-    params = [
-        (k, mx.random.normal(v.shape) * (v.shape[-1] ** -0.5 if v.ndim == 2 else 0.2) + (1.0 if "norm" in k else 0.0))
-        for k, v in tree_flatten(model.parameters())
-    ]
-    model.update(tree_unflatten(params))
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
-
-
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
 def test_forward_with_and_without_qkv_kernel_on_cuda(monkeypatch):
     config = testing.tiny_config(hidden_size=256, num_attention_heads=4, num_hidden_layers=3)
-    model = random_model(config).fuse()
+    model = testing.random_mlx_model(config).fuse()
     ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(2, 40)))
     monkeypatch.setenv(FUSED_QKV_ENV, "0")
     ref = model(ids).logits.astype(mx.float32)
