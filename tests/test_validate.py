@@ -162,18 +162,19 @@ def test_weights_travel_to_the_device_exactly(q4, checkpoints, tmp_path):
     """Off the CPU, weights bf16 holds exactly go as bf16 and are widened there: same fp32 values."""
     import torch
 
-    from esmc_mlx.validate.weights import to_device, to_torch
+    from esmc_mlx.validate.weights import to_devices, to_torch
 
     mxfp4 = convert(str(checkpoints["published"]), tmp_path / "mxfp4", q="mxfp4", progress=False)
     for directory in (q4, mxfp4):
         artifact = ArtifactWeights(directory)
-        for name, a in artifact.get_mx(names_for(artifact.config, "esmc.layers.0.")).items():
-            narrowed, plain = to_device(a, "cpu", narrow=True), to_torch(a)
-            assert narrowed.dtype == torch.float32 and torch.equal(narrowed, plain), name
+        arrays = artifact.get_mx(names_for(artifact.config, "esmc.layers.0."))
+        narrowed = to_devices(arrays, "cpu", narrow=True)
+        for name, a in arrays.items():
+            assert narrowed[name].dtype == torch.float32 and torch.equal(narrowed[name], to_torch(a)), name
     exact = mx.array([1.5, -0.25, 3.0e-3], dtype=mx.bfloat16).astype(mx.float32)
     inexact = mx.array([1.0 + 2.0**-12, 0.1])
     for a in (exact, inexact):
-        assert torch.equal(to_device(a, "cpu", narrow=True), to_torch(a))
+        assert torch.equal(to_devices({"a": a}, "cpu", narrow=True)["a"], to_torch(a))
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX on a CUDA GPU and torch with CUDA")

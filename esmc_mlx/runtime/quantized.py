@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path, tree_unflatten
 
-from esmc_mlx.runtime import kernels
+from . import kernels
 
 # Token count (rows of x, all batch dims flattened) from which dequantize-then-matmul is used
 # instead of quantized_matmul, per backend and mode. math.inf: always quantized_matmul.

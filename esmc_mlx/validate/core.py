@@ -27,8 +27,8 @@ import os
 import platform
 import resource
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -262,20 +262,14 @@ def _l2(x):
     return top * torch.linalg.vector_norm(x / top.clamp_min(torch.finfo(x.dtype).tiny))
 
 
-def _import_torch() -> threading.Thread:
-    """Import torch and transformers' ESMC in a background thread (joined before torch runs)."""
-
-    def work():
-        try:
-            import torch  # noqa: F401
-            from transformers.masking_utils import create_bidirectional_mask  # noqa: F401
-            from transformers.models.esmc import modeling_esmc  # noqa: F401
-        except Exception:  # noqa: BLE001  (the main thread's own import reports it)
-            pass
-
-    thread = threading.Thread(target=work, name="esmc-mlx-import-torch", daemon=True)
-    thread.start()
-    return thread
+def _import_torch() -> None:
+    """Import torch and transformers' ESMC (in the background; waited for before torch runs)."""
+    try:
+        import torch  # noqa: F401
+        from transformers.masking_utils import create_bidirectional_mask  # noqa: F401
+        from transformers.models.esmc import modeling_esmc  # noqa: F401
+    except Exception:  # noqa: BLE001  (the main thread's own import reports it)
+        pass
 
 
 def non_finite(outputs: Outputs, panel) -> str | None:
@@ -363,15 +357,16 @@ def validate(
         return out
 
     checks = [compare_configs(artifact, source)]
-    importing = _import_torch() if checks[0].passed else None
+    background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="esmc-mlx")
+    importing = background.submit(_import_torch) if checks[0].passed else None
     # the report's sha256 of the artifact's files (seconds for a 6B), hashed while the GPU works
-    hashing = _Background(artifact_files, Path(mlx_dir))
+    hashing = background.submit(artifact_files, Path(mlx_dir))
     stack = contextlib.ExitStack()  # torch's thread count, restored on the way out
     threads = None
     try:
         data: dict = {"weights": None}
         fidelity = quality = None
-        torch_mode = mlx_mode = device = None
+        torch_mode = device = None
         mode_reason, shared, cache_info = "", {}, {"used": False}
         stopped = None  # why the panel did not run
         outs: dict[str, Outputs] = {}
@@ -381,7 +376,7 @@ def validate(
             stopped = "config"
         else:
             phase("importing torch")
-            importing.join()
+            importing.result()
             import torch  # noqa: F401  (imported by now; raises here if the background import failed)
 
             device = torch_ref.pick_device(reference_device)
@@ -436,7 +431,6 @@ def validate(
             art_names, src_names = names_for(artifact.config, ""), names_for(source.config, "")
             art_get = _kept_first(kept.get("artifact"), artifact.get_many)
             src_get = _kept_first(kept.get("source"), source.get_many)
-            mlx_mode = torch_mode
             try:
                 if torch_mode == "layered":
                     phase("layered sweep: " + ", ".join(passes))
@@ -557,7 +551,7 @@ def validate(
                 "quality_gate": quality_gate,
                 "reference_mode": {
                     "torch": torch_mode,
-                    "mlx": mlx_mode,
+                    "mlx": torch_mode,  # MLX runs as torch does: whole, or in the same sweep
                     "torch_dtype": "float32",
                     "torch_device": torch_ref.describe_device(device) if device is not None else None,
                     "torch_threads": threads,
@@ -587,30 +581,7 @@ def validate(
         return report
     finally:
         stack.close()
-        hashing.join()
-        if importing is not None:  # never leave an import running into interpreter shutdown
-            importing.join()
-
-
-class _Background(threading.Thread):
-    """``fn(*args)`` in a thread, its value (or exception) at ``result()``."""
-
-    def __init__(self, fn, *args):
-        super().__init__(name=f"esmc-mlx-{fn.__name__}", daemon=True)
-        self._fn, self._args, self._value, self._error = fn, args, None, None
-        self.start()
-
-    def run(self):
-        try:
-            self._value = self._fn(*self._args)
-        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
-            self._error = e
-
-    def result(self):
-        self.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
+        background.shutdown(wait=True)  # never leave an import or a hash running into shutdown
 
 
 def _kept_first(kept: dict | None, get):

@@ -112,11 +112,6 @@ def to_torch(array: mx.array):
     return _host(array).to(dtype=torch.float32, copy=True)
 
 
-def to_device(array: mx.array, device, narrow: bool | None = None):
-    """One fp32 mx.array as an fp32 torch tensor on ``device`` (``to_devices``)."""
-    return to_devices({"x": array}, device, narrow)["x"]
-
-
 class SourceWeights:
     """The original checkpoint: alias, Hub repo id, directory or legacy ``.pth``."""
 
