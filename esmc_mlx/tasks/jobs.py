@@ -197,14 +197,14 @@ def embed_fasta(
                 for i, e in zip(b, encode([chunk[pending[i]].sequence for i in b])):
                     encoded[i] = e
             embeddings = iter_embeddings(model, encoded, batches, layers=layers, pools=pools)
-            rounds, pending = world.max(len(batches)), []
+            rounds, held = world.max(len(batches)), []  # held: batches not yet gathered
             for step in range(rounds):
                 rows, values = next(embeddings, (np.zeros(0, np.int64), None))
-                pending.append((record_of[rows], values))
+                held.append((record_of[rows], values))
                 if (step + 1) % every and step + 1 < rounds:
                     continue
-                rows, values = _merge(pending, names)
-                pending = []
+                rows, values = _merge(held, names)
+                held = []
                 ints = world.gather(rows.astype(np.int64))
                 floats = world.gather(_flatten(values, names, d))
                 for got_rows, flat in zip(ints, floats):
@@ -240,10 +240,10 @@ def gather_every(batch_tokens: int, d: int, names: dict) -> int:
     return max(1, min(GATHER_ROUNDS, GATHER_BYTES // round_bytes))
 
 
-def _merge(pending: list[tuple], names: dict) -> tuple[np.ndarray, dict | None]:
+def _merge(held: list[tuple], names: dict) -> tuple[np.ndarray, dict | None]:
     """Several batches' (rows, values) as one batch's."""
-    rows = np.concatenate([r for r, _ in pending])
-    parts = [v for _, v in pending if v is not None]
+    rows = np.concatenate([r for r, _ in held])
+    parts = [v for _, v in held if v is not None]
     if not parts:
         return rows, None
     merged = {}
