@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .artifact import sha256
+from .errors import OutputError
+from .outputs import atomic_file
 
 ENV_VAR = "ESMC_MLX_CACHE"
 
@@ -36,7 +38,7 @@ def _stamp(f: Path) -> str:
 
 def file_hashes(files: list[Path]) -> dict[str, str]:
     """File name -> sha256 for ``files``, from the memo where the stamp matches, else hashed (and
-    remembered). A read-only or absent cache only costs the hashing."""
+    remembered, written whole by ``outputs.atomic_file``)."""
     files = [Path(f) for f in files]
     root = cache_root()
     memo_path = root / "hashes.json" if root else None
@@ -52,16 +54,9 @@ def file_hashes(files: list[Path]) -> dict[str, str]:
                 memo[stamps[f]] = digest
         if memo_path:
             try:
-                write_atomic(memo_path, json.dumps(memo, indent=0).encode())
-            except OSError:
+                memo_path.parent.mkdir(parents=True, exist_ok=True)
+                with atomic_file(memo_path) as f:
+                    json.dump(memo, f, indent=0)
+            except (OSError, OutputError):  # a read-only or full cache only costs the hashing next time
                 pass
     return {f.name: memo[stamps[f]] for f in files}
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """``data`` to ``path`` whole: a temporary file beside it, then a rename (a crash never
-    leaves half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..hashes import cache_root, file_hashes, write_atomic
+from ..errors import OutputError
+from ..hashes import cache_root, file_hashes
+from ..outputs import atomic_file
 from .reference import Outputs
 
 CACHE_VERSION = 1
@@ -68,17 +70,15 @@ def store(entry: str, outputs: Outputs) -> Path | None:
     path = path_for(entry)
     if path is None:
         return None
-    import io
-
-    buffer = io.BytesIO()
-    np.savez(
-        buffer,
-        lengths=np.array([len(x) for x in outputs.logits]),
-        logits=np.concatenate(outputs.logits),
-        hidden=np.concatenate(outputs.hidden),
-    )
     try:
-        write_atomic(path, buffer.getvalue())
-    except OSError:  # a read-only or full cache must not fail a validation
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path, "wb") as f:  # whole or not at all: a crash leaves no half entry
+            np.savez(
+                f,
+                lengths=np.array([len(x) for x in outputs.logits]),
+                logits=np.concatenate(outputs.logits),
+                hidden=np.concatenate(outputs.hidden),
+            )
+    except (OSError, OutputError):  # a read-only or full cache must not fail a validation
         return None
     return path
