@@ -22,20 +22,22 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import OutputError
-from ..hashes import cache_root, file_hashes
+from ..hashes import cache_root
 from ..outputs import atomic_file
 from .reference import Outputs
 
 CACHE_VERSION = 1
 
 
-def key(files: list[Path], config: dict, panel_digest: str, device: str) -> str:
+def key(hashes: dict[str, str], config: dict, panel_digest: str, device: str) -> str:
+    """The entry of a reference pass: ``hashes`` are the source files' sha256 by name
+    (``hashes.file_hashes``, computed by the caller while torch imports)."""
     import torch
     import transformers
 
     facts = {
         "version": CACHE_VERSION,
-        "files": file_hashes(files),
+        "files": hashes,
         "config": config,
         "panel": panel_digest,
         "torch": torch.__version__,

@@ -27,6 +27,7 @@ import os
 import platform
 import resource
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,6 +40,7 @@ from .._version import __version__
 from ..artifact import sha256, weight_files
 from ..config import ESMCConfig
 from ..errors import EsmcMlxError, ValidationError
+from ..hashes import file_hashes
 from . import cache as ref_cache
 from . import mlx_side
 from . import reference as torch_ref
@@ -272,6 +274,20 @@ def _import_torch() -> None:
         pass
 
 
+_prefetch_started = threading.Event()
+
+
+def prefetch_torch() -> None:
+    """Start importing torch and transformers' ESMC in a daemon thread, once per process: the
+    converter calls it before a conversion it will validate, so that the import (5 s on the H200
+    host, 3-8 s on a small CPU) runs beside the conversion instead of before the validation.
+    ``validate``'s own import then finds the modules loaded, or waits on Python's import lock
+    for the one in flight."""
+    if not _prefetch_started.is_set():
+        _prefetch_started.set()
+        threading.Thread(target=_import_torch, name="esmc-mlx-torch-import", daemon=True).start()
+
+
 def non_finite(outputs: Outputs, panel) -> str | None:
     """The first input whose logits or hidden states hold NaN or Inf, named; None if all finite."""
     for i, (logits, hidden) in enumerate(zip(outputs.logits, outputs.hidden)):
@@ -357,9 +373,11 @@ def validate(
         return out
 
     checks = [compare_configs(artifact, source)]
-    background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="esmc-mlx")
+    background = ThreadPoolExecutor(max_workers=3, thread_name_prefix="esmc-mlx")
     importing = background.submit(_import_torch) if checks[0].passed else None
-    # the report's sha256 of the artifact's files (seconds for a 6B), hashed while the GPU works
+    # the source's sha256 (the cache key; 5 s for a 12 GB source unless remembered) while torch
+    # imports, and the report's sha256 of the artifact's files while the GPU works
+    source_hashing = background.submit(file_hashes, source.files) if cache and checks[0].passed else None
     hashing = background.submit(artifact_files, Path(mlx_dir))
     stack = contextlib.ExitStack()  # torch's thread count, restored on the way out
     threads = None
@@ -376,14 +394,14 @@ def validate(
             stopped = "config"
         else:
             phase("importing torch")
-            importing.result()
+            timed("torch_import", importing.result)  # what is left of it once the work needs torch
             import torch  # noqa: F401  (imported by now; raises here if the background import failed)
 
-            device = torch_ref.pick_device(reference_device)
+            device = timed("device", torch_ref.pick_device, reference_device)
             torch_mode, mode_reason = choose_mode(mode, source.config, torch_ref.device_memory(device))
             if cache:
                 t = time.perf_counter()
-                entry = ref_cache.key(source.files, source.config.to_dict(), panel.digest, device.type)
+                entry = ref_cache.key(source_hashing.result(), source.config.to_dict(), panel.digest, device.type)
                 orig_out = ref_cache.load(entry, n)
                 timings["cache"] = round(time.perf_counter() - t, 2)
                 cache_info = {
