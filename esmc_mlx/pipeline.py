@@ -18,7 +18,7 @@ from .convert.writer import DEFAULT_SHARD_BYTES
 from .errors import ValidationError
 from .hub.push import PushResult, check_push_access, push_artifact
 from .outputs import StagedDirectory, check_target
-from .validate import Report, validate, validation_available
+from .validate import Report, prefetch_torch, validate, validation_available
 
 
 @dataclasses.dataclass
@@ -70,6 +70,7 @@ def convert_validate_push(
     check_target(out, force)  # before downloading anything
     if upload_repo:  # a missing token or a foreign namespace fails now, not after converting
         check_push_access(upload_repo)
+    _prefetch_if_validating(validate_output)
     job = prepare(source, dtype, q, group_size, quantize_head, revision, command)
     # The old output stays in place until the new one is proven: convert and validate in the
     # staging directory, swap in only after validation passed (or was skipped).
@@ -122,6 +123,7 @@ def convert_validate_many(
     labels = [spec_label(q, dtype, group_size) for q in specs]
     for label in labels:
         check_target(out / label, force)  # before downloading anything
+    _prefetch_if_validating(validate_output)
     jobs = prepare_many(source, specs, dtype, group_size, quantize_head, revision, command)
     results, failures = [], []
     with contextlib.ExitStack() as stack:
@@ -141,6 +143,17 @@ def convert_validate_many(
     return results
 
 
+def _validating(validate_output: bool | None) -> bool:
+    """Whether the conversion will be validated: asked for, or by default with torch installed."""
+    return validate_output is not False and validation_available()
+
+
+def _prefetch_if_validating(validate_output: bool | None) -> None:
+    """Import torch while the source is read and converted, not after (``prefetch_torch``)."""
+    if _validating(validate_output):
+        prefetch_torch()
+
+
 def _prove_and_place(
     stage: StagedDirectory,
     target: Path,
@@ -154,7 +167,7 @@ def _prove_and_place(
     put it in place: at ``target`` when it passed, was not validated, or there is no old output to
     keep; else beside the old one as ``target.failed-<time>``. Returns (where it is, the report)."""
     report = None
-    if validate_output is not False and validation_available():
+    if _validating(validate_output):
         log(f"Validating the conversion against {source} before it goes to {target} ...")
         report = validate(
             stage.path,

@@ -647,3 +647,47 @@ def test_explicit_validate_without_torch_fails_before_converting(checkpoints, tm
     out = tmp_path / "never"
     result = CliRunner().invoke(convert_main, [str(checkpoints["published"]), "-o", str(out), "--validate"])
     assert result.exit_code == 1 and "--validate needs torch" in result.output and not out.exists()
+
+
+def test_prefetch_torch_imports_the_reference_once_in_the_background():
+    """What the converter starts before converting: one daemon thread importing torch and
+    transformers' ESMC (a fresh process: this one has torch loaded already)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, threading, esmc_mlx.pipeline, esmc_mlx.validate as v\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+        "v.prefetch_torch(); v.prefetch_torch()\n"
+        "started = [t for t in threading.enumerate() if t.name == 'esmc-mlx-torch-import']\n"
+        "assert len(started) == 1 and started[0].daemon, started\n"
+        "started[0].join()\n"
+        "assert 'transformers.models.esmc.modeling_esmc' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_torch_import_starts_before_a_conversion_that_will_be_validated(checkpoints, tmp_path, monkeypatch):
+    """The pipeline's order is under test (validation itself is faked): with validation ahead the
+    import runs beside the conversion, not after it; with --no-validate torch is never imported."""
+    from types import SimpleNamespace
+
+    import esmc_mlx.pipeline as pipeline
+
+    events = []
+    write = pipeline.write_artifact
+    monkeypatch.setattr(pipeline, "prefetch_torch", lambda: events.append("import torch"))
+    monkeypatch.setattr(pipeline, "write_artifact", lambda *a, **k: (events.append("convert"), write(*a, **k))[1])
+    monkeypatch.setattr(pipeline, "validation_available", lambda: True)
+    monkeypatch.setattr(
+        pipeline,
+        "validate",
+        lambda *a, **k: events.append("validate") or SimpleNamespace(passed=True, failed=[], summary=lambda: ""),
+    )
+    source = str(checkpoints["published"])
+    pipeline.convert_validate_push(source, tmp_path / "checked", dtype="float16", log=lambda m: None)
+    assert events == ["import torch", "convert", "validate"]
+    events.clear()
+    pipeline.convert_validate_push(source, tmp_path / "unchecked", dtype="float16", validate_output=False, log=print)
+    assert events == ["convert"]

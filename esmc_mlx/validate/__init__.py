@@ -9,7 +9,16 @@ Needs esmc-mlx[torch]; nothing in the runtime imports this package.
 """
 
 from ..errors import ValidationError
-from .core import Check, Report, validate, validation_available
+from .core import Check, Report, prefetch_torch, validate, validation_available
 from .thresholds import FIDELITY, QUALITY
 
-__all__ = ["Check", "FIDELITY", "QUALITY", "Report", "ValidationError", "validate", "validation_available"]
+__all__ = [
+    "Check",
+    "FIDELITY",
+    "QUALITY",
+    "Report",
+    "ValidationError",
+    "prefetch_torch",
+    "validate",
+    "validation_available",
+]
