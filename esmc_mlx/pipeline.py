@@ -70,8 +70,8 @@ def convert_validate_push(
     check_target(out, force)  # before downloading anything
     if upload_repo:  # a missing token or a foreign namespace fails now, not after converting
         check_push_access(upload_repo)
-    _prefetch_if_validating(validate_output)
     job = prepare(source, dtype, q, group_size, quantize_head, revision, command)
+    _prefetch_if_validating(validate_output)  # after the source is found and read, before converting
     # The old output stays in place until the new one is proven: convert and validate in the
     # staging directory, swap in only after validation passed (or was skipped).
     with StagedDirectory(out, force, sources=job.inputs) as stage:
@@ -123,8 +123,8 @@ def convert_validate_many(
     labels = [spec_label(q, dtype, group_size) for q in specs]
     for label in labels:
         check_target(out / label, force)  # before downloading anything
-    _prefetch_if_validating(validate_output)
     jobs = prepare_many(source, specs, dtype, group_size, quantize_head, revision, command)
+    _prefetch_if_validating(validate_output)
     results, failures = [], []
     with contextlib.ExitStack() as stack:
         stages = [
