@@ -114,6 +114,9 @@ def main() -> None:
         "second_q": q2,
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()},
         "env": args.env,
+        # every child compiles torch's sources when set and no .pyc exists (5.7 s a process on
+        # the lent H200 host, which sets it): a figure to read beside the times
+        "python_bytecode_off": bool(env.get("PYTHONDONTWRITEBYTECODE")),
         "load_average_before": os.getloadavg(),
         "steps": {},
     }
