@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import platform
@@ -274,18 +275,15 @@ def _import_torch() -> None:
         pass
 
 
-_prefetch_started = threading.Event()
-
-
-def prefetch_torch() -> None:
-    """Start importing torch and transformers' ESMC in a daemon thread, once per process: the
-    converter calls it before a conversion it will validate, so that the import (5 s on the H200
-    host, 3-8 s on a small CPU) runs beside the conversion instead of before the validation.
-    ``validate``'s own import then finds the modules loaded, or waits on Python's import lock
-    for the one in flight."""
-    if not _prefetch_started.is_set():
-        _prefetch_started.set()
-        threading.Thread(target=_import_torch, name="esmc-mlx-torch-import", daemon=True).start()
+@functools.cache
+def prefetch_torch() -> threading.Thread:
+    """Start importing torch and transformers' ESMC in a daemon thread, once per process, and
+    return that thread (join it before torch runs). ``validate`` starts it first thing; the
+    converter already before a conversion it will validate, so that the import (5 s on the H200
+    host, 3-8 s on a small CPU) runs beside the conversion instead of before the validation."""
+    thread = threading.Thread(target=_import_torch, name="esmc-mlx-torch-import", daemon=True)
+    thread.start()
+    return thread
 
 
 def non_finite(outputs: Outputs, panel) -> str | None:
@@ -373,8 +371,8 @@ def validate(
         return out
 
     checks = [compare_configs(artifact, source)]
-    background = ThreadPoolExecutor(max_workers=3, thread_name_prefix="esmc-mlx")
-    importing = background.submit(_import_torch) if checks[0].passed else None
+    importing = prefetch_torch() if checks[0].passed else None
+    background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="esmc-mlx")
     # the source's sha256 (the cache key; 5 s for a 12 GB source unless remembered) while torch
     # imports, and the report's sha256 of the artifact's files while the GPU works
     source_hashing = background.submit(file_hashes, source.files) if cache and checks[0].passed else None
@@ -394,7 +392,7 @@ def validate(
             stopped = "config"
         else:
             phase("importing torch")
-            timed("torch_import", importing.result)  # what is left of it once the work needs torch
+            timed("torch_import", importing.join)  # what is left of it once the work needs torch
             import torch  # noqa: F401  (imported by now; raises here if the background import failed)
 
             device = timed("device", torch_ref.pick_device, reference_device)
@@ -600,6 +598,8 @@ def validate(
     finally:
         stack.close()
         background.shutdown(wait=True)  # never leave an import or a hash running into shutdown
+        if importing is not None:
+            importing.join()
 
 
 def _kept_first(kept: dict | None, get):
