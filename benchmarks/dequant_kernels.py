@@ -13,23 +13,34 @@ overhead of a ~20 us kernel does not dominate; the batches of each contender int
 
     python -m benchmarks.dequant_kernels --json $OUT/dequant.json     # H200, well under 2 min
     python -m benchmarks.dequant_kernels --device cpu                 # tiny shapes, a smoke run
+
+``--against FILE`` times another version of runtime/kernels.py beside this one (for example
+``git show REV:esmc_mlx/runtime/kernels.py > old.py``), ``--max-blocks 1056,4224,0`` this
+kernel at several grid caps (0: one thread per octet, no cap), ``--models 6B,300M`` the
+weight shapes of those models.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import platform
 
 import mlx.core as mx
 
+from benchmarks import save_json
 from esmc_mlx.bench import time_interleaved
 from esmc_mlx.runtime import kernels
 
 kernels.MIN_VALUES = 0  # time the kernel at every size (dequantize() routes small weights to MLX)
 
 MODES = [("affine", b, 64) for b in (2, 3, 4, 5, 6, 8)] + [(m, *kernels.FP_MODES[m]) for m in kernels.FP_MODES]
-SHAPES = {"gpu": [(6912, 2560), (2560, 6912), (7680, 2560), (2560, 2560)], "cpu": [(256, 128), (128, 256)]}
+# out x in of each model's quantized weights: fused gate/up, down, fused q/k/v, out
+MODEL_SHAPES = {
+    "6B": [(13824, 2560), (6912, 2560), (2560, 6912), (7680, 2560), (2560, 2560)],
+    "300M": [(5120, 960), (960, 2560), (2880, 960), (960, 960)],
+}
+SHAPES = {"gpu": MODEL_SHAPES["6B"], "cpu": [(256, 128), (128, 256)]}
 TOKENS = {"gpu": [16, 64, 256, 1024, 4096], "cpu": [16, 64]}
 LINEAR = {"gpu": [(6912, 2560), (2560, 6912)], "cpu": [(256, 128)]}
 
@@ -57,26 +68,52 @@ def bit_equal(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a.view(mx.uint16), b.view(mx.uint16)))
 
 
-def dequant_rows(device: str, batch: int, reps: int) -> list[dict]:
+def load_against(path: str):
+    """Another kernels.py, imported under its own name, routing every size to its kernel."""
+    spec = importlib.util.spec_from_file_location("kernels_against", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.MIN_VALUES = 0
+    return module
+
+
+def capped(max_blocks: int, args):
+    """kernels.dequantize with the grid capped at ``max_blocks`` (0: no cap)."""
+
+    def run():
+        saved = kernels.MAX_BLOCKS
+        kernels.MAX_BLOCKS = max_blocks or 1 << 30
+        try:
+            return kernels.dequantize(*args)
+        finally:
+            kernels.MAX_BLOCKS = saved
+
+    return run
+
+
+def dequant_rows(device: str, batch: int, reps: int, shapes, against=None, max_blocks=()) -> list[dict]:
     rows = []
     for mode, bits, gs in MODES:
-        for shape in SHAPES[device]:
+        for shape in shapes:
             w, s, b = quantized_weight(shape, mode, bits, gs)
             args = (w, s, b, gs, bits, mode, mx.bfloat16)
             ref = mx.dequantize(w, s, b, group_size=gs, bits=bits, mode=mode, dtype=mx.bfloat16)
             exact = bit_equal(kernels.dequantize(*args), ref)
-            t = time_interleaved(
-                {
-                    "mx": batched(
-                        lambda: mx.dequantize(w, s, b, group_size=gs, bits=bits, mode=mode, dtype=mx.bfloat16), batch
-                    ),
-                    "kernel": batched(lambda: kernels.dequantize(*args), batch),
-                },
-                warmup=1,
-                reps=reps,
-            )
+            contenders = {
+                "mx": batched(
+                    lambda: mx.dequantize(w, s, b, group_size=gs, bits=bits, mode=mode, dtype=mx.bfloat16), batch
+                ),
+                "kernel": batched(lambda: kernels.dequantize(*args), batch),
+            }
+            if against is not None:
+                contenders["against"] = batched(lambda: against.dequantize(*args), batch)
+            for n in max_blocks:
+                exact = exact and bit_equal(capped(n, args)(), ref)
+                contenders[f"kernel@{n}"] = batched(capped(n, args), batch)
+            t = time_interleaved(contenders, warmup=1, reps=reps)
             nbytes = w.nbytes + s.nbytes + (b.nbytes if b is not None else 0) + ref.nbytes
             ms = {k: v["median_ms"] / batch for k, v in t.items()}
+            extra = {f"{k}_ms": v for k, v in ms.items() if k not in ("mx", "kernel")}
             row = {
                 "mode": label(mode, bits),
                 "group_size": gs,
@@ -89,12 +126,14 @@ def dequant_rows(device: str, batch: int, reps: int) -> list[dict]:
                 "speedup": ms["mx"] / ms["kernel"],
                 "bit_exact": exact,
                 "kernel_used": kernels.supported(*args),
+                **extra,
             }
             rows.append(row)
             print(
                 f"{row['mode']:8s} {shape[0]:5d}x{shape[1]:<5d} mx {row['mx_ms'] * 1e3:7.1f} us {row['mx_GBps']:6.0f} GB/s"
                 f"  kernel {row['kernel_ms'] * 1e3:7.1f} us {row['kernel_GBps']:6.0f} GB/s"
-                f"  x{row['speedup']:.2f}  bit-exact={exact}",
+                f"  x{row['speedup']:.2f}  bit-exact={exact}"
+                + "".join(f"  {k} {v * 1e3:.1f} us" for k, v in extra.items()),
                 flush=True,
             )
     return rows
@@ -149,8 +188,15 @@ def main(argv=None) -> dict:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--batch", type=int, help="calls per timed batch (default 20 on gpu, 2 on cpu)")
     p.add_argument("--reps", type=int, help="timed batches per contender (default 7 on gpu, 2 on cpu)")
+    p.add_argument("--against", help="another kernels.py to time beside this one")
+    p.add_argument("--max-blocks", default="", help="comma-separated grid caps to time this kernel at (0: none)")
+    p.add_argument("--models", default="6B", help="whose weight shapes, comma-separated: 6B, 300M (gpu)")
+    p.add_argument("--skip-matmul", action="store_true", help="only the dequantize table")
     a = p.parse_args(argv)
     mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
+    shapes = [s for m in a.models.split(",") for s in MODEL_SHAPES[m]] if a.device == "gpu" else SHAPES["cpu"]
+    max_blocks = [int(n) for n in a.max_blocks.split(",") if n]
+    against = load_against(a.against) if a.against else None
     batch = a.batch or (20 if a.device == "gpu" else 2)
     reps = a.reps or (7 if a.device == "gpu" else 2)
     result = {
@@ -160,15 +206,14 @@ def main(argv=None) -> dict:
         "host": platform.node(),
         "batch": batch,
         "reps": reps,
-        "dequantize": dequant_rows(a.device, batch, reps),
+        "against": a.against,
+        "dequantize": dequant_rows(a.device, batch, reps, shapes, against, max_blocks),
     }
-    result["matmul"], result["crossover_tokens"] = matmul_rows(a.device, max(1, batch // 4), reps)
+    if not a.skip_matmul:
+        result["matmul"], result["crossover_tokens"] = matmul_rows(a.device, max(1, batch // 4), reps)
     result["all_bit_exact"] = all(r["bit_exact"] for r in result["dequantize"])
     print(f"all bit-exact: {result['all_bit_exact']}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return save_json(a.json, result)
 
 
 if __name__ == "__main__":

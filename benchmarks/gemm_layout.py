@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks import save_json
+
 SHAPES = {
     "6B": {"qkv": (7680, 2560), "o": (2560, 2560), "gate_up": (13824, 2560), "down": (2560, 6912)},
     "300M": {"qkv": (2880, 960), "o": (960, 960), "gate_up": (5120, 960), "down": (960, 2560)},
@@ -253,9 +255,7 @@ def main(argv=None) -> int:
             print(f"\ncublasLt log, {lib}: {len(lines)} distinct lines" + (f"; first: {lines[0]}" if lines else ""))
     for name, r in result["runs"].items():
         print(f"{name}: {json.dumps(r)}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    save_json(args.json, result)
     return 1 if any("error" in r for r in runs.values()) else 0
 
 

@@ -18,6 +18,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
+from benchmarks import save_json
 from esmc_mlx.bench import config_for, transformers_config
 from esmc_mlx.runtime.model import ESMC, Layer
 from esmc_mlx.testing import init_random_mlx_
@@ -148,10 +149,7 @@ def main() -> dict:
     if not a.small and mx.default_device() == mx.gpu:
         result["torch_ms_per_block"] = torch_rows(config, shapes, a.reps)
         print("torch", json.dumps(result["torch_ms_per_block"]), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return save_json(a.json, result)
 
 
 if __name__ == "__main__":

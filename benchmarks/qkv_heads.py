@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 
 import mlx.core as mx
 import numpy as np
 
+from benchmarks import save_json
 from esmc_mlx.bench import config_for, machine, time_interleaved
 from esmc_mlx.runtime import kernels
 from esmc_mlx.runtime.model import ESMC, FUSED_QKV_ENV, Layer
@@ -158,10 +158,7 @@ def main(argv=None) -> dict:
         "step": step_rows(cfg, a.batch, a.reps),
         "block": block_rows(cfg, a.repeat, a.reps),
     }
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return save_json(a.json, result)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,11 @@ _blas.load_mlx()  # a clear error for a broken MLX install; MLX's CPU GEMMs on O
 
 from .hashes import cache_root  # noqa: E402
 
-# MLX's CUDA backend compiles kernels (its own and ours, runtime/kernels.py) at first use and
-# keeps them under /tmp, which a reboot or a fresh container empties: keep them in esmc-mlx's
-# cache, so that a machine compiles them once (on the H200, a fresh machine's first 6B
-# validation spent about 8 s in the compiler). Read by MLX at its first compile.
+# MLX's CUDA backend compiles its own kernels at first use and keeps them under /tmp, which a
+# reboot or a fresh container empties: keep them in esmc-mlx's cache, so that a machine
+# compiles them once (on the H200, a fresh machine's first 6B validation spent about 8 s in the
+# compiler). Read by MLX at its first compile. Ours (runtime/kernels.py) MLX would compile in
+# every process; runtime/cubin.py keeps them beside, under <cache>/cubin.
 if "MLX_PTX_CACHE_DIR" not in os.environ and (_root := cache_root()) is not None:
     os.environ["MLX_PTX_CACHE_DIR"] = str(_root / "ptx")
 

@@ -12,15 +12,18 @@ CUDA GPU the kernel itself is compared with mx.dequantize (and with ``emulate(fu
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from esmc_mlx import testing
-from esmc_mlx.runtime import kernels
+from esmc_mlx.runtime import kernel_cache, kernels
 from esmc_mlx.runtime.model import FUSED_QKV_ENV, Attention
 
 FLOATS = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -382,34 +385,184 @@ def test_forward_with_and_without_qkv_kernel_on_cuda(monkeypatch):
             assert err <= 2e-2, err
 
 
-# What mx.fast.cuda_kernel wraps a kernel's source in (mlx/backend/cuda/custom_kernel.cpp,
-# build_kernel), with stand-ins for MLX's device header; one kernel per dtype.
-NVCC_STANDIN = """
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda/std/array>
-#include <cstdint>
-#include <cooperative_groups.h>
-namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 10>; }
-"""
+# The source MLX generates for a kernel (mlx/backend/cuda/custom_kernel.cpp, build_kernel),
+# with runtime/kernel_cache.py's stand-in for MLX's device header: what that module compiles.
+def _mlx_source(name, header, body, params, template) -> str:
+    src = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n' + header
+    src += f"namespace mlx::core::cu {{\n\nnamespace cg = cooperative_groups;\n\n__global__ void {name}(\n"
+    src += ",\n".join(f"    {p}" for p in params) + ") {\n"
+    for key, value in template:
+        src += f"  using {key} = {value};\n" if isinstance(value, str) else f"  constexpr int {key} = {value};\n"
+    return src + "\n" + body + "\n}\n\n} // namespace mlx::core::cu\n"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_qkv_kernel_source_compiles_with_nvcc(tmp_path):
-    src = NVCC_STANDIN + kernels._QKV_HEADER + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+def test_kernel_sources_compile_with_nvcc_and_the_device_header_stand_in(tmp_path):
+    """Every kernel of runtime/kernels.py, wrapped as MLX wraps it, compiles against
+    kernel_cache.DEVICE_HEADER (nvcc for NVRTC, on a machine without a GPU; MAX_NDIM as MLX's
+    config.h has it)."""
+    device = tmp_path / "mlx" / "backend" / "cuda" / "device"
+    device.mkdir(parents=True)
+    (device / "utils.cuh").write_text(kernel_cache.DEVICE_HEADER)
+    (device / "config.h").write_text("#pragma once\n#define MAX_NDIM 10\n#define WARP_SIZE 32\n")
+    shape = "const __grid_constant__ Shape"
+    units = []
     for T in ("__nv_bfloat16", "__half", "float"):
-        src += (
-            f"__global__ void qkv_{T.strip('_')}(const {T}* qkv, const __grid_constant__ Shape qkv_shape, "
-            f"const {T}* q_weight, const {T}* k_weight, {T}* q, {T}* k, {T}* v) {{\n"
-            f"  using T = {T};\n  constexpr int HEADS = 40;\n"
-            f"  constexpr int EPS_BITS = {kernels._f32_bits(EPS)};\n"
-            f"  constexpr int LOG2_BASE_BITS = {kernels._f32_bits(kernels.rope_log2_base(THETA))};\n"
-            f"{kernels._QKV_SOURCE}\n}}\n"
+        params = [f"const {T}* qkv", f"{shape} qkv_shape", f"const {T}* q_weight", f"const {T}* k_weight"]
+        params += [f"{T}* q", f"{T}* k", f"{T}* v"]
+        template = [("T", T), ("HEADS", 40), ("EPS_BITS", kernels._f32_bits(EPS))]
+        template.append(("LOG2_BASE_BITS", kernels._f32_bits(kernels.rope_log2_base(THETA))))
+        units.append(
+            (kernels._QKV_HEADER, _mlx_source(f"qkv_{T.strip('_')}", "", kernels._QKV_SOURCE, params, template))
         )
-    (tmp_path / "qkv.cu").write_text(src + "}\n")
+    for mode, bits in [("affine", b) for b in kernels.AFFINE_BITS] + [
+        (m, kernels.FP_MODES[m][0]) for m in kernels.FP_MODES
+    ]:
+        affine = mode == "affine"
+        body = kernels._LOOP.replace("BODY", kernels._AFFINE if affine else kernels._FP)
+        params = ["const uint32_t* w", f"{shape} w_shape"]
+        params += (
+            ["const __nv_bfloat16* scales", "const __nv_bfloat16* biases"] if affine else ["const uint8_t* scales"]
+        )
+        for O in ("__nv_bfloat16", "__half", "float"):
+            template = [("O", O), ("BITS", bits), ("GROUP", 64 if affine else kernels.FP_MODES[mode][1])]
+            template.append(("T", "__nv_bfloat16") if affine else ("MX", int(mode != "nvfp4")))
+            name = f"dq_{mode}{bits}_{O.strip('_')}"
+            units.append((kernels._HEADER, _mlx_source(name, "", body, [*params, f"{O}* out"], template)))
+    # One file per header (nvcc's start-up dominates): MLX's includes, the header, every kernel.
+    by_header: dict[str, list[str]] = {}
+    for header, source in units:
+        head, rest = source.split("namespace mlx::core::cu {", 1)
+        by_header.setdefault(head + header, []).append("namespace mlx::core::cu {" + rest)
+    files = []
+    for i, (head, kernels_) in enumerate(by_header.items()):
+        files.append(str(tmp_path / f"k{i}.cu"))
+        Path(files[-1]).write_text(head + "".join(kernels_))
     run = subprocess.run(
-        ["nvcc", "-arch=sm_90a", "-std=c++17", "-cubin", "-o", str(tmp_path / "qkv.cubin"), str(tmp_path / "qkv.cu")],
+        ["nvcc", "-arch=sm_90a", "-I", str(tmp_path), "-cubin", "-odir", str(tmp_path), *files],
         capture_output=True,
         text=True,
     )
-    assert run.returncode == 0, run.stderr
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+# ---- runtime/kernel_cache.py: our kernels in MLX's disk cache ---------------------------------
+
+SOURCE = '\n#include "mlx/backend/cuda/device/utils.cuh"\nnamespace mlx::core::cu {\n__global__ void k() {}\n}\n'
+
+
+def _printing(name: str, source: str):
+    """A stand-in for a mx.fast.cuda_kernel call: prints as MLX's verbose=True does (on fd 1)."""
+
+    def make(verbose):
+        assert verbose
+        os.write(1, f"Generated source code for `{name}`:\n```\n{source}\n```\n".encode())
+
+    return make
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_std_hash_is_libstdcxx_std_hash(tmp_path):
+    """MLX names a JIT module by std::hash of its source: kernel_cache.std_hash must give the
+    same 64-bit value, for every length mod 8 and for a real kernel's source."""
+    (tmp_path / "h.cpp").write_text(
+        "#include <fstream>\n#include <functional>\n#include <iostream>\n#include <sstream>\n#include <string>\n"
+        "int main(int argc, char** argv) { for (int i = 1; i < argc; ++i) { std::ifstream f(argv[i]);"
+        " std::stringstream s; s << f.rdbuf(); std::cout << std::hex << std::hash<std::string>{}(s.str()) << '\\n'; } }\n"
+    )
+    subprocess.run(["g++", "-O1", "-o", str(tmp_path / "h"), str(tmp_path / "h.cpp")], check=True)
+    texts = ["", "a", "abcdefgh", "abcdefghi", "héllo\n" * 7, SOURCE, kernels._QKV_HEADER + kernels._QKV_SOURCE]
+    for i, t in enumerate(texts):
+        (tmp_path / f"t{i}").write_bytes(t.encode())
+    out = subprocess.run(
+        [str(tmp_path / "h"), *(str(tmp_path / f"t{i}") for i in range(len(texts)))],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.split() == [f"{kernel_cache.std_hash(t.encode()):x}" for t in texts]
+
+
+def test_generated_source_is_read_from_what_mlx_prints(capfd):
+    assert kernel_cache.generated_source(_printing("custom_kernel_x_bfloat16_t", SOURCE)) == (
+        "custom_kernel_x_bfloat16_t",
+        SOURCE,
+    )
+    assert kernel_cache.generated_source(lambda verbose: None) is None  # printed nothing: no seeding
+    print("stdout still works")
+    assert "stdout still works" in capfd.readouterr().out
+
+
+def test_seed_writes_the_module_where_mlx_reads_it(monkeypatch, tmp_path):
+    """<MLX_PTX_CACHE_DIR>/<name>_<hex std::hash>.ptx holds the cubin, .txt the kernel's name and
+    its mangled name; a second process finds them; other sources get other files."""
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernel_cache, "_device_arch", lambda: "sm_90a")
+    compiled = []
+
+    def fake_compile(source, kernel, arch):
+        compiled.append((kernel, arch))
+        return b"\x7fELF cubin", "_ZN3mlx4core2cu1kEv"
+
+    monkeypatch.setattr(kernel_cache, "compile_cubin", fake_compile)
+    assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "seeded"
+    module = f"custom_kernel_k_{kernel_cache.std_hash(SOURCE.encode()):x}"
+    assert (tmp_path / f"{module}.ptx").read_bytes() == b"\x7fELF cubin"
+    assert (tmp_path / f"{module}.txt").read_text() == "mlx::core::cu::custom_kernel_k\t_ZN3mlx4core2cu1kEv\n"
+    assert compiled == [("mlx::core::cu::custom_kernel_k", "sm_90a")]
+    assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "cached"
+    assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE + " ")) == "seeded"
+    assert len(compiled) == 2 and len(list(tmp_path.glob("*.ptx"))) == 2
+
+
+def test_seed_leaves_mlx_to_compile_when_it_cannot(monkeypatch, tmp_path):
+    """Turned off, no GPU, nothing printed, a compile error: no file at all (MLX compiles the
+    kernel itself, as it always did)."""
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernel_cache, "_device_arch", lambda: "sm_90a")
+    monkeypatch.setenv(kernel_cache.ENV_VAR, "0")
+    assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "off"
+    monkeypatch.setenv(kernel_cache.ENV_VAR, "1")
+    assert kernel_cache.seed(lambda verbose: None) == "MLX printed no source"
+
+    def failing(source, kernel, arch):
+        raise kernel_cache.CompileError("no NVRTC library found")
+
+    monkeypatch.setattr(kernel_cache, "compile_cubin", failing)
+    assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "not compiled: no NVRTC library found"
+    monkeypatch.setattr(kernel_cache, "_device_arch", lambda: None)
+    assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "no CUDA device"
+    assert not list(tmp_path.iterdir())
+
+
+SEEDED_RUN = """
+import os, sys, mlx.core as mx, numpy as np
+from esmc_mlx.runtime import kernels
+kernels.MIN_VALUES = 0
+w, s = mx.quantize(mx.random.normal((64, 2560), key=mx.random.key(0)).astype(mx.bfloat16), group_size=32, bits=4, mode="mxfp4")[:2]
+got = kernels.dequantize(w, s, None, 32, 4, "mxfp4", mx.bfloat16)
+ref = mx.dequantize(w, s, group_size=32, bits=4, mode="mxfp4", dtype=mx.bfloat16)
+print("STATUS", list(kernels._kernels[("mxfp4", 4, 32)].seen.values()))
+print("EQUAL", bool(mx.array_equal(got.view(mx.uint16), ref.view(mx.uint16))))
+"""
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+def test_mlx_runs_the_seeded_kernel_on_cuda(tmp_path):
+    """Fresh processes, one MLX cache: the first compiles and seeds the kernel, the second finds
+    it; both bit-exact with mx.dequantize. MLX really loads our files: with the mangled name in
+    the .txt spoilt, a third process fails to find the kernel."""
+    env = {**os.environ, "MLX_PTX_CACHE_DIR": str(tmp_path)}
+
+    def run():
+        return subprocess.run([sys.executable, "-c", SEEDED_RUN], capture_output=True, text=True, env=env)
+
+    first = run()
+    assert "STATUS ['seeded']" in first.stdout and "EQUAL True" in first.stdout, first.stdout + first.stderr
+    second = run()
+    assert "STATUS ['cached']" in second.stdout and "EQUAL True" in second.stdout, second.stdout + second.stderr
+    (txt,) = tmp_path.glob("custom_kernel_esmc_dequantize_mxfp4*.txt")
+    name, _ = txt.read_text().split("\t")
+    txt.write_text(f"{name}\t_Z_not_there\n")
+    spoilt = run()
+    assert spoilt.returncode != 0 and "EQUAL" not in spoilt.stdout

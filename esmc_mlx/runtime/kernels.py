@@ -1,24 +1,30 @@
 """Custom CUDA kernels for MLX's CUDA backend, each written to give the MLX ops it replaces
 bit for bit: ``dequantize`` (below) and ``qkv_heads`` (the attention's QK LayerNorm, RoPE and
 head layout in one pass; its docstring has the details). Elsewhere both are the MLX ops.
+Each is an ``mx.fast.cuda_kernel`` whose compiled form runtime/kernel_cache.py keeps on disk
+(MLX would compile it in every process).
 
 A fast dequantize, bit for bit the same as ``mx.dequantize``.
 
 MLX 0.32.4's CUDA dequantize gives every thread one packed byte (or 3/5 bytes) and reloads
 the group's scale and bias per byte: on an H200 it reaches 400-750 GB/s of the card's 4.8 TB/s
-on the 6B's weights (issue 16). Here a thread takes 32 values at a time: their ``bits``
-packed words (32 values x bits = bits uint32, read with 128-bit loads where aligned), one
-scale (and bias) for all 32 (every group size is a multiple of 32, except nvfp4's 16: two
-scales), and 32 outputs written with 128-bit stores. A grid-stride loop over a grid sized
-for the H200's 132 SMs.
+on the 6B's weights (issue 16). Here a thread takes 8 values at a time (an octet: ``bits``
+packed bytes, one aligned load where the address allows), their one scale (and bias: an octet
+never straddles a group), and writes them with one 128-bit store from registers (two for
+fp32), so that a warp reads 32 x bits consecutive bytes and writes 512 consecutive bytes. A
+grid-stride loop over at most MAX_BLOCKS blocks.
 
-Measured on the H200 (``python -m benchmarks.dequant_kernels``, bf16 out, the 6B's weights;
-docs/bench/dequant_kernels_h200.txt): 6912x2560, 2560x6912 and 7680x2560 take 47-66 us here
-against 52-107 us with mx.dequantize (affine6 1.10-1.16x, affine8 1.32-1.53x, mxfp4 1.39-1.63x,
-mxfp8 1.72-1.85x, nvfp4 1.07-1.13x faster; 730-1145 GB/s against 520-990), bit-exact in every
-case timed. That is still a fifth of the card's bandwidth, and fixed costs dominate small
-weights: a 2560x2560 one (13 MB out) is slower here (29-39 us against 24-32 us), so weights of
-fewer than MIN_VALUES values stay with mx.dequantize.
+Measured on the H200 (``python -m benchmarks.dequant_kernels --models 6B,300M --against
+OLD_kernels.py --max-blocks 1056,0 --skip-matmul``, bf16 out, each weight timed in batches of
+20 calls, contenders interleaved; docs/bench/dequant_kernels_h200_octets.json): on the 6B's
+weights of 8M values or more (13824x2560 fused gate/up, 6912x2560, 2560x6912, 7680x2560),
+29.5-67.3 us, 1.08-3.15x less time than mx.dequantize and 1.08-1.65x less than this module's
+previous kernel (32 values a thread), bit-exact for every mode, bit width and shape timed. That
+is 860-1690 GB/s, a third of the card's bandwidth: each call also carries 15-20 us of launch
+and dispatch (a 960x960 weight takes 16-20 us here against 9-16 us with mx.dequantize, the
+fixed costs of a custom kernel), which is why smaller weights, fewer than MIN_VALUES values,
+stay with mx.dequantize (faster in 36 of 45 such cases). The grid cap changed nothing beyond
+the noise (1,056 blocks, 4,224, or one thread per octet).
 
 The arithmetic is MLX's CUDA arithmetic (mlx/backend/cuda/quantized/affine_quantize.cu,
 fp_quantize.cuh), written as the same expressions so the same compiler makes the same
@@ -47,11 +53,13 @@ import math
 import mlx.core as mx
 import numpy as np
 
-# Threads that can be resident on an H200: 132 SMs x 2048. More blocks than that only queue.
-MAX_THREADS = 132 * 2048
-# Below this many values MLX's own dequantize is as fast or faster (H200, bf16 out: a 2560x2560
-# weight took 24-32 us with mx.dequantize and 29-39 us with this kernel, while 6912x2560 and
-# larger took 1.1-1.85x less time here): launch costs dominate.
+from .kernel_cache import Kernel
+
+# Blocks of the grid-stride loop: four waves of the H200's 132 SMs x 8 resident blocks of 256.
+MAX_BLOCKS = 132 * 8 * 4
+# Below this many values MLX's own dequantize is as fast or faster (H200, bf16 out: weights of
+# 0.9-6.6M values took 9-48 us with mx.dequantize and 16-38 us with this kernel, while 6912x2560
+# and larger took 1.08-3.15x less time here): launch costs dominate.
 MIN_VALUES = 8 << 20
 THREADS_PER_BLOCK = 256
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
@@ -60,53 +68,44 @@ FP_MODES = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}  # mode -> (bi
 FLOATS = (mx.bfloat16, mx.float16, mx.float32)
 
 _HEADER = """
-// Load N packed words; 128-bit loads when the address allows (N is 2..8).
-template <int N>
-__device__ __forceinline__ void load_words(const uint32_t* p, uint32_t* q) {
-  if constexpr (N % 4 == 0) {
-    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-#pragma unroll
-      for (int k = 0; k < N / 4; ++k) {
-        uint4 v = reinterpret_cast<const uint4*>(p)[k];
-        q[4 * k] = v.x; q[4 * k + 1] = v.y; q[4 * k + 2] = v.z; q[4 * k + 3] = v.w;
-      }
-      return;
-    }
-  }
-  if constexpr (N % 2 == 0) {
-    if ((reinterpret_cast<uintptr_t>(p) & 7) == 0) {
-#pragma unroll
-      for (int k = 0; k < N / 2; ++k) {
-        uint2 v = reinterpret_cast<const uint2*>(p)[k];
-        q[2 * k] = v.x; q[2 * k + 1] = v.y;
-      }
-      return;
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < N; ++k) q[k] = p[k];
-}
-
-// Store 32 outputs; 128-bit stores when the address allows.
-template <typename O>
-__device__ __forceinline__ void store32(O* p, const O* v) {
-  if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-#pragma unroll
-    for (int k = 0; k < 32 * int(sizeof(O)) / 16; ++k)
-      reinterpret_cast<uint4*>(p)[k] = reinterpret_cast<const uint4*>(v)[k];
-  } else {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) p[i] = v[i];
-  }
-}
-
-// Value i (0..31) of a little-endian bit stream of 32 values of B bits held in B words.
+// The 8 values of one octet: BITS bytes of the little-endian bit stream, one aligned load
+// when the address allows (BITS = 2, 4, 8), else byte loads.
 template <int B>
-__device__ __forceinline__ uint32_t unpack(const uint32_t* q, int i) {
-  const int bit = i * B, k = bit / 32, s = bit % 32;
-  uint32_t v = q[k] >> s;
-  if (s + B > 32) v |= q[k + 1] << (32 - s);
-  return v & ((1u << B) - 1u);
+__device__ __forceinline__ uint64_t load_octet(const uint8_t* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if constexpr (B == 8) {
+    if ((a & 7) == 0) {
+      const uint2 v = *reinterpret_cast<const uint2*>(p);
+      return uint64_t(v.x) | (uint64_t(v.y) << 32);
+    }
+  } else if constexpr (B == 4) {
+    if ((a & 3) == 0) return *reinterpret_cast<const uint32_t*>(p);
+  } else if constexpr (B == 2) {
+    if ((a & 1) == 0) return *reinterpret_cast<const uint16_t*>(p);
+  }
+  uint64_t v = 0;
+#pragma unroll
+  for (int k = 0; k < B; ++k) v |= uint64_t(p[k]) << (8 * k);
+  return v;
+}
+
+__device__ __forceinline__ uint32_t bits16(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+__device__ __forceinline__ uint32_t bits16(__half x) { return __half_as_ushort(x); }
+
+// Store 8 outputs with 128-bit stores, from registers (out is a fresh, aligned buffer and
+// every octet starts at a multiple of 8 values).
+template <typename O>
+__device__ __forceinline__ void store8(O* p, const O (&v)[8]) {
+  if constexpr (sizeof(O) == 2) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(
+        bits16(v[0]) | (bits16(v[1]) << 16), bits16(v[2]) | (bits16(v[3]) << 16),
+        bits16(v[4]) | (bits16(v[5]) << 16), bits16(v[6]) | (bits16(v[7]) << 16));
+  } else {
+    reinterpret_cast<uint4*>(p)[0] = make_uint4(
+        __float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+    reinterpret_cast<uint4*>(p)[1] = make_uint4(
+        __float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]), __float_as_uint(v[7]));
+  }
 }
 
 // Round through fp32 into the output dtype (exact when O == float or the value fits).
@@ -142,51 +141,51 @@ __device__ __forceinline__ float e2m1(uint32_t b) {
 """
 
 _LOOP = """
-  const size_t n_units = size_t(w_shape[0]) / BITS;  // 32 values = BITS words
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  const size_t n_octets = size_t(w_shape[0]) * 4 / BITS;  // 8 values = BITS bytes
   const size_t step = size_t(gridDim.x) * blockDim.x;
-  for (size_t u = size_t(blockIdx.x) * blockDim.x + threadIdx.x; u < n_units; u += step) {
-    uint32_t q[BITS];
-    load_words<BITS>(w + u * BITS, q);
-    __align__(16) O v[32];
+  const uint8_t* packed = reinterpret_cast<const uint8_t*>(w);
+  for (size_t o = size_t(blockIdx.x) * blockDim.x + threadIdx.x; o < n_octets; o += step) {
+    const uint64_t q = load_octet<BITS>(packed + o * BITS);
+    const size_t g = o * 8 / GROUP;  // an octet never straddles a group (groups: 16, 32, 64, 128)
+    O v[8];
     BODY
-    store32<O>(out + u * 32, v);
+    store8<O>(out + o * 8, v);
   }
 """
 
 _AFFINE = """
-    const T scale = scales[u * 32 / GROUP];
-    const T bias = biases[u * 32 / GROUP];
+    const T scale = scales[g];
+    const T bias = biases[g];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const T r = static_cast<T>(static_cast<int>(unpack<BITS>(q, i))) * scale + bias;
+    for (int i = 0; i < 8; ++i) {
+      const T r = static_cast<T>(static_cast<int>(uint32_t(q >> (i * BITS)) & MASK)) * scale + bias;
       v[i] = to_out<O>(r);
     }
 """
 
 _FP = """
+    const float scale = MX ? e8m0(scales[g]) : e4m3(scales[g]) * 1.0f;
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const size_t g = (u * 32 + i) / GROUP;
-      const float scale = MX ? e8m0(scales[g]) : e4m3(scales[g]) * 1.0f;
-      const uint32_t d = unpack<BITS>(q, i);
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t d = uint32_t(q >> (i * BITS)) & MASK;
       v[i] = static_cast<O>(scale * (BITS == 8 ? e4m3(d) : e2m1(d)));
     }
 """
 
-_kernels: dict[tuple[str, int, int], object] = {}
+_kernels: dict[tuple[str, int, int], Kernel] = {}
 
 
-def _kernel(mode: str, bits: int, group_size: int):
-    """The compiled kernel for one (mode, bits, group size); dtypes are template arguments."""
+def _kernel(mode: str, bits: int, group_size: int) -> Kernel:
+    """The kernel for one (mode, bits, group size); dtypes are template arguments."""
     key = (mode, bits, group_size)
     if key not in _kernels:
         affine = mode == "affine"
-        body = _AFFINE if affine else _FP
-        _kernels[key] = mx.fast.cuda_kernel(
+        _kernels[key] = Kernel(
             name=f"esmc_dequantize_{mode}_{bits}_{group_size}",
             input_names=["w", "scales", "biases"] if affine else ["w", "scales"],
             output_names=["out"],
-            source=_LOOP.replace("BODY", body),
+            source=_LOOP.replace("BODY", _AFFINE if affine else _FP),
             header=_HEADER,
         )
     return _kernels[key]
@@ -196,7 +195,7 @@ def supported(w, scales, biases, group_size: int, bits: int, mode: str, dtype, g
     """True when the CUDA kernel handles this call (and the default device is a CUDA GPU)."""
     if mx.default_device() != mx.gpu or not mx.cuda.is_available():
         return False
-    if w.dtype != mx.uint32 or w.ndim < 2 or dtype not in FLOATS or w.size % bits:
+    if w.dtype != mx.uint32 or w.ndim < 2 or dtype not in FLOATS or w.size * 4 % bits:  # whole octets
         return False
     if mode == "affine":
         return (
@@ -253,8 +252,8 @@ def dequantize(
         template.append(("T", scales.dtype))
     else:
         template.append(("MX", int(mode != "nvfp4")))
-    units = w.size // bits
-    threads = max(THREADS_PER_BLOCK, min(units, MAX_THREADS) // THREADS_PER_BLOCK * THREADS_PER_BLOCK)
+    octets = w.size * 4 // bits
+    threads = min(-(-octets // THREADS_PER_BLOCK), MAX_BLOCKS) * THREADS_PER_BLOCK
     (out,) = _kernel(mode, bits, group_size)(
         inputs=inputs,
         template=template,
@@ -433,20 +432,20 @@ _QKV_SOURCE = """
   }
 """
 
-_qkv_kernel = None
+_QKV_KERNEL = None
 
 
-def _qkv_heads_kernel():
-    global _qkv_kernel
-    if _qkv_kernel is None:
-        _qkv_kernel = mx.fast.cuda_kernel(
+def _qkv_heads_kernel() -> Kernel:
+    global _QKV_KERNEL
+    if _QKV_KERNEL is None:
+        _QKV_KERNEL = Kernel(
             name="esmc_qkv_heads",
             input_names=["qkv", "q_weight", "k_weight"],
             output_names=["q", "k", "v"],
             source=_QKV_SOURCE,
             header=_QKV_HEADER,
         )
-    return _qkv_kernel
+    return _QKV_KERNEL
 
 
 def _f32_bits(x: float) -> int:
