@@ -532,6 +532,9 @@ def test_seed_leaves_mlx_to_compile_when_it_cannot(monkeypatch, tmp_path):
     assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "not compiled: no NVRTC library found"
     monkeypatch.setattr(kernel_cache, "_device_arch", lambda: None)
     assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "no CUDA device"
+    monkeypatch.setattr(kernel_cache, "_device_arch", lambda: "sm_90a")
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")  # ESMC_MLX_CACHE=off: esmc_mlx did not set it
+    assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "no cache directory"
     assert not list(tmp_path.iterdir())
 
 

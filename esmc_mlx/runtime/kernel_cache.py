@@ -84,10 +84,10 @@ def std_hash(data: bytes, seed: int = 0xC70F6907) -> int:
 
 
 def mlx_cache_dir() -> Path | None:
-    """Where MLX reads compiled kernels: $MLX_PTX_CACHE_DIR (esmc_mlx sets it to <cache>/ptx)
-    or MLX's default under the temp directory."""
+    """Where MLX reads compiled kernels: $MLX_PTX_CACHE_DIR, which esmc_mlx sets to
+    <cache>/ptx (unless it was set already); None with ESMC_MLX_CACHE=off: nothing is kept."""
     chosen = os.environ.get("MLX_PTX_CACHE_DIR")
-    return Path(chosen) if chosen else Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
+    return Path(chosen) if chosen else None
 
 
 @functools.cache
@@ -215,6 +215,8 @@ def seed(make) -> str:
     arch, directory = _device_arch(), mlx_cache_dir()
     if arch is None:
         return "no CUDA device"
+    if directory is None:
+        return "no cache directory"
     generated = generated_source(make)
     if generated is None:
         return "MLX printed no source"
