@@ -516,8 +516,8 @@ def test_seed_writes_the_module_where_mlx_reads_it(monkeypatch, tmp_path):
 
 
 def test_seed_leaves_mlx_to_compile_when_it_cannot(monkeypatch, tmp_path):
-    """Turned off, no GPU, nothing printed, a compile error: no file at all (MLX compiles the
-    kernel itself, as it always did)."""
+    """Turned off, nothing printed, a compile error, no stdout, no GPU, no cache directory: no
+    file at all (MLX compiles the kernel itself, as it always did)."""
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel_cache, "_device_arch", lambda: "sm_90a")
     monkeypatch.setenv(kernel_cache.ENV_VAR, "0")
@@ -530,6 +530,13 @@ def test_seed_leaves_mlx_to_compile_when_it_cannot(monkeypatch, tmp_path):
 
     monkeypatch.setattr(kernel_cache, "compile_cubin", failing)
     assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "not compiled: no NVRTC library found"
+
+    def no_fd(fd):
+        raise OSError(9, "Bad file descriptor")
+
+    with monkeypatch.context() as m:  # no stdout to borrow: the kernel call still goes ahead
+        m.setattr(kernel_cache.os, "dup", no_fd)
+        assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)).startswith("MLX's source not readable")
     monkeypatch.setattr(kernel_cache, "_device_arch", lambda: None)
     assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "no CUDA device"
     monkeypatch.setattr(kernel_cache, "_device_arch", lambda: "sm_90a")

@@ -189,7 +189,8 @@ def compile_cubin(source: str, kernel: str, arch: str) -> tuple[bytes, str]:
 def generated_source(make) -> tuple[str, str] | None:
     """(kernel name, source) that MLX prints for the kernel call ``make(verbose=True)`` (it
     prints while building the graph; the returned arrays are never evaluated)."""
-    sys.stdout.flush()
+    if sys.stdout is not None:
+        sys.stdout.flush()  # what Python buffered goes out before fd 1 is borrowed
     saved = os.dup(1)
     try:
         with tempfile.TemporaryFile() as captured:
@@ -217,7 +218,10 @@ def seed(make) -> str:
         return "no CUDA device"
     if directory is None:
         return "no cache directory"
-    generated = generated_source(make)
+    try:
+        generated = generated_source(make)
+    except OSError as e:  # no file descriptor 1 to borrow (a daemon, a closed stdout)
+        return f"MLX's source not readable: {e}"
     if generated is None:
         return "MLX printed no source"
     name, source = generated
