@@ -1,5 +1,5 @@
 """What a fresh process pays before its forwards run at full speed (issue 16), with and
-without the cubin cache of runtime/cubin.py.
+without our kernels in MLX's disk cache (runtime/kernel_cache.py).
 
 Every process pays, per input shape, one eager forward (a shape is compiled the second time it
 is seen) and one ``mx.compile`` trace; and, once, its first forward: CUDA set-up, MLX's

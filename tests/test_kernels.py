@@ -552,7 +552,7 @@ kernels.MIN_VALUES = 0
 w, s = mx.quantize(mx.random.normal((64, 2560), key=mx.random.key(0)).astype(mx.bfloat16), group_size=32, bits=4, mode="mxfp4")[:2]
 got = kernels.dequantize(w, s, None, 32, 4, "mxfp4", mx.bfloat16)
 ref = mx.dequantize(w, s, group_size=32, bits=4, mode="mxfp4", dtype=mx.bfloat16)
-print("STATUS", list(kernels._kernels[("mxfp4", 4, 32)].seen.values()))
+print("STATUS", list(kernels._kernel("mxfp4", 4, 32).seen.values()))
 print("EQUAL", bool(mx.array_equal(got.view(mx.uint16), ref.view(mx.uint16))))
 """
 

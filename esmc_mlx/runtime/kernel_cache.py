@@ -20,9 +20,9 @@ as long.)
 MLX hands NVRTC its device header from memory; our kernels use only the CUDA headers it
 includes and its ``Shape`` type, so ``DEVICE_HEADER`` stands in for it (``Shape``'s size from
 MLX's installed ``config.h``). NVRTC, the very library MLX has loaded, is called through
-ctypes: MLX's dependencies have no binding for it. Whatever fails here (no NVRTC library, MLX printing its source differently, a
-compile error, a cache that cannot be written) leaves MLX to compile the kernel as it always
-did; ``ESMC_MLX_KERNEL_CACHE=0`` does that on purpose.
+ctypes: MLX's dependencies have no binding for it. Whatever fails here (no NVRTC library, MLX
+printing its source differently, a compile error, a cache that cannot be written) leaves MLX
+to compile the kernel as it always did; ``ESMC_MLX_KERNEL_CACHE=0`` does that on purpose.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ Everything else (CPU, Metal, other group sizes, odd sizes, fp64) is ``mx.dequant
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -173,22 +174,18 @@ _FP = """
     }
 """
 
-_kernels: dict[tuple[str, int, int], Kernel] = {}
 
-
+@functools.cache
 def _kernel(mode: str, bits: int, group_size: int) -> Kernel:
     """The kernel for one (mode, bits, group size); dtypes are template arguments."""
-    key = (mode, bits, group_size)
-    if key not in _kernels:
-        affine = mode == "affine"
-        _kernels[key] = Kernel(
-            name=f"esmc_dequantize_{mode}_{bits}_{group_size}",
-            input_names=["w", "scales", "biases"] if affine else ["w", "scales"],
-            output_names=["out"],
-            source=_LOOP.replace("BODY", _AFFINE if affine else _FP),
-            header=_HEADER,
-        )
-    return _kernels[key]
+    affine = mode == "affine"
+    return Kernel(
+        name=f"esmc_dequantize_{mode}_{bits}_{group_size}",
+        input_names=["w", "scales", "biases"] if affine else ["w", "scales"],
+        output_names=["out"],
+        source=_LOOP.replace("BODY", _AFFINE if affine else _FP),
+        header=_HEADER,
+    )
 
 
 def supported(w, scales, biases, group_size: int, bits: int, mode: str, dtype, global_scale=None) -> bool:
@@ -432,20 +429,16 @@ _QKV_SOURCE = """
   }
 """
 
-_QKV_KERNEL = None
 
-
+@functools.cache
 def _qkv_heads_kernel() -> Kernel:
-    global _QKV_KERNEL
-    if _QKV_KERNEL is None:
-        _QKV_KERNEL = Kernel(
-            name="esmc_qkv_heads",
-            input_names=["qkv", "q_weight", "k_weight"],
-            output_names=["q", "k", "v"],
-            source=_QKV_SOURCE,
-            header=_QKV_HEADER,
-        )
-    return _QKV_KERNEL
+    return Kernel(
+        name="esmc_qkv_heads",
+        input_names=["qkv", "q_weight", "k_weight"],
+        output_names=["q", "k", "v"],
+        source=_QKV_SOURCE,
+        header=_QKV_HEADER,
+    )
 
 
 def _f32_bits(x: float) -> int:
