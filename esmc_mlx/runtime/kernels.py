@@ -1,6 +1,7 @@
 """Custom CUDA kernels for MLX's CUDA backend, each written to give the MLX ops it replaces
-bit for bit: ``dequantize`` (below) and ``qkv_heads`` (the attention's QK LayerNorm, RoPE and
-head layout in one pass; its docstring has the details). Elsewhere both are the MLX ops.
+bit for bit: ``dequantize`` (below), ``qkv_heads`` (the attention's QK LayerNorm, RoPE and
+head layout in one pass) and ``add_layer_norm`` (a residual add and the LayerNorm after it);
+their docstrings have the details. Elsewhere they are the MLX ops.
 Each is an ``mx.fast.cuda_kernel`` whose compiled form runtime/kernel_cache.py keeps on disk
 (MLX would compile it in every process).
 
@@ -58,9 +59,12 @@ from .kernel_cache import Kernel
 
 # Blocks of the grid-stride loop: four waves of the H200's 132 SMs x 8 resident blocks of 256.
 MAX_BLOCKS = 132 * 8 * 4
-# Below this many values MLX's own dequantize is as fast or faster (H200, bf16 out: weights of
-# 0.9-6.6M values took 9-48 us with mx.dequantize and 16-38 us with this kernel, while 6912x2560
-# and larger took 1.08-3.15x less time here): launch costs dominate.
+# Below this many values (of the weight, or of add_layer_norm's input) MLX's own ops are as
+# fast or faster: a custom kernel call carries 15-20 us of launch and dispatch. H200, bf16:
+# weights of 0.9-6.6M values took 9-48 us with mx.dequantize and 16-38 us with this kernel,
+# while 6912x2560 and larger took 1.08-3.15x less time here; whole forwards with
+# add_layer_norm at every size were 3-11% slower at 2.6M values or fewer per call (6B at 1x256,
+# 1x1024; 300M up to 16x256) and 4-7% faster from 10M (6B 16x256, 64x512; 300M 64x512).
 MIN_VALUES = 8 << 20
 THREADS_PER_BLOCK = 256
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
@@ -262,75 +266,75 @@ def dequantize(
     return out
 
 
-# ---- q/k/v heads: QK LayerNorm + RoPE + head layout in one pass ------------------------------
+# ---- row kernels: one block per token row, MLX's layer_norm layout --------------------------
 
 QKV_HEAD_DIM = 64
 GRID_X_THREADS = 2**31 - 1  # the most threads along a grid's x axis (an int32)
+MAX_THREADS = 1024  # per block
 
-_QKV_HEADER = """
+# Shared by the row kernels below. They lay a row out as mlx/backend/cuda/layer_norm.cu (0.32.x)
+# does: thread t owns the N = 16 / sizeof(T) columns N*t .. N*t+N-1 (MLX's N_READS: 8 for
+# bf16/fp16, 4 for fp32), so that the LayerNorm sums are added in MLX's order.
+_ROW_HEADER = """
 #include <cooperative_groups/reduce.h>
 
-// 4 consecutive values; one 64/128-bit access when the address allows.
-template <typename T>
-__device__ __forceinline__ void load4(const T* p, T* v) {
-  if constexpr (sizeof(T) == 2) {
-    if ((reinterpret_cast<uintptr_t>(p) & 7) == 0) {
-      *reinterpret_cast<uint2*>(v) = *reinterpret_cast<const uint2*>(p);
-      return;
-    }
-  } else if constexpr (sizeof(T) == 4) {
-    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-      *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(p);
-      return;
-    }
+// One thread's N = 16 / sizeof(T) consecutive values: one 128-bit access when both addresses
+// are 16-byte aligned, else element by element. Register arrays passed here are __align__(16).
+template <int N, typename T>
+__device__ __forceinline__ void move(T* to, const T* from) {
+  static_assert(N * sizeof(T) == 16);
+  if (((reinterpret_cast<uintptr_t>(to) | reinterpret_cast<uintptr_t>(from)) & 15) == 0) {
+    *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+    return;
   }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = p[i];
+  for (int i = 0; i < N; ++i) to[i] = from[i];
 }
 
-template <typename T>
-__device__ __forceinline__ void store4(T* p, const T* v) {
-  if constexpr (sizeof(T) == 2) {
-    if ((reinterpret_cast<uintptr_t>(p) & 7) == 0) {
-      *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(v);
-      return;
-    }
-  } else if constexpr (sizeof(T) == 4) {
-    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-      *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
-      return;
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) p[i] = v[i];
-}
-
-// Two block sums in MLX's layer_norm order (BlockBroadcastReduce): a cg::reduce per warp,
-// the warp results through shared memory (0 past the last warp), a cg::reduce of those.
-__device__ __forceinline__ void block_sum2(float& a, float& b, float* ta, float* tb) {
+// K block sums in MLX's layer_norm order (BlockBroadcastReduce): a cg::reduce per warp, the
+// warp results through shared memory (0 past the last warp), a cg::reduce of those.
+template <int K>
+__device__ __forceinline__ void block_sum(float (&v)[K], float (&tmp)[K][32]) {
   auto block = cooperative_groups::this_thread_block();
   auto warp = cooperative_groups::tiled_partition<32>(block);
-  a = cooperative_groups::reduce(warp, a, cooperative_groups::plus<float>());
-  b = cooperative_groups::reduce(warp, b, cooperative_groups::plus<float>());
-  if (warp.thread_rank() == 0) {
-    ta[warp.meta_group_rank()] = a;
-    tb[warp.meta_group_rank()] = b;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    v[k] = cooperative_groups::reduce(warp, v[k], cooperative_groups::plus<float>());
+    if (warp.thread_rank() == 0) tmp[k][warp.meta_group_rank()] = v[k];
   }
   block.sync();
   const bool has = warp.thread_rank() < warp.meta_group_size();
-  a = has ? ta[warp.thread_rank()] : 0.0f;
-  b = has ? tb[warp.thread_rank()] : 0.0f;
-  a = cooperative_groups::reduce(warp, a, cooperative_groups::plus<float>());
-  b = cooperative_groups::reduce(warp, b, cooperative_groups::plus<float>());
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    v[k] = has ? tmp[k][warp.thread_rank()] : 0.0f;
+    v[k] = cooperative_groups::reduce(warp, v[k], cooperative_groups::plus<float>());
+  }
 }
 """
 
-# One block per token row; thread t owns columns 4t..4t+3 of q, k and v (MLX's layer_norm
-# layout with N_READS = 4, so the sums are added in its order). A RoPE pair (j, j + 32) of a
-# head sits in threads t and t ^ 8 of one warp: exchanged with a shuffle.
+
+def _per_thread(dtype: mx.Dtype) -> int:
+    """Columns per thread in MLX's layer_norm layout (N_READS = 16 / itemsize)."""
+    return 16 // dtype.size
+
+
+def _row_launch(rows: int, width: int, dtype: mx.Dtype) -> dict:
+    """Grid and block for one block per row: a 2D grid of blocks once the row count times the
+    block would pass the grid's int32 width (the kernels skip the last row's spare blocks)."""
+    threads = -(-width // _per_thread(dtype) // 32) * 32
+    nx = min(rows, GRID_X_THREADS // threads)
+    return {"grid": (nx * threads, -(-rows // nx), 1), "threadgroup": (threads, 1, 1)}
+
+
+def _fits_a_block(width: int, dtype: mx.Dtype) -> bool:
+    return width % _per_thread(dtype) == 0 and width <= _per_thread(dtype) * MAX_THREADS
+
+
+# q/k/v heads. Thread t owns columns N*t.. of q, k and v; a RoPE pair (j, j + 32) of a head
+# sits in threads t and t ^ (32 / N) of one warp: exchanged with a shuffle.
 _QKV_SOURCE = """
-  constexpr int DH = 64, D = HEADS * DH;
-  __shared__ float red[4][32];
+  constexpr int DH = 64, D = HEADS * DH, N = 16 / sizeof(T);
+  __shared__ float red[2][2][32];
   const int t = threadIdx.x;
   const int L = qkv_shape[1];
   const size_t row = size_t(blockIdx.y) * gridDim.x + blockIdx.x;
@@ -338,25 +342,25 @@ _QKV_SOURCE = """
   const size_t b = row / L;
   const int l = int(row % L);
   const T* src = qkv + row * (3 * D);
-  const int c = 4 * t, h = c / DH, j = c % DH;
+  const int c = N * t, h = c / DH, j = c % DH;
   const bool active = c < D;
   const size_t dst = ((b * HEADS + h) * L + l) * DH + j;
   const float eps = __int_as_float(EPS_BITS);
   const float log2_base = __int_as_float(LOG2_BASE_BITS);
 
-  __align__(16) T xq[4], xk[4], xv[4];
+  __align__(16) T xq[N], xk[N], xv[N];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) xq[i] = xk[i] = T(0);
+  for (int i = 0; i < N; ++i) xq[i] = xk[i] = T(0);
   if (active) {
-    load4(src + c, xq);
-    load4(src + D + c, xk);
-    load4(src + 2 * D + c, xv);
-    store4(v + dst, xv);
+    move<N>(xq, src + c);
+    move<N>(xk, src + D + c);
+    move<N>(xv, src + 2 * D + c);
+    move<N>(v + dst, xv);
   }
 
   // The row's 32 RoPE angles as mx.fast.rope computes them (non-traditional: pair p is
   // (p, p + 32); inv_freq = exp2(-(p / 32) * log2(base)), scale 1, offset 0), once per row
-  // rather than per element; block_sum2's sync publishes them.
+  // rather than per element; block_sum's sync publishes them.
   __shared__ float rot[2][DH / 2];
   if (t < DH / 2) {
     float d = static_cast<float>(t) / static_cast<float>(DH / 2);
@@ -368,34 +372,34 @@ _QKV_SOURCE = """
   }
 
   // Mean (fp32 sum in MLX's order), then the variance as a second pass over (x - mean)^2.
-  float sq = 0, sk = 0;
+  float sums[2] = {0, 0};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    sq += static_cast<float>(xq[i]);
-    sk += static_cast<float>(xk[i]);
+  for (int i = 0; i < N; ++i) {
+    sums[0] += static_cast<float>(xq[i]);
+    sums[1] += static_cast<float>(xk[i]);
   }
-  block_sum2(sq, sk, red[0], red[1]);
-  const float mq = sq / D, mk = sk / D;
-  float nq = 0, nk = 0;
+  block_sum<2>(sums, red[0]);
+  const float mq = sums[0] / D, mk = sums[1] / D;
+  float norms[2] = {0, 0};
   if (active) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < N; ++i) {
       float tq = static_cast<float>(xq[i]) - mq;
-      nq += tq * tq;
+      norms[0] += tq * tq;
       float tk = static_cast<float>(xk[i]) - mk;
-      nk += tk * tk;
+      norms[1] += tk * tk;
     }
   }
-  block_sum2(nq, nk, red[2], red[3]);
-  nq = rsqrt(nq / D + eps);
-  nk = rsqrt(nk / D + eps);
+  block_sum<2>(norms, red[1]);
+  const float nq = rsqrt(norms[0] / D + eps);
+  const float nk = rsqrt(norms[1] / D + eps);
 
   // Normalized, times the weight, plus MLX's zero bias: rounded to T as mx.fast.layer_norm
   // writes it; RoPE reads those rounded values back as fp32.
   const T zero = T(0);
-  float yq[4], yk[4];
+  float yq[N], yk[N];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < N; ++i) {
     const T wqi = active ? q_weight[c + i] : zero;
     const T wki = active ? k_weight[c + i] : zero;
     float norm_q = (static_cast<float>(xq[i]) - mq) * nq;
@@ -406,11 +410,11 @@ _QKV_SOURCE = """
 
   // The rotation in mx.fast.rope's fp32 expressions, one rounding at the end.
   const bool first = j < DH / 2;
-  __align__(16) T oq[4], ok[4];
+  __align__(16) T oq[N], ok[N];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float pq = __shfl_xor_sync(0xffffffffu, yq[i], 8);
-    const float pk = __shfl_xor_sync(0xffffffffu, yk[i], 8);
+  for (int i = 0; i < N; ++i) {
+    const float pq = __shfl_xor_sync(0xffffffffu, yq[i], DH / 2 / N);
+    const float pk = __shfl_xor_sync(0xffffffffu, yk[i], DH / 2 / N);
     const int p = (j + i) % (DH / 2);
     const float costheta = rot[0][p], sintheta = rot[1][p];
     float x1 = first ? yq[i] : pq, x2 = first ? pq : yq[i];
@@ -424,8 +428,8 @@ _QKV_SOURCE = """
     ok[i] = static_cast<T>(first ? rx1 : rx2);
   }
   if (active) {
-    store4(q + dst, oq);
-    store4(k + dst, ok);
+    move<N>(q + dst, oq);
+    move<N>(k + dst, ok);
   }
 """
 
@@ -437,7 +441,7 @@ def _qkv_heads_kernel() -> Kernel:
         input_names=["qkv", "q_weight", "k_weight"],
         output_names=["q", "k", "v"],
         source=_QKV_SOURCE,
-        header=_QKV_HEADER,
+        header=_ROW_HEADER,
     )
 
 
@@ -469,7 +473,7 @@ def qkv_heads_supported(
         and k_norm_weight.dtype == qkv.dtype
         and q_norm_weight.shape == (d,)
         and k_norm_weight.shape == (d,)
-        and d <= 4 * 1024  # one column group of 4 per thread, at most 1024 threads
+        and _fits_a_block(d, qkv.dtype)
         and qkv.size > 0
         and 0 < eps < math.inf
         and 1 < rope_theta < math.inf
@@ -502,8 +506,8 @@ def qkv_heads(
     and two ropes; elsewhere ``qkv_heads_reference``.
 
     The kernel repeats MLX's CUDA arithmetic (mlx/backend/cuda/layer_norm.cu and rope.cu,
-    0.32.x) as the same expressions: fp32 sum in layer_norm's thread/warp order (4 values per
-    thread, cg::reduce per warp, then across warps), mean = sum / d, the variance as a second
+    0.32.x) as the same expressions: fp32 sum in layer_norm's thread/warp order (16 bytes of
+    values per thread, cg::reduce per warp, then across warps), mean = sum / d, the variance as a second
     pass over (x - mean)^2, rsqrt(var / d + eps), ``w * T(norm) + T(0)`` in the input dtype;
     RoPE reads that rounded value, ``inv_freq = exp2(-(p / 32) * log2(base))`` with log2(base)
     rounded to fp32 on the host as MLX does, ``theta = pos * inv_freq``, fp32 cos/sin, one
@@ -511,22 +515,15 @@ def qkv_heads(
 
     Checked on the H200 (tests/test_kernels.py): in fp32, what validation computes in, no
     element differs from the unfused ops at 40 heads (2x17 and 1x300), none is more than 1 ulp
-    off at 15. In bf16 and fp16
-    some elements differ by more than 1 ulp at 40 heads (fewer at 15); whole-model outputs
-    agree within the bf16 bound. A likely cause, not yet checked: mx.fast.layer_norm adds each
-    thread's 4 inputs in the input dtype (cub::ThreadReduce) before widening, this kernel in
-    fp32. Its own speed was not measured apart: the 6B figures of docs/benchmarks.md (issue
-    16) were taken with it on.
+    off at 15; the same now in bf16 and fp16. Until this kernel gave a thread 8 values in bf16
+    and fp16, as MLX's layer_norm does (16 bytes a thread), it gave every dtype 4, its sums ran
+    in another order, and some bf16/fp16 outputs were more than 1 ulp off; a 6B forward now
+    gives the same logits with and without it (``python -m benchmarks.kernel_ab --env
+    ESMC_MLX_FUSED_QKV``: 1.05-1.19x faster with it, docs/bench/qkv_kernel_ab_6b_h200.json).
     """
     if not qkv_heads_supported(qkv, q_norm_weight, k_norm_weight, eps, rope_theta, num_heads):
         return qkv_heads_reference(qkv, q_norm_weight, k_norm_weight, eps, rope_theta, num_heads)
     B, L, _ = qkv.shape
-    d = num_heads * QKV_HEAD_DIM
-    threads = -(-d // 4 // 32) * 32
-    # One block per row; a 2D grid of blocks once the row count times the block would pass
-    # the grid's int32 width.
-    nx = min(B * L, GRID_X_THREADS // threads)
-    ny = -(-(B * L) // nx)
     shape = (B, num_heads, L, QKV_HEAD_DIM)
     return tuple(
         _qkv_heads_kernel()(
@@ -537,9 +534,138 @@ def qkv_heads(
                 ("EPS_BITS", _f32_bits(eps)),
                 ("LOG2_BASE_BITS", _f32_bits(rope_log2_base(rope_theta))),
             ],
-            grid=(nx * threads, ny, 1),
-            threadgroup=(threads, 1, 1),
             output_shapes=[shape] * 3,
             output_dtypes=[qkv.dtype] * 3,
+            **_row_launch(B * L, num_heads * QKV_HEAD_DIM, qkv.dtype),
         )
     )
+
+
+# ---- the residual add and the LayerNorm after it, in one pass --------------------------------
+
+_ADD_NORM_SOURCE = """
+  constexpr int N = 16 / sizeof(T);
+  __shared__ float red[2][1][32];
+  const size_t row = size_t(blockIdx.y) * gridDim.x + blockIdx.x;
+  if (row >= size_t(x_shape[0])) return;  // the whole block: the grid's last, partial row of blocks
+  const int c = N * threadIdx.x;
+  const bool active = c < D;
+  const size_t at = row * D + c;
+  const float eps = __int_as_float(EPS_BITS);
+
+  // The residual stream: x + h / scale in T, each operation rounded as MLX's ops round it.
+  __align__(16) T r[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) r[i] = T(0);
+  if (active) {
+    __align__(16) T xs[N], hs[N];
+    move<N>(xs, x + at);
+    move<N>(hs, h + at);
+    const T s = scale[0];
+#pragma unroll
+    for (int i = 0; i < N; ++i) r[i] = xs[i] + hs[i] / s;
+    move<N>(residual + at, r);
+  }
+
+  // mx.fast.layer_norm of it: mean, then the variance as a second pass over (r - mean)^2.
+  float sum[1] = {0};
+#pragma unroll
+  for (int i = 0; i < N; ++i) sum[0] += static_cast<float>(r[i]);
+  block_sum<1>(sum, red[0]);
+  const float mean = sum[0] / D;
+  float var[1] = {0};
+  if (active) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      float t = static_cast<float>(r[i]) - mean;
+      var[0] += t * t;
+    }
+  }
+  block_sum<1>(var, red[1]);
+  const float normalizer = rsqrt(var[0] / D + eps);
+  if (active) {
+    __align__(16) T ws[N], bs[N], out[N];
+    move<N>(ws, weight + c);
+    move<N>(bs, bias + c);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      float norm = (static_cast<float>(r[i]) - mean) * normalizer;
+      out[i] = ws[i] * static_cast<T>(norm) + bs[i];
+    }
+    move<N>(normed + at, out);
+  }
+"""
+
+
+@functools.cache
+def _add_norm_kernel() -> Kernel:
+    return Kernel(
+        name="esmc_add_layer_norm",
+        input_names=["x", "h", "scale", "weight", "bias"],
+        output_names=["residual", "normed"],
+        source=_ADD_NORM_SOURCE,
+        header=_ROW_HEADER,
+    )
+
+
+def add_layer_norm_supported(x: mx.array, h: mx.array, weight: mx.array, bias: mx.array | None, eps: float) -> bool:
+    """True when ``add_layer_norm`` runs the CUDA kernel for these arguments (on a CUDA GPU)."""
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return False
+    d = x.shape[-1] if x.ndim else 0
+    return (
+        x.shape == h.shape
+        and x.dtype in FLOATS
+        and h.dtype == x.dtype
+        and weight.dtype == x.dtype
+        and weight.shape == (d,)
+        and (bias is None or (bias.dtype == x.dtype and bias.shape == (d,)))
+        and _fits_a_block(d, x.dtype)
+        and x.size > 0
+        and 0 < eps < math.inf
+    )
+
+
+def add_layer_norm_reference(x, h, scale: float, weight, bias, eps: float) -> tuple[mx.array, mx.array]:
+    """What the model computes without the kernel: the residual add, then its LayerNorm."""
+    residual = x + h / scale
+    return residual, mx.fast.layer_norm(residual, weight, bias, eps)
+
+
+def add_layer_norm(
+    x: mx.array, h: mx.array, scale: float, weight: mx.array, bias: mx.array | None, eps: float
+) -> tuple[mx.array, mx.array]:
+    """``x + h / scale`` (ESMC's scaled residual add) and ``mx.fast.layer_norm`` of it, from
+    one CUDA kernel that reads x and h once and writes both (MLX: an add kernel, then a
+    LayerNorm that reads the sum back); elsewhere ``add_layer_norm_reference``.
+
+    Written as MLX's own arithmetic: ``scale`` is rounded to x's dtype as MLX rounds a Python
+    scalar, the add and the division are T operations (MLX's Divide and Add functors), and the
+    LayerNorm is the qkv_heads kernel's copy of mlx/backend/cuda/layer_norm.cu with the bias
+    (zero when None, as mx.fast.layer_norm adds it). Inputs of fewer than MIN_VALUES values
+    take MLX's ops (faster there).
+
+    Checked on the H200 (tests/test_kernels.py): both outputs equal MLX's ops bit for bit, eager
+    and compiled, in bf16, fp16 and fp32, at the 300M's, 600M's and 6B's widths, with and
+    without bias; whole forwards give identical logits with and without it. Forwards of the
+    shipped model, this kernel on against off in one process (``python -m
+    benchmarks.kernel_ab``, docs/bench/norm_kernel_ab_*_h200.json): 6B 16x256 97.4 against
+    102.1 ms, 64x512 777.0 against 806.4 ms; 300M 64x512 55.2 against 58.8 ms."""
+    if x.size < MIN_VALUES or not add_layer_norm_supported(x, h, weight, bias, eps):
+        return add_layer_norm_reference(x, h, scale, weight, bias, eps)
+    d = x.shape[-1]
+    rows = x.size // d
+    residual, normed = _add_norm_kernel()(
+        inputs=[
+            x.reshape(rows, d),
+            h.reshape(rows, d),
+            mx.array([scale], dtype=x.dtype),
+            weight,
+            mx.zeros((d,), x.dtype) if bias is None else bias,
+        ],
+        template=[("T", x.dtype), ("D", d), ("EPS_BITS", _f32_bits(eps))],
+        output_shapes=[(rows, d)] * 2,
+        output_dtypes=[x.dtype] * 2,
+        **_row_launch(rows, d, x.dtype),
+    )
+    return residual.reshape(x.shape), normed.reshape(x.shape)

@@ -24,10 +24,32 @@ from .quantized import POLICY_ENV as QUANT_POLICY_ENV
 # Set to 0 to run the QK LayerNorm, RoPE and head layout as separate MLX ops on a CUDA GPU
 # instead of kernels.qkv_heads (one kernel reading the fused q/k/v projection once).
 FUSED_QKV_ENV = "ESMC_MLX_FUSED_QKV"
+# Set to 0 to run each residual add and the LayerNorm after it as MLX ops on a CUDA GPU instead
+# of kernels.add_layer_norm (one kernel).
+FUSED_NORM_ENV = "ESMC_MLX_FUSED_NORM"
 
 
 def fused_qkv_enabled() -> bool:
     return os.environ.get(FUSED_QKV_ENV, "1") != "0"
+
+
+def fused_norm_enabled() -> bool:
+    return os.environ.get(FUSED_NORM_ENV, "1") != "0"
+
+
+def kernel_choices() -> tuple:
+    """What a compiled trace bakes in besides the shapes: the forced quantized-matmul path and
+    which custom kernels are on."""
+    return os.environ.get(QUANT_POLICY_ENV, "auto"), fused_qkv_enabled(), fused_norm_enabled()
+
+
+def residual_norm(x: mx.array, h: mx.array, scale: float, norm: nn.LayerNorm) -> tuple[mx.array, mx.array]:
+    """The residual stream ``x + h / scale`` and ``norm`` of it (kernels.add_layer_norm on a
+    CUDA GPU: one kernel instead of an add and a LayerNorm reading it back; same values)."""
+    if fused_norm_enabled():
+        return kernels.add_layer_norm(x, h, scale, norm.weight, norm.get("bias"), norm.eps)
+    x = x + h / scale
+    return x, norm(x)
 
 
 @dataclasses.dataclass
@@ -157,10 +179,23 @@ class Layer(nn.Module):
         self.residual_scale = config.residual_scale
 
     def __call__(self, x: mx.array, mask: mx.array | None, return_weights: bool = False):
-        attn, weights = self.self_attn(self.input_layernorm(x), mask, return_weights)
-        x = x + attn / self.residual_scale
-        x = x + self.mlp(self.post_attention_layernorm(x)) / self.residual_scale
+        x, _, weights = self.step(x, self.input_layernorm(x), mask, None, return_weights)
         return x, weights
+
+    def step(
+        self, x: mx.array, normed: mx.array, mask: mx.array | None, next_norm=None, return_weights: bool = False
+    ) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """The block on the residual stream ``x`` given ``normed = input_layernorm(x)``: the
+        new stream, ``next_norm`` of it (the next block's input LayerNorm or the final one,
+        computed with the residual add; None when ``next_norm`` is None) and the attention
+        weights. ESMC's residual adds are scaled: ``x + h / residual_scale``."""
+        attn, weights = self.self_attn(normed, mask, return_weights)
+        x, y = residual_norm(x, attn, self.residual_scale, self.post_attention_layernorm)
+        h = self.mlp(y)
+        if next_norm is None:
+            return x + h / self.residual_scale, None, weights
+        x, normed = residual_norm(x, h, self.residual_scale, next_norm)
+        return x, normed, weights
 
 
 class Encoder(nn.Module):
@@ -346,12 +381,16 @@ class ESMC(nn.Module):
         x = self.esmc.embed_tokens(input_ids)
         hidden = [x] if output_hidden_states else None
         weights = [] if output_attentions else None
+        layers = self.esmc.layers
+        # Each block also computes the LayerNorm that follows it (the next block's input norm,
+        # the final norm after the last): normed is that norm of x.
+        normed = layers[0].input_layernorm(x) if layers else self.esmc.norm(x)
         queued = None
-        for i, layer in enumerate(self.esmc.layers):
+        for i, (layer, next_norm) in enumerate(zip(layers, self._next_norms(), strict=True)):
             if blocks is not None:
-                x, w = blocks[i](x, mask), None
+                (x, normed), w = blocks[i](x, normed, mask), None
             else:
-                x, w = layer(x, mask, output_attentions)
+                x, normed, w = layer.step(x, normed, mask, next_norm, output_attentions)
             if hidden is not None:
                 hidden.append(x)
             if weights is not None:
@@ -361,14 +400,14 @@ class ESMC(nn.Module):
                 # is in flight (bounded memory), and the device never idles while the next
                 # chunk's graph is built (a plain mx.eval per chunk would idle it).
                 try:
-                    mx.async_eval(x)
+                    mx.async_eval(x, normed)
                 except ValueError:  # under mx.grad / vmap: the backward pass keeps every
                     chunk = None  # intermediate anyway, and evaluation is not allowed
                     continue
                 if queued is not None:
                     mx.eval(queued)
-                queued = x
-        x = self.esmc.norm(x)
+                queued = (x, normed)
+        x = normed
         if hidden is not None:
             hidden[-1] = x
         return ESMCOutput(
@@ -378,36 +417,44 @@ class ESMC(nn.Module):
             attentions=tuple(weights) if weights is not None else None,
         )
 
+    def _next_norms(self) -> list[nn.LayerNorm]:
+        """The LayerNorm after each block: the next block's input norm, then the final norm."""
+        layers = self.esmc.layers
+        return [layer.input_layernorm for layer in layers[1:]] + [self.esmc.norm]
+
     def _logits_and_hidden(self, input_ids: mx.array, mask: mx.array | None) -> tuple[mx.array, mx.array]:
         out = self._forward(input_ids, mask)  # mx.compile traces functions returning arrays
         return out.logits, out.last_hidden_state
 
     def _compiled_blocks(self, mask: mx.array | None) -> list:
-        """One compiled function per block, (x, mask) -> x, for chunked inputs: evaluation
-        cannot happen inside one trace of the whole model, and tracing 80 blocks one by one
-        costs what tracing the model once does (one trace per block and input shape)."""
-        key = ("blocks", mask is None, os.environ.get(QUANT_POLICY_ENV, "auto"), fused_qkv_enabled())
+        """One compiled function per block, (x, normed, mask) -> (x, normed) as Layer.step, for
+        chunked inputs: evaluation cannot happen inside one trace of the whole model, and
+        tracing 80 blocks one by one costs what tracing the model once does (one trace per
+        block and input shape)."""
+        key = ("blocks", mask is None, *kernel_choices())
         blocks = self._compiled.get(key)
         if blocks is None:
-            blocks = [self._compile_block(layer, mask is None) for layer in self.esmc.layers]
+            pairs = zip(self.esmc.layers, self._next_norms(), strict=True)
+            blocks = [self._compile_block(layer, next_norm, mask is None) for layer, next_norm in pairs]
             self._compiled[key] = blocks
         return blocks
 
     @staticmethod
-    def _compile_block(layer: Layer, no_mask: bool):
+    def _compile_block(layer: Layer, next_norm: nn.LayerNorm, no_mask: bool):
+        state = [layer.state, next_norm.state]
         if no_mask:
-            fn = mx.compile(lambda x: layer(x, None)[0], inputs=layer.state)
-            return lambda x, mask: fn(x)
-        return mx.compile(lambda x, mask: layer(x, mask)[0], inputs=layer.state)
+            fn = mx.compile(lambda x, normed: layer.step(x, normed, None, next_norm)[:2], inputs=state)
+            return lambda x, normed, mask: fn(x, normed)
+        return mx.compile(lambda x, normed, mask: layer.step(x, normed, mask, next_norm)[:2], inputs=state)
 
     def _compiled_forward(self, input_ids: mx.array, mask: mx.array | None) -> tuple[mx.array, mx.array]:
         chunk = self._chunk_for(input_ids)
         if chunk is not None:
             out = self._forward(input_ids, mask, chunk=chunk, blocks=self._compiled_blocks(mask))
             return out.logits, out.last_hidden_state
-        # A trace bakes in the quantized layers' matmul choice and the q/k/v kernel choice:
-        # key it by the forced policy and FUSED_QKV_ENV too.
-        key = (mask is None, os.environ.get(QUANT_POLICY_ENV, "auto"), fused_qkv_enabled())
+        # A trace bakes in the quantized layers' matmul choice and the kernel choices: key it
+        # by them too.
+        key = (mask is None, *kernel_choices())
         fn = self._compiled.get(key)
         if fn is None:
             # Parameters are implicit inputs (not constants): one trace per input shape.
