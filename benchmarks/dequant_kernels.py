@@ -5,9 +5,10 @@
    group 64, mxfp4, mxfp8 and nvfp4: median time per call, GB/s (packed bytes + scales/biases
    read, bf16 written), the speedup, and whether the two outputs are equal bit for bit.
 2. One quantized linear, bf16, at 16..4096 tokens: mx.quantized_matmul vs kernels.dequantize
-   + matmul vs mx.dequantize + matmul, and per mode the crossover (the smallest token count
-   from which kernel dequantize + matmul beats quantized_matmul at every larger count), what
-   runtime/quantized.CROSSOVER_TOKENS["cuda"] takes.
+   + matmul (routed as the runtime routes it: weights under kernels.MIN_VALUES go to
+   mx.dequantize) vs mx.dequantize + matmul, and per mode, bit width and linear the crossover
+   (the smallest token count from which dequantize + matmul beats quantized_matmul at every
+   larger count), what runtime/quantized.CROSSOVER_TOKENS["cuda"] takes.
 Calls are timed in batches (one mx.eval of --batch calls, then a synchronize) so the launch
 overhead of a ~20 us kernel does not dominate; the batches of each contender interleave.
 
@@ -17,7 +18,8 @@ overhead of a ~20 us kernel does not dominate; the batches of each contender int
 ``--against FILE`` times another version of runtime/kernels.py beside this one (for example
 ``git show REV:esmc_mlx/runtime/kernels.py > old.py``), ``--max-blocks 1056,4224,0`` this
 kernel at several grid caps (0: one thread per octet, no cap), ``--models 6B,300M`` the
-weight shapes of those models.
+weight shapes of those models in part 1, ``--linear-models 6B,300M`` their gate/up and down
+linears in part 2; ``--skip-dequantize`` / ``--skip-matmul`` run one part only.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from benchmarks import save_json
 from esmc_mlx.bench import time_interleaved
 from esmc_mlx.runtime import kernels
 
+SHIPPED_MIN_VALUES = kernels.MIN_VALUES
 kernels.MIN_VALUES = 0  # time the kernel at every size (dequantize() routes small weights to MLX)
 
 MODES = [("affine", b, 64) for b in (2, 3, 4, 5, 6, 8)] + [(m, *kernels.FP_MODES[m]) for m in kernels.FP_MODES]
@@ -41,8 +44,9 @@ MODEL_SHAPES = {
     "300M": [(5120, 960), (960, 2560), (2880, 960), (960, 960)],
 }
 SHAPES = {"gpu": MODEL_SHAPES["6B"], "cpu": [(256, 128), (128, 256)]}
-TOKENS = {"gpu": [16, 64, 256, 1024, 4096], "cpu": [16, 64]}
-LINEAR = {"gpu": [(6912, 2560), (2560, 6912)], "cpu": [(256, 128)]}
+TOKENS = {"gpu": [16, 32, 64, 128, 256, 512, 1024, 4096], "cpu": [16, 64]}
+# The linears of part 2 per model: the fused gate/up and the down projection.
+LINEAR = {"6B": [(13824, 2560), (2560, 6912)], "300M": [(5120, 960), (960, 2560)], "cpu": [(256, 128)]}
 
 
 def label(mode: str, bits: int) -> str:
@@ -139,11 +143,13 @@ def dequant_rows(device: str, batch: int, reps: int, shapes, against=None, max_b
     return rows
 
 
-def matmul_rows(device: str, batch: int, reps: int) -> tuple[list[dict], dict]:
+def matmul_rows(device: str, batch: int, reps: int, linears, modes) -> tuple[list[dict], dict]:
+    """Part 2, with kernels.dequantize as the runtime routes it (small weights to MLX)."""
+    kernels.MIN_VALUES = SHIPPED_MIN_VALUES
     rows, crossover = [], {}
-    for mode, bits, gs in MODES:
+    for mode, bits, gs in modes:
         name = label(mode, bits)
-        for shape in LINEAR[device]:
+        for shape in linears:
             w, s, b = quantized_weight(shape, mode, bits, gs)
             per_t = {}
             for tokens in TOKENS[device]:
@@ -192,6 +198,9 @@ def main(argv=None) -> dict:
     p.add_argument("--max-blocks", default="", help="comma-separated grid caps to time this kernel at (0: none)")
     p.add_argument("--models", default="6B", help="whose weight shapes, comma-separated: 6B, 300M (gpu)")
     p.add_argument("--skip-matmul", action="store_true", help="only the dequantize table")
+    p.add_argument("--skip-dequantize", action="store_true", help="only the matmul table and its crossovers")
+    p.add_argument("--linear-models", default="6B", help="whose linears part 2 times, comma-separated (gpu)")
+    p.add_argument("--modes", help="part 2's modes, comma-separated (affine4,mxfp4,...; default all)")
     a = p.parse_args(argv)
     mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
     shapes = [s for m in a.models.split(",") for s in MODEL_SHAPES[m]] if a.device == "gpu" else SHAPES["cpu"]
@@ -207,12 +216,15 @@ def main(argv=None) -> dict:
         "batch": batch,
         "reps": reps,
         "against": a.against,
-        "dequantize": dequant_rows(a.device, batch, reps, shapes, against, max_blocks),
     }
+    if not a.skip_dequantize:
+        result["dequantize"] = dequant_rows(a.device, batch, reps, shapes, against, max_blocks)
+        result["all_bit_exact"] = all(r["bit_exact"] for r in result["dequantize"])
+        print(f"all bit-exact: {result['all_bit_exact']}")
     if not a.skip_matmul:
-        result["matmul"], result["crossover_tokens"] = matmul_rows(a.device, max(1, batch // 4), reps)
-    result["all_bit_exact"] = all(r["bit_exact"] for r in result["dequantize"])
-    print(f"all bit-exact: {result['all_bit_exact']}")
+        linears = [s for m in a.linear_models.split(",") for s in LINEAR[m]] if a.device == "gpu" else LINEAR["cpu"]
+        modes = [m for m in MODES if a.modes is None or label(m[0], m[1]) in a.modes.split(",")]
+        result["matmul"], result["crossover_tokens"] = matmul_rows(a.device, max(1, batch // 4), reps, linears, modes)
     return save_json(a.json, result)
 
 

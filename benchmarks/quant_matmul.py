@@ -200,7 +200,9 @@ def markdown(results: dict) -> str:
     for m in modes:
         key = MODES[m][0]
         lines.append(
-            f"| {m} | " + " | ".join(str(results["crossover"][m].get(s)) for s in shapes) + f" | {table.get(key)} |"
+            f"| {m} | "
+            + " | ".join(str(results["crossover"][m].get(s)) for s in shapes)
+            + f" | {table.get(m, table.get(key))} |"
         )
     for shape in shapes:
         rows = [r for r in results["rows"] if r["shape"] == shape]

@@ -4,6 +4,7 @@ say, mixed recipes give the documented bits, and bad input fails clearly."""
 from __future__ import annotations
 
 import json
+import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -114,6 +115,23 @@ def test_policy_picks_path_by_token_count(quantized, monkeypatch):
     assert calls
     assert np.allclose(np.array(y_small[0, 0]), np.array(y_large[0, 0]), rtol=1e-5, atol=1e-5)
     assert not rq.dequantize_first(10**6, "unknown-mode")
+
+
+def test_crossover_by_backend_mode_bits_and_weight_size(monkeypatch):
+    """CUDA keys the crossover by mode and bit width and by which dequantize runs (this
+    project's kernel from kernels.MIN_VALUES values, mx.dequantize below); the CPU's "affine"
+    entry covers every width."""
+    from esmc_mlx.runtime import kernels
+
+    monkeypatch.setattr(rq, "backend", lambda: "cuda")
+    big, small = kernels.MIN_VALUES, kernels.MIN_VALUES - 1
+    assert rq.crossover("affine", 8, big) == rq.CROSSOVER_TOKENS["cuda"]["affine8"]
+    assert rq.crossover("affine", 8, small) == rq.CROSSOVER_TOKENS["cuda-small"]["affine8"]
+    assert rq.crossover("mxfp8", 8, big) != rq.crossover("mxfp8", 8, small)  # 128 against 1024
+    assert rq.dequantize_first(512, "affine", 8, big) and not rq.dequantize_first(511, "affine", 8, big)
+    assert rq.crossover("affine", 7, big) == math.inf  # no entry: quantized_matmul
+    monkeypatch.setattr(rq, "backend", lambda: "cpu")
+    assert rq.crossover("affine", 3) == rq.crossover("affine", 8) == rq.CROSSOVER_TOKENS["cpu"]["affine"]
 
 
 @pytest.mark.parametrize("spec", MODES)

@@ -26,18 +26,28 @@ from mlx.utils import tree_map_with_path, tree_unflatten
 from . import kernels
 
 # Token count (rows of x, all batch dims flattened) from which dequantize-then-matmul is used
-# instead of quantized_matmul, per backend and mode. math.inf: always quantized_matmul.
+# instead of quantized_matmul, per backend and mode ("affine4": affine at 4 bits; "affine":
+# every affine width without its own entry). math.inf: always quantized_matmul.
 CROSSOVER_TOKENS = {
     # Measured on this project's 2-core x86 CPU host, mlx 0.32.4 + OpenBLAS
     # (benchmarks/quant_matmul.py, docs/quantization.md). Dequantizing the fp4 formats is
     # ~3x slower than affine on the CPU, so they switch later.
     "cpu": {"affine": 8, "mxfp8": 4, "mxfp4": 32, "nvfp4": 32},
-    # Measured on an H200, mlx 0.32.4, bf16 (benchmarks/quant_matmul.py --device gpu on the 6B
-    # gate/up shape 6912x2560, docs/benchmarks.md): deq+mm wins from 1024 tokens for affine8,
-    # 256 for affine4, 64 for mxfp4. Whole 6B/300M forwards agree (affine8 ties at 256 tokens,
-    # affine4 and mxfp4 lose with qmm at 256). "affine" takes 256 (one key for all bit widths);
-    # mxfp8 and nvfp4 were not measured and follow affine8-like and mxfp4-like formats.
-    "cuda": {"affine": 256, "mxfp8": 256, "mxfp4": 64, "nvfp4": 64},
+    # Measured on an H200, mlx 0.32.4, bf16, with kernels.dequantize as the runtime routes it
+    # (python -m benchmarks.dequant_kernels --skip-dequantize --linear-models 6B,300M; the
+    # smallest of 16..4096 tokens from which dequantize + matmul took at least 0.97x the time of
+    # quantized_matmul at every larger count; docs/quantization.md). Two tables, because the
+    # dequantize differs: "cuda" for weights of kernels.MIN_VALUES values or more (this
+    # project's kernel; the 6B's gate/up and down), "cuda-small" for smaller ones
+    # (mx.dequantize; the 300M's).
+    "cuda": {
+        **{"affine2": 512, "affine3": 128, "affine4": 128, "affine5": 128, "affine6": 16, "affine8": 512},
+        **{"mxfp4": 128, "mxfp8": 128, "nvfp4": 128},
+    },
+    "cuda-small": {
+        **{"affine2": 256, "affine3": 256, "affine4": 256, "affine5": 256, "affine6": 128, "affine8": 1024},
+        **{"mxfp4": 64, "mxfp8": 1024, "nvfp4": 256},
+    },
     # Not measured here: Metal's quantized kernels are what mlx-lm runs at every batch size.
     "metal": {"affine": math.inf, "mxfp8": math.inf, "mxfp4": math.inf, "nvfp4": math.inf},
 }
@@ -53,12 +63,22 @@ def backend() -> str:
     return "metal" if mx.metal.is_available() else "cuda"
 
 
-def dequantize_first(tokens: int, mode: str) -> bool:
-    """True when dequantize-then-matmul is the faster path for ``tokens`` rows."""
+def crossover(mode: str, bits: int | None = None, values: int = 0) -> float:
+    """CROSSOVER_TOKENS' entry for a weight of ``values`` values quantized as (mode, bits)."""
+    name = backend()
+    if name == "cuda" and values < kernels.MIN_VALUES:
+        name = "cuda-small"
+    table = CROSSOVER_TOKENS[name]
+    return table.get(f"affine{bits}" if mode == "affine" else mode, table.get(mode, math.inf))
+
+
+def dequantize_first(tokens: int, mode: str, bits: int | None = None, values: int = 0) -> bool:
+    """True when dequantize-then-matmul is the faster path for ``tokens`` rows through a weight
+    of ``values`` values quantized as (mode, bits)."""
     forced = os.environ.get(POLICY_ENV, "auto").lower()
     if forced in ("quantized", "dequantize"):
         return forced == "dequantize"
-    return tokens >= CROSSOVER_TOKENS[backend()].get(mode, math.inf)
+    return tokens >= crossover(mode, bits, values)
 
 
 def dequantized_weight(module: nn.Module, dtype: mx.Dtype) -> mx.array:
@@ -80,7 +100,7 @@ class QuantizedLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         tokens = x.size // x.shape[-1] if x.shape[-1] else 0
-        if not dequantize_first(tokens, self.mode):
+        if not dequantize_first(tokens, self.mode, self.bits, self.weight.size * 32 // self.bits):
             return super().__call__(x)
         w = dequantized_weight(self, x.dtype).T
         return mx.addmm(self["bias"], x, w) if "bias" in self else x @ w
