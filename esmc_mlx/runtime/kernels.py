@@ -63,7 +63,7 @@ MAX_BLOCKS = 132 * 8 * 4
 # fast or faster: a custom kernel call carries 15-20 us of launch and dispatch. H200, bf16:
 # weights of 0.9-6.6M values took 9-48 us with mx.dequantize and 16-38 us with this kernel,
 # while 6912x2560 and larger took 1.08-3.15x less time here; whole forwards with
-# add_layer_norm at every size were 3-11% slower at 2.6M values or fewer per call (6B at 1x256,
+# add_layer_norm at every size were 5-11% slower at 3.9M values or fewer per call (6B at 1x256,
 # 1x1024; 300M up to 16x256) and 4-7% faster from 10M (6B 16x256, 64x512; 300M 64x512).
 MIN_VALUES = 8 << 20
 THREADS_PER_BLOCK = 256
