@@ -33,6 +33,7 @@ import mlx.core as mx
 from benchmarks import save_json
 from esmc_mlx.bench import time_interleaved
 from esmc_mlx.runtime import kernels
+from esmc_mlx.runtime.quantized import mode_name
 
 SHIPPED_MIN_VALUES = kernels.MIN_VALUES
 kernels.MIN_VALUES = 0  # time the kernel at every size (dequantize() routes small weights to MLX)
@@ -47,10 +48,6 @@ SHAPES = {"gpu": MODEL_SHAPES["6B"], "cpu": [(256, 128), (128, 256)]}
 TOKENS = {"gpu": [16, 32, 64, 128, 256, 512, 1024, 4096], "cpu": [16, 64]}
 # The linears of part 2 per model: the fused gate/up and the down projection.
 LINEAR = {"6B": [(13824, 2560), (2560, 6912)], "300M": [(5120, 960), (960, 2560)], "cpu": [(256, 128)]}
-
-
-def label(mode: str, bits: int) -> str:
-    return f"affine{bits}" if mode == "affine" else mode
 
 
 def quantized_weight(shape, mode, bits, group_size):
@@ -119,7 +116,7 @@ def dequant_rows(device: str, batch: int, reps: int, shapes, against=None, max_b
             ms = {k: v["median_ms"] / batch for k, v in t.items()}
             extra = {f"{k}_ms": v for k, v in ms.items() if k not in ("mx", "kernel")}
             row = {
-                "mode": label(mode, bits),
+                "mode": mode_name(mode, bits),
                 "group_size": gs,
                 "shape": list(shape),
                 "bytes": nbytes,
@@ -148,7 +145,7 @@ def matmul_rows(device: str, batch: int, reps: int, linears, modes) -> tuple[lis
     kernels.MIN_VALUES = SHIPPED_MIN_VALUES
     rows, crossover = [], {}
     for mode, bits, gs in modes:
-        name = label(mode, bits)
+        name = mode_name(mode, bits)
         for shape in linears:
             w, s, b = quantized_weight(shape, mode, bits, gs)
             per_t = {}
@@ -223,7 +220,7 @@ def main(argv=None) -> dict:
         print(f"all bit-exact: {result['all_bit_exact']}")
     if not a.skip_matmul:
         linears = [s for m in a.linear_models.split(",") for s in LINEAR[m]] if a.device == "gpu" else LINEAR["cpu"]
-        modes = [m for m in MODES if a.modes is None or label(m[0], m[1]) in a.modes.split(",")]
+        modes = [m for m in MODES if a.modes is None or mode_name(m[0], m[1]) in a.modes.split(",")]
         result["matmul"], result["crossover_tokens"] = matmul_rows(a.device, max(1, batch // 4), reps, linears, modes)
     return save_json(a.json, result)
 

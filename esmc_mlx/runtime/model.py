@@ -46,10 +46,8 @@ def kernel_choices() -> tuple:
 def residual_norm(x: mx.array, h: mx.array, scale: float, norm: nn.LayerNorm) -> tuple[mx.array, mx.array]:
     """The residual stream ``x + h / scale`` and ``norm`` of it (kernels.add_layer_norm on a
     CUDA GPU: one kernel instead of an add and a LayerNorm reading it back; same values)."""
-    if fused_norm_enabled():
-        return kernels.add_layer_norm(x, h, scale, norm.weight, norm.get("bias"), norm.eps)
-    x = x + h / scale
-    return x, norm(x)
+    args = (x, h, scale, norm.weight, norm.get("bias"), norm.eps)
+    return kernels.add_layer_norm(*args) if fused_norm_enabled() else kernels.add_layer_norm_reference(*args)
 
 
 @dataclasses.dataclass

@@ -63,13 +63,18 @@ def backend() -> str:
     return "metal" if mx.metal.is_available() else "cuda"
 
 
+def mode_name(mode: str, bits: int | None) -> str:
+    """A quantization's name as CROSSOVER_TOKENS and the benchmarks key it: "affine4", "mxfp4"."""
+    return f"affine{bits}" if mode == "affine" else mode
+
+
 def crossover(mode: str, bits: int | None = None, values: int = 0) -> float:
     """CROSSOVER_TOKENS' entry for a weight of ``values`` values quantized as (mode, bits)."""
     name = backend()
     if name == "cuda" and values < kernels.MIN_VALUES:
         name = "cuda-small"
     table = CROSSOVER_TOKENS[name]
-    return table.get(f"affine{bits}" if mode == "affine" else mode, table.get(mode, math.inf))
+    return table.get(mode_name(mode, bits), table.get(mode, math.inf))
 
 
 def dequantize_first(tokens: int, mode: str, bits: int | None = None, values: int = 0) -> bool:
