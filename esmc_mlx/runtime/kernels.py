@@ -310,6 +310,44 @@ __device__ __forceinline__ void block_sum(float (&v)[K], float (&tmp)[K][32]) {
     v[k] = cooperative_groups::reduce(warp, v[k], cooperative_groups::plus<float>());
   }
 }
+
+// This block's row: blocks run along x, then on to further rows of blocks along y (a grid past
+// 2^31 threads); the last row of blocks may run past the rows (the kernel returns there).
+__device__ __forceinline__ size_t block_row() {
+  return size_t(blockIdx.y) * gridDim.x + blockIdx.x;
+}
+
+// LayerNorm statistics of K rows of D values, this thread holding N of each (zeros past the
+// row's end), as mlx/backend/cuda/layer_norm.cu computes them: the mean from an fp32 block
+// sum, the variance as a second pass over (x - mean)^2, then rsqrt(var / D + eps).
+template <int K, int N, int D, typename T>
+__device__ __forceinline__ void row_stats(
+    const T (&x)[K][N], bool active, float eps, float (&tmp)[2][K][32], float (&mean)[K], float (&rstd)[K]) {
+  float sums[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    sums[k] = 0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) sums[k] += static_cast<float>(x[k][i]);
+  }
+  block_sum<K>(sums, tmp[0]);
+  float vars[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    mean[k] = sums[k] / D;
+    vars[k] = 0;
+    if (active) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        float t = static_cast<float>(x[k][i]) - mean[k];
+        vars[k] += t * t;
+      }
+    }
+  }
+  block_sum<K>(vars, tmp[1]);
+#pragma unroll
+  for (int k = 0; k < K; ++k) rstd[k] = rsqrt(vars[k] / D + eps);
+}
 """
 
 
@@ -330,37 +368,35 @@ def _fits_a_block(width: int, dtype: mx.Dtype) -> bool:
     return width % _per_thread(dtype) == 0 and width <= _per_thread(dtype) * MAX_THREADS
 
 
-# q/k/v heads. Thread t owns columns N*t.. of q, k and v; a RoPE pair (j, j + 32) of a head
-# sits in threads t and t ^ (32 / N) of one warp: exchanged with a shuffle.
+# q/k/v heads. Thread t owns columns N*t.. of q and k; a RoPE pair (j, j + 32) of a head
+# sits in threads t and t ^ (32 / N) of one warp: exchanged with a shuffle. q and k are written
+# (B, L, H, 64), the projection's own row layout (see qkv_heads).
 _QKV_SOURCE = """
   constexpr int DH = 64, D = HEADS * DH, N = 16 / sizeof(T);
   __shared__ float red[2][2][32];
   const int t = threadIdx.x;
   const int L = qkv_shape[1];
-  const size_t row = size_t(blockIdx.y) * gridDim.x + blockIdx.x;
-  if (row >= size_t(qkv_shape[0]) * L) return;  // the whole block: the grid's last, partial row of blocks
-  const size_t b = row / L;
+  const size_t row = block_row();
+  if (row >= size_t(qkv_shape[0]) * L) return;
   const int l = int(row % L);
   const T* src = qkv + row * (3 * D);
-  const int c = N * t, h = c / DH, j = c % DH;
+  const int c = N * t, j = c % DH;
   const bool active = c < D;
-  const size_t dst = ((b * HEADS + h) * L + l) * DH + j;
+  const size_t dst = row * D + c;
   const float eps = __int_as_float(EPS_BITS);
   const float log2_base = __int_as_float(LOG2_BASE_BITS);
 
-  __align__(16) T xq[N], xk[N], xv[N];
+  __align__(16) T x[2][N];  // this thread's q and k values
 #pragma unroll
-  for (int i = 0; i < N; ++i) xq[i] = xk[i] = T(0);
+  for (int i = 0; i < N; ++i) x[0][i] = x[1][i] = T(0);
   if (active) {
-    move<N>(xq, src + c);
-    move<N>(xk, src + D + c);
-    move<N>(xv, src + 2 * D + c);
-    move<N>(v + dst, xv);
+    move<N>(x[0], src + c);
+    move<N>(x[1], src + D + c);
   }
 
   // The row's 32 RoPE angles as mx.fast.rope computes them (non-traditional: pair p is
   // (p, p + 32); inv_freq = exp2(-(p / 32) * log2(base)), scale 1, offset 0), once per row
-  // rather than per element; block_sum's sync publishes them.
+  // rather than per element; block_sum's sync (in row_stats) publishes them.
   __shared__ float rot[2][DH / 2];
   if (t < DH / 2) {
     float d = static_cast<float>(t) / static_cast<float>(DH / 2);
@@ -371,28 +407,8 @@ _QKV_SOURCE = """
     rot[1][t] = sin(theta);
   }
 
-  // Mean (fp32 sum in MLX's order), then the variance as a second pass over (x - mean)^2.
-  float sums[2] = {0, 0};
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    sums[0] += static_cast<float>(xq[i]);
-    sums[1] += static_cast<float>(xk[i]);
-  }
-  block_sum<2>(sums, red[0]);
-  const float mq = sums[0] / D, mk = sums[1] / D;
-  float norms[2] = {0, 0};
-  if (active) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      float tq = static_cast<float>(xq[i]) - mq;
-      norms[0] += tq * tq;
-      float tk = static_cast<float>(xk[i]) - mk;
-      norms[1] += tk * tk;
-    }
-  }
-  block_sum<2>(norms, red[1]);
-  const float nq = rsqrt(norms[0] / D + eps);
-  const float nk = rsqrt(norms[1] / D + eps);
+  float mean[2], rstd[2];
+  row_stats<2, N, D>(x, active, eps, red, mean, rstd);
 
   // Normalized, times the weight, plus MLX's zero bias: rounded to T as mx.fast.layer_norm
   // writes it; RoPE reads those rounded values back as fp32.
@@ -402,8 +418,8 @@ _QKV_SOURCE = """
   for (int i = 0; i < N; ++i) {
     const T wqi = active ? q_weight[c + i] : zero;
     const T wki = active ? k_weight[c + i] : zero;
-    float norm_q = (static_cast<float>(xq[i]) - mq) * nq;
-    float norm_k = (static_cast<float>(xk[i]) - mk) * nk;
+    float norm_q = (static_cast<float>(x[0][i]) - mean[0]) * rstd[0];
+    float norm_k = (static_cast<float>(x[1][i]) - mean[1]) * rstd[1];
     yq[i] = static_cast<float>(T(wqi * static_cast<T>(norm_q) + zero));
     yk[i] = static_cast<float>(T(wki * static_cast<T>(norm_k) + zero));
   }
@@ -439,7 +455,7 @@ def _qkv_heads_kernel() -> Kernel:
     return Kernel(
         name="esmc_qkv_heads",
         input_names=["qkv", "q_weight", "k_weight"],
-        output_names=["q", "k", "v"],
+        output_names=["q", "k"],
         source=_QKV_SOURCE,
         header=_ROW_HEADER,
     )
@@ -500,10 +516,19 @@ def qkv_heads_reference(qkv, q_norm_weight, k_norm_weight, eps: float, rope_thet
 def qkv_heads(
     qkv: mx.array, q_norm_weight: mx.array, k_norm_weight: mx.array, eps: float, rope_theta: float, num_heads: int
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """q, k, v as contiguous (B, H, L, 64) from the fused projection output (B, L, 3d):
-    ``rope(layer_norm(q) * w_q)``, the same for k, and v re-laid out. One CUDA kernel on a GPU
-    instead of MLX's copies of the strided q/k views, two layer norms, three head transposes
-    and two ropes; elsewhere ``qkv_heads_reference``.
+    """q, k, v as (B, H, L, 64) from the fused projection output (B, L, 3d):
+    ``rope(layer_norm(q) * w_q)``, the same for k, and v. One CUDA kernel on a GPU instead of
+    MLX's copies of the strided q/k views, two layer norms, two head transposes and two ropes;
+    elsewhere ``qkv_heads_reference``.
+
+    On the GPU the three are (B, H, L, 64) views of (B, L, H, 64) memory, the layout torch
+    hands its attention too: the kernel writes q and k row by row, and v is a view of the
+    projection output (no copy). MLX's cuDNN attention allocates its output in q's layout,
+    so the output is (B, L, H, 64) in memory and the ``(B, L, d)`` reshape before the output
+    projection is free; with contiguous (B, H, L, 64) heads both that reshape and v were a
+    copy of the activations per layer. Against that previous kernel, in one process on the
+    H200: 6B 64x512 753.1 against 769.8 ms, 16x256 95.4 against 97.5 ms, 300M 64x512 53.2
+    against 55.1 ms, same logits (docs/bench/qkv_layout_ab_*_h200.json).
 
     The kernel repeats MLX's CUDA arithmetic (mlx/backend/cuda/layer_norm.cu and rope.cu,
     0.32.x) as the same expressions: fp32 sum in layer_norm's thread/warp order (16 bytes of
@@ -519,26 +544,26 @@ def qkv_heads(
     and fp16, as MLX's layer_norm does (16 bytes a thread), it gave every dtype 4, its sums ran
     in another order, and some bf16/fp16 outputs were more than 1 ulp off; a 6B forward now
     gives the same logits with and without it (``python -m benchmarks.kernel_ab --env
-    ESMC_MLX_FUSED_QKV``: 1.05-1.19x faster with it, docs/bench/qkv_kernel_ab_6b_h200.json).
+    ESMC_MLX_FUSED_QKV``: 1.06-1.22x faster with it, docs/bench/qkv_kernel_ab_6b_h200_round7.json).
     """
     if not qkv_heads_supported(qkv, q_norm_weight, k_norm_weight, eps, rope_theta, num_heads):
         return qkv_heads_reference(qkv, q_norm_weight, k_norm_weight, eps, rope_theta, num_heads)
     B, L, _ = qkv.shape
-    shape = (B, num_heads, L, QKV_HEAD_DIM)
-    return tuple(
-        _qkv_heads_kernel()(
-            inputs=[qkv, q_norm_weight, k_norm_weight],
-            template=[
-                ("T", qkv.dtype),
-                ("HEADS", num_heads),
-                ("EPS_BITS", _f32_bits(eps)),
-                ("LOG2_BASE_BITS", _f32_bits(rope_log2_base(rope_theta))),
-            ],
-            output_shapes=[shape] * 3,
-            output_dtypes=[qkv.dtype] * 3,
-            **_row_launch(B * L, num_heads * QKV_HEAD_DIM, qkv.dtype),
-        )
+    rows = (B, L, num_heads, QKV_HEAD_DIM)
+    q, k = _qkv_heads_kernel()(
+        inputs=[qkv, q_norm_weight, k_norm_weight],
+        template=[
+            ("T", qkv.dtype),
+            ("HEADS", num_heads),
+            ("EPS_BITS", _f32_bits(eps)),
+            ("LOG2_BASE_BITS", _f32_bits(rope_log2_base(rope_theta))),
+        ],
+        output_shapes=[rows] * 2,
+        output_dtypes=[qkv.dtype] * 2,
+        **_row_launch(B * L, num_heads * QKV_HEAD_DIM, qkv.dtype),
     )
+    v = qkv[..., 2 * num_heads * QKV_HEAD_DIM :].reshape(rows)
+    return tuple(a.transpose(0, 2, 1, 3) for a in (q, k, v))
 
 
 # ---- the residual add and the LayerNorm after it, in one pass --------------------------------
@@ -546,50 +571,37 @@ def qkv_heads(
 _ADD_NORM_SOURCE = """
   constexpr int N = 16 / sizeof(T);
   __shared__ float red[2][1][32];
-  const size_t row = size_t(blockIdx.y) * gridDim.x + blockIdx.x;
-  if (row >= size_t(x_shape[0])) return;  // the whole block: the grid's last, partial row of blocks
+  const size_t row = block_row();
+  if (row >= size_t(x_shape[0])) return;
   const int c = N * threadIdx.x;
   const bool active = c < D;
   const size_t at = row * D + c;
   const float eps = __int_as_float(EPS_BITS);
 
   // The residual stream: x + h / scale in T, each operation rounded as MLX's ops round it.
-  __align__(16) T r[N];
+  __align__(16) T r[1][N];
 #pragma unroll
-  for (int i = 0; i < N; ++i) r[i] = T(0);
+  for (int i = 0; i < N; ++i) r[0][i] = T(0);
   if (active) {
     __align__(16) T xs[N], hs[N];
     move<N>(xs, x + at);
     move<N>(hs, h + at);
     const T s = scale[0];
 #pragma unroll
-    for (int i = 0; i < N; ++i) r[i] = xs[i] + hs[i] / s;
-    move<N>(residual + at, r);
+    for (int i = 0; i < N; ++i) r[0][i] = xs[i] + hs[i] / s;
+    move<N>(residual + at, r[0]);
   }
 
-  // mx.fast.layer_norm of it: mean, then the variance as a second pass over (r - mean)^2.
-  float sum[1] = {0};
-#pragma unroll
-  for (int i = 0; i < N; ++i) sum[0] += static_cast<float>(r[i]);
-  block_sum<1>(sum, red[0]);
-  const float mean = sum[0] / D;
-  float var[1] = {0};
-  if (active) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      float t = static_cast<float>(r[i]) - mean;
-      var[0] += t * t;
-    }
-  }
-  block_sum<1>(var, red[1]);
-  const float normalizer = rsqrt(var[0] / D + eps);
+  // mx.fast.layer_norm of it.
+  float mean[1], rstd[1];
+  row_stats<1, N, D>(r, active, eps, red, mean, rstd);
   if (active) {
     __align__(16) T ws[N], bs[N], out[N];
     move<N>(ws, weight + c);
     move<N>(bs, bias + c);
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      float norm = (static_cast<float>(r[i]) - mean) * normalizer;
+      float norm = (static_cast<float>(r[0][i]) - mean[0]) * rstd[0];
       out[i] = ws[i] * static_cast<T>(norm) + bs[i];
     }
     move<N>(normed + at, out);
