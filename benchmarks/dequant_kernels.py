@@ -8,7 +8,8 @@
    + matmul (routed as the runtime routes it: weights under kernels.MIN_VALUES go to
    mx.dequantize) vs mx.dequantize + matmul, and per mode, bit width and linear the crossover
    (the smallest token count from which dequantize + matmul beats quantized_matmul at every
-   larger count), what runtime/quantized.CROSSOVER_TOKENS["cuda"] takes.
+   larger count). CROSSOVER_TOKENS no longer takes these: whole forwards disagreed with them
+   (benchmarks/crossover_forward.py, which the table now comes from).
 Calls are timed in batches (one mx.eval of --batch calls, then a synchronize) so the launch
 overhead of a ~20 us kernel does not dominate; the batches of each contender interleave.
 

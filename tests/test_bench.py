@@ -8,6 +8,8 @@ import pytest
 from click.testing import CliRunner
 from conftest import requires_torch
 
+from benchmarks import crossover_forward
+from benchmarks.crossover_forward import crossover
 from esmc_mlx.cli import main
 
 
@@ -34,3 +36,24 @@ def test_bench_without_torch_times_mlx_alone(tmp_path):
     assert out.exit_code == 0, out.output
     results = json.loads((tmp_path / "bench.json").read_text())
     assert [r["impl"] for r in results["forward"]] == ["mlx"] and results["agreement"] == {}
+
+
+def test_crossover_takes_ties_and_needs_every_larger_count():
+    def rows(*pairs):
+        return [{"tokens": t, "quantized_ms": 1.0, "dequantize_ms": d} for t, d in pairs]
+
+    assert crossover(rows((32, 0.9), (64, 1.02), (128, 0.5))) == 32  # within 3%: a tie, dequantize
+    assert crossover(rows((32, 0.5), (64, 1.2), (128, 0.5))) == 128  # 64 breaks the run
+    assert crossover(rows((32, 0.5), (64, 0.5), (128, 1.5))) is None
+
+
+def test_crossover_forward_times_both_paths_and_writes_json(tmp_path):
+    """A CPU smoke run of the benchmark CROSSOVER_TOKENS comes from: both sides timed per count,
+    the crossover derived from those rows, the JSON on disk."""
+    out = tmp_path / "x.json"
+    argv = ["--model", "tiny", "--device", "cpu", "--tokens", "16,32", "--modes", "affine4", "--budget", "0.05"]
+    result = crossover_forward.main([*argv, "--json", str(out)])
+    assert json.loads(out.read_text())["crossover_tokens"] == result["crossover_tokens"]
+    rows = result["rows"]
+    assert [r["tokens"] for r in rows] == [16, 32] and all(r["quantized_ms"] > 0 < r["dequantize_ms"] for r in rows)
+    assert result["crossover_tokens"]["affine4"] == crossover_forward.crossover(rows)

@@ -124,11 +124,12 @@ def test_crossover_by_backend_mode_bits_and_weight_size(monkeypatch):
     from esmc_mlx.runtime import kernels
 
     monkeypatch.setattr(rq, "backend", lambda: "cuda")
+    table = {"cuda": {"affine8": 100, "affine4": 50}, "cuda-small": {"affine8": 300}, "cpu": {"affine": 8}}
+    monkeypatch.setattr(rq, "CROSSOVER_TOKENS", table)
     big, small = kernels.MIN_VALUES, kernels.MIN_VALUES - 1
-    assert rq.crossover("affine", 8, big) == rq.CROSSOVER_TOKENS["cuda"]["affine8"]
-    assert rq.crossover("affine", 8, small) == rq.CROSSOVER_TOKENS["cuda-small"]["affine8"]
-    assert rq.crossover("mxfp8", 8, big) != rq.crossover("mxfp8", 8, small)  # 128 against 1024
-    assert rq.dequantize_first(512, "affine", 8, big) and not rq.dequantize_first(511, "affine", 8, big)
+    assert rq.crossover("affine", 8, big) == 100 and rq.crossover("affine", 4, big) == 50
+    assert rq.crossover("affine", 8, small) == 300
+    assert rq.dequantize_first(100, "affine", 8, big) and not rq.dequantize_first(99, "affine", 8, big)
     assert rq.crossover("affine", 7, big) == math.inf  # no entry: quantized_matmul
     monkeypatch.setattr(rq, "backend", lambda: "cpu")
     assert rq.crossover("affine", 3) == rq.crossover("affine", 8) == rq.CROSSOVER_TOKENS["cpu"]["affine"]

@@ -33,20 +33,25 @@ CROSSOVER_TOKENS = {
     # (benchmarks/quant_matmul.py, docs/quantization.md). Dequantizing the fp4 formats is
     # ~3x slower than affine on the CPU, so they switch later.
     "cpu": {"affine": 8, "mxfp8": 4, "mxfp4": 32, "nvfp4": 32},
-    # Measured on an H200, mlx 0.32.4, bf16, with kernels.dequantize as the runtime routes it
-    # (python -m benchmarks.dequant_kernels --skip-dequantize --linear-models 6B,300M; the
-    # smallest of 16..4096 tokens from which dequantize + matmul took at least 0.97x the time of
-    # quantized_matmul at every larger count; docs/quantization.md). Two tables, because the
-    # dequantize differs: "cuda" for weights of kernels.MIN_VALUES values or more (this
-    # project's kernel; the 6B's gate/up and down), "cuda-small" for smaller ones
-    # (mx.dequantize; the 300M's).
+    # Measured on an H200, mlx 0.32.4, bf16, in whole forwards at batch 1 with every block
+    # weight through one path, then the other (python -m benchmarks.crossover_forward --model
+    # 6B / 300M; the smallest of 32..4096 tokens from which dequantize + matmul took at most
+    # 1.03x the time of quantized_matmul at every larger count; docs/quantization.md). Two
+    # tables, because the dequantize differs: "cuda" for weights of kernels.MIN_VALUES values
+    # or more (this project's kernel; the 6B's, measured on the 6B), "cuda-small" for smaller
+    # ones (mx.dequantize; measured on the 300M, all of whose weights are smaller). 32 is the
+    # smallest count measured. Timing one weight in bursts of calls (benchmarks.dequant_kernels)
+    # had put these at 64-1024 tokens: a 6B forward at 1x256 then took 33.7 ms in affine8,
+    # against 20.2 ms with this table. nvfp4 (both tables) and cuda-small mxfp8 were measured
+    # at 32 tokens only (every other mode's ratio falls as the tokens grow); cuda-small nvfp4
+    # keeps the burst figure, not yet measured in forwards.
     "cuda": {
-        **{"affine2": 512, "affine3": 128, "affine4": 128, "affine5": 128, "affine6": 16, "affine8": 512},
-        **{"mxfp4": 128, "mxfp8": 128, "nvfp4": 128},
+        **{"affine2": 32, "affine3": 32, "affine4": 32, "affine5": 32, "affine6": 32, "affine8": 32},
+        **{"mxfp4": 32, "mxfp8": 32, "nvfp4": 32},
     },
     "cuda-small": {
-        **{"affine2": 256, "affine3": 256, "affine4": 256, "affine5": 256, "affine6": 128, "affine8": 1024},
-        **{"mxfp4": 64, "mxfp8": 1024, "nvfp4": 256},
+        **{"affine2": 64, "affine3": 32, "affine4": 32, "affine5": 32, "affine6": 32, "affine8": 128},
+        **{"mxfp4": 32, "mxfp8": 32, "nvfp4": 256},
     },
     # Not measured here: Metal's quantized kernels are what mlx-lm runs at every batch size.
     "metal": {"affine": math.inf, "mxfp8": math.inf, "mxfp4": math.inf, "nvfp4": math.inf},

@@ -1,0 +1,102 @@
+"""Where quantized_matmul stops paying, measured in whole forwards (issue 16): the shipped model
+(random bf16 weights, fused, compiled) quantized one way, timed at B=1 and several token counts
+with every block weight through ``quantized_matmul`` (ESMC_MLX_QUANT_MATMUL=quantized) and
+through dequantize + matmul (=dequantize), interleaved in one process; then per quantization
+the smallest token count from which dequantize + matmul took at most TIE times the time of
+quantized_matmul at every larger count: what ``runtime.quantized.CROSSOVER_TOKENS`` holds.
+
+Why whole forwards: timing one weight in bursts of calls (``benchmarks.dequant_kernels``, one
+``mx.eval`` of 8 calls) disagreed with the forwards built from those weights. The bursts had
+quantized_matmul ahead up to 128-1024 tokens (affine8 on the 6B's gate/up at 256 tokens: 0.22
+against 0.26 ms); in whole forwards dequantize + matmul was ahead from 32-128 tokens in every
+mode measured (the 6B at 1x256 in affine8: 24.7 ms against 34.3 ms with quantized_matmul), and
+the shipped 6B forward at 1x256 in affine8 took 33.7 ms with the burst table, 20.2 ms with
+this one. Not isolated: a burst evaluates its 8 dequantizes before its 8 matmuls, so each
+dequantized weight has left the 50 MB L2 cache when its GEMM reads it, where in a forward
+the GEMM follows its own dequantize; and the forward's graph hides launch costs that a burst
+of two kernels per call pays in full. Either way the forward is what users run.
+
+The 6B's block weights are all of kernels.MIN_VALUES values or more (our dequantize kernel:
+the "cuda" table) but o_proj; the 300M's are all smaller (mx.dequantize: "cuda-small").
+
+    python -m benchmarks.crossover_forward --model 6B --json $OUT/6b.json       # GPU
+    python -m benchmarks.crossover_forward --model tiny --device cpu --tokens 16,64 --modes affine4
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from benchmarks import save_json
+from esmc_mlx.bench import config_for, forward_fns, machine, mlx_model, time_interleaved
+from esmc_mlx.quantize import AFFINE_BITS, DEFAULT_GROUP_SIZE, FIXED_MODES
+from esmc_mlx.runtime.quantized import POLICY_ENV
+from esmc_mlx.testing import random_mlx_model
+
+RECORDS = {
+    **{f"affine{b}": {"mode": "affine", "bits": b, "group_size": DEFAULT_GROUP_SIZE} for b in AFFINE_BITS},
+    **{m: {"mode": m, "bits": bits, "group_size": gs} for m, (gs, bits) in FIXED_MODES.items()},
+}
+SIDES = {"quantized": {POLICY_ENV: "quantized"}, "dequantize": {POLICY_ENV: "dequantize"}}
+
+
+TIE = 1.03  # neighbouring rows of one run move by this much: within it, a tie
+
+
+def crossover(rows: list[dict]) -> int | None:
+    """Smallest token count from which dequantize + matmul took at most TIE times the time of
+    quantized_matmul at every larger count (None: quantized_matmul at the largest count). Ties
+    go to dequantize + matmul: its time grows slowly with the tokens, quantized_matmul's fast."""
+    cross = None
+    for r in sorted(rows, key=lambda r: r["tokens"], reverse=True):
+        if r["dequantize_ms"] > TIE * r["quantized_ms"]:
+            break
+        cross = r["tokens"]
+    return cross
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="6B", help="6B, 600M, 300M or tiny (random weights)")
+    p.add_argument("--modes", default=",".join(RECORDS), help=f"of {', '.join(RECORDS)}")
+    p.add_argument("--tokens", default="64,128,256,512,1024,2048", help="token counts (batch 1)")
+    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
+    p.add_argument("--budget", type=float, default=1.0, help="seconds of timed forwards per side and count")
+    p.add_argument("--json", help="write the results here")
+    a = p.parse_args(argv)
+    mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
+    config = config_for(a.model)
+    dtype = mx.bfloat16 if a.device == "gpu" else mx.float32
+    weights = dict(tree_flatten(random_mlx_model(config, dtype).parameters()))
+    tokens = [int(t) for t in a.tokens.split(",")]
+    rows, crossovers = [], {}
+    for name in a.modes.split(","):
+        model = mlx_model(config, weights, fuse=True, compile=True, quant=RECORDS[name])
+        mine = []
+        for t in tokens:
+            fns = forward_fns(None, dict.fromkeys(SIDES, model), 1, t, env=SIDES)
+            timed = time_interleaved(fns, warmup=3, budget_s=a.budget)
+            row = {"mode": name, "tokens": t, **{f"{s}_ms": timed[s]["median_ms"] for s in SIDES}}
+            row["dequantize_over_quantized"] = row["dequantize_ms"] / row["quantized_ms"]
+            mine.append(row)
+            print(
+                f"{a.model} {name:8s} 1x{t:<5d} quantized_matmul {row['quantized_ms']:8.2f} ms, "
+                f"dequantize + matmul {row['dequantize_ms']:8.2f} ms ({row['dequantize_over_quantized']:.2f})",
+                flush=True,
+            )
+        crossovers[name] = crossover(mine)
+        print(f"{a.model} {name}: dequantize + matmul wins from {crossovers[name]} tokens", flush=True)
+        rows += mine
+        del model
+        gc.collect()
+        result = {"machine": machine(with_torch=False), "model": a.model, "rows": rows, "crossover_tokens": crossovers}
+        save_json(a.json, result)  # after every mode: a run cut short keeps what it measured
+    return result
+
+
+if __name__ == "__main__":
+    main()
