@@ -20,6 +20,11 @@ The 6B's block weights are all of kernels.MIN_VALUES values or more (our dequant
 the "cuda" table) but o_proj; the 300M's are all smaller (mx.dequantize: "cuda-small").
 
     python -m benchmarks.crossover_forward --model 6B --json $OUT/6b.json       # GPU
+    python -m benchmarks.crossover_forward --model 300M --modes nvfp4 --json $OUT/300m.json
+
+On the H200 a mode took about 65 s on the 6B and 25-50 s on the 300M at 8 token counts
+(MLX compiles its quantized kernels per shape, and each side traces each shape): budget
+10 minutes for all nine modes of the 6B, or split them with --modes.
     python -m benchmarks.crossover_forward --model tiny --device cpu --tokens 16,64 --modes affine4
 """
 
