@@ -78,7 +78,7 @@ def main(argv=None) -> dict:
     dtype = mx.bfloat16 if a.device == "gpu" else mx.float32
     weights = dict(tree_flatten(random_mlx_model(config, dtype).parameters()))
     tokens = [int(t) for t in a.tokens.split(",")]
-    rows, crossovers = [], {}
+    result = {"machine": machine(with_torch=False), "model": a.model, "rows": [], "crossover_tokens": {}}
     for name in a.modes.split(","):
         model = mlx_model(config, weights, fuse=True, compile=True, quant=RECORDS[name])
         mine = []
@@ -93,12 +93,11 @@ def main(argv=None) -> dict:
                 f"dequantize + matmul {row['dequantize_ms']:8.2f} ms ({row['dequantize_over_quantized']:.2f})",
                 flush=True,
             )
-        crossovers[name] = crossover(mine)
-        print(f"{a.model} {name}: dequantize + matmul wins from {crossovers[name]} tokens", flush=True)
-        rows += mine
+        result["rows"] += mine
+        result["crossover_tokens"][name] = crossover(mine)
+        print(f"{a.model} {name}: dequantize + matmul wins from {result['crossover_tokens'][name]} tokens", flush=True)
         del model
         gc.collect()
-        result = {"machine": machine(with_torch=False), "model": a.model, "rows": rows, "crossover_tokens": crossovers}
         save_json(a.json, result)  # after every mode: a run cut short keeps what it measured
     return result
 

@@ -93,7 +93,12 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=2, help="ranks")
     parser.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     parser.add_argument("--workdir", type=Path)
-    parser.add_argument("--extra", nargs="*", default=[], help="more embed options, e.g. --batch-tokens 8192")
+    parser.add_argument(
+        "--extra",
+        nargs="*",
+        default=[],
+        help="more embed options, written --extra=--batch-tokens=8192 (a bare --batch-tokens is read as this script's)",
+    )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--no-warmup", action="store_true", help="time a machine's first run, compiles included")
     args = parser.parse_args()
