@@ -37,6 +37,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from benchmarks import save_json
+from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments
 from esmc_mlx.bench import config_for, forward_fns, machine, mlx_model, time_interleaved
 from esmc_mlx.quantize import AFFINE_BITS, DEFAULT_GROUP_SIZE, FIXED_MODES
 from esmc_mlx.runtime.quantized import POLICY_ENV
@@ -46,7 +47,7 @@ RECORDS = {
     **{f"affine{b}": {"mode": "affine", "bits": b, "group_size": DEFAULT_GROUP_SIZE} for b in AFFINE_BITS},
     **{m: {"mode": m, "bits": bits, "group_size": gs} for m, (gs, bits) in FIXED_MODES.items()},
 }
-SIDES = {"quantized": {POLICY_ENV: "quantized"}, "dequantize": {POLICY_ENV: "dequantize"}}
+SIDES = {"quantized": {POLICY_ENV: "quantized"}, "dequantize": {POLICY_ENV: "dequantize"}}  # and "bf16"
 
 
 TIE = 1.03  # neighbouring rows of one run move by this much: within it, a tie
@@ -66,36 +67,41 @@ def crossover(rows: list[dict]) -> int | None:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="6B", help="6B, 600M, 300M or tiny (random weights)")
     p.add_argument("--modes", default=",".join(RECORDS), help=f"of {', '.join(RECORDS)}")
     p.add_argument("--tokens", default="64,128,256,512,1024,2048", help="token counts (batch 1)")
-    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
-    p.add_argument("--budget", type=float, default=1.0, help="seconds of timed forwards per side and count")
-    p.add_argument("--json", help="write the results here")
-    a = p.parse_args(argv)
-    mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
+    p.add_argument(
+        "--sides",
+        default="quantized,dequantize",
+        help="of quantized, dequantize (both needed for the crossover) and bf16 (the unquantized model, for reference)",
+    )
+    add_forward_arguments(p)
+    a = parse_forward_arguments(p, argv)
     config = config_for(a.model)
     dtype = mx.bfloat16 if a.device == "gpu" else mx.float32
     weights = dict(tree_flatten(random_mlx_model(config, dtype).parameters()))
     tokens = [int(t) for t in a.tokens.split(",")]
     result = {"machine": machine(with_torch=False), "model": a.model, "rows": [], "crossover_tokens": {}}
+    sides = a.sides.split(",")
+    bf16 = mlx_model(config, weights, fuse=True, compile=True) if "bf16" in sides else None
     for name in a.modes.split(","):
         model = mlx_model(config, weights, fuse=True, compile=True, quant=RECORDS[name])
+        models = {s: bf16 if s == "bf16" else model for s in sides}
         mine = []
         for t in tokens:
-            fns = forward_fns(None, dict.fromkeys(SIDES, model), 1, t, env=SIDES)
+            fns = forward_fns(None, models, 1, t, env=SIDES)
             timed = time_interleaved(fns, warmup=3, budget_s=a.budget)
-            row = {"mode": name, "tokens": t, **{f"{s}_ms": timed[s]["median_ms"] for s in SIDES}}
-            row["dequantize_over_quantized"] = row["dequantize_ms"] / row["quantized_ms"]
+            row = {"mode": name, "tokens": t, **{f"{s}_ms": timed[s]["median_ms"] for s in sides}}
+            if "quantized" in sides and "dequantize" in sides:
+                row["dequantize_over_quantized"] = row["dequantize_ms"] / row["quantized_ms"]
             mine.append(row)
             print(
-                f"{a.model} {name:8s} 1x{t:<5d} quantized_matmul {row['quantized_ms']:8.2f} ms, "
-                f"dequantize + matmul {row['dequantize_ms']:8.2f} ms ({row['dequantize_over_quantized']:.2f})",
+                f"{a.model} {name:8s} 1x{t:<5d} " + ", ".join(f"{s} {row[s + '_ms']:8.2f} ms" for s in sides),
                 flush=True,
             )
         result["rows"] += mine
-        result["crossover_tokens"][name] = crossover(mine)
-        print(f"{a.model} {name}: dequantize + matmul wins from {result['crossover_tokens'][name]} tokens", flush=True)
+        if "dequantize_over_quantized" in mine[0]:
+            result["crossover_tokens"][name] = crossover(mine)
+            print(f"{a.model} {name}: dequantize + matmul wins from {result['crossover_tokens'][name]} tokens")
         del model
         gc.collect()
         save_json(a.json, result)  # after every mode: a run cut short keeps what it measured

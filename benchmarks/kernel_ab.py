@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from benchmarks import save_json
+from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments
 from esmc_mlx.bench import config_for, forward_fns, machine, parse_shapes, time_interleaved
 from esmc_mlx.runtime.model import FUSED_NORM_ENV
 from esmc_mlx.testing import random_mlx_model
@@ -27,13 +28,9 @@ from esmc_mlx.testing import random_mlx_model
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--env", default=FUSED_NORM_ENV, help="the switch (1: kernel on, 0: MLX's ops)")
-    p.add_argument("--model", default="6B", help="6B, 600M, 300M or tiny (random weights)")
     p.add_argument("--shapes", default="1x256,1x1024,16x256,64x512")
-    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
-    p.add_argument("--budget", type=float, default=3.0, help="seconds of timed forwards per side and shape")
-    p.add_argument("--json", help="write the results here")
-    a = p.parse_args(argv)
-    mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
+    add_forward_arguments(p, budget=3.0)
+    a = parse_forward_arguments(p, argv)
     model = random_mlx_model(config_for(a.model), mx.bfloat16 if a.device == "gpu" else mx.float32).optimize()
     sides = {"on": {a.env: "1"}, "off": {a.env: "0"}}
     rows = []

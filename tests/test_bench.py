@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import requires_torch
 
-from benchmarks import crossover_forward
+from benchmarks import crossover_forward, min_values_ab
 from benchmarks.crossover_forward import crossover
 from esmc_mlx.cli import main
 
@@ -57,3 +57,26 @@ def test_crossover_forward_times_both_paths_and_writes_json(tmp_path):
     rows = result["rows"]
     assert [r["tokens"] for r in rows] == [16, 32] and all(r["quantized_ms"] > 0 < r["dequantize_ms"] for r in rows)
     assert result["crossover_tokens"]["affine4"] == crossover_forward.crossover(rows)
+
+
+def test_crossover_forward_times_the_bf16_model_beside_a_path(tmp_path):
+    """--sides bf16,dequantize: the unquantized model timed beside one path; no crossover then
+    (it needs both paths)."""
+    argv = ["--model", "tiny", "--device", "cpu", "--tokens", "16", "--modes", "affine4", "--budget", "0.05"]
+    result = crossover_forward.main([*argv, "--sides", "bf16,dequantize"])
+    (row,) = result["rows"]
+    assert row["bf16_ms"] > 0 < row["dequantize_ms"] and "quantized_ms" not in row
+    assert result["crossover_tokens"] == {}
+
+
+def test_min_values_ab_compares_the_gate_with_identical_logits(tmp_path):
+    """A CPU smoke run: both quantized sides and the bf16 model timed, the logits of the two
+    quantized sides identical (on the CPU both run mx.dequantize; on CUDA the kernel is
+    bit-exact), the JSON on disk."""
+    out = tmp_path / "ab.json"
+    argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--modes", "affine4", "--budget", "0.05"]
+    result = min_values_ab.main([*argv, "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row == result["rows"][0] and row["logits_identical"]
+    assert row["gated_ms"] > 0 < row["all_ms"] and row["bf16_ms"] > 0
+    assert min_values_ab.kernels.MIN_VALUES == min_values_ab.SHIPPED  # restored after every call

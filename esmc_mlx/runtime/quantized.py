@@ -42,16 +42,14 @@ CROSSOVER_TOKENS = {
     # ones (mx.dequantize; measured on the 300M, all of whose weights are smaller). 32 is the
     # smallest count measured. Timing one weight in bursts of calls (benchmarks.dequant_kernels)
     # had put these at 64-1024 tokens: a 6B forward at 1x256 then took 33.7 ms in affine8,
-    # against 20.2 ms with this table. nvfp4 (both tables) and cuda-small mxfp8 were measured
-    # at 32 tokens only (every other mode's ratio falls as the tokens grow); cuda-small nvfp4
-    # keeps the burst figure, not yet measured in forwards.
+    # against 20.2 ms with this table. Every entry is from forwards of 32-1024 tokens or more.
     "cuda": {
         **{"affine2": 32, "affine3": 32, "affine4": 32, "affine5": 32, "affine6": 32, "affine8": 32},
         **{"mxfp4": 32, "mxfp8": 32, "nvfp4": 32},
     },
     "cuda-small": {
         **{"affine2": 64, "affine3": 32, "affine4": 32, "affine5": 32, "affine6": 32, "affine8": 128},
-        **{"mxfp4": 32, "mxfp8": 32, "nvfp4": 256},
+        **{"mxfp4": 32, "mxfp8": 32, "nvfp4": 512},
     },
     # Not measured here: Metal's quantized kernels are what mlx-lm runs at every batch size.
     "metal": {"affine": math.inf, "mxfp8": math.inf, "mxfp4": math.inf, "nvfp4": math.inf},
