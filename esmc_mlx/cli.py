@@ -542,11 +542,9 @@ Examples:
 )
 @click.option(
     "--batch-tokens",
-    default=4096,
-    show_default=True,
     type=click.IntRange(1),
-    help="Padded tokens per forward pass (rows x longest row). On a large GPU 16384 is faster "
-    "(1.3-1.6x the sequences per second of 4096 on an H200, docs/scoring.md).",
+    help="Padded tokens per forward pass (rows x longest row). [default: 16384 on a CUDA GPU, "
+    "where it gave 1.3-1.6x the sequences per second of 4096 on an H200; 4096 elsewhere]",
 )
 @click.option(
     "--dtype",

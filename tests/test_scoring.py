@@ -199,6 +199,31 @@ def test_length_batches_bound_padded_tokens():
     assert groups == [[600], [300], [52, 50], [49, 10], [8]]
 
 
+def test_default_batch_tokens_follow_the_device(model, tmp_path, monkeypatch):
+    """Without --batch-tokens, embedding batches hold 16384 padded tokens on a CUDA GPU and 4096
+    elsewhere (docs/scoring.md has the measurements), in the API, the job and the CLI."""
+    from esmc_mlx.tasks import jobs, scoring
+
+    assert scoring.default_batch_tokens() == (16384 if scoring.backend() == "cuda" else 4096)
+    seen, batches = [], scoring.length_batches
+
+    def recorded(lengths, tokens, multiple=1):
+        seen.append(tokens)
+        return batches(lengths, tokens, multiple)
+
+    monkeypatch.setattr(scoring, "length_batches", recorded)
+    monkeypatch.setattr(jobs, "length_batches", recorded)
+    seqs = random_sequences(3, 10, 20, seed=3)
+    for device, expected in (("cpu", 4096), ("cuda", 16384), ("metal", 4096)):
+        monkeypatch.setattr(scoring, "backend", lambda device=device: device)
+        seen.clear()
+        scoring.embed(model, seqs)
+        embed_fasta(model, write_fasta(tmp_path / f"{device}.fa", seqs), tmp_path / device)
+        assert seen == [expected, expected], device
+        scoring.embed(model, seqs, batch_tokens=100)  # given: used as given
+        assert seen[-1] == 100
+
+
 # --- resumable embedding job -------------------------------------------------------------------
 
 

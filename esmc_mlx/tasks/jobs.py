@@ -27,10 +27,10 @@ from .mutations import apply, parse_mutants
 from .scan import scan as run_scan
 from .scoring import (
     DEFAULT_BATCH_SIZE,
-    DEFAULT_BATCH_TOKENS,
     DEFAULT_WINDOW,
     METHODS,
     PAD_MULTIPLE,
+    default_batch_tokens,
     encode,
     iter_embeddings,
     length_batches,
@@ -77,7 +77,7 @@ def embed_fasta(
     layers=None,
     pools=None,
     storage: str = "npy",
-    batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    batch_tokens: int | None = None,
     dtype: str = "float32",
     force: bool = False,
     flush_every: int = 256,
@@ -96,11 +96,14 @@ def embed_fasta(
     The FASTA is read as a stream, twice: a first pass checks it and keeps each record's ID,
     length and sha1; the second embeds ``chunk_records`` records at a time (sorted by length
     within the chunk). Memory holds that metadata, one chunk and the unflushed results.
+    ``batch_tokens``: padded tokens per forward pass (default ``default_batch_tokens()``:
+    16384 on a CUDA GPU, 4096 elsewhere).
 
     Raises FastaError for a bad FASTA, JobError for an output directory holding other settings
     (or other sequences under the same IDs), ScoringError for a layer or pool the model lacks.
     """
     world = World.of(group)
+    batch_tokens = batch_tokens or default_batch_tokens()
     if dtype not in ("float32", "float16"):
         raise JobError(f"dtype must be float32 or float16, got {dtype!r}")
     if storage not in FORMATS:
