@@ -47,7 +47,8 @@ RECORDS = {
     **{f"affine{b}": {"mode": "affine", "bits": b, "group_size": DEFAULT_GROUP_SIZE} for b in AFFINE_BITS},
     **{m: {"mode": m, "bits": bits, "group_size": gs} for m, (gs, bits) in FIXED_MODES.items()},
 }
-SIDES = {"quantized": {POLICY_ENV: "quantized"}, "dequantize": {POLICY_ENV: "dequantize"}}  # and "bf16"
+# What each side sets; "bf16" (the unquantized model, for reference) sets nothing.
+SIDES = {"quantized": {POLICY_ENV: "quantized"}, "dequantize": {POLICY_ENV: "dequantize"}, "bf16": {}}
 
 
 TIE = 1.03  # neighbouring rows of one run move by this much: within it, a tie
@@ -82,6 +83,8 @@ def main(argv=None) -> dict:
     tokens = [int(t) for t in a.tokens.split(",")]
     result = {"machine": machine(with_torch=False), "model": a.model, "rows": [], "crossover_tokens": {}}
     sides = a.sides.split(",")
+    if not set(sides) <= set(SIDES):
+        p.error(f"--sides: {', '.join(sorted(set(sides) - set(SIDES)))} is not one of {', '.join(SIDES)}")
     bf16 = mlx_model(config, weights, fuse=True, compile=True) if "bf16" in sides else None
     for name in a.modes.split(","):
         model = mlx_model(config, weights, fuse=True, compile=True, quant=RECORDS[name])

@@ -67,6 +67,8 @@ def test_crossover_forward_times_the_bf16_model_beside_a_path(tmp_path):
     (row,) = result["rows"]
     assert row["bf16_ms"] > 0 < row["dequantize_ms"] and "quantized_ms" not in row
     assert result["crossover_tokens"] == {}
+    with pytest.raises(SystemExit):  # a misspelt side is refused, not timed under the default policy
+        crossover_forward.main([*argv, "--sides", "bf16,dequantise"])
 
 
 def test_min_values_ab_compares_the_gate_with_identical_logits(tmp_path):

@@ -222,6 +222,8 @@ def test_default_batch_tokens_follow_the_device(model, tmp_path, monkeypatch):
         assert seen == [expected, expected], device
         scoring.embed(model, seqs, batch_tokens=100)  # given: used as given
         assert seen[-1] == 100
+    with pytest.raises(ScoringError, match="batch_tokens must be positive"):
+        scoring.embed(model, seqs, batch_tokens=0)  # refused, not replaced by the default
 
 
 # --- resumable embedding job -------------------------------------------------------------------

@@ -103,7 +103,8 @@ def embed_fasta(
     (or other sequences under the same IDs), ScoringError for a layer or pool the model lacks.
     """
     world = World.of(group)
-    batch_tokens = batch_tokens or default_batch_tokens()
+    if batch_tokens is None:
+        batch_tokens = default_batch_tokens()
     if dtype not in ("float32", "float16"):
         raise JobError(f"dtype must be float32 or float16, got {dtype!r}")
     if storage not in FORMATS:

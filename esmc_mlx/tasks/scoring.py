@@ -269,7 +269,9 @@ def embed(
     pooled = {
         (i, p): ([None] * n if p == "per_residue" else np.zeros((n, d), np.float32)) for i in layers for p in pools
     }
-    batches = length_batches([len(e) for e in encoded], batch_tokens or default_batch_tokens(), PAD_MULTIPLE)
+    if batch_tokens is None:
+        batch_tokens = default_batch_tokens()
+    batches = length_batches([len(e) for e in encoded], batch_tokens, PAD_MULTIPLE)
     with _progress(n, "seq", "embed", progress) as bar:
         for rows, values in iter_embeddings(model, encoded, batches, layers=layers, pools=pools):
             for key, v in values.items():
