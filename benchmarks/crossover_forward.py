@@ -40,11 +40,11 @@ from benchmarks import save_json
 from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments
 from esmc_mlx.bench import config_for, forward_fns, machine, mlx_model, time_interleaved
 from esmc_mlx.quantize import AFFINE_BITS, DEFAULT_GROUP_SIZE, FIXED_MODES
-from esmc_mlx.runtime.quantized import POLICY_ENV
+from esmc_mlx.runtime.quantized import POLICY_ENV, mode_name
 from esmc_mlx.testing import random_mlx_model
 
 RECORDS = {
-    **{f"affine{b}": {"mode": "affine", "bits": b, "group_size": DEFAULT_GROUP_SIZE} for b in AFFINE_BITS},
+    **{mode_name("affine", b): {"mode": "affine", "bits": b, "group_size": DEFAULT_GROUP_SIZE} for b in AFFINE_BITS},
     **{m: {"mode": m, "bits": bits, "group_size": gs} for m, (gs, bits) in FIXED_MODES.items()},
 }
 # What each side sets; "bf16" (the unquantized model, for reference) sets nothing.

@@ -192,9 +192,14 @@ def _kernel(mode: str, bits: int, group_size: int) -> Kernel:
     )
 
 
+def on_cuda() -> bool:
+    """True when MLX's default device is a CUDA GPU: where every kernel here can run."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
 def supported(w, scales, biases, group_size: int, bits: int, mode: str, dtype, global_scale=None) -> bool:
     """True when the CUDA kernel handles this call (and the default device is a CUDA GPU)."""
-    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+    if not on_cuda():
         return False
     if w.dtype != mx.uint32 or w.ndim < 2 or dtype not in FLOATS or w.size * 4 % bits:  # whole octets
         return False
@@ -478,7 +483,7 @@ def qkv_heads_supported(
     """True when ``qkv_heads`` runs the CUDA kernel for these arguments (on a CUDA GPU).
     eps and log2(rope_theta) reach the kernel as the bits of positive fp32 values (template
     integers, which become part of the kernel's name: no minus sign)."""
-    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+    if not on_cuda():
         return False
     d = num_heads * QKV_HEAD_DIM
     return (
@@ -622,7 +627,7 @@ def _add_norm_kernel() -> Kernel:
 
 def add_layer_norm_supported(x: mx.array, h: mx.array, weight: mx.array, bias: mx.array | None, eps: float) -> bool:
     """True when ``add_layer_norm`` runs the CUDA kernel for these arguments (on a CUDA GPU)."""
-    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+    if not on_cuda():
         return False
     d = x.shape[-1] if x.ndim else 0
     return (
