@@ -147,7 +147,12 @@ def time_interleaved(
     max_reps: int = 20,
 ) -> dict[str, dict]:
     """Run each fn ``warmup`` times, then ``reps`` rounds of all fns in turn (interleaved).
-    Without ``reps``: as many rounds (3..max_reps) as fit ``budget_s`` per fn."""
+    Without ``reps``: as many rounds (3..max_reps) as fit ``budget_s`` per fn.
+
+    Each round starts one fn further on (A B C, B C A, C A B, ...), so that every fn follows
+    every other equally often: on an H200 the first quantized 6B model timed after the bf16
+    one took 3-4% longer than a second, identical one timed after it, whichever came first
+    (docs/benchmarks.md, "Ninth issue-16 session")."""
     last = {}
     for name, fn in fns.items():
         for _ in range(warmup):
@@ -157,10 +162,11 @@ def time_interleaved(
     if reps is None:
         reps = int(min(max_reps, max(3, budget_s / max(max(last.values()), 1e-6))))
     times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(reps):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             start = time.perf_counter()
-            fn()
+            fns[name]()
             times[name].append(time.perf_counter() - start)
     return {
         name: {"median_ms": statistics.median(t) * 1e3, "min_ms": min(t) * 1e3, "reps": len(t)}

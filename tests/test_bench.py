@@ -8,8 +8,9 @@ import pytest
 from click.testing import CliRunner
 from conftest import requires_torch
 
-from benchmarks import crossover_forward, min_values_ab
+from benchmarks import crossover_forward, min_values_ab, side_order
 from benchmarks.crossover_forward import crossover
+from esmc_mlx import bench
 from esmc_mlx.cli import main
 
 
@@ -82,3 +83,31 @@ def test_min_values_ab_compares_the_gate_with_identical_logits(tmp_path):
     assert row == result["rows"][0] and row["logits_identical"]
     assert row["gated_ms"] > 0 < row["all_ms"] and row["bf16_ms"] > 0
     assert min_values_ab.kernels.MIN_VALUES == min_values_ab.SHIPPED  # restored after every call
+
+
+def test_time_interleaved_rotates_the_order_every_round():
+    """Every fn runs first equally often and is followed by every other fn: a fn's position
+    cannot favour it."""
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    result = bench.time_interleaved(fns, warmup=1, reps=6)
+    assert order[:3] == ["a", "b", "c"]  # the warm-up, in order
+    rounds = [order[3 + 3 * r : 6 + 3 * r] for r in range(6)]
+    assert rounds[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    timed = order[3:]
+    for name in "abc":
+        assert [r.index(name) for r in rounds].count(0) == 2
+        followers = [timed[i + 1] for i in range(len(timed) - 1) if timed[i] == name]
+        assert set(followers) == set("abc") - {name}, (name, followers)  # without rotation: always the next
+    assert all(result[name]["reps"] == 6 for name in "abc")
+
+
+def test_side_order_times_two_identical_models_in_both_orders_and_in_blocks(tmp_path):
+    out = tmp_path / "order.json"
+    argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--modes", "affine4", "--budget", "0.05"]
+    result = side_order.main([*argv, "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row == result["rows"][0]
+    for key in ("bf16,qa,qb", "qb,qa,bf16"):
+        assert set(row[key]) == {"bf16", "qa", "qb"} and min(row[key].values()) > 0
+    assert set(row["blocked"]) == {"bf16", "qa"} and min(row["blocked"].values()) > 0
