@@ -6,10 +6,25 @@ from __future__ import annotations
 import argparse
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from esmc_mlx.bench import config_for, mlx_model
+from esmc_mlx.testing import random_mlx_model
 
 
-def add_forward_arguments(p: argparse.ArgumentParser, model: str = "6B", budget: float = 1.0) -> None:
-    """--model, --device, --budget and --json: what every whole-forward benchmark here takes."""
+def add_forward_arguments(
+    p: argparse.ArgumentParser,
+    model: str = "6B",
+    budget: float = 1.0,
+    modes: str | None = None,
+    shapes: str | None = None,
+) -> None:
+    """--model, --device, --budget and --json: what every whole-forward benchmark here takes;
+    --modes and --shapes too, with these defaults, when given."""
+    if modes is not None:
+        p.add_argument("--modes", default=modes, help="quantizations, comma-separated (crossover_forward.RECORDS)")
+    if shapes is not None:
+        p.add_argument("--shapes", default=shapes, help="BxL shapes, comma-separated")
     p.add_argument("--model", default=model, help="6B, 600M, 300M or tiny (random weights)")
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     p.add_argument("--budget", type=float, default=budget, help="seconds of timed forwards per side and shape")
@@ -21,3 +36,11 @@ def parse_forward_arguments(p: argparse.ArgumentParser, argv=None) -> argparse.N
     a = p.parse_args(argv)
     mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
     return a
+
+
+def random_bf16(model: str) -> tuple:
+    """(config, weights, model) for --model: random bf16 weights and the shipped bf16 model on
+    them (fused, compiled); quantized twins are built from the same weights."""
+    config = config_for(model)
+    weights = dict(tree_flatten(random_mlx_model(config, mx.bfloat16).parameters()))
+    return config, weights, mlx_model(config, weights, fuse=True, compile=True)

@@ -15,14 +15,12 @@ import gc
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from benchmarks import save_json
 from benchmarks.crossover_forward import RECORDS
-from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments
-from esmc_mlx.bench import config_for, forward_fns, machine, mlx_model, parse_shapes, time_interleaved
+from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments, random_bf16
+from esmc_mlx.bench import forward_fns, machine, mlx_model, parse_shapes, time_interleaved
 from esmc_mlx.runtime import kernels
-from esmc_mlx.testing import random_mlx_model
 
 SHIPPED = kernels.MIN_VALUES
 
@@ -42,13 +40,9 @@ def every_weight(fn):
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", default="affine4,affine8,mxfp4", help=f"of {', '.join(RECORDS)}")
-    p.add_argument("--shapes", default="1x256,1x1024,16x256,64x512")
-    add_forward_arguments(p, model="300M")
+    add_forward_arguments(p, model="300M", modes="affine4,affine8,mxfp4", shapes="1x256,1x1024,16x256,64x512")
     a = parse_forward_arguments(p, argv)
-    config = config_for(a.model)
-    weights = dict(tree_flatten(random_mlx_model(config, mx.bfloat16).parameters()))
-    bf16 = mlx_model(config, weights, fuse=True, compile=True)
+    config, weights, bf16 = random_bf16(a.model)
     result = {"machine": machine(with_torch=False), "model": a.model, "shipped_min_values": SHIPPED, "rows": []}
     for mode in a.modes.split(","):
         quant = {

@@ -17,14 +17,10 @@ import gc
 import statistics
 import time
 
-import mlx.core as mx
-from mlx.utils import tree_flatten
-
 from benchmarks import save_json
 from benchmarks.crossover_forward import RECORDS
-from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments
-from esmc_mlx.bench import config_for, forward_fns, machine, mlx_model, parse_shapes, time_interleaved
-from esmc_mlx.testing import random_mlx_model
+from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments, random_bf16
+from esmc_mlx.bench import forward_fns, machine, mlx_model, parse_shapes, time_interleaved
 
 
 def blocked(fns: dict, rounds: int = 4, per_block: int = 6) -> dict[str, float]:
@@ -42,13 +38,9 @@ def blocked(fns: dict, rounds: int = 4, per_block: int = 6) -> dict[str, float]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", default="mxfp4,affine4", help=f"of {', '.join(RECORDS)}")
-    p.add_argument("--shapes", default="1x256,1x1024,16x256")
-    add_forward_arguments(p, model="6B")
+    add_forward_arguments(p, model="6B", modes="mxfp4,affine4", shapes="1x256,1x1024,16x256")
     a = parse_forward_arguments(p, argv)
-    config = config_for(a.model)
-    weights = dict(tree_flatten(random_mlx_model(config, mx.bfloat16).parameters()))
-    bf16 = mlx_model(config, weights, fuse=True, compile=True)
+    config, weights, bf16 = random_bf16(a.model)
     result = {"machine": machine(with_torch=False), "model": a.model, "rows": []}
     for mode in a.modes.split(","):
         qa, qb = (mlx_model(config, weights, fuse=True, compile=True, quant=RECORDS[mode]) for _ in range(2))
