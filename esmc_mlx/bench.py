@@ -150,9 +150,9 @@ def time_interleaved(
     Without ``reps``: as many rounds (3..max_reps) as fit ``budget_s`` per fn.
 
     Each round starts one fn further on (A B C, B C A, C A B, ...), so that every fn follows
-    every other equally often: on an H200 the first quantized 6B model timed after the bf16
-    one took 3-4% longer than a second, identical one timed after it, whichever came first
-    (docs/benchmarks.md, "Ninth issue-16 session")."""
+    every other equally often. With a fixed order, on an H200, the quantized 6B (mxfp4) timed
+    right after the bf16 model took 3-4% longer than an identical copy timed after it, in
+    either order of the two copies (docs/benchmarks.md, "Ninth issue-16 session")."""
     last = {}
     for name, fn in fns.items():
         for _ in range(warmup):
