@@ -68,14 +68,13 @@ def crossover(rows: list[dict]) -> int | None:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", default=",".join(RECORDS), help=f"of {', '.join(RECORDS)}")
     p.add_argument("--tokens", default="64,128,256,512,1024,2048", help="token counts (batch 1)")
     p.add_argument(
         "--sides",
         default="quantized,dequantize",
         help="of quantized, dequantize (both needed for the crossover) and bf16 (the unquantized model, for reference)",
     )
-    add_forward_arguments(p)
+    add_forward_arguments(p, modes=",".join(RECORDS))
     a = parse_forward_arguments(p, argv)
     config = config_for(a.model)
     dtype = mx.bfloat16 if a.device == "gpu" else mx.float32

@@ -28,8 +28,7 @@ from esmc_mlx.testing import random_mlx_model
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--env", default=FUSED_NORM_ENV, help="the switch (1: kernel on, 0: MLX's ops)")
-    p.add_argument("--shapes", default="1x256,1x1024,16x256,64x512")
-    add_forward_arguments(p, budget=3.0)
+    add_forward_arguments(p, budget=3.0, shapes="1x256,1x1024,16x256,64x512")
     a = parse_forward_arguments(p, argv)
     model = random_mlx_model(config_for(a.model), mx.bfloat16 if a.device == "gpu" else mx.float32).optimize()
     sides = {"on": {a.env: "1"}, "off": {a.env: "0"}}
