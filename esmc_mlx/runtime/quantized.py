@@ -41,9 +41,11 @@ CROSSOVER_TOKENS = {
     # or more (this project's kernel; the 6B's, measured on the 6B), "cuda-small" for smaller
     # ones (mx.dequantize; measured on the 300M, all of whose weights are smaller). 32 is the
     # smallest count measured, except the 6B's mxfp4 at 16 (0.59 of quantized_matmul's time
-    # there, ninth issue-16 session). Timing one weight in bursts of calls (benchmarks.dequant_kernels)
-    # had put these at 64-1024 tokens: a 6B forward at 1x256 then took 33.7 ms in affine8,
-    # against 20.2 ms with this table. Every entry is from forwards of 32-1024 tokens or more.
+    # there, ninth issue-16 session; ahead at 8 too in one tenth-session run) and affine4 at 16
+    # (quantized_matmul ahead in two tenth-session runs: 32 stands). Timing one weight in
+    # bursts of calls (benchmarks.dequant_kernels) had put these at 64-1024 tokens: a 6B
+    # forward at 1x256 then took 33.7 ms in affine8, against 20.2 ms with this table. Every
+    # entry is from forwards of 32-1024 tokens or more.
     "cuda": {
         **{"affine2": 32, "affine3": 32, "affine4": 32, "affine5": 32, "affine6": 32, "affine8": 32},
         **{"mxfp4": 16, "mxfp8": 32, "nvfp4": 32},
