@@ -590,6 +590,35 @@ def test_embed_debris_of_a_failed_first_run_is_cleared(converted, tmp_path):
     assert snapshot(other) == before
 
 
+def test_embed_never_clears_or_overwrites_a_users_arrays(converted, tmp_path):
+    """Names like mean.npy or index.tsv are an embeddings directory's only when its manifest
+    says so: a folder of the user's arrays is neither cleared by --force nor written into."""
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n>b\nACDEFGHIK\n")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    np.save(mine / "mean.npy", np.arange(5))
+    (mine / "index.tsv").write_text("my own index\n")
+    (mine / "parts").mkdir()
+    (mine / "parts" / "notes.txt").write_text("mine")
+    before = snapshot(mine)
+    for extra in ([], ["--force"]):
+        result = cli("embed", converted, fasta, "-o", mine, "--no-progress", *extra)
+        one_error_line(result, str(mine))
+        assert snapshot(mine) == before
+    # in an embeddings directory, an array its manifest does not name is the user's too
+    emb = tmp_path / "emb"
+    assert cli("embed", converted, fasta, "-o", emb, "--no-progress").exit_code == 0
+    np.save(emb / "umap.npy", np.arange(3))
+    result = cli("embed", converted, fasta, "-o", emb, "--no-progress", "--force", "--pool", "max")
+    one_error_line(result, "--force will not clear", "umap.npy")
+    assert (emb / "umap.npy").exists() and (emb / "mean.npy").exists()
+    (emb / "umap.npy").unlink()
+    result = cli("embed", converted, fasta, "-o", emb, "--no-progress", "--force", "--pool", "max")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in emb.iterdir()) == ["index.tsv", "manifest.json", "max.npy"]
+
+
 def test_temporary_files_of_killed_jobs_are_removed_by_the_next_run(converted, tmp_path):
     fasta = tmp_path / "in.fasta"
     fasta.write_text(f">a\n{SEQ}\n")

@@ -50,12 +50,16 @@ SETTINGS_KEYS = ("layers", "pools", "dtype", "hidden_size", "num_hidden_layers",
 ST_INDEX = "embeddings.safetensors.index.json"
 H5_FILE = "embeddings.h5"
 COPY_ROWS = 1 << 16  # rows per copy when converting the merged arrays to safetensors / HDF5
-# what an embeddings directory may hold: its files, parts, merge staging, temporary files
+# what an embeddings directory may hold besides its arrays (NAME.npy, named by its manifest)
 _OURS = re.compile(
-    r"manifest\.json|index\.tsv|[A-Za-z0-9_]+\.npy|embeddings-\d+-of-\d+\.safetensors"
+    r"manifest\.json|index\.tsv|offsets\.npy|embeddings-\d+-of-\d+\.safetensors"
     r"|embeddings\.safetensors\.index\.json|embeddings\.h5|parts|\.merge"
     r"|\.esmc-mlx|\..+\.tmp(-\d+-[0-9a-f]+)?"
 )
+# all a first run can leave before its manifest exists: parts/ and temporary files
+_DEBRIS = re.compile(r"parts|\.merge|\..+\.tmp(-\d+-[0-9a-f]+)?")
+_PART = re.compile(r"part-.+\.npz|\..+\.tmp(-\d+-[0-9a-f]+)?")
+_ARRAY = re.compile(r"[A-Za-z0-9_]+\.npy")
 
 
 def sequence_hash(sequence: str) -> str:
@@ -183,15 +187,15 @@ class EmbeddingStore:
     def _open(self, settings: dict, force: bool) -> None:
         if self.out.exists() and not self.out.is_dir():
             raise JobError(f"{self.out} is a file; give a directory for the embeddings")
-        foreign = [p.name for p in self.out.iterdir() if not _OURS.fullmatch(p.name)] if self.out.exists() else []
+        foreign = self._foreign() if self.out.exists() else []
         existing = self.manifest() if self.out.exists() and not (force and not foreign) else None
         if foreign and existing is None:
             raise JobError(f"{self.out} exists, is not empty and is not an esmc-mlx embeddings directory")
         if force and self.out.exists():
-            if foreign or _foreign_manifest(self.manifest_path):
+            if foreign:
                 raise JobError(
                     f"--force will not clear {self.out}: it holds files esmc-mlx did not write "
-                    f"({', '.join(sorted(foreign or ['manifest.json'])[:5])}); move them out first"
+                    f"({', '.join(foreign[:5])}); move them out first"
                 )
             for p in self.out.iterdir():
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
@@ -211,6 +215,38 @@ class EmbeddingStore:
         for folder in (self.out, self.parts):  # temporary files of runs that were killed
             clean_leftovers(folder=folder)
         self._write_manifest(dict(existing or {}, **settings, complete=False))
+
+    def _foreign(self) -> list[str]:
+        """Entries of OUT that esmc-mlx did not write. With our manifest: anything but the files
+        of an embeddings directory (arrays: those it names); without one, anything but what a
+        first run leaves before writing it. parts/ counts as ours only holding part files."""
+        try:
+            data = json.loads(self.manifest_path.read_text())
+        except FileNotFoundError:
+            data = None
+        except (OSError, ValueError):  # ours, cut short: its array names are unknown
+            data = {"format": FORMAT}
+        if isinstance(data, dict) and data.get("version") == 1 and "layer" in data:
+            data = self.manifest()
+        ours = isinstance(data, dict) and data.get("format") == FORMAT
+        arrays = data.get("arrays") if ours else None
+        if ours and isinstance(arrays, list):
+            names = {f"{n}.npy" for n in arrays if isinstance(n, str)}
+        else:  # an unreadable manifest of ours: any array name
+            names = None
+        foreign = []
+        for p in sorted(self.out.iterdir()):
+            if not ours:
+                mine = bool(_DEBRIS.fullmatch(p.name))
+            elif _ARRAY.fullmatch(p.name) and p.name != "offsets.npy":
+                mine = names is None or p.name in names
+            else:
+                mine = bool(_OURS.fullmatch(p.name))
+            if mine and p.name == "parts":
+                mine = p.is_dir() and all(_PART.fullmatch(q.name) for q in p.iterdir())
+            if not mine:
+                foreign.append(p.name)
+        return foreign
 
     def _write_manifest(self, data: dict) -> None:
         with atomic_file(self.manifest_path) as f:
@@ -605,12 +641,3 @@ def read_embeddings(out: str | Path) -> StoredEmbeddings:
         tuple(manifest["pools"]),
         int(manifest.get("num_hidden_layers", 0)),
     )
-
-
-def _foreign_manifest(path: Path) -> bool:
-    """A manifest.json some other tool wrote (ours may be unreadable after a crash; theirs parses)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return not (isinstance(data, dict) and data.get("format") == FORMAT)
