@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ._version import __version__
-from .artifact import GENERATED_CARD_LINE
+from .artifact import GENERATED_CARD_LINE, REPORT_DIR, REPORT_FILES
 from .errors import EsmcMlxWarning, OutputError
 
 MARKER = ".esmc-mlx"
@@ -282,7 +282,7 @@ def _later_product(directory: Path, name: str) -> bool:
     report folder of ``validate`` and the model card ``push`` generates (a hand-written
     README.md is the user's)."""
     path = directory / name
-    if name == "validation":
+    if name == REPORT_DIR:
         return (path / "report.json").is_file()
     if name == "README.md":
         try:
@@ -303,7 +303,13 @@ def foreign_entries(directory: Path) -> list[str] | None:
         ours = {n for n in present if _LEGACY_MODEL_FILES.fullmatch(n)}
     else:
         return None
-    return [n for n in present if n not in ours and not _later_product(directory, n) and not _own_leftover(n)]
+    foreign = [n for n in present if n not in ours and not _later_product(directory, n) and not _own_leftover(n)]
+    report = directory / REPORT_DIR
+    if REPORT_DIR in present and REPORT_DIR not in foreign and report.is_dir() and not report.is_symlink():
+        # the report folder is ours while it holds only the report's files
+        inside = sorted(p.name for p in report.iterdir())
+        foreign += [f"{REPORT_DIR}/{n}" for n in inside if n not in REPORT_FILES and not _own_leftover(n)]
+    return foreign
 
 
 def _own_leftover(name: str) -> bool:

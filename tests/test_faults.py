@@ -191,6 +191,18 @@ def test_force_knows_what_validate_and_push_add_and_keeps_a_hand_written_card(ol
     assert snapshot(out) == before
 
 
+def test_force_keeps_a_users_file_inside_the_report_folder(old_output, checkpoints, tmp_path):
+    out, _ = old_output
+    (out / "validation").mkdir()
+    (out / "validation" / "report.json").write_text("{}")
+    outputs.add_to_marker(out, "validation")  # as validate records it, or a validated conversion
+    (out / "validation" / "my_analysis.ipynb").write_text("a day of work")
+    before = snapshot(out)
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
+    one_error_line(result, "validation/my_analysis.ipynb", "esmc-mlx did not write")
+    assert snapshot(out) == before and debris(tmp_path) == []
+
+
 def test_without_force_an_existing_output_is_refused_before_any_work(old_output, checkpoints, monkeypatch):
     out, before = old_output
     monkeypatch.setattr("esmc_mlx.convert.resolve", lambda *a: pytest.fail("resolved the source"))
