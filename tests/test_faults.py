@@ -1006,6 +1006,8 @@ def test_unreadable_fasta_is_one_error(converted, tmp_path):
         (["--shard-size", "0.5KB"], "--shard-size"),
         (["--group-size", "0", "--q", "4"], "group"),
         (["--q", "17"], "17"),
+        (["--q", ""], "--q ''"),  # an unset shell variable: not a float conversion
+        (["--q", "4", "--q", ""], "--q ''"),  # was: out/4bit and out/float
     ],
 )
 def test_nonsense_convert_options(checkpoints, tmp_path, args, option):

@@ -97,7 +97,7 @@ def prepare(
     options, tensor names and shapes against the config, quantization widths."""
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise ConvertError(f"--dtype {dtype!r}: choose one of {', '.join(FLOAT_DTYPES)}")
-    if q:
+    if q is not None:  # an empty --q "" is a bad spec, not "no quantization"
         parse_spec(q, group_size)
     elif group_size is not None or quantize_head:
         raise QuantizeError("--group-size and --quantize-head need --q SPEC")
