@@ -393,11 +393,15 @@ def check_target(out: str | Path, force: bool, sources: Iterable[str | Path] = (
     ensure_parent(out, create_parent)
 
 
-def check_file_target(path: str | Path, option: str = "-o") -> None:
+def check_file_target(path: str | Path, option: str = "-o", sources: Iterable[str | Path] = ()) -> None:
     """Fail before any work when the output file ``path`` cannot be written: its directory is
-    missing or not writable, or the path is a directory. (Replacing a file is what a file
-    output does; it happens atomically.)"""
+    missing or not writable, the path is a directory, or it is one of the input files
+    ``sources``. (Replacing a file is what a file output does; it happens atomically.)"""
     path = Path(path)
+    for source in sources:
+        with contextlib.suppress(OSError):
+            if os.path.samefile(path, source):
+                raise OutputError(f"{option} {path} is the input {source}; write the output somewhere else")
     if not path.parent.is_dir():
         raise OutputError(f"{option} {path}: no such directory {path.parent}")
     if path.is_dir():

@@ -889,6 +889,22 @@ def test_score_into_a_missing_folder_fails_before_scoring(converted, tmp_path, m
     assert not (tmp_path / "nope").exists()
 
 
+def test_score_never_writes_over_its_own_inputs(converted, tmp_path, monkeypatch):
+    """-o naming the mutations CSV or the wild-type FASTA (a typo) is refused: the CSV it would
+    write drops fields past the header, and a FASTA would become a CSV."""
+    csv_in = tmp_path / "dms.csv"
+    csv_in.write_text("mutant,DMS_score\nM1A,0.5\nK2R,0.1,a note\n")
+    wt = tmp_path / "wt.fasta"
+    wt.write_text(f">wt\n{SEQ}\n")
+    before = snapshot(tmp_path)
+    monkeypatch.setattr("esmc_mlx.tasks.jobs.load", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.chdir(tmp_path)
+    for out, name in ((csv_in, "dms.csv"), (Path("wt.fasta"), "wt.fasta")):
+        result = cli("score", converted, "--sequence", wt, "--mutations", csv_in, "-o", out)
+        one_error_line(result, f"-o {out} is the input", name)
+    assert snapshot(tmp_path) == before and debris(tmp_path) == []
+
+
 def test_failed_runs_leave_no_folders_they_made(checkpoints, converted, tmp_path):
     result = convert_cli(tmp_path / "missing", "-o", tmp_path / "new" / "deeper" / "out")
     one_error_line(result, "no such file or directory")

@@ -445,7 +445,9 @@ def score_csv(
     if unknown or not methods:
         raise ScoringError(f"unknown scoring method {unknown or methods!r}; choose from {', '.join(METHODS)}")
     if out is not None and world.is_root:
-        check_file_target(out)  # a missing or unwritable folder fails now, not after the scoring
+        # a missing or unwritable folder, or -o naming an input, fails now, not after the scoring
+        wt_file = Path(sequence).expanduser()
+        check_file_target(out, sources=[mutations_csv, *([wt_file] if _is_file(wt_file) else [])])
     wt = resolve_sequence(sequence)
     columns, rows, where = read_mutants_csv(mutations_csv, mutant_column)
     mutants = [row[mutant_column] or "" for row in rows]
