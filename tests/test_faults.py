@@ -905,6 +905,17 @@ def test_score_never_writes_over_its_own_inputs(converted, tmp_path, monkeypatch
     assert snapshot(tmp_path) == before and debris(tmp_path) == []
 
 
+def test_validate_into_an_impossible_report_folder_fails_before_validating(
+    converted, checkpoints, tmp_path, monkeypatch
+):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine")
+    monkeypatch.setattr("esmc_mlx.validate.core.SourceWeights", lambda *a, **k: pytest.fail("validated first"))
+    result = cli("validate", converted, "--reference", checkpoints["published"], "--report", blocker / "report")
+    one_error_line(result, "cannot create", "notes.txt is a file")
+    assert blocker.read_text() == "mine"
+
+
 def test_failed_runs_leave_no_folders_they_made(checkpoints, converted, tmp_path):
     result = convert_cli(tmp_path / "missing", "-o", tmp_path / "new" / "deeper" / "out")
     one_error_line(result, "no such file or directory")

@@ -42,6 +42,7 @@ from ..artifact import sha256, weight_files
 from ..config import ESMCConfig
 from ..errors import EsmcMlxError, ValidationError
 from ..hashes import file_hashes
+from ..outputs import ensure_parent
 from . import cache as ref_cache
 from . import mlx_side
 from . import reference as torch_ref
@@ -345,6 +346,8 @@ def validate(
     from tqdm.auto import tqdm
 
     artifact = ArtifactWeights(mlx_dir)
+    if write:  # a report folder that cannot be made fails now, not after the whole validation
+        ensure_parent(Path(report_dir or Path(mlx_dir) / "validation") / "report.json", create=False)
     source = SourceWeights(reference, revision)
     panel = build_panel(sequences, max_length=max_length, marginal_positions=marginal_positions)
     batches = panel.batches(max_tokens)
