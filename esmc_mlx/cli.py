@@ -268,8 +268,8 @@ def convert(**kwargs):
     run_convert(**kwargs)
 
 
-QUANTIZE_HELP = """Quantize a float MLX model directory (from esmc-convert) into the -o directory, streaming one
-tensor at a time. SPEC: 8 6 5 4 3 2 (affine bits, --group-size 32|64|128, default 64), mxfp4,
+QUANTIZE_HELP = """Quantize MODEL_DIR, a float MLX model directory (from esmc-convert), into the -o directory,
+streaming one tensor at a time. SPEC: 8 6 5 4 3 2 (affine bits, --group-size 32|64|128, default 64), mxfp4,
 mxfp8, nvfp4 (fixed group sizes 32, 32, 16), or a mixed recipe (mixed_2_6 mixed_3_4 mixed_3_6
 mixed_4_6 mixed_4_8: v/down projections of the sensitive blocks get the high bits). The
 embedding, norms and LM head stay in the float dtype unless --quantize-head.
@@ -304,7 +304,7 @@ def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size)
 
 
 @main.command(
-    help="Describe an MLX model directory: architecture, parameters, dtype or "
+    help="Describe MODEL_DIR, an MLX model directory: architecture, parameters, dtype or "
     "quantization, bits per weight, size on disk.\n\n\b\nExample:\n  esmc-mlx info esmc-tiny-mlx"
 )
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
@@ -437,8 +437,8 @@ def validate(
         sys.exit(1)
 
 
-PUSH_HELP = """Publish an MLX model directory to a Hugging Face Hub model repo, in one commit, with a
-generated model card (README.md) and the validation report.
+PUSH_HELP = """Publish MLX_DIR, an MLX model directory, to the Hugging Face Hub model repo ORG/NAME, in one
+commit, with a generated model card (README.md) and the validation report.
 
 Checks everything before uploading: the artifact is complete, validation/report.json exists and
 passed (else refused, unless --allow-unvalidated), a token with write access (HF_TOKEN or
@@ -482,6 +482,8 @@ def push(mlx_dir, repo_id, private, revision, commit_message, create_pr, dry_run
         click.echo("\n--- README.md (model card) ---\n" + result.card)
 
 
+MODEL_HELP = "MODEL: an MLX model directory (what esmc-convert writes) or a Hub repo id of one."
+
 EMBED_HELP = """Embed every sequence of a FASTA file into the directory OUT: for each hidden state
 of --layers, each pooling of --pool, all from one forward pass per batch (see docs/scoring.md).
 Results are flushed as they come: rerun the same command to resume an interrupted run. The
@@ -511,7 +513,7 @@ Examples:
 """
 
 
-@main.command(help=EMBED_HELP)
+@main.command(help=EMBED_HELP + "\n" + MODEL_HELP)
 @click.argument("model")
 @click.argument("fasta", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option(
@@ -624,7 +626,7 @@ window_option = click.option(
 )
 
 
-@main.command(help=SCORE_HELP)
+@main.command(help=SCORE_HELP + "\n" + MODEL_HELP)
 @click.argument("model")
 @click.option("--sequence", required=True, help="Wild-type sequence (any length), or a FASTA file holding one record.")
 @click.option(
@@ -660,7 +662,7 @@ window_option = click.option(
 @click.option(
     "--offset", default=1, show_default=True, help="Number of the sequence's first residue in the mutant strings."
 )
-@click.option("--mutant-column", default="mutant", show_default=True)
+@click.option("--mutant-column", default="mutant", show_default=True, help="CSV column of the mutant strings.")
 @click.option("--dms-column", default="DMS_score", show_default=True, help="Measured scores, for Spearman's rho.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def score(
@@ -730,7 +732,7 @@ Examples:
 """
 
 
-@main.command(help=SCAN_HELP)
+@main.command(help=SCAN_HELP + "\n" + MODEL_HELP)
 @click.argument("model")
 @click.option("--sequence", help="The protein (any length), or a FASTA file holding one record.")
 @click.option(
@@ -746,7 +748,11 @@ Examples:
     help="Output directory (created).",
 )
 @click.option(
-    "--method", type=click.Choice(["masked-marginal", "wt-marginal"]), default="masked-marginal", show_default=True
+    "--method",
+    type=click.Choice(["masked-marginal", "wt-marginal"]),
+    default="masked-marginal",
+    show_default=True,
+    help="masked-marginal: one masked copy per residue; wt-marginal: one unmasked pass (see above).",
 )
 @click.option("--name", default="sequence", show_default=True, help="File name stem for --sequence.")
 @window_option
@@ -806,7 +812,13 @@ Examples:
     help="Model shape(s), random weights (default: 300M).",
 )
 @click.option("--shapes", help="BATCHxLENGTH list, e.g. 1x256,8x256 (default: per backend).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True)
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "gpu"]),
+    default="auto",
+    show_default=True,
+    help="Where MLX runs (auto: the GPU when MLX has one, else the CPU).",
+)
 @click.option(
     "--dtype",
     type=click.Choice(["float32", "bfloat16", "float16"]),
@@ -833,6 +845,7 @@ Examples:
     default="bench-results",
     show_default=True,
     type=click.Path(file_okay=False, path_type=Path),
+    help="Folder for bench.json and bench.png.",
 )
 def bench(models, shapes, device, dtype, variants, quant, no_torch, out_dir):
     try:
