@@ -761,6 +761,27 @@ def test_malformed_safetensors_headers(checkpoints, tmp_path, edit, message):
 
 
 @pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda t: t.double(), "(F64)"),  # MLX cannot read it: was a RuntimeError traceback
+        (lambda t: t.long(), "(I64)"),  # was converted: the weights truncated to integers
+        (lambda t: t > 0, "(BOOL)"),
+        (lambda t: t[0].clone(), "shape ()"),  # a 0-d tensor: was an IndexError traceback
+    ],
+)
+def test_tensors_of_an_odd_dtype_or_rank(checkpoints, tmp_path, edit, message):
+    name = "esmc.norm.weight"
+    bad = edited_checkpoint(checkpoints["published"], tmp_path / "bad", lambda st: st.update({name: edit(st[name])}))
+    one_error_line(convert_cli(bad, "-o", tmp_path / "out", "--no-validate"), name, message)
+    assert not (tmp_path / "out").exists() and debris(tmp_path) == []
+    if message == "shape ()":  # the same in a legacy .pth, whose config is inferred from the shapes
+        state = torch.load(checkpoints["legacy"], weights_only=True)
+        state["transformer.norm.weight"] = edit(state["transformer.norm.weight"])
+        torch.save(state, tmp_path / "bad.pth")
+        one_error_line(convert_cli(tmp_path / "bad.pth", "-o", tmp_path / "out", "--no-validate"), message)
+
+
+@pytest.mark.parametrize(
     "field,value",
     [("num_attention_heads", 0), ("hidden_size", -1), ("num_hidden_layers", "2x"), ("intermediate_size", 1.5)],
 )
