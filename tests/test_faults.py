@@ -872,6 +872,19 @@ def test_truncated_weights_in_an_artifact(old_output, tmp_path):
     assert not (tmp_path / "emb").exists()
 
 
+def test_an_integer_weight_in_an_artifact(old_output, tmp_path):
+    out, _ = old_output
+    state = load_file(str(out / "model.safetensors"))
+    state["esmc.norm.weight"] = state["esmc.norm.weight"].long()  # was a traceback from MLX's finfo
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "mlx"})
+    with pytest.raises(ConvertError, match="model.safetensors: tensor esmc.norm.weight is int64, not a float"):
+        esmc_mlx.load(out)
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n")
+    one_error_line(cli("embed", out, fasta, "-o", tmp_path / "emb"), "esmc.norm.weight is int64")
+    assert not (tmp_path / "emb").exists()
+
+
 def test_missing_local_paths_say_so(tmp_path, monkeypatch):
     fasta = tmp_path / "in.fasta"
     fasta.write_text(f">a\n{SEQ}\n")
