@@ -558,14 +558,14 @@ Examples:
 @click.option("--force", is_flag=True, help="Discard what OUT holds and start over.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def embed(model, fasta, output, layers, layer, pools, per_residue, storage, batch_tokens, dtype, force, no_progress):
-    pool_list = pools.split(",") if pools else ["mean"]
+    pool_list = pools.split(",") if pools is not None else ["mean"]  # --pool "": an error, not the default
     if per_residue:
         pool_list.append("per_residue")
     s = embed_fasta(
         model,
         fasta,
         output,
-        layers=layers if layers else layer,
+        layers=layers if layers is not None else layer,
         pools=pool_list,
         storage=storage,
         batch_tokens=batch_tokens,

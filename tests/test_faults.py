@@ -1097,6 +1097,15 @@ def test_nonsense_job_options(converted, tmp_path, command):
     assert not (tmp_path / "e").exists() and not (tmp_path / "q").exists()
 
 
+@pytest.mark.parametrize("option,message", [("--layers", "no layer given"), ("--pool", "unknown pooling ['']")])
+def test_empty_embed_options_are_refused_not_defaulted(converted, tmp_path, option, message):
+    """--layers "" / --pool "" (an unset shell variable) ran with the default layer / pooling."""
+    (tmp_path / "in.fasta").write_text(f">a\n{SEQ}\n")
+    result = cli("embed", converted, tmp_path / "in.fasta", "-o", tmp_path / "e", option, "", "--no-progress")
+    one_error_line(result, message)
+    assert not (tmp_path / "e").exists()
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
 def test_outputs_take_the_users_umask(checkpoints, tmp_path, umask):
     previous = os.umask(umask)
