@@ -17,6 +17,7 @@ from conftest_hub import GUARD, hub, no_remote_network  # noqa: F401  (fixtures)
 from hub_server import Blob
 
 from esmc_mlx import load
+from esmc_mlx.artifact import PLOT_NAME
 from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
 from esmc_mlx.errors import HubError
@@ -60,7 +61,7 @@ def write_validation(artifact: Path, passed: bool = True) -> None:
     (folder / "report.md").write_text(
         f"# Validation report\n\n| check | value | threshold | passed |\n|---|---|---|---|\n{rows}\n"
     )
-    (folder / "quality.png").write_bytes(tiny_png())
+    (folder / PLOT_NAME).write_bytes(tiny_png())
 
 
 def host_source(hub, checkpoint_dir: Path, license_: str = "mit") -> None:
