@@ -229,7 +229,7 @@ def run_convert(
         log=click.echo,
     )
     if len(specs) > 1:  # one read of the source, one sub-directory per spec, one reference pass
-        if upload_repo:
+        if upload_repo is not None:
             raise click.UsageError("--upload-repo takes one --q; publish each sub-directory with `esmc-mlx push`")
         convert_validate_many(source, output, specs, **common)
         return

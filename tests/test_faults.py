@@ -1069,6 +1069,7 @@ def test_unreadable_fasta_is_one_error(converted, tmp_path):
         (["--q", "17"], "17"),
         (["--q", ""], "--q ''"),  # an unset shell variable: not a float conversion
         (["--q", "4", "--q", ""], "--q ''"),  # was: out/4bit and out/float
+        (["--upload-repo", ""], "is not a Hub repo id"),  # was: converted, and nothing uploaded
     ],
 )
 def test_nonsense_convert_options(checkpoints, tmp_path, args, option):
