@@ -478,8 +478,13 @@ class StagedDirectory:
         apply_umask(self.path)
         if os.path.lexists(self.out):  # --force, checked: swap, then delete the old one
             old = self.out.parent / f".{self.out.name}.old-{os.getpid()}-{_token()}"
-            os.replace(self.out, old)
-            os.replace(self.path, self.out)
+            try:
+                os.replace(self.out, old)
+                os.replace(self.path, self.out)
+            except BaseException:  # Ctrl-C or an error between the two renames: the old one goes back
+                if os.path.lexists(old) and not os.path.lexists(self.out):
+                    os.replace(old, self.out)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(self.path, self.out)

@@ -288,6 +288,23 @@ def test_ctrl_c_during_conversion_keeps_the_old_output(old_output, checkpoints, 
     assert snapshot(out) == before and debris(tmp_path) == []
 
 
+def test_ctrl_c_between_the_two_renames_puts_the_old_output_back(old_output, checkpoints, tmp_path, monkeypatch):
+    """The swap is two renames (old aside, new in): an interrupt between them used to leave OUT
+    missing, the old output hidden as .out.old-* until a later run on that path."""
+    out, before = old_output
+    replace = os.replace
+
+    def interrupted_swap(src, dst):
+        if Path(dst) == out and Path(src).name.startswith(".out.partial-"):  # the new output going in
+            raise KeyboardInterrupt
+        replace(src, dst)
+
+    monkeypatch.setattr(outputs.os, "replace", interrupted_swap)
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
+    assert result.exit_code == 1 and "Aborted" in result.output and "Traceback" not in result.output
+    assert snapshot(out) == before and debris(tmp_path) == []
+
+
 def test_a_nan_source_with_force_keeps_the_old_output(old_output, checkpoints, tmp_path):
     out, before = old_output
     bad = edited_checkpoint(
