@@ -349,6 +349,7 @@ class EmbeddingStore:
             and all(a == b for a, b in zip(merged["ids"], ids))
         ):
             self._write_manifest(dict(self.manifest() or {}, **settings, complete=True, count=len(ids)))
+            self._drop_empty_parts()  # made by open()
             return 0  # nothing new: the merged files are already this FASTA's
         dtype, d, names = np.dtype(settings["dtype"]), settings["hidden_size"], settings["arrays"]
         lengths = np.asarray(lengths, dtype=np.int64)
@@ -412,9 +413,12 @@ class EmbeddingStore:
         self._write_manifest(dict(self.manifest() or {}, **settings, complete=True, count=len(ids)))
         for path in self._part_files():
             path.unlink()
+        self._drop_empty_parts()
+        return len(dropped)
+
+    def _drop_empty_parts(self) -> None:
         if self.parts.exists() and not any(self.parts.iterdir()):
             self.parts.rmdir()
-        return len(dropped)
 
 
 def _load_part(path: Path) -> dict:
