@@ -363,8 +363,8 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     shapes = []
     for part in text.replace(" ", "").split(","):
         b, _, l = part.lower().partition("x")
-        if not (b.isdigit() and l.isdigit()):
-            raise ValueError(f"{part!r}: write a shape as BATCHxLENGTH, e.g. 8x256")
+        if not (b.isdigit() and l.isdigit() and int(b) > 0 and int(l) > 0):
+            raise ValueError(f"{part!r}: write a shape as BATCHxLENGTH of positive integers, e.g. 8x256")
         shapes.append((int(b), int(l)))
     return shapes
 

@@ -849,7 +849,7 @@ Examples:
 )
 def bench(models, shapes, device, dtype, variants, quant, no_torch, out_dir):
     try:
-        parsed = parse_shapes(shapes) if shapes else None
+        parsed = parse_shapes(shapes) if shapes is not None else None  # --shapes "": an error, not the default
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--shapes") from None
     run(

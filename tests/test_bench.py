@@ -47,6 +47,14 @@ def test_bench_into_an_impossible_folder_fails_before_timing(tmp_path, monkeypat
     assert out.output.count("Error:") == 1 and "notes.txt is a file" in out.output, out.output
 
 
+@pytest.mark.parametrize("shapes", ["0x16", "1x0", "", "1x2,0x4"])
+def test_bench_refuses_shapes_it_cannot_time(tmp_path, monkeypatch, shapes):
+    """0x16 / 1x0 crashed the timing child (ZeroDivisionError traceback); "" timed the defaults."""
+    monkeypatch.setattr(bench, "_side", lambda *a, **k: pytest.fail("timed"))
+    out = CliRunner().invoke(main, ["bench", "--model", "tiny", "--no-torch", "--shapes", shapes, "-o", str(tmp_path)])
+    assert out.exit_code == 2 and "--shapes" in out.output and "BATCHxLENGTH" in out.output, out.output
+
+
 def test_crossover_takes_ties_and_needs_every_larger_count():
     def rows(*pairs):
         return [{"tokens": t, "quantized_ms": 1.0, "dequantize_ms": d} for t, d in pairs]
