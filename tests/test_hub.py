@@ -212,6 +212,13 @@ def test_revision_pushes_to_a_new_branch(hub, checkpoints, tmp_path):
     assert "config.json" in repo_files("alice/tiny", "dev") and repo_files("alice/tiny") == {".gitattributes"}
 
 
+def test_an_empty_revision_is_refused_not_taken_for_main(hub, checkpoints, tmp_path):
+    artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
+    result = CliRunner().invoke(main, ["push", str(artifact), "alice/tiny", "--revision", ""])
+    assert result.exit_code == 1 and result.output.count("Error:") == 1 and "--revision ''" in result.output
+    assert hub.state.log == [] and "alice/tiny" not in hub.state.repos  # was: committed to main
+
+
 # --- what gets refused before anything is sent --------------------------------------------------------
 @pytest.mark.parametrize("validated", [None, False])
 def test_unvalidated_or_failed_artifact_is_refused_unless_allowed(hub, checkpoints, tmp_path, validated):
