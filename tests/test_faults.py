@@ -440,6 +440,31 @@ def test_quantize_info_validate_and_load_refuse_a_stray_file_in_an_artifact(old_
     assert not (tmp_path / "q4").exists() and debris(tmp_path) == []
 
 
+def _copy_into_the_last_shard(directory: Path) -> str:
+    """Put a tensor of the first shard, changed, into the last one too (the index still names the
+    first): which copy a reader takes used to depend on the order it read the files in."""
+    shards = sorted(directory.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    first, last = load_file(str(shards[0])), load_file(str(shards[-1]))
+    name = sorted(first)[0]
+    last[name] = first[name] + 5
+    save_file(last, str(shards[-1]), metadata={"format": "pt"})
+    return name
+
+
+def test_a_tensor_in_two_shards_is_refused(checkpoints, converted, tmp_path, tiny_config):
+    src = testing.write_random_checkpoint(tmp_path / "src", tiny_config, dtype="float32", shard_bytes=1 << 20)
+    name = _copy_into_the_last_shard(src)
+    result = convert_cli(src, "-o", tmp_path / "out", "--no-validate")  # was: converted the last shard's copy
+    one_error_line(result, f"tensor {name} is also in")
+    assert not (tmp_path / "out").exists() and debris(tmp_path) == []
+    art = tmp_path / "art"
+    assert convert_cli(checkpoints["published"], "-o", art, "--shard-size", "1MB", "--no-validate").exit_code == 0
+    name = _copy_into_the_last_shard(art)
+    with pytest.raises(ConvertError, match=f"tensor {name} is also in"):
+        esmc_mlx.load(art)
+
+
 def test_several_safetensors_without_an_index_are_refused(checkpoints, tmp_path):
     src = shutil.copytree(checkpoints["esm"], tmp_path / "src")
     shutil.copy(src / "model.safetensors", src / "extra.safetensors")

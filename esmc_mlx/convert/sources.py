@@ -83,6 +83,10 @@ def open_checkpoint(source: Source) -> Checkpoint:
         for name, info in safetensors_header(f).items():
             if name == "__metadata__":
                 continue
+            if name in where:  # which copy the model holds would be a guess
+                raise ConvertError(
+                    f"{f}: tensor {name} is also in {where[name].name}; a checkpoint holds each tensor once"
+                )
             shapes[name] = tuple(info["shape"])
             where[name] = f
             stored[name] = info["dtype"]

@@ -80,6 +80,9 @@ def load(
             loaded = mx.load(str(f))
         except (RuntimeError, ValueError, OSError) as e:
             raise ConvertError(f"{f}: cannot read the weights ({e})") from None
+        twice = sorted(set(loaded) & set(where))
+        if twice:  # which copy the model holds would be a guess
+            raise ConvertError(f"{f}: tensor {twice[0]} is also in {where[twice[0]].name}; an artifact holds each once")
         weights.update(loaded)
         where.update(dict.fromkeys(loaded, f))
     odd = [n for n, w in weights.items() if not _float_or_packed(n, w, weights)]
