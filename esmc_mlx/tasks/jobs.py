@@ -24,6 +24,7 @@ from .distributed import World
 from .fasta import iter_fasta, read_fasta
 from .heatmap import check_plotting
 from .mutations import apply, parse_mutants
+from .scan import safe_name
 from .scan import scan as run_scan
 from .scoring import (
     DEFAULT_BATCH_SIZE,
@@ -330,6 +331,14 @@ def scan_job(
         records = [(r.id, r.sequence) for r in iter_fasta(fasta)]  # all checked before the model loads
     else:
         records = [(name, resolve_sequence(sequence))]
+    stems: dict[str, str] = {}
+    for ident, _ in records:  # case-blind: macOS's file system is
+        other = stems.setdefault(safe_name(ident).lower(), ident)
+        if other != ident:
+            raise JobError(
+                f"{fasta}: the IDs {other!r} and {ident!r} would both be written as {safe_name(ident)}_*; "
+                "rename one of them"
+            )
     if plot and World.of(group).is_root:
         check_plotting()
     model, _ = _model(model, None)
