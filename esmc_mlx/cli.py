@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import shlex
 import signal
 import sys
@@ -341,11 +342,12 @@ def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
     for item in values:
         name, sep, number = item.partition("=")
         try:
-            out[name.strip()] = float(number)
+            value = float(number)
         except ValueError:
-            sep = ""
-        if not sep:
+            value = math.nan
+        if not sep or math.isnan(value):  # no number, or NaN (no bound: every check against it fails)
             raise click.BadParameter(f"{item!r}: use NAME=VALUE, e.g. kl_mean=0.02", param_hint="--threshold")
+        out[name.strip()] = value
     return out
 
 
