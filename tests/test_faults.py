@@ -927,6 +927,20 @@ def test_an_integer_weight_in_an_artifact(old_output, tmp_path):
     assert not (tmp_path / "emb").exists()
 
 
+@pytest.mark.parametrize("typo", ["wt.fasta", "WT.FA", "data/wt", "seqs.fa.gz"])
+def test_a_missing_fasta_given_as_sequence_is_not_read_as_a_protein(converted, tmp_path, monkeypatch, typo):
+    """'.', 'F', 'A', 'S', 'T', 'W' are residue letters: a mistyped --sequence wt.fasta was
+    scored (and scanned) as the protein WT.FASTA."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.csv").write_text("mutant\nW1A\n")
+    monkeypatch.setattr("esmc_mlx.tasks.jobs.load", lambda *a, **k: pytest.fail("loaded the model"))
+    result = cli("score", converted, "--sequence", typo, "--mutations", "m.csv", "-o", "out.csv")
+    one_error_line(result, f"--sequence {typo}: no such file")
+    result = cli("scan", converted, "--sequence", typo, "-o", "scan", "--no-plot")
+    one_error_line(result, f"--sequence {typo}: no such file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.csv"]
+
+
 def test_missing_local_paths_say_so(tmp_path, monkeypatch):
     fasta = tmp_path / "in.fasta"
     fasta.write_text(f">a\n{SEQ}\n")

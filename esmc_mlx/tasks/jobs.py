@@ -404,6 +404,11 @@ def read_mutants_csv(path: str | Path, mutant_column: str = "mutant") -> tuple[l
     return columns, rows, where
 
 
+# What a FASTA file's name ends with; a --sequence ending so (or holding a '/', never a residue)
+# that names no file is a mistyped path: ".", "F", "A", "S", "T" are all residue letters.
+FASTA_SUFFIXES = (".fa", ".fasta", ".faa", ".fas", ".fna", ".fsa", ".seq", ".txt", ".gz", ".gzip")
+
+
 def resolve_sequence(text: str) -> str:
     """A wild-type sequence given literally or as a FASTA file with one record."""
     path = Path(text).expanduser()
@@ -412,7 +417,10 @@ def resolve_sequence(text: str) -> str:
         if len(records) != 1:
             raise JobError(f"{path}: holds {len(records)} records; the wild type must be a single sequence")
         return records[0].sequence
-    return check_sequence(text.strip(), "--sequence", label="sequence")
+    stripped = text.strip()
+    if "/" in stripped or stripped.lower().endswith(FASTA_SUFFIXES):
+        raise JobError(f"--sequence {text}: no such file (give a protein sequence or an existing FASTA file)")
+    return check_sequence(stripped, "--sequence", label="sequence")
 
 
 def _is_file(path: Path) -> bool:
