@@ -622,11 +622,23 @@ def test_card_of_an_unquantized_local_conversion(checkpoints, tmp_path):
 def test_incomplete_artifact_is_refused(hub, checkpoints, tmp_path):
     artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a", q=None, shard_bytes=200_000)
     next(artifact.glob("model-*.safetensors")).unlink()
-    with pytest.raises(HubError, match="incomplete artifact, the index names missing shards"):
+    with pytest.raises(HubError, match="incomplete artifact, .* names shards that are missing"):
         push_artifact(artifact, "alice/tiny")
     with pytest.raises(HubError, match="not a Hub repo id"):
         push_artifact(artifact, "no-slash")
     assert hub.state.log == []
+
+
+def test_a_stray_weight_file_is_refused_not_published(hub, checkpoints, tmp_path):
+    """With a hand-written card (so no generated one to check the weights), a model_old.safetensors
+    beside the weights was uploaded with them, and the published repo then failed every load (load
+    refuses a stray file the index does not name)."""
+    artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
+    shutil.copy(artifact / "model.safetensors", artifact / "model_old.safetensors")
+    (artifact / "README.md").write_text("---\nlicense: mit\n---\n# My own card\n")  # no card rendered to notice
+    with pytest.raises(HubError, match="model_old.safetensors not named by model.safetensors"):
+        push_artifact(artifact, "alice/tiny")
+    assert hub.state.log == [] and "alice/tiny" not in hub.state.repos
 
 
 def test_server_ids_are_git_object_ids():

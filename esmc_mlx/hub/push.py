@@ -34,8 +34,8 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, Mo
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
 from .._version import __version__
-from ..artifact import human_size, precision_label
-from ..errors import HubError
+from ..artifact import human_size, precision_label, weight_files
+from ..errors import ConvertError, HubError
 from ..privacy import private_findings
 from .card import MARKER, Validation, base_model_of, read_validation, render_card
 from .repo_id import check_repo_id
@@ -110,15 +110,10 @@ def artifact_files(model_dir: Path) -> list[tuple[str, int]]:
         raise HubError(f"{model_dir}: no config.json; is this an esmc-mlx output directory?")
     if not list(model_dir.glob("model*.safetensors")):
         raise HubError(f"{model_dir}: no model*.safetensors weights; is this an esmc-mlx output directory?")
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
-            raise HubError(f"{index}: not a readable safetensors index ({e})") from None
-        missing = sorted(s for s in shards if not (model_dir / s).is_file())
-        if missing:
-            raise HubError(f"{model_dir}: incomplete artifact, the index names missing shards: {', '.join(missing)}")
+    try:  # the files its index names, and no stray model*.safetensors beside them (what load reads)
+        weight_files(model_dir)
+    except ConvertError as e:
+        raise HubError(f"incomplete artifact, refusing to push: {e}") from None
     files = []
     for path in sorted(model_dir.rglob("*")):
         rel = path.relative_to(model_dir)
