@@ -191,6 +191,20 @@ def weight_files(directory: Path) -> list[Path]:
     return files
 
 
+def tensor_files(files: list[Path]) -> dict[str, Path]:
+    """Tensor name -> the file holding it, from the (checked) headers. ConvertError for a tensor
+    in two files: which copy the model holds would be a guess."""
+    where: dict[str, Path] = {}
+    for f in files:
+        for name in safetensors_header(f):
+            if name == "__metadata__":
+                continue
+            if name in where:
+                raise ConvertError(f"{f}: tensor {name} is also in {where[name].name}; each tensor belongs in one file")
+            where[name] = f
+    return where
+
+
 # bytes per element of each safetensors dtype (the format's spec)
 SAFETENSORS_ITEMSIZE = {
     "BOOL": 1,
@@ -294,6 +308,7 @@ def describe(model_dir: Path) -> dict:
     model_dir = Path(model_dir)
     raw, config = read_model_config(model_dir)
     files = weight_files(model_dir)
+    tensor_files(files)  # a tensor in two shards would be counted twice
     tensor_bytes, names = 0, set()
     for f in files:
         for name, t in safetensors_header(f).items():

@@ -463,6 +463,7 @@ def test_a_tensor_in_two_shards_is_refused(checkpoints, converted, tmp_path, tin
     name = _copy_into_the_last_shard(art)
     with pytest.raises(ConvertError, match=f"tensor {name} is also in"):
         esmc_mlx.load(art)
+    one_error_line(cli("info", art), f"tensor {name} is also in")  # was: its bytes counted twice
 
 
 def test_several_safetensors_without_an_index_are_refused(checkpoints, tmp_path):

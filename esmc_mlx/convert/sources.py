@@ -9,7 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..artifact import INDEX_FILE, SAFETENSORS_DTYPES, index_files, safetensors_header
+from ..artifact import INDEX_FILE, SAFETENSORS_DTYPES, index_files, safetensors_header, tensor_files
 from ..config import ESMCConfig
 from ..errors import ConfigError, ConvertError
 from ..resolve import Source
@@ -78,15 +78,12 @@ def open_checkpoint(source: Source) -> Checkpoint:
                 f"({', '.join(p.name for p in pths)}); pass the one to convert"
             )
     files = _safetensors_files(source.path)
+    tensor_files(files)  # each tensor in one file
     shapes, dtypes, where, stored = {}, set(), {}, {}
     for f in files:
         for name, info in safetensors_header(f).items():
             if name == "__metadata__":
                 continue
-            if name in where:  # which copy the model holds would be a guess
-                raise ConvertError(
-                    f"{f}: tensor {name} is also in {where[name].name}; a checkpoint holds each tensor once"
-                )
             shapes[name] = tuple(info["shape"])
             where[name] = f
             stored[name] = info["dtype"]

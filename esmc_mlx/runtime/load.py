@@ -6,7 +6,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..artifact import FLOAT_DTYPES, quantization_record, read_model_config, safetensors_header, weight_files
+from ..artifact import FLOAT_DTYPES, quantization_record, read_model_config, tensor_files, weight_files
 from ..errors import ConvertError
 from ..resolve import resolve
 from .model import ESMC
@@ -73,18 +73,14 @@ def load(
     directory = resolve_model_dir(path_or_repo_id, revision)
     raw, config = read_model_config(directory)
     weights: dict[str, mx.array] = {}
-    where: dict[str, Path] = {}
-    for f in weight_files(directory):
-        safetensors_header(f)  # a truncated or damaged file: one error naming it, before MLX reads it
+    files = weight_files(directory)
+    # truncated or damaged files, a tensor in two files: one error naming them, before MLX reads them
+    where = tensor_files(files)
+    for f in files:
         try:
-            loaded = mx.load(str(f))
+            weights.update(mx.load(str(f)))
         except (RuntimeError, ValueError, OSError) as e:
             raise ConvertError(f"{f}: cannot read the weights ({e})") from None
-        twice = sorted(set(loaded) & set(where))
-        if twice:  # which copy the model holds would be a guess
-            raise ConvertError(f"{f}: tensor {twice[0]} is also in {where[twice[0]].name}; an artifact holds each once")
-        weights.update(loaded)
-        where.update(dict.fromkeys(loaded, f))
     odd = [n for n, w in weights.items() if not _float_or_packed(n, w, weights)]
     if odd:
         raise ConvertError(
