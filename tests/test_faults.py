@@ -415,6 +415,16 @@ def test_score_and_embed_take_the_lock_too(converted, tmp_path, locked_by_other_
     assert not (tmp_path / "emb").exists()
 
 
+def test_validate_takes_the_artifacts_lock(old_output, checkpoints, tmp_path, locked_by_other_process):
+    """A conversion replacing OUT holds OUT's lock; validate used to write its report into OUT
+    meanwhile (a report of the old weights beside the new ones, which push would publish)."""
+    out, before = old_output
+    pid = locked_by_other_process(out)
+    result = cli("validate", out, "--reference", checkpoints["published"], "--quick")
+    one_error_line(result, f"PID {pid}")
+    assert snapshot(out) == before
+
+
 # --- rule 4: a model directory means exactly what its index says --------------------------------------
 def test_converter_refuses_a_stray_safetensors_beside_indexed_shards(tmp_path, tiny_config):
     src = testing.write_random_checkpoint(tmp_path / "src", tiny_config, dtype="float32", shard_bytes=1 << 20)
