@@ -1017,6 +1017,18 @@ def test_validate_into_an_impossible_report_folder_fails_before_validating(
     assert blocker.read_text() == "mine"
 
 
+def test_an_error_during_validation_starts_its_own_line(converted, checkpoints, monkeypatch):
+    """validate's progress bar stayed open when an error left it: the Error text came after
+    'validating: 0%|...| [importing torch]' on the same line."""
+
+    def no_device(name):
+        raise ValidationError(f"--reference-device {name}: no such device here")
+
+    monkeypatch.setattr("esmc_mlx.validate.core.torch_ref.pick_device", no_device)
+    result = cli("validate", converted, "--reference", checkpoints["published"], "--reference-device", "cuda")
+    one_error_line(result, "--reference-device cuda: no such device here")
+
+
 def test_failed_runs_leave_no_folders_they_made(checkpoints, converted, tmp_path):
     result = convert_cli(tmp_path / "missing", "-o", tmp_path / "new" / "deeper" / "out")
     one_error_line(result, "no such file or directory")

@@ -608,6 +608,7 @@ def validate(
             )
         return report
     finally:
+        bar.close()  # on an error too: the bar ends its line, so the Error line starts on its own
         stack.close()
         background.shutdown(wait=True)  # never leave an import or a hash running into shutdown
         if importing is not None:
