@@ -90,7 +90,7 @@ def convert_validate_push(
                 f"{where} with its failing report in {where / 'validation'}; it will not be uploaded."
             )
         if upload_repo is not None:  # last, and still under the lock: no other run replaces OUT mid-upload
-            result.push = push_artifact(out, upload_repo, private=private)
+            result.push = push_artifact(out, upload_repo, private=private, hold_lock=False)  # ours already
             log(result.push.summary())
     return result
 

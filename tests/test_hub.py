@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import struct
 import zlib
@@ -639,6 +640,31 @@ def test_a_stray_weight_file_is_refused_not_published(hub, checkpoints, tmp_path
     with pytest.raises(HubError, match="model_old.safetensors not named by model.safetensors"):
         push_artifact(artifact, "alice/tiny")
     assert hub.state.log == [] and "alice/tiny" not in hub.state.repos
+
+
+def test_push_sends_nothing_while_another_run_writes_the_artifact(hub, checkpoints, tmp_path):
+    """A conversion replacing the artifact (--force) holds its lock; push used to upload meanwhile,
+    its files read from the old artifact or the new one, whichever the swap had reached."""
+    import subprocess
+    import sys
+
+    import esmc_mlx
+
+    artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
+    hold = (
+        "import sys, time\nfrom esmc_mlx.outputs import output_lock\n"
+        "with output_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(60)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", hold, str(artifact)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        result = CliRunner().invoke(main, ["push", str(artifact), "alice/tiny"])
+        assert result.exit_code == 1 and f"PID {proc.pid}" in result.output, result.output
+        assert hub.state.log == [] and "alice/tiny" not in hub.state.repos
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_server_ids_are_git_object_ids():

@@ -36,6 +36,7 @@ from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, Revi
 from .._version import __version__
 from ..artifact import human_size, precision_label, weight_files
 from ..errors import ConvertError, HubError
+from ..outputs import locked
 from ..privacy import private_findings
 from .card import MARKER, Validation, base_model_of, read_validation, render_card
 from .repo_id import check_repo_id
@@ -251,6 +252,9 @@ def check_push_access(repo_id: str, token: str | None = None) -> Access:
 
 
 # --- push -------------------------------------------------------------------------------------------
+# A push reads the artifact's files while it uploads them and writes its card there: it holds the
+# artifact's lock, as its writers do, so that no conversion replaces the files mid-upload.
+@locked("model_dir", when=lambda args: args["hold_lock"] and not args["dry_run"], create_parent=False)
 def push_artifact(
     model_dir: str | Path,
     repo_id: str,
@@ -262,6 +266,7 @@ def push_artifact(
     dry_run: bool = False,
     allow_unvalidated: bool = False,
     token: str | None = None,
+    hold_lock: bool = True,
 ) -> PushResult:
     """Publish the artifact ``model_dir`` to the model repo ``repo_id`` in one commit.
 
@@ -277,7 +282,8 @@ def push_artifact(
     start, when the commit fails (with what the Hub said, the repo and the branch). On failure
     nothing is committed; a branch this call created is deleted again, and so is a repo it created
     unless the failure looked transient (then the repo stays, empty, so that running the push again
-    resumes; the message says which).
+    resumes; the message says which). OutputError, before anything, when another esmc-mlx run is
+    writing ``model_dir``; ``hold_lock=False`` for a caller that holds its lock already.
     """
     model_dir = Path(model_dir)
     check_repo_id(repo_id)
