@@ -834,6 +834,14 @@ def test_tensors_of_an_odd_dtype_or_rank(checkpoints, tmp_path, edit, message):
         one_error_line(convert_cli(tmp_path / "bad.pth", "-o", tmp_path / "out", "--no-validate"), message)
 
 
+@pytest.mark.parametrize("text", ["[]", "null", "3"])
+def test_a_checkpoint_config_that_is_not_an_object(checkpoints, tmp_path, text):
+    src = shutil.copytree(checkpoints["published"], tmp_path / "src")
+    (src / "config.json").write_text(text)  # was: AttributeError: 'list' object has no attribute 'get'
+    one_error_line(convert_cli(src, "-o", tmp_path / "o", "--no-validate"), "config.json", "not a JSON object")
+    assert not (tmp_path / "o").exists() and debris(tmp_path) == []
+
+
 @pytest.mark.parametrize(
     "field,value",
     [("num_attention_heads", 0), ("hidden_size", -1), ("num_hidden_layers", "2x"), ("intermediate_size", 1.5)],
