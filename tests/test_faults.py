@@ -834,6 +834,18 @@ def test_tensors_of_an_odd_dtype_or_rank(checkpoints, tmp_path, edit, message):
         one_error_line(convert_cli(tmp_path / "bad.pth", "-o", tmp_path / "out", "--no-validate"), message)
 
 
+@pytest.mark.parametrize("text", ["[]", "null", "\udcff"])
+def test_a_damaged_hash_memo_only_costs_the_hashing(checkpoints, tmp_path, monkeypatch, text):
+    """The memo of source hashes (<cache>/hashes.json) holding a JSON list made every conversion
+    fail with a TypeError traceback; the memo is a cache: it is started again."""
+    monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "hashes.json").write_text(text, errors="surrogateescape")
+    result = convert_cli(checkpoints["published"], "-o", tmp_path / "out", "--no-validate")
+    assert result.exit_code == 0, result.output
+    assert isinstance(json.loads((tmp_path / "cache" / "hashes.json").read_text()), dict)
+
+
 @pytest.mark.parametrize("text", ["[]", "null", "3"])
 def test_a_checkpoint_config_that_is_not_an_object(checkpoints, tmp_path, text):
     src = shutil.copytree(checkpoints["published"], tmp_path / "src")
