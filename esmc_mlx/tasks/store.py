@@ -165,7 +165,7 @@ class EmbeddingStore:
             data = json.loads(self.manifest_path.read_text())
         except (OSError, ValueError) as e:
             raise JobError(f"{self.manifest_path}: unreadable ({e}); use --force to start over") from None
-        if data.get("format") != FORMAT:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:  # another tool's manifest.json
             raise JobError(f"{self.out}: not an esmc-mlx embeddings directory")
         if data.get("version") == 1 and "layer" in data:  # one layer, mean (+ per_residue), npy
             pools = ["mean"] + (["per_residue"] if data.get("per_residue") else [])
