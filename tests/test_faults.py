@@ -685,6 +685,27 @@ def test_embed_never_clears_or_overwrites_a_users_arrays(converted, tmp_path):
     assert sorted(p.name for p in emb.iterdir()) == ["index.tsv", "manifest.json", "max.npy"]
 
 
+@pytest.mark.parametrize(
+    "storage,name,damage",
+    [("safetensors", "embeddings.safetensors.index.json", "[]"), ("npy", "index.tsv", "id\tlength\tsha1\na\n")],
+)
+def test_damaged_merged_embeddings_are_computed_again(converted, tmp_path, storage, name, damage):
+    """A merged file damaged since its merge (an index that is a JSON list, a cut line in
+    index.tsv) made every rerun fail with a TypeError / ValueError traceback."""
+    from esmc_mlx.tasks.store import read_embeddings
+
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n>b\nACDEFGHIK\n")
+    emb = tmp_path / "emb"
+    args = ("embed", converted, fasta, "-o", emb, "--format", storage, "--no-progress")
+    assert cli(*args).exit_code == 0
+    want = np.asarray(read_embeddings(emb).mean)
+    (emb / name).write_text(damage)
+    result = cli(*args)
+    assert result.exit_code == 0 and "Embedded 2 sequences (0 already done" in result.output, result.output
+    np.testing.assert_allclose(np.asarray(read_embeddings(emb).mean), want, atol=1e-6)
+
+
 def test_temporary_files_of_killed_jobs_are_removed_by_the_next_run(converted, tmp_path):
     fasta = tmp_path / "in.fasta"
     fasta.write_text(f">a\n{SEQ}\n")

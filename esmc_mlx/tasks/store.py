@@ -271,18 +271,20 @@ class EmbeddingStore:
         if not index.exists() or not names:
             return None
         ids, lengths, hashes = [], [], []
-        with open(index) as f:
-            next(f)
-            for line in f:
-                ident, length, digest = line.rstrip("\n").split("\t")
-                ids.append(ident)
-                lengths.append(int(length))
-                hashes.append(digest)
-        merged = {"ids": ids, "lengths": np.array(lengths, dtype=np.int64), "sha1": hashes}
         try:
+            with open(index) as f:
+                next(f)
+                for line in f:
+                    ident, length, digest = line.rstrip("\n").split("\t")
+                    ids.append(ident)
+                    lengths.append(int(length))
+                    hashes.append(digest)
             arrays, offsets = _READERS[kind](self.out, names)
-        except (OSError, KeyError, ValueError):
-            return None  # a merge that was cut short; the parts it came from are still there
+        except (OSError, KeyError, ValueError, TypeError, AttributeError, StopIteration):
+            # a merge that was cut short, or merged files damaged since: what they held is computed
+            # again (the parts they came from, if any, are still there)
+            return None
+        merged = {"ids": ids, "lengths": np.array(lengths, dtype=np.int64), "sha1": hashes}
         merged["arrays"], merged["offsets"] = arrays, offsets
         for name, rows in arrays.items():
             expect = int(offsets[-1]) if is_per_residue(name) else len(ids)
