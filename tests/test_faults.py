@@ -706,6 +706,29 @@ def test_damaged_merged_embeddings_are_computed_again(converted, tmp_path, stora
     np.testing.assert_allclose(np.asarray(read_embeddings(emb).mean), want, atol=1e-6)
 
 
+@pytest.mark.parametrize("content", [b"PK\x03\x04cut", b"\x80\x04pickled", b"\x93NUMPY\x01\x00"])
+def test_a_damaged_part_is_one_error_naming_it(converted, tmp_path, content):
+    """A part that is not what write_part wrote (cut, or another file under its name) made every
+    rerun fail with a ValueError / BadZipFile traceback."""
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n>b\nACDEFGHIK\n")
+    emb = tmp_path / "emb"
+    assert cli("embed", converted, fasta, "-o", emb, "--no-progress").exit_code == 0
+    manifest = json.loads((emb / "manifest.json").read_text())
+    (emb / "manifest.json").write_text(json.dumps(dict(manifest, complete=False)))
+    (emb / "parts").mkdir()
+    part = emb / "parts" / "part-20261201T000000-abcdef-000001.npz"
+    part.write_bytes(content)
+    before = snapshot(emb)
+    result = cli("embed", converted, fasta, "-o", emb, "--no-progress")
+    line = one_error_line(result, str(part), "move it out")
+    assert "allow_pickle" not in line and "unsafely" not in line  # numpy's advice is not repeated
+    after = snapshot(emb)
+    assert {k: v for k, v in after.items() if k != "manifest.json"} == {
+        k: v for k, v in before.items() if k != "manifest.json"
+    }
+
+
 def test_temporary_files_of_killed_jobs_are_removed_by_the_next_run(converted, tmp_path):
     fasta = tmp_path / "in.fasta"
     fasta.write_text(f">a\n{SEQ}\n")

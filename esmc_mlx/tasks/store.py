@@ -32,6 +32,7 @@ import re
 import shutil
 import time
 import uuid
+import zipfile
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
@@ -304,8 +305,8 @@ class EmbeddingStore:
         if merged:
             done.update(zip(merged["ids"], merged["sha1"]))
         for path in self._part_files():
-            with np.load(path) as part:
-                done.update(zip(part["ids"].tolist(), part["sha1"].tolist()))
+            ids, digests = _part_ids(path)
+            done.update(zip(ids, digests.tolist()))
         return done
 
     def status(self, index: IdIndex, hashes: np.ndarray) -> tuple[np.ndarray, list[str]]:
@@ -325,8 +326,7 @@ class EmbeddingStore:
         if merged:
             visit(merged["ids"], merged["sha1"])
         for path in self._part_files():
-            with np.load(path) as part:
-                visit(part["ids"].tolist(), part["sha1"])
+            visit(*_part_ids(path))
         return done, changed
 
     def write_part(self, ids: list[str], hashes: list[str], lengths: np.ndarray, arrays: dict[str, np.ndarray]) -> Path:
@@ -423,9 +423,34 @@ class EmbeddingStore:
             self.parts.rmdir()
 
 
+# what np.load and a missing array raise for a part that is not what write_part wrote
+_PART_ERRORS = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
+
+
+def _unreadable_part(path: Path, error: Exception) -> JobError:
+    # numpy's own text may advise loading pickled data: never repeat that
+    return JobError(
+        f"{path}: a damaged part, or not one esmc-mlx wrote ({type(error).__name__}); move it out of "
+        f"{path.parent} and run again (its records are computed again)"
+    )
+
+
+def _part_ids(path: Path) -> tuple[list[str], np.ndarray]:
+    """The IDs and sha1s a part holds; JobError naming a damaged part."""
+    try:
+        with np.load(path) as part:
+            return part["ids"].tolist(), part["sha1"]
+    except _PART_ERRORS as e:
+        raise _unreadable_part(path, e) from None
+
+
 def _load_part(path: Path) -> dict:
-    with np.load(path) as part:
-        data = {k: part[k] for k in part.files}
+    try:
+        with np.load(path) as part:
+            data = {k: part[k] for k in part.files}
+        data["ids"], data["sha1"], data["lengths"]  # noqa: B018  (all three, or the part is damaged)
+    except _PART_ERRORS as e:
+        raise _unreadable_part(path, e) from None
     meta = ("ids", "sha1", "lengths")
     return {
         "ids": data["ids"].tolist(),
