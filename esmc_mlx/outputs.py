@@ -402,6 +402,10 @@ def check_file_target(path: str | Path, option: str = "-o", sources: Iterable[st
         with contextlib.suppress(OSError):
             if os.path.samefile(path, source):
                 raise OutputError(f"{option} {path} is the input {source}; write the output somewhere else")
+    if written_in_place(path):  # /dev/null, /dev/stdout, a FIFO
+        if not os.access(path, os.W_OK):
+            raise OutputError(f"{option} {path}: not writable")
+        return
     if not path.parent.is_dir():
         raise OutputError(f"{option} {path}: no such directory {path.parent}")
     if path.is_dir():
@@ -416,8 +420,16 @@ def check_file_target(path: str | Path, option: str = "-o", sources: Iterable[st
 @contextlib.contextmanager
 def atomic_file(path: str | Path, mode: str = "w", **open_kwargs) -> Iterator:
     """Open a hidden sibling of ``path`` for writing; on success it replaces ``path`` whole, on
-    any error it is removed (a full disk becomes OutputError naming ``path``)."""
+    any error it is removed (a full disk becomes OutputError naming ``path``). A link is kept:
+    the file it points to is replaced. A device or a pipe (``-o /dev/null``, ``/dev/stdout``, a
+    FIFO) is written in place: a rename would put a regular file where it was (as root, /dev/null
+    for every program)."""
     path = Path(path)
+    if written_in_place(path):
+        with open(path, mode, **open_kwargs) as f:
+            yield f
+        return
+    path = path.resolve() if path.is_symlink() else path
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{_token()}"
     try:
         with open(tmp, "x" + mode.replace("w", ""), **open_kwargs) as f:
@@ -431,6 +443,24 @@ def atomic_file(path: str | Path, mode: str = "w", **open_kwargs) -> Iterator:
         if isinstance(e, OSError) and e.filename in (str(tmp), str(path)):
             raise OutputError(f"cannot write {path}: {e.strerror}") from None
         raise
+
+
+def written_in_place(path: str | Path) -> bool:
+    """Whether ``path`` takes bytes where it is rather than being replaced: a device, a FIFO or
+    a socket, or a link through /proc (``/dev/stdout`` -> ``/proc/self/fd/1``: the process's
+    output, whatever file it is). Such an output needs neither a lock nor a writable folder."""
+    path = Path(path)
+    if not path.exists() or path.is_dir():
+        return False
+    if not path.is_file():
+        return True
+    for _ in range(40):  # the link chain, hop by hop (resolve() would pass through /proc unseen)
+        if not path.is_symlink():
+            return False
+        path = path.parent / os.readlink(path)
+        if path.parts[:2] == ("/", "proc"):
+            return True
+    return False
 
 
 class StagedDirectory:

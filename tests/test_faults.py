@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -1092,6 +1093,38 @@ def test_an_error_during_validation_starts_its_own_line(converted, checkpoints, 
     monkeypatch.setattr("esmc_mlx.validate.core.torch_ref.pick_device", no_device)
     result = cli("validate", converted, "--reference", checkpoints["published"], "--reference-device", "cuda")
     one_error_line(result, "--reference-device cuda: no such device here")
+
+
+def test_score_writes_through_a_fifo_a_device_and_a_link(converted, tmp_path):
+    """-o was written beside and renamed over the path: a FIFO (or, as root, -o /dev/null) became
+    a regular file, and a link was replaced by a file, the file it pointed to left as it was."""
+    csv_in = tmp_path / "dms.csv"
+    csv_in.write_text("mutant\nM1A\nK2R\n")
+
+    def score(out):
+        result = cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", out, "--no-progress")
+        assert result.exit_code == 0, result.output
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader, so that opening it to write does not block
+    try:
+        score(fifo)
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+        assert os.read(reader, 1 << 16).decode().startswith("mutant,masked_marginal,wt_marginal")
+    finally:
+        os.close(reader)
+    real = tmp_path / "real.csv"
+    real.write_text("old\n")
+    (tmp_path / "link.csv").symlink_to(real.name)
+    score(tmp_path / "link.csv")
+    assert (tmp_path / "link.csv").is_symlink() and real.read_text().startswith("mutant,")
+    if os.geteuid() == 0:  # a device node like /dev/null (making one needs root)
+        null = tmp_path / "null"
+        os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        score(null)
+        assert stat.S_ISCHR(os.lstat(null).st_mode)
+    assert debris(tmp_path) == []
 
 
 def test_failed_runs_leave_no_folders_they_made(checkpoints, converted, tmp_path):

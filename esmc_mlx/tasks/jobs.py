@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import EsmcMlxError, JobError, ScoringError
-from ..outputs import atomic_file, check_file_target, locked
+from ..outputs import atomic_file, check_file_target, locked, written_in_place
 from ..runtime.load import load
 from ..runtime.model import ESMC
 from ..vocab import check_sequence
@@ -432,7 +432,11 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-@locked("out", when=lambda args: World.of(args["group"]).is_root, create_parent=False)
+@locked(
+    "out",
+    when=lambda args: World.of(args["group"]).is_root and not written_in_place(args["out"]),  # not /dev/null
+    create_parent=False,
+)
 def score_csv(
     model: ESMC | str | Path,
     sequence: str,
