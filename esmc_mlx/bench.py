@@ -33,7 +33,7 @@ from . import _blas
 from .config import ESMCConfig
 from .convert.sources import torch_to_mlx
 from .errors import EsmcMlxError
-from .outputs import atomic_file
+from .outputs import atomic_file, ensure_parent
 from .quantize import BLOCK_LINEAR  # what `esmc-convert --q` quantizes by default
 from .runtime.model import ESMC, RUNTIME_DEFAULTS
 from .runtime.quantized import quantize_modules
@@ -363,8 +363,8 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     shapes = []
     for part in text.replace(" ", "").split(","):
         b, _, l = part.lower().partition("x")
-        if not (b.isdigit() and l.isdigit()):
-            raise ValueError(f"{part!r}: write a shape as BATCHxLENGTH, e.g. 8x256")
+        if not (b.isdigit() and l.isdigit() and int(b) > 0 and int(l) > 0):
+            raise ValueError(f"{part!r}: write a shape as BATCHxLENGTH of positive integers, e.g. 8x256")
         shapes.append((int(b), int(l)))
     return shapes
 
@@ -391,6 +391,7 @@ def run(
     process each library's BLAS, threads and memory disturb the other's (torch ran 9x slower
     on the CPU there; docs/benchmarks.md). Writes ``{stem}.json`` and ``{stem}.png`` under
     ``out_dir`` and returns the results."""
+    ensure_parent(Path(out_dir) / f"{stem}.json", create=False)  # fails now, not after the timing
     if device == "auto":
         device = "gpu" if mx.default_device() == mx.gpu else "cpu"
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import shlex
 import signal
 import sys
@@ -229,7 +230,7 @@ def run_convert(
         log=click.echo,
     )
     if len(specs) > 1:  # one read of the source, one sub-directory per spec, one reference pass
-        if upload_repo:
+        if upload_repo is not None:
             raise click.UsageError("--upload-repo takes one --q; publish each sub-directory with `esmc-mlx push`")
         convert_validate_many(source, output, specs, **common)
         return
@@ -268,8 +269,8 @@ def convert(**kwargs):
     run_convert(**kwargs)
 
 
-QUANTIZE_HELP = """Quantize a float MLX model directory (from esmc-convert) into the -o directory, streaming one
-tensor at a time. SPEC: 8 6 5 4 3 2 (affine bits, --group-size 32|64|128, default 64), mxfp4,
+QUANTIZE_HELP = """Quantize MODEL_DIR, a float MLX model directory (from esmc-convert), into the -o directory,
+streaming one tensor at a time. SPEC: 8 6 5 4 3 2 (affine bits, --group-size 32|64|128, default 64), mxfp4,
 mxfp8, nvfp4 (fixed group sizes 32, 32, 16), or a mixed recipe (mixed_2_6 mixed_3_4 mixed_3_6
 mixed_4_6 mixed_4_8: v/down projections of the sensitive blocks get the high bits). The
 embedding, norms and LM head stay in the float dtype unless --quantize-head.
@@ -304,7 +305,7 @@ def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size)
 
 
 @main.command(
-    help="Describe an MLX model directory: architecture, parameters, dtype or "
+    help="Describe MODEL_DIR, an MLX model directory: architecture, parameters, dtype or "
     "quantization, bits per weight, size on disk.\n\n\b\nExample:\n  esmc-mlx info esmc-tiny-mlx"
 )
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
@@ -341,11 +342,12 @@ def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
     for item in values:
         name, sep, number = item.partition("=")
         try:
-            out[name.strip()] = float(number)
+            value = float(number)
         except ValueError:
-            sep = ""
-        if not sep:
+            value = math.nan
+        if not sep or math.isnan(value):  # no number, or NaN (no bound: every check against it fails)
             raise click.BadParameter(f"{item!r}: use NAME=VALUE, e.g. kl_mean=0.02", param_hint="--threshold")
+        out[name.strip()] = value
     return out
 
 
@@ -437,8 +439,8 @@ def validate(
         sys.exit(1)
 
 
-PUSH_HELP = """Publish an MLX model directory to a Hugging Face Hub model repo, in one commit, with a
-generated model card (README.md) and the validation report.
+PUSH_HELP = """Publish MLX_DIR, an MLX model directory, to the Hugging Face Hub model repo ORG/NAME, in one
+commit, with a generated model card (README.md) and the validation report.
 
 Checks everything before uploading: the artifact is complete, validation/report.json exists and
 passed (else refused, unless --allow-unvalidated), a token with write access (HF_TOKEN or
@@ -482,6 +484,8 @@ def push(mlx_dir, repo_id, private, revision, commit_message, create_pr, dry_run
         click.echo("\n--- README.md (model card) ---\n" + result.card)
 
 
+MODEL_HELP = "MODEL: an MLX model directory (what esmc-convert writes) or a Hub repo id of one."
+
 EMBED_HELP = """Embed every sequence of a FASTA file into the directory OUT: for each hidden state
 of --layers, each pooling of --pool, all from one forward pass per batch (see docs/scoring.md).
 Results are flushed as they come: rerun the same command to resume an interrupted run. The
@@ -511,7 +515,7 @@ Examples:
 """
 
 
-@main.command(help=EMBED_HELP)
+@main.command(help=EMBED_HELP + "\n" + MODEL_HELP)
 @click.argument("model")
 @click.argument("fasta", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option(
@@ -556,14 +560,14 @@ Examples:
 @click.option("--force", is_flag=True, help="Discard what OUT holds and start over.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def embed(model, fasta, output, layers, layer, pools, per_residue, storage, batch_tokens, dtype, force, no_progress):
-    pool_list = pools.split(",") if pools else ["mean"]
+    pool_list = pools.split(",") if pools is not None else ["mean"]  # --pool "": an error, not the default
     if per_residue:
         pool_list.append("per_residue")
     s = embed_fasta(
         model,
         fasta,
         output,
-        layers=layers if layers else layer,
+        layers=layers if layers is not None else layer,
         pools=pool_list,
         storage=storage,
         batch_tokens=batch_tokens,
@@ -624,7 +628,7 @@ window_option = click.option(
 )
 
 
-@main.command(help=SCORE_HELP)
+@main.command(help=SCORE_HELP + "\n" + MODEL_HELP)
 @click.argument("model")
 @click.option("--sequence", required=True, help="Wild-type sequence (any length), or a FASTA file holding one record.")
 @click.option(
@@ -660,7 +664,7 @@ window_option = click.option(
 @click.option(
     "--offset", default=1, show_default=True, help="Number of the sequence's first residue in the mutant strings."
 )
-@click.option("--mutant-column", default="mutant", show_default=True)
+@click.option("--mutant-column", default="mutant", show_default=True, help="CSV column of the mutant strings.")
 @click.option("--dms-column", default="DMS_score", show_default=True, help="Measured scores, for Spearman's rho.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def score(
@@ -730,7 +734,7 @@ Examples:
 """
 
 
-@main.command(help=SCAN_HELP)
+@main.command(help=SCAN_HELP + "\n" + MODEL_HELP)
 @click.argument("model")
 @click.option("--sequence", help="The protein (any length), or a FASTA file holding one record.")
 @click.option(
@@ -746,7 +750,11 @@ Examples:
     help="Output directory (created).",
 )
 @click.option(
-    "--method", type=click.Choice(["masked-marginal", "wt-marginal"]), default="masked-marginal", show_default=True
+    "--method",
+    type=click.Choice(["masked-marginal", "wt-marginal"]),
+    default="masked-marginal",
+    show_default=True,
+    help="masked-marginal: one masked copy per residue; wt-marginal: one unmasked pass (see above).",
 )
 @click.option("--name", default="sequence", show_default=True, help="File name stem for --sequence.")
 @window_option
@@ -806,7 +814,13 @@ Examples:
     help="Model shape(s), random weights (default: 300M).",
 )
 @click.option("--shapes", help="BATCHxLENGTH list, e.g. 1x256,8x256 (default: per backend).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True)
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "gpu"]),
+    default="auto",
+    show_default=True,
+    help="Where MLX runs (auto: the GPU when MLX has one, else the CPU).",
+)
 @click.option(
     "--dtype",
     type=click.Choice(["float32", "bfloat16", "float16"]),
@@ -833,10 +847,11 @@ Examples:
     default="bench-results",
     show_default=True,
     type=click.Path(file_okay=False, path_type=Path),
+    help="Folder for bench.json and bench.png.",
 )
 def bench(models, shapes, device, dtype, variants, quant, no_torch, out_dir):
     try:
-        parsed = parse_shapes(shapes) if shapes else None
+        parsed = parse_shapes(shapes) if shapes is not None else None  # --shapes "": an error, not the default
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--shapes") from None
     run(

@@ -83,6 +83,8 @@ class ESMCConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ESMCConfig:
         """Read any of the known spellings; raise ConfigError naming what is missing."""
+        if not isinstance(raw, dict):  # a JSON list, null, a number: not a config at all
+            raise ConfigError(f"config is not a JSON object (got {type(raw).__name__})")
 
         def pick(*names, default=None):
             for name in names:

@@ -44,7 +44,9 @@ def file_hashes(files: list[Path]) -> dict[str, str]:
     memo_path = root / "hashes.json" if root else None
     try:
         memo = json.loads(memo_path.read_text()) if memo_path and memo_path.exists() else {}
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # unreadable, not JSON, not text
+        memo = {}
+    if not isinstance(memo, dict):  # a memo some other hand wrote: start again rather than fail the run
         memo = {}
     stamps = {f: _stamp(f) for f in files}
     todo = [f for f in files if stamps[f] not in memo]

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ._version import __version__
-from .artifact import GENERATED_CARD_LINE
+from .artifact import GENERATED_CARD_LINE, REPORT_DIR, REPORT_FILES
 from .errors import EsmcMlxWarning, OutputError
 
 MARKER = ".esmc-mlx"
@@ -282,7 +282,7 @@ def _later_product(directory: Path, name: str) -> bool:
     report folder of ``validate`` and the model card ``push`` generates (a hand-written
     README.md is the user's)."""
     path = directory / name
-    if name == "validation":
+    if name == REPORT_DIR:
         return (path / "report.json").is_file()
     if name == "README.md":
         try:
@@ -303,7 +303,13 @@ def foreign_entries(directory: Path) -> list[str] | None:
         ours = {n for n in present if _LEGACY_MODEL_FILES.fullmatch(n)}
     else:
         return None
-    return [n for n in present if n not in ours and not _later_product(directory, n) and not _own_leftover(n)]
+    foreign = [n for n in present if n not in ours and not _later_product(directory, n) and not _own_leftover(n)]
+    report = directory / REPORT_DIR
+    if REPORT_DIR in present and REPORT_DIR not in foreign and report.is_dir() and not report.is_symlink():
+        # the report folder is ours while it holds only the report's files
+        inside = sorted(p.name for p in report.iterdir())
+        foreign += [f"{REPORT_DIR}/{n}" for n in inside if n not in REPORT_FILES and not _own_leftover(n)]
+    return foreign
 
 
 def _own_leftover(name: str) -> bool:
@@ -387,11 +393,19 @@ def check_target(out: str | Path, force: bool, sources: Iterable[str | Path] = (
     ensure_parent(out, create_parent)
 
 
-def check_file_target(path: str | Path, option: str = "-o") -> None:
+def check_file_target(path: str | Path, option: str = "-o", sources: Iterable[str | Path] = ()) -> None:
     """Fail before any work when the output file ``path`` cannot be written: its directory is
-    missing or not writable, or the path is a directory. (Replacing a file is what a file
-    output does; it happens atomically.)"""
+    missing or not writable, the path is a directory, or it is one of the input files
+    ``sources``. (Replacing a file is what a file output does; it happens atomically.)"""
     path = Path(path)
+    for source in sources:
+        with contextlib.suppress(OSError):
+            if os.path.samefile(path, source):
+                raise OutputError(f"{option} {path} is the input {source}; write the output somewhere else")
+    if written_in_place(path):  # /dev/null, /dev/stdout, a FIFO
+        if not os.access(path, os.W_OK):
+            raise OutputError(f"{option} {path}: not writable")
+        return
     if not path.parent.is_dir():
         raise OutputError(f"{option} {path}: no such directory {path.parent}")
     if path.is_dir():
@@ -406,8 +420,16 @@ def check_file_target(path: str | Path, option: str = "-o") -> None:
 @contextlib.contextmanager
 def atomic_file(path: str | Path, mode: str = "w", **open_kwargs) -> Iterator:
     """Open a hidden sibling of ``path`` for writing; on success it replaces ``path`` whole, on
-    any error it is removed (a full disk becomes OutputError naming ``path``)."""
+    any error it is removed (a full disk becomes OutputError naming ``path``). A link is kept:
+    the file it points to is replaced. A device or a pipe (``-o /dev/null``, ``/dev/stdout``, a
+    FIFO) is written in place: a rename would put a regular file where it was (as root, /dev/null
+    for every program)."""
     path = Path(path)
+    if written_in_place(path):
+        with open(path, mode, **open_kwargs) as f:
+            yield f
+        return
+    path = path.resolve() if path.is_symlink() else path
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{_token()}"
     try:
         with open(tmp, "x" + mode.replace("w", ""), **open_kwargs) as f:
@@ -421,6 +443,24 @@ def atomic_file(path: str | Path, mode: str = "w", **open_kwargs) -> Iterator:
         if isinstance(e, OSError) and e.filename in (str(tmp), str(path)):
             raise OutputError(f"cannot write {path}: {e.strerror}") from None
         raise
+
+
+def written_in_place(path: str | Path) -> bool:
+    """Whether ``path`` takes bytes where it is rather than being replaced: a device, a FIFO or
+    a socket, or a link through /proc (``/dev/stdout`` -> ``/proc/self/fd/1``: the process's
+    output, whatever file it is). Such an output needs neither a lock nor a writable folder."""
+    path = Path(path)
+    if not path.exists() or path.is_dir():
+        return False
+    if not path.is_file():
+        return True
+    for _ in range(40):  # the link chain, hop by hop (resolve() would pass through /proc unseen)
+        if not path.is_symlink():
+            return False
+        path = path.parent / os.readlink(path)
+        if path.parts[:2] == ("/", "proc"):
+            return True
+    return False
 
 
 class StagedDirectory:
@@ -468,8 +508,13 @@ class StagedDirectory:
         apply_umask(self.path)
         if os.path.lexists(self.out):  # --force, checked: swap, then delete the old one
             old = self.out.parent / f".{self.out.name}.old-{os.getpid()}-{_token()}"
-            os.replace(self.out, old)
-            os.replace(self.path, self.out)
+            try:
+                os.replace(self.out, old)
+                os.replace(self.path, self.out)
+            except BaseException:  # Ctrl-C or an error between the two renames: the old one goes back
+                if os.path.lexists(old) and not os.path.lexists(self.out):
+                    os.replace(old, self.out)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(self.path, self.out)

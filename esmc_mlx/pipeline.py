@@ -68,7 +68,7 @@ def convert_validate_push(
     if validate_output and not validation_available():  # fail before an hour of converting
         raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
     check_target(out, force)  # before downloading anything
-    if upload_repo:  # a missing token or a foreign namespace fails now, not after converting
+    if upload_repo is not None:  # an empty or bad id, no token, a foreign namespace: fail before converting
         check_push_access(upload_repo)
     job = prepare(source, dtype, q, group_size, quantize_head, revision, command)
     _prefetch_if_validating(validate_output)  # after the source is found and read, before converting
@@ -89,8 +89,8 @@ def convert_validate_push(
                 f"validation failed ({failed}). The old {out} is unchanged; the new artifact is kept at "
                 f"{where} with its failing report in {where / 'validation'}; it will not be uploaded."
             )
-        if upload_repo:  # last, and still under the lock: no other run replaces OUT mid-upload
-            result.push = push_artifact(out, upload_repo, private=private)
+        if upload_repo is not None:  # last, and still under the lock: no other run replaces OUT mid-upload
+            result.push = push_artifact(out, upload_repo, private=private, hold_lock=False)  # ours already
             log(result.push.summary())
     return result
 

@@ -7,10 +7,12 @@ behind a late import.
 import ast
 from pathlib import Path
 
+import click
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from esmc_mlx.artifact import expected_shapes
+from esmc_mlx.cli import convert_main, main
 from esmc_mlx.config import ESMCConfig
 from esmc_mlx.runtime.model import ESMC
 
@@ -118,3 +120,18 @@ def test_package_modules_are_imported_at_the_top():
                     if own:
                         late.append(f"{path.relative_to(PACKAGE.parent)}:{sub.lineno}")
     assert not late, "move these imports to the top of their module: " + ", ".join(sorted(late))
+
+
+def test_every_command_explains_its_options_and_arguments():
+    """`--help` of every command says what each option and argument is (rule 3 of issue 12)."""
+    commands = [("esmc-convert", convert_main)] + [(f"esmc-mlx {n}", c) for n, c in main.commands.items()]
+    missing = []
+    for name, command in commands:
+        text = command.help or ""
+        for param in command.params:
+            if isinstance(param, click.Argument):
+                if param.make_metavar(click.Context(command)).rstrip(".") not in text:
+                    missing.append(f"{name} {param.name}")
+            elif not (param.help or "").strip() and param.name not in ("help", "version"):
+                missing.append(f"{name} {param.opts[-1]}")
+    assert missing == []

@@ -39,6 +39,22 @@ def test_bench_without_torch_times_mlx_alone(tmp_path):
     assert [r["impl"] for r in results["forward"]] == ["mlx"] and results["agreement"] == {}
 
 
+def test_bench_into_an_impossible_folder_fails_before_timing(tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.setattr(bench, "_side", lambda *a, **k: pytest.fail("timed first"))
+    out = CliRunner().invoke(main, ["bench", "--model", "tiny", "--no-torch", "-o", str(tmp_path / "notes.txt" / "b")])
+    assert out.exit_code == 1 and "Traceback" not in out.output, out.output
+    assert out.output.count("Error:") == 1 and "notes.txt is a file" in out.output, out.output
+
+
+@pytest.mark.parametrize("shapes", ["0x16", "1x0", "", "1x2,0x4"])
+def test_bench_refuses_shapes_it_cannot_time(tmp_path, monkeypatch, shapes):
+    """0x16 / 1x0 crashed the timing child (ZeroDivisionError traceback); "" timed the defaults."""
+    monkeypatch.setattr(bench, "_side", lambda *a, **k: pytest.fail("timed"))
+    out = CliRunner().invoke(main, ["bench", "--model", "tiny", "--no-torch", "--shapes", shapes, "-o", str(tmp_path)])
+    assert out.exit_code == 2 and "--shapes" in out.output and "BATCHxLENGTH" in out.output, out.output
+
+
 def test_crossover_takes_ties_and_needs_every_larger_count():
     def rows(*pairs):
         return [{"tokens": t, "quantized_ms": 1.0, "dequantize_ms": d} for t, d in pairs]

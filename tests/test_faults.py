@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -191,6 +192,18 @@ def test_force_knows_what_validate_and_push_add_and_keeps_a_hand_written_card(ol
     assert snapshot(out) == before
 
 
+def test_force_keeps_a_users_file_inside_the_report_folder(old_output, checkpoints, tmp_path):
+    out, _ = old_output
+    (out / "validation").mkdir()
+    (out / "validation" / "report.json").write_text("{}")
+    outputs.add_to_marker(out, "validation")  # as validate records it, or a validated conversion
+    (out / "validation" / "my_analysis.ipynb").write_text("a day of work")
+    before = snapshot(out)
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
+    one_error_line(result, "validation/my_analysis.ipynb", "esmc-mlx did not write")
+    assert snapshot(out) == before and debris(tmp_path) == []
+
+
 def test_without_force_an_existing_output_is_refused_before_any_work(old_output, checkpoints, monkeypatch):
     out, before = old_output
     monkeypatch.setattr("esmc_mlx.convert.resolve", lambda *a: pytest.fail("resolved the source"))
@@ -271,6 +284,23 @@ def test_ctrl_c_during_conversion_keeps_the_old_output(old_output, checkpoints, 
         raise KeyboardInterrupt
 
     monkeypatch.setattr("esmc_mlx.convert.write_config", interrupted)  # after every shard was written
+    result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
+    assert result.exit_code == 1 and "Aborted" in result.output and "Traceback" not in result.output
+    assert snapshot(out) == before and debris(tmp_path) == []
+
+
+def test_ctrl_c_between_the_two_renames_puts_the_old_output_back(old_output, checkpoints, tmp_path, monkeypatch):
+    """The swap is two renames (old aside, new in): an interrupt between them used to leave OUT
+    missing, the old output hidden as .out.old-* until a later run on that path."""
+    out, before = old_output
+    replace = os.replace
+
+    def interrupted_swap(src, dst):
+        if Path(dst) == out and Path(src).name.startswith(".out.partial-"):  # the new output going in
+            raise KeyboardInterrupt
+        replace(src, dst)
+
+    monkeypatch.setattr(outputs.os, "replace", interrupted_swap)
     result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
     assert result.exit_code == 1 and "Aborted" in result.output and "Traceback" not in result.output
     assert snapshot(out) == before and debris(tmp_path) == []
@@ -386,6 +416,16 @@ def test_score_and_embed_take_the_lock_too(converted, tmp_path, locked_by_other_
     assert not (tmp_path / "emb").exists()
 
 
+def test_validate_takes_the_artifacts_lock(old_output, checkpoints, tmp_path, locked_by_other_process):
+    """A conversion replacing OUT holds OUT's lock; validate used to write its report into OUT
+    meanwhile (a report of the old weights beside the new ones, which push would publish)."""
+    out, before = old_output
+    pid = locked_by_other_process(out)
+    result = cli("validate", out, "--reference", checkpoints["published"], "--quick")
+    one_error_line(result, f"PID {pid}")
+    assert snapshot(out) == before
+
+
 # --- rule 4: a model directory means exactly what its index says --------------------------------------
 def test_converter_refuses_a_stray_safetensors_beside_indexed_shards(tmp_path, tiny_config):
     src = testing.write_random_checkpoint(tmp_path / "src", tiny_config, dtype="float32", shard_bytes=1 << 20)
@@ -409,6 +449,32 @@ def test_quantize_info_validate_and_load_refuse_a_stray_file_in_an_artifact(old_
     with pytest.raises(ConvertError, match="model_old.safetensors"):
         esmc_mlx.load(out)
     assert not (tmp_path / "q4").exists() and debris(tmp_path) == []
+
+
+def _copy_into_the_last_shard(directory: Path) -> str:
+    """Put a tensor of the first shard, changed, into the last one too (the index still names the
+    first): which copy a reader takes used to depend on the order it read the files in."""
+    shards = sorted(directory.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    first, last = load_file(str(shards[0])), load_file(str(shards[-1]))
+    name = sorted(first)[0]
+    last[name] = first[name] + 5
+    save_file(last, str(shards[-1]), metadata={"format": "pt"})
+    return name
+
+
+def test_a_tensor_in_two_shards_is_refused(checkpoints, converted, tmp_path, tiny_config):
+    src = testing.write_random_checkpoint(tmp_path / "src", tiny_config, dtype="float32", shard_bytes=1 << 20)
+    name = _copy_into_the_last_shard(src)
+    result = convert_cli(src, "-o", tmp_path / "out", "--no-validate")  # was: converted the last shard's copy
+    one_error_line(result, f"tensor {name} is also in")
+    assert not (tmp_path / "out").exists() and debris(tmp_path) == []
+    art = tmp_path / "art"
+    assert convert_cli(checkpoints["published"], "-o", art, "--shard-size", "1MB", "--no-validate").exit_code == 0
+    name = _copy_into_the_last_shard(art)
+    with pytest.raises(ConvertError, match=f"tensor {name} is also in"):
+        esmc_mlx.load(art)
+    one_error_line(cli("info", art), f"tensor {name} is also in")  # was: its bytes counted twice
 
 
 def test_several_safetensors_without_an_index_are_refused(checkpoints, tmp_path):
@@ -581,13 +647,87 @@ def test_embed_debris_of_a_failed_first_run_is_cleared(converted, tmp_path):
     # a directory of someone else's is never cleared, with or without --force
     other = tmp_path / "other"
     other.mkdir()
-    (other / "manifest.json").write_text('{"format": "something-else"}')
     (other / "parts").mkdir()
-    before = snapshot(other)
+    for manifest in ('{"format": "something-else"}', "[]"):  # [] was an AttributeError traceback
+        (other / "manifest.json").write_text(manifest)
+        before = snapshot(other)
+        for extra in ([], ["--force"]):
+            result = cli("embed", converted, fasta, "-o", other, "--no-progress", *extra)
+            one_error_line(result, str(other))
+        assert snapshot(other) == before
+
+
+def test_embed_never_clears_or_overwrites_a_users_arrays(converted, tmp_path):
+    """Names like mean.npy or index.tsv are an embeddings directory's only when its manifest
+    says so: a folder of the user's arrays is neither cleared by --force nor written into."""
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n>b\nACDEFGHIK\n")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    np.save(mine / "mean.npy", np.arange(5))
+    (mine / "index.tsv").write_text("my own index\n")
+    (mine / "parts").mkdir()
+    (mine / "parts" / "notes.txt").write_text("mine")
+    before = snapshot(mine)
     for extra in ([], ["--force"]):
-        result = cli("embed", converted, fasta, "-o", other, "--no-progress", *extra)
-        assert result.exit_code == 1 and "Error:" in result.output, result.output
-    assert snapshot(other) == before
+        result = cli("embed", converted, fasta, "-o", mine, "--no-progress", *extra)
+        one_error_line(result, str(mine))
+        assert snapshot(mine) == before
+    # in an embeddings directory, an array its manifest does not name is the user's too
+    emb = tmp_path / "emb"
+    assert cli("embed", converted, fasta, "-o", emb, "--no-progress").exit_code == 0
+    np.save(emb / "umap.npy", np.arange(3))
+    result = cli("embed", converted, fasta, "-o", emb, "--no-progress", "--force", "--pool", "max")
+    one_error_line(result, "--force will not clear", "umap.npy")
+    assert (emb / "umap.npy").exists() and (emb / "mean.npy").exists()
+    (emb / "umap.npy").unlink()
+    result = cli("embed", converted, fasta, "-o", emb, "--no-progress", "--force", "--pool", "max")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in emb.iterdir()) == ["index.tsv", "manifest.json", "max.npy"]
+
+
+@pytest.mark.parametrize(
+    "storage,name,damage",
+    [("safetensors", "embeddings.safetensors.index.json", "[]"), ("npy", "index.tsv", "id\tlength\tsha1\na\n")],
+)
+def test_damaged_merged_embeddings_are_computed_again(converted, tmp_path, storage, name, damage):
+    """A merged file damaged since its merge (an index that is a JSON list, a cut line in
+    index.tsv) made every rerun fail with a TypeError / ValueError traceback."""
+    from esmc_mlx.tasks.store import read_embeddings
+
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n>b\nACDEFGHIK\n")
+    emb = tmp_path / "emb"
+    args = ("embed", converted, fasta, "-o", emb, "--format", storage, "--no-progress")
+    assert cli(*args).exit_code == 0
+    want = np.asarray(read_embeddings(emb).mean)
+    (emb / name).write_text(damage)
+    result = cli(*args)
+    assert result.exit_code == 0 and "Embedded 2 sequences (0 already done" in result.output, result.output
+    np.testing.assert_allclose(np.asarray(read_embeddings(emb).mean), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("content", [b"PK\x03\x04cut", b"\x80\x04pickled", b"\x93NUMPY\x01\x00"])
+def test_a_damaged_part_is_one_error_naming_it(converted, tmp_path, content):
+    """A part that is not what write_part wrote (cut, or another file under its name) made every
+    rerun fail with a ValueError / BadZipFile traceback."""
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n>b\nACDEFGHIK\n")
+    emb = tmp_path / "emb"
+    assert cli("embed", converted, fasta, "-o", emb, "--no-progress").exit_code == 0
+    manifest = json.loads((emb / "manifest.json").read_text())
+    (emb / "manifest.json").write_text(json.dumps(dict(manifest, complete=False)))
+    (emb / "parts").mkdir()
+    part = emb / "parts" / "part-20261201T000000-abcdef-000001.npz"
+    part.write_bytes(content)
+    before = snapshot(emb)
+    result = cli("embed", converted, fasta, "-o", emb, "--no-progress")
+    line = one_error_line(result, str(part), "move it out")
+    assert "allow_pickle" not in line and "unsafely" not in line  # numpy's advice is not repeated
+    after = snapshot(emb)
+    assert {k: v for k, v in after.items() if k != "manifest.json"} == {
+        k: v for k, v in before.items() if k != "manifest.json"
+    }
 
 
 def test_temporary_files_of_killed_jobs_are_removed_by_the_next_run(converted, tmp_path):
@@ -720,6 +860,47 @@ def test_malformed_safetensors_headers(checkpoints, tmp_path, edit, message):
 
 
 @pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda t: t.double(), "(F64)"),  # MLX cannot read it: was a RuntimeError traceback
+        (lambda t: t.long(), "(I64)"),  # was converted: the weights truncated to integers
+        (lambda t: t > 0, "(BOOL)"),
+        (lambda t: t[0].clone(), "shape ()"),  # a 0-d tensor: was an IndexError traceback
+    ],
+)
+def test_tensors_of_an_odd_dtype_or_rank(checkpoints, tmp_path, edit, message):
+    name = "esmc.norm.weight"
+    bad = edited_checkpoint(checkpoints["published"], tmp_path / "bad", lambda st: st.update({name: edit(st[name])}))
+    one_error_line(convert_cli(bad, "-o", tmp_path / "out", "--no-validate"), name, message)
+    assert not (tmp_path / "out").exists() and debris(tmp_path) == []
+    if message == "shape ()":  # the same in a legacy .pth, whose config is inferred from the shapes
+        state = torch.load(checkpoints["legacy"], weights_only=True)
+        state["transformer.norm.weight"] = edit(state["transformer.norm.weight"])
+        torch.save(state, tmp_path / "bad.pth")
+        one_error_line(convert_cli(tmp_path / "bad.pth", "-o", tmp_path / "out", "--no-validate"), message)
+
+
+@pytest.mark.parametrize("text", ["[]", "null", "\udcff"])
+def test_a_damaged_hash_memo_only_costs_the_hashing(checkpoints, tmp_path, monkeypatch, text):
+    """The memo of source hashes (<cache>/hashes.json) holding a JSON list made every conversion
+    fail with a TypeError traceback; the memo is a cache: it is started again."""
+    monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "hashes.json").write_text(text, errors="surrogateescape")
+    result = convert_cli(checkpoints["published"], "-o", tmp_path / "out", "--no-validate")
+    assert result.exit_code == 0, result.output
+    assert isinstance(json.loads((tmp_path / "cache" / "hashes.json").read_text()), dict)
+
+
+@pytest.mark.parametrize("text", ["[]", "null", "3"])
+def test_a_checkpoint_config_that_is_not_an_object(checkpoints, tmp_path, text):
+    src = shutil.copytree(checkpoints["published"], tmp_path / "src")
+    (src / "config.json").write_text(text)  # was: AttributeError: 'list' object has no attribute 'get'
+    one_error_line(convert_cli(src, "-o", tmp_path / "o", "--no-validate"), "config.json", "not a JSON object")
+    assert not (tmp_path / "o").exists() and debris(tmp_path) == []
+
+
+@pytest.mark.parametrize(
     "field,value",
     [("num_attention_heads", 0), ("hidden_size", -1), ("num_hidden_layers", "2x"), ("intermediate_size", 1.5)],
 )
@@ -810,6 +991,33 @@ def test_truncated_weights_in_an_artifact(old_output, tmp_path):
     assert not (tmp_path / "emb").exists()
 
 
+def test_an_integer_weight_in_an_artifact(old_output, tmp_path):
+    out, _ = old_output
+    state = load_file(str(out / "model.safetensors"))
+    state["esmc.norm.weight"] = state["esmc.norm.weight"].long()  # was a traceback from MLX's finfo
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "mlx"})
+    with pytest.raises(ConvertError, match="model.safetensors: tensor esmc.norm.weight is int64, not a float"):
+        esmc_mlx.load(out)
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n")
+    one_error_line(cli("embed", out, fasta, "-o", tmp_path / "emb"), "esmc.norm.weight is int64")
+    assert not (tmp_path / "emb").exists()
+
+
+@pytest.mark.parametrize("typo", ["wt.fasta", "WT.FA", "data/wt", "seqs.fa.gz"])
+def test_a_missing_fasta_given_as_sequence_is_not_read_as_a_protein(converted, tmp_path, monkeypatch, typo):
+    """'.', 'F', 'A', 'S', 'T', 'W' are residue letters: a mistyped --sequence wt.fasta was
+    scored (and scanned) as the protein WT.FASTA."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.csv").write_text("mutant\nW1A\n")
+    monkeypatch.setattr("esmc_mlx.tasks.jobs.load", lambda *a, **k: pytest.fail("loaded the model"))
+    result = cli("score", converted, "--sequence", typo, "--mutations", "m.csv", "-o", "out.csv")
+    one_error_line(result, f"--sequence {typo}: no such file")
+    result = cli("scan", converted, "--sequence", typo, "-o", "scan", "--no-plot")
+    one_error_line(result, f"--sequence {typo}: no such file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.csv"]
+
+
 def test_missing_local_paths_say_so(tmp_path, monkeypatch):
     fasta = tmp_path / "in.fasta"
     fasta.write_text(f">a\n{SEQ}\n")
@@ -846,6 +1054,77 @@ def test_score_into_a_missing_folder_fails_before_scoring(converted, tmp_path, m
     result = cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", tmp_path)
     assert result.exit_code == 2 and "is a directory" in result.output  # click's check of the option
     assert not (tmp_path / "nope").exists()
+
+
+def test_score_never_writes_over_its_own_inputs(converted, tmp_path, monkeypatch):
+    """-o naming the mutations CSV or the wild-type FASTA (a typo) is refused: the CSV it would
+    write drops fields past the header, and a FASTA would become a CSV."""
+    csv_in = tmp_path / "dms.csv"
+    csv_in.write_text("mutant,DMS_score\nM1A,0.5\nK2R,0.1,a note\n")
+    wt = tmp_path / "wt.fasta"
+    wt.write_text(f">wt\n{SEQ}\n")
+    before = snapshot(tmp_path)
+    monkeypatch.setattr("esmc_mlx.tasks.jobs.load", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.chdir(tmp_path)
+    for out, name in ((csv_in, "dms.csv"), (Path("wt.fasta"), "wt.fasta")):
+        result = cli("score", converted, "--sequence", wt, "--mutations", csv_in, "-o", out)
+        one_error_line(result, f"-o {out} is the input", name)
+    assert snapshot(tmp_path) == before and debris(tmp_path) == []
+
+
+def test_validate_into_an_impossible_report_folder_fails_before_validating(
+    converted, checkpoints, tmp_path, monkeypatch
+):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine")
+    monkeypatch.setattr("esmc_mlx.validate.core.SourceWeights", lambda *a, **k: pytest.fail("validated first"))
+    result = cli("validate", converted, "--reference", checkpoints["published"], "--report", blocker / "report")
+    one_error_line(result, "cannot create", "notes.txt is a file")
+    assert blocker.read_text() == "mine"
+
+
+def test_an_error_during_validation_starts_its_own_line(converted, checkpoints, monkeypatch):
+    """validate's progress bar stayed open when an error left it: the Error text came after
+    'validating: 0%|...| [importing torch]' on the same line."""
+
+    def no_device(name):
+        raise ValidationError(f"--reference-device {name}: no such device here")
+
+    monkeypatch.setattr("esmc_mlx.validate.core.torch_ref.pick_device", no_device)
+    result = cli("validate", converted, "--reference", checkpoints["published"], "--reference-device", "cuda")
+    one_error_line(result, "--reference-device cuda: no such device here")
+
+
+def test_score_writes_through_a_fifo_a_device_and_a_link(converted, tmp_path):
+    """-o was written beside and renamed over the path: a FIFO (or, as root, -o /dev/null) became
+    a regular file, and a link was replaced by a file, the file it pointed to left as it was."""
+    csv_in = tmp_path / "dms.csv"
+    csv_in.write_text("mutant\nM1A\nK2R\n")
+
+    def score(out):
+        result = cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", out, "--no-progress")
+        assert result.exit_code == 0, result.output
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader, so that opening it to write does not block
+    try:
+        score(fifo)
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+        assert os.read(reader, 1 << 16).decode().startswith("mutant,masked_marginal,wt_marginal")
+    finally:
+        os.close(reader)
+    real = tmp_path / "real.csv"
+    real.write_text("old\n")
+    (tmp_path / "link.csv").symlink_to(real.name)
+    score(tmp_path / "link.csv")
+    assert (tmp_path / "link.csv").is_symlink() and real.read_text().startswith("mutant,")
+    if os.geteuid() == 0:  # a device node like /dev/null (making one needs root)
+        null = tmp_path / "null"
+        os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        score(null)
+        assert stat.S_ISCHR(os.lstat(null).st_mode)
+    assert debris(tmp_path) == []
 
 
 def test_failed_runs_leave_no_folders_they_made(checkpoints, converted, tmp_path):
@@ -965,6 +1244,9 @@ def test_unreadable_fasta_is_one_error(converted, tmp_path):
         (["--shard-size", "0.5KB"], "--shard-size"),
         (["--group-size", "0", "--q", "4"], "group"),
         (["--q", "17"], "17"),
+        (["--q", ""], "--q ''"),  # an unset shell variable: not a float conversion
+        (["--q", "4", "--q", ""], "--q ''"),  # was: out/4bit and out/float
+        (["--upload-repo", ""], "is not a Hub repo id"),  # was: converted, and nothing uploaded
     ],
 )
 def test_nonsense_convert_options(checkpoints, tmp_path, args, option):
@@ -979,6 +1261,7 @@ def test_nonsense_convert_options(checkpoints, tmp_path, args, option):
         ["embed", "{model}", "{fasta}", "-o", "{tmp}/e", "--batch-tokens", "0"],
         ["score", "{model}", "--sequence", SEQ, "--mutations", "{csv}", "-B", "0"],
         ["validate", "{model}", "--reference", "tiny", "--max-length", "0"],
+        ["validate", "{model}", "--reference", "tiny", "--threshold", "fidelity_logits=nan"],  # was: ran, then failed
         ["quantize", "{model}", "-o", "{tmp}/q", "--q", "4", "--shard-size", "0"],
     ],
 )
@@ -991,6 +1274,15 @@ def test_nonsense_job_options(converted, tmp_path, command):
     result = cli(*args)
     assert result.exit_code == 2 and "Invalid value" in result.output
     assert not (tmp_path / "e").exists() and not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("option,message", [("--layers", "no layer given"), ("--pool", "unknown pooling ['']")])
+def test_empty_embed_options_are_refused_not_defaulted(converted, tmp_path, option, message):
+    """--layers "" / --pool "" (an unset shell variable) ran with the default layer / pooling."""
+    (tmp_path / "in.fasta").write_text(f">a\n{SEQ}\n")
+    result = cli("embed", converted, tmp_path / "in.fasta", "-o", tmp_path / "e", option, "", "--no-progress")
+    one_error_line(result, message)
+    assert not (tmp_path / "e").exists()
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])

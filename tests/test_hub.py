@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import struct
 import zlib
@@ -17,6 +18,7 @@ from conftest_hub import GUARD, hub, no_remote_network  # noqa: F401  (fixtures)
 from hub_server import Blob
 
 from esmc_mlx import load
+from esmc_mlx.artifact import PLOT_NAME
 from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
 from esmc_mlx.errors import HubError
@@ -60,7 +62,7 @@ def write_validation(artifact: Path, passed: bool = True) -> None:
     (folder / "report.md").write_text(
         f"# Validation report\n\n| check | value | threshold | passed |\n|---|---|---|---|\n{rows}\n"
     )
-    (folder / "quality.png").write_bytes(tiny_png())
+    (folder / PLOT_NAME).write_bytes(tiny_png())
 
 
 def host_source(hub, checkpoint_dir: Path, license_: str = "mit") -> None:
@@ -209,6 +211,13 @@ def test_revision_pushes_to_a_new_branch(hub, checkpoints, tmp_path):
     result = push_artifact(artifact, "alice/tiny", revision="dev", private=True)
     assert result.created and hub.state.repos["alice/tiny"].private
     assert "config.json" in repo_files("alice/tiny", "dev") and repo_files("alice/tiny") == {".gitattributes"}
+
+
+def test_an_empty_revision_is_refused_not_taken_for_main(hub, checkpoints, tmp_path):
+    artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
+    result = CliRunner().invoke(main, ["push", str(artifact), "alice/tiny", "--revision", ""])
+    assert result.exit_code == 1 and result.output.count("Error:") == 1 and "--revision ''" in result.output
+    assert hub.state.log == [] and "alice/tiny" not in hub.state.repos  # was: committed to main
 
 
 # --- what gets refused before anything is sent --------------------------------------------------------
@@ -614,11 +623,48 @@ def test_card_of_an_unquantized_local_conversion(checkpoints, tmp_path):
 def test_incomplete_artifact_is_refused(hub, checkpoints, tmp_path):
     artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a", q=None, shard_bytes=200_000)
     next(artifact.glob("model-*.safetensors")).unlink()
-    with pytest.raises(HubError, match="incomplete artifact, the index names missing shards"):
+    with pytest.raises(HubError, match="incomplete artifact, .* names shards that are missing"):
         push_artifact(artifact, "alice/tiny")
     with pytest.raises(HubError, match="not a Hub repo id"):
         push_artifact(artifact, "no-slash")
     assert hub.state.log == []
+
+
+def test_a_stray_weight_file_is_refused_not_published(hub, checkpoints, tmp_path):
+    """With a hand-written card (so no generated one to check the weights), a model_old.safetensors
+    beside the weights was uploaded with them, and the published repo then failed every load (load
+    refuses a stray file the index does not name)."""
+    artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
+    shutil.copy(artifact / "model.safetensors", artifact / "model_old.safetensors")
+    (artifact / "README.md").write_text("---\nlicense: mit\n---\n# My own card\n")  # no card rendered to notice
+    with pytest.raises(HubError, match="model_old.safetensors not named by model.safetensors"):
+        push_artifact(artifact, "alice/tiny")
+    assert hub.state.log == [] and "alice/tiny" not in hub.state.repos
+
+
+def test_push_sends_nothing_while_another_run_writes_the_artifact(hub, checkpoints, tmp_path):
+    """A conversion replacing the artifact (--force) holds its lock; push used to upload meanwhile,
+    its files read from the old artifact or the new one, whichever the swap had reached."""
+    import subprocess
+    import sys
+
+    import esmc_mlx
+
+    artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
+    hold = (
+        "import sys, time\nfrom esmc_mlx.outputs import output_lock\n"
+        "with output_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(60)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", hold, str(artifact)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        result = CliRunner().invoke(main, ["push", str(artifact), "alice/tiny"])
+        assert result.exit_code == 1 and f"PID {proc.pid}" in result.output, result.output
+        assert hub.state.log == [] and "alice/tiny" not in hub.state.repos
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_server_ids_are_git_object_ids():

@@ -149,3 +149,16 @@ def test_cli_scan_fasta_and_long_sequences(converted, model, tmp_path):
     assert r.exit_code == 0, r.output
     r = runner.invoke(cli, ["scan", str(converted), "--sequence", "MKJ", "-o", str(tmp_path / "bad")])
     assert r.exit_code == 1 and "Error:" in r.output and "'J'" in r.output
+
+
+@pytest.mark.parametrize("other", ["a/b", "A_B"])
+def test_scan_refuses_ids_that_would_share_file_names(converted, tmp_path, other):
+    """'a/b' and 'a_b' (and, on macOS's case-blind file system, 'A_B') both become a_b_*: the
+    second record's files replaced the first's while the run reported both as scanned."""
+    fasta = tmp_path / "in.fa"
+    fasta.write_text(f">a_b\n{WT}\n>{other}\n{WT[:20]}\n")
+    r = CliRunner().invoke(
+        cli, ["scan", str(converted), "--fasta", str(fasta), "-o", str(tmp_path / "scan"), "--no-progress"]
+    )
+    assert r.exit_code == 1 and r.output.count("Error:") == 1 and f"'a_b' and '{other}'" in r.output, r.output
+    assert not (tmp_path / "scan").exists()

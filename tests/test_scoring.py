@@ -265,6 +265,7 @@ def test_embed_job_resumes_without_recomputing(model, tmp_path):
     counting = Counting(model)
     assert embed_fasta(counting, fasta, tmp_path / "resumed", per_residue=True).computed == 0
     assert counting.calls == 0
+    assert not (tmp_path / "resumed" / "parts").exists()  # was left behind, empty
     grown = write_fasta(tmp_path / "grown.fa", seqs + ["MKVLAAGIVG"])
     summary = embed_fasta(counting, grown, tmp_path / "resumed", per_residue=True)
     assert (summary.skipped, summary.computed, counting.rows) == (9, 1, 1)

@@ -33,22 +33,29 @@ from .writer import DEFAULT_SHARD_BYTES, ShardWriter
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def check_tensors(ckpt: Checkpoint, config_origin: str) -> None:
-    """Names and shapes, from headers alone, before any weight is read."""
+def check_tensors(ckpt: Checkpoint, config_origin: str, where: str = "checkpoint") -> None:
+    """Names, dtypes and shapes, from headers alone, before any weight is read; ``where`` names
+    the checkpoint in the error."""
     expected = expected_shapes(ckpt.config)
     produced: dict[str, tuple[int, ...]] = {}
-    unknown = []
+    unknown, odd = [], []
     for name, shape in ckpt.shapes.items():
         targets = mapping.target_names(name)
         if targets is None:
             if not mapping.IGNORED.match(name):
                 unknown.append(name)
             continue
+        if name in ckpt.odd_dtypes:
+            odd.append(f"{name} ({ckpt.odd_dtypes[name]})")
         for target in targets:
-            produced[target] = (shape[0] // len(targets), *shape[1:])
+            produced[target] = (shape[0] // len(targets), *shape[1:]) if shape else shape
     extra = sorted(set(produced) - set(expected)) + unknown
     missing = sorted(set(expected) - set(produced))
     problems = []
+    if odd:
+        problems.append(
+            f"tensors that are not float32, bfloat16 or float16 weights (save them as one): {_listing(odd)}"
+        )
     if missing:
         problems.append(f"missing tensors: {_listing(missing)}")
     if extra:
@@ -59,7 +66,8 @@ def check_tensors(ckpt: Checkpoint, config_origin: str) -> None:
                 f"{name}: shape {produced[name]} in the checkpoint, {expected[name]} expected from {config_origin}"
             )
     if problems:
-        raise ConvertError("checkpoint does not match an ESMC model:\n  " + "\n  ".join(problems[:20]))
+        listing = problems[0] if len(problems) == 1 else "\n  " + "\n  ".join(problems[:20])
+        raise ConvertError(f"{where} does not match an ESMC model: {listing}")
 
 
 def _listing(names: list[str], limit: int = 8) -> str:
@@ -97,7 +105,7 @@ def prepare(
     options, tensor names and shapes against the config, quantization widths."""
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise ConvertError(f"--dtype {dtype!r}: choose one of {', '.join(FLOAT_DTYPES)}")
-    if q:
+    if q is not None:  # an empty --q "" is a bad spec, not "no quantization"
         parse_spec(q, group_size)
     elif group_size is not None or quantize_head:
         raise QuantizeError("--group-size and --quantize-head need --q SPEC")
@@ -108,7 +116,7 @@ def prepare(
         raise ConvertError(f"{src.path}: {e}") from None
     refuse_quantized(ckpt.shapes, str(src.path))
     origin = f"{src.path / 'config.json'}" if (src.path / "config.json").exists() else "the inferred config"
-    check_tensors(ckpt, origin)
+    check_tensors(ckpt, origin, str(src.path))
     out_dtype = FLOAT_DTYPES[dtype] if dtype else ckpt.dtype
     plan = QuantPlan.parse(q, group_size, ckpt.config, quantize_head) if q else None  # checks widths
     return Conversion(src, ckpt, out_dtype, plan, command, derived_from)

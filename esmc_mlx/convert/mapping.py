@@ -101,9 +101,14 @@ def infer_config(shapes: dict[str, tuple[int, ...]]) -> ESMCConfig:
     for name, shape in shapes.items():
         names = target_names(name)
         for target in names or ():
-            renamed[target] = (shape[0] // len(names), *shape[1:])
+            renamed[target] = (shape[0] // len(names), *shape[1:]) if shape else shape
     if "esmc.embed_tokens.weight" not in renamed:
         raise ValueError("cannot infer the architecture: no token embedding tensor found")
+    if len(renamed["esmc.embed_tokens.weight"]) != 2:
+        raise ValueError(
+            f"cannot infer the architecture: the token embedding has shape {renamed['esmc.embed_tokens.weight']}, "
+            "not (vocabulary, hidden size)"
+        )
     vocab, hidden = renamed["esmc.embed_tokens.weight"]
     layers = 1 + max((int(m.group(1)) for n in renamed if (m := re.match(r"esmc\.layers\.(\d+)\.", n))), default=-1)
     gate = renamed.get("esmc.layers.0.mlp.gate_proj.weight")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..artifact import INDEX_FILE, SAFETENSORS_DTYPES, index_files, safetensors_header
+from ..artifact import INDEX_FILE, SAFETENSORS_DTYPES, index_files, safetensors_header, tensor_files
 from ..config import ESMCConfig
 from ..errors import ConfigError, ConvertError
 from ..resolve import Source
@@ -54,6 +54,8 @@ class Checkpoint:
     files: list[Path]
     read: Callable[[str], mx.array]  # name -> tensor, loaded only when asked
     license: str | None = None
+    # tensors stored in a dtype that is not a float weight MLX reads (an integer, bool, F64): name -> dtype
+    odd_dtypes: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def tensors(self) -> Iterator[tuple[str, mx.array]]:
         for name in self.shapes:
@@ -76,13 +78,15 @@ def open_checkpoint(source: Source) -> Checkpoint:
                 f"({', '.join(p.name for p in pths)}); pass the one to convert"
             )
     files = _safetensors_files(source.path)
-    shapes, dtypes, where = {}, set(), {}
+    tensor_files(files)  # each tensor in one file
+    shapes, dtypes, where, stored = {}, set(), {}, {}
     for f in files:
         for name, info in safetensors_header(f).items():
             if name == "__metadata__":
                 continue
             shapes[name] = tuple(info["shape"])
             where[name] = f
+            stored[name] = info["dtype"]
             if info["dtype"] in SAFETENSORS_DTYPES:
                 dtypes.add(SAFETENSORS_DTYPES[info["dtype"]])
     loaded: dict[Path, dict[str, mx.array]] = {}
@@ -95,7 +99,9 @@ def open_checkpoint(source: Source) -> Checkpoint:
         # pop: once evaluated, a tensor kept here would stay in memory until the next shard
         return loaded[f].pop(name)
 
+    packed = set()  # mlx-lm's quantized weights (U32), read dequantized
     if detect_layout(shapes) == "mlx-lm" and any(n.endswith(".scales") for n in shapes):
+        packed = {n for n in shapes if n.endswith(".weight") and n.removesuffix(".weight") + ".scales" in shapes}
         shapes, read = _dequantized(shapes, read, source.path)
     return Checkpoint(
         config=_read_config(source.path, shapes),
@@ -104,6 +110,7 @@ def open_checkpoint(source: Source) -> Checkpoint:
         files=files,
         read=read,
         license=_read_license(source.path),
+        odd_dtypes={n: stored[n] for n in shapes if stored[n] not in SAFETENSORS_DTYPES and n not in packed},
     )
 
 
@@ -236,6 +243,7 @@ def _open_pth(path: Path) -> Checkpoint:
         raise ConvertError(f"{path}: not a state dict of tensors")
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
+    odd = {k: str(v.dtype).removeprefix("torch.") for k, v in state.items() if not v.is_floating_point()}
 
     def read(name: str) -> mx.array:
         return torch_to_mlx(state[name])
@@ -249,4 +257,5 @@ def _open_pth(path: Path) -> Checkpoint:
         dtype=_dominant({torch_to_mx.get(d, mx.float32) for d in dtypes}),
         files=[path],
         read=read,
+        odd_dtypes=odd,
     )

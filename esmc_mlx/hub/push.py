@@ -34,8 +34,9 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, Mo
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
 from .._version import __version__
-from ..artifact import human_size, precision_label
-from ..errors import HubError
+from ..artifact import human_size, precision_label, weight_files
+from ..errors import ConvertError, HubError
+from ..outputs import locked
 from ..privacy import private_findings
 from .card import MARKER, Validation, base_model_of, read_validation, render_card
 from .repo_id import check_repo_id
@@ -110,15 +111,10 @@ def artifact_files(model_dir: Path) -> list[tuple[str, int]]:
         raise HubError(f"{model_dir}: no config.json; is this an esmc-mlx output directory?")
     if not list(model_dir.glob("model*.safetensors")):
         raise HubError(f"{model_dir}: no model*.safetensors weights; is this an esmc-mlx output directory?")
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
-            raise HubError(f"{index}: not a readable safetensors index ({e})") from None
-        missing = sorted(s for s in shards if not (model_dir / s).is_file())
-        if missing:
-            raise HubError(f"{model_dir}: incomplete artifact, the index names missing shards: {', '.join(missing)}")
+    try:  # the files its index names, and no stray model*.safetensors beside them (what load reads)
+        weight_files(model_dir)
+    except ConvertError as e:
+        raise HubError(f"incomplete artifact, refusing to push: {e}") from None
     files = []
     for path in sorted(model_dir.rglob("*")):
         rel = path.relative_to(model_dir)
@@ -256,6 +252,9 @@ def check_push_access(repo_id: str, token: str | None = None) -> Access:
 
 
 # --- push -------------------------------------------------------------------------------------------
+# A push reads the artifact's files while it uploads them and writes its card there: it holds the
+# artifact's lock, as its writers do, so that no conversion replaces the files mid-upload.
+@locked("model_dir", when=lambda args: args["hold_lock"] and not args["dry_run"], create_parent=False)
 def push_artifact(
     model_dir: str | Path,
     repo_id: str,
@@ -267,6 +266,7 @@ def push_artifact(
     dry_run: bool = False,
     allow_unvalidated: bool = False,
     token: str | None = None,
+    hold_lock: bool = True,
 ) -> PushResult:
     """Publish the artifact ``model_dir`` to the model repo ``repo_id`` in one commit.
 
@@ -282,10 +282,13 @@ def push_artifact(
     start, when the commit fails (with what the Hub said, the repo and the branch). On failure
     nothing is committed; a branch this call created is deleted again, and so is a repo it created
     unless the failure looked transient (then the repo stays, empty, so that running the push again
-    resumes; the message says which).
+    resumes; the message says which). OutputError, before anything, when another esmc-mlx run is
+    writing ``model_dir``; ``hold_lock=False`` for a caller that holds its lock already.
     """
     model_dir = Path(model_dir)
     check_repo_id(repo_id)
+    if revision is not None and not revision.strip():  # an unset variable: never main in its place
+        raise HubError("--revision '': give the branch to commit to (or leave the option out for main)")
     branch = revision or "main"
     files = artifact_files(model_dir)
     validation = check_validation(model_dir, repo_id, allow_unvalidated)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..artifact import FLOAT_DTYPES, quantization_record, read_model_config, safetensors_header, weight_files
+from ..artifact import FLOAT_DTYPES, quantization_record, read_model_config, tensor_files, weight_files
 from ..errors import ConvertError
 from ..resolve import resolve
 from .model import ESMC
@@ -34,6 +34,15 @@ def apply_quantization(model: ESMC, record: dict, weights: dict) -> None:
     ``runtime.quantized.QuantizedLinear``, which picks quantized or dequantize-then-float
     matmul per call by token count and backend."""
     quantize_modules(model, record, lambda path: f"{path}.scales" in weights)
+
+
+def _float_or_packed(name: str, tensor: mx.array, weights: dict) -> bool:
+    """A float tensor, or a quantized layer's packed weight (uint32) or scales (uint8 in the
+    microscaling modes)."""
+    if mx.issubdtype(tensor.dtype, mx.floating):
+        return True
+    module = name.rpartition(".")[0]
+    return name.endswith(".scales") or (name.endswith(".weight") and f"{module}.scales" in weights)
 
 
 def compute_dtype_for_device(stored: mx.Dtype) -> mx.Dtype:
@@ -64,12 +73,20 @@ def load(
     directory = resolve_model_dir(path_or_repo_id, revision)
     raw, config = read_model_config(directory)
     weights: dict[str, mx.array] = {}
-    for f in weight_files(directory):
-        safetensors_header(f)  # a truncated or damaged file: one error naming it, before MLX reads it
+    files = weight_files(directory)
+    # truncated or damaged files, a tensor in two files: one error naming them, before MLX reads them
+    where = tensor_files(files)
+    for f in files:
         try:
             weights.update(mx.load(str(f)))
         except (RuntimeError, ValueError, OSError) as e:
             raise ConvertError(f"{f}: cannot read the weights ({e})") from None
+    odd = [n for n, w in weights.items() if not _float_or_packed(n, w, weights)]
+    if odd:
+        raise ConvertError(
+            f"{where[odd[0]]}: tensor {odd[0]} is {str(weights[odd[0]].dtype).split('.')[-1]}, not a float "
+            "weight (only quantized weights and their scales are integers); convert the model again"
+        )
     model = model_class(config)
     record = quantization_record(raw)
     if record:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import EsmcMlxError, JobError, ScoringError
-from ..outputs import atomic_file, check_file_target, locked
+from ..outputs import atomic_file, check_file_target, locked, written_in_place
 from ..runtime.load import load
 from ..runtime.model import ESMC
 from ..vocab import check_sequence
@@ -24,6 +24,7 @@ from .distributed import World
 from .fasta import iter_fasta, read_fasta
 from .heatmap import check_plotting
 from .mutations import apply, parse_mutants
+from .scan import safe_name
 from .scan import scan as run_scan
 from .scoring import (
     DEFAULT_BATCH_SIZE,
@@ -330,6 +331,14 @@ def scan_job(
         records = [(r.id, r.sequence) for r in iter_fasta(fasta)]  # all checked before the model loads
     else:
         records = [(name, resolve_sequence(sequence))]
+    stems: dict[str, str] = {}
+    for ident, _ in records:  # case-blind: macOS's file system is
+        other = stems.setdefault(safe_name(ident).lower(), ident)
+        if other != ident:
+            raise JobError(
+                f"{fasta}: the IDs {other!r} and {ident!r} would both be written as {safe_name(ident)}_*; "
+                "rename one of them"
+            )
     if plot and World.of(group).is_root:
         check_plotting()
     model, _ = _model(model, None)
@@ -395,6 +404,11 @@ def read_mutants_csv(path: str | Path, mutant_column: str = "mutant") -> tuple[l
     return columns, rows, where
 
 
+# What a FASTA file's name ends with; a --sequence ending so (or holding a '/', never a residue)
+# that names no file is a mistyped path: ".", "F", "A", "S", "T" are all residue letters.
+FASTA_SUFFIXES = (".fa", ".fasta", ".faa", ".fas", ".fna", ".fsa", ".seq", ".txt", ".gz", ".gzip")
+
+
 def resolve_sequence(text: str) -> str:
     """A wild-type sequence given literally or as a FASTA file with one record."""
     path = Path(text).expanduser()
@@ -403,7 +417,10 @@ def resolve_sequence(text: str) -> str:
         if len(records) != 1:
             raise JobError(f"{path}: holds {len(records)} records; the wild type must be a single sequence")
         return records[0].sequence
-    return check_sequence(text.strip(), "--sequence", label="sequence")
+    stripped = text.strip()
+    if "/" in stripped or stripped.lower().endswith(FASTA_SUFFIXES):
+        raise JobError(f"--sequence {text}: no such file (give a protein sequence or an existing FASTA file)")
+    return check_sequence(stripped, "--sequence", label="sequence")
 
 
 def _is_file(path: Path) -> bool:
@@ -415,7 +432,11 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-@locked("out", when=lambda args: World.of(args["group"]).is_root, create_parent=False)
+@locked(
+    "out",
+    when=lambda args: World.of(args["group"]).is_root and not written_in_place(args["out"]),  # not /dev/null
+    create_parent=False,
+)
 def score_csv(
     model: ESMC | str | Path,
     sequence: str,
@@ -445,7 +466,9 @@ def score_csv(
     if unknown or not methods:
         raise ScoringError(f"unknown scoring method {unknown or methods!r}; choose from {', '.join(METHODS)}")
     if out is not None and world.is_root:
-        check_file_target(out)  # a missing or unwritable folder fails now, not after the scoring
+        # a missing or unwritable folder, or -o naming an input, fails now, not after the scoring
+        wt_file = Path(sequence).expanduser()
+        check_file_target(out, sources=[mutations_csv, *([wt_file] if _is_file(wt_file) else [])])
     wt = resolve_sequence(sequence)
     columns, rows, where = read_mutants_csv(mutations_csv, mutant_column)
     mutants = [row[mutant_column] or "" for row in rows]

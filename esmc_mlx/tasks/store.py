@@ -32,6 +32,7 @@ import re
 import shutil
 import time
 import uuid
+import zipfile
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,12 +51,16 @@ SETTINGS_KEYS = ("layers", "pools", "dtype", "hidden_size", "num_hidden_layers",
 ST_INDEX = "embeddings.safetensors.index.json"
 H5_FILE = "embeddings.h5"
 COPY_ROWS = 1 << 16  # rows per copy when converting the merged arrays to safetensors / HDF5
-# what an embeddings directory may hold: its files, parts, merge staging, temporary files
+# what an embeddings directory may hold besides its arrays (NAME.npy, named by its manifest)
 _OURS = re.compile(
-    r"manifest\.json|index\.tsv|[A-Za-z0-9_]+\.npy|embeddings-\d+-of-\d+\.safetensors"
+    r"manifest\.json|index\.tsv|offsets\.npy|embeddings-\d+-of-\d+\.safetensors"
     r"|embeddings\.safetensors\.index\.json|embeddings\.h5|parts|\.merge"
     r"|\.esmc-mlx|\..+\.tmp(-\d+-[0-9a-f]+)?"
 )
+# all a first run can leave before its manifest exists: parts/ and temporary files
+_DEBRIS = re.compile(r"parts|\.merge|\..+\.tmp(-\d+-[0-9a-f]+)?")
+_PART = re.compile(r"part-.+\.npz|\..+\.tmp(-\d+-[0-9a-f]+)?")
+_ARRAY = re.compile(r"[A-Za-z0-9_]+\.npy")
 
 
 def sequence_hash(sequence: str) -> str:
@@ -161,7 +166,7 @@ class EmbeddingStore:
             data = json.loads(self.manifest_path.read_text())
         except (OSError, ValueError) as e:
             raise JobError(f"{self.manifest_path}: unreadable ({e}); use --force to start over") from None
-        if data.get("format") != FORMAT:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:  # another tool's manifest.json
             raise JobError(f"{self.out}: not an esmc-mlx embeddings directory")
         if data.get("version") == 1 and "layer" in data:  # one layer, mean (+ per_residue), npy
             pools = ["mean"] + (["per_residue"] if data.get("per_residue") else [])
@@ -183,15 +188,15 @@ class EmbeddingStore:
     def _open(self, settings: dict, force: bool) -> None:
         if self.out.exists() and not self.out.is_dir():
             raise JobError(f"{self.out} is a file; give a directory for the embeddings")
-        foreign = [p.name for p in self.out.iterdir() if not _OURS.fullmatch(p.name)] if self.out.exists() else []
+        foreign = self._foreign() if self.out.exists() else []
         existing = self.manifest() if self.out.exists() and not (force and not foreign) else None
         if foreign and existing is None:
             raise JobError(f"{self.out} exists, is not empty and is not an esmc-mlx embeddings directory")
         if force and self.out.exists():
-            if foreign or _foreign_manifest(self.manifest_path):
+            if foreign:
                 raise JobError(
                     f"--force will not clear {self.out}: it holds files esmc-mlx did not write "
-                    f"({', '.join(sorted(foreign or ['manifest.json'])[:5])}); move them out first"
+                    f"({', '.join(foreign[:5])}); move them out first"
                 )
             for p in self.out.iterdir():
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
@@ -211,6 +216,38 @@ class EmbeddingStore:
         for folder in (self.out, self.parts):  # temporary files of runs that were killed
             clean_leftovers(folder=folder)
         self._write_manifest(dict(existing or {}, **settings, complete=False))
+
+    def _foreign(self) -> list[str]:
+        """Entries of OUT that esmc-mlx did not write. With our manifest: anything but the files
+        of an embeddings directory (arrays: those it names); without one, anything but what a
+        first run leaves before writing it. parts/ counts as ours only holding part files."""
+        try:
+            data = json.loads(self.manifest_path.read_text())
+        except FileNotFoundError:
+            data = None
+        except (OSError, ValueError):  # ours, cut short: its array names are unknown
+            data = {"format": FORMAT}
+        if isinstance(data, dict) and data.get("version") == 1 and "layer" in data:
+            data = self.manifest()
+        ours = isinstance(data, dict) and data.get("format") == FORMAT
+        arrays = data.get("arrays") if ours else None
+        if ours and isinstance(arrays, list):
+            names = {f"{n}.npy" for n in arrays if isinstance(n, str)}
+        else:  # an unreadable manifest of ours: any array name
+            names = None
+        foreign = []
+        for p in sorted(self.out.iterdir()):
+            if not ours:
+                mine = bool(_DEBRIS.fullmatch(p.name))
+            elif _ARRAY.fullmatch(p.name) and p.name != "offsets.npy":
+                mine = names is None or p.name in names
+            else:
+                mine = bool(_OURS.fullmatch(p.name))
+            if mine and p.name == "parts":
+                mine = p.is_dir() and all(_PART.fullmatch(q.name) for q in p.iterdir())
+            if not mine:
+                foreign.append(p.name)
+        return foreign
 
     def _write_manifest(self, data: dict) -> None:
         with atomic_file(self.manifest_path) as f:
@@ -235,18 +272,20 @@ class EmbeddingStore:
         if not index.exists() or not names:
             return None
         ids, lengths, hashes = [], [], []
-        with open(index) as f:
-            next(f)
-            for line in f:
-                ident, length, digest = line.rstrip("\n").split("\t")
-                ids.append(ident)
-                lengths.append(int(length))
-                hashes.append(digest)
-        merged = {"ids": ids, "lengths": np.array(lengths, dtype=np.int64), "sha1": hashes}
         try:
+            with open(index) as f:
+                next(f)
+                for line in f:
+                    ident, length, digest = line.rstrip("\n").split("\t")
+                    ids.append(ident)
+                    lengths.append(int(length))
+                    hashes.append(digest)
             arrays, offsets = _READERS[kind](self.out, names)
-        except (OSError, KeyError, ValueError):
-            return None  # a merge that was cut short; the parts it came from are still there
+        except (OSError, KeyError, ValueError, TypeError, AttributeError, StopIteration):
+            # a merge that was cut short, or merged files damaged since: what they held is computed
+            # again (the parts they came from, if any, are still there)
+            return None
+        merged = {"ids": ids, "lengths": np.array(lengths, dtype=np.int64), "sha1": hashes}
         merged["arrays"], merged["offsets"] = arrays, offsets
         for name, rows in arrays.items():
             expect = int(offsets[-1]) if is_per_residue(name) else len(ids)
@@ -266,8 +305,8 @@ class EmbeddingStore:
         if merged:
             done.update(zip(merged["ids"], merged["sha1"]))
         for path in self._part_files():
-            with np.load(path) as part:
-                done.update(zip(part["ids"].tolist(), part["sha1"].tolist()))
+            ids, digests = _part_ids(path)
+            done.update(zip(ids, digests.tolist()))
         return done
 
     def status(self, index: IdIndex, hashes: np.ndarray) -> tuple[np.ndarray, list[str]]:
@@ -287,8 +326,7 @@ class EmbeddingStore:
         if merged:
             visit(merged["ids"], merged["sha1"])
         for path in self._part_files():
-            with np.load(path) as part:
-                visit(part["ids"].tolist(), part["sha1"])
+            visit(*_part_ids(path))
         return done, changed
 
     def write_part(self, ids: list[str], hashes: list[str], lengths: np.ndarray, arrays: dict[str, np.ndarray]) -> Path:
@@ -313,6 +351,7 @@ class EmbeddingStore:
             and all(a == b for a, b in zip(merged["ids"], ids))
         ):
             self._write_manifest(dict(self.manifest() or {}, **settings, complete=True, count=len(ids)))
+            self._drop_empty_parts()  # made by open()
             return 0  # nothing new: the merged files are already this FASTA's
         dtype, d, names = np.dtype(settings["dtype"]), settings["hidden_size"], settings["arrays"]
         lengths = np.asarray(lengths, dtype=np.int64)
@@ -376,14 +415,42 @@ class EmbeddingStore:
         self._write_manifest(dict(self.manifest() or {}, **settings, complete=True, count=len(ids)))
         for path in self._part_files():
             path.unlink()
+        self._drop_empty_parts()
+        return len(dropped)
+
+    def _drop_empty_parts(self) -> None:
         if self.parts.exists() and not any(self.parts.iterdir()):
             self.parts.rmdir()
-        return len(dropped)
+
+
+# what np.load and a missing array raise for a part that is not what write_part wrote
+_PART_ERRORS = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
+
+
+def _unreadable_part(path: Path, error: Exception) -> JobError:
+    # numpy's own text may advise loading pickled data: never repeat that
+    return JobError(
+        f"{path}: a damaged part, or not one esmc-mlx wrote ({type(error).__name__}); move it out of "
+        f"{path.parent} and run again (its records are computed again)"
+    )
+
+
+def _part_ids(path: Path) -> tuple[list[str], np.ndarray]:
+    """The IDs and sha1s a part holds; JobError naming a damaged part."""
+    try:
+        with np.load(path) as part:
+            return part["ids"].tolist(), part["sha1"]
+    except _PART_ERRORS as e:
+        raise _unreadable_part(path, e) from None
 
 
 def _load_part(path: Path) -> dict:
-    with np.load(path) as part:
-        data = {k: part[k] for k in part.files}
+    try:
+        with np.load(path) as part:
+            data = {k: part[k] for k in part.files}
+        data["ids"], data["sha1"], data["lengths"]  # noqa: B018  (all three, or the part is damaged)
+    except _PART_ERRORS as e:
+        raise _unreadable_part(path, e) from None
     meta = ("ids", "sha1", "lengths")
     return {
         "ids": data["ids"].tolist(),
@@ -605,12 +672,3 @@ def read_embeddings(out: str | Path) -> StoredEmbeddings:
         tuple(manifest["pools"]),
         int(manifest.get("num_hidden_layers", 0)),
     )
-
-
-def _foreign_manifest(path: Path) -> bool:
-    """A manifest.json some other tool wrote (ours may be unreadable after a crash; theirs parses)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return not (isinstance(data, dict) and data.get("format") == FORMAT)

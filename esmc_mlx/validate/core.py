@@ -42,6 +42,7 @@ from ..artifact import sha256, weight_files
 from ..config import ESMCConfig
 from ..errors import EsmcMlxError, ValidationError
 from ..hashes import file_hashes
+from ..outputs import ensure_parent, locked
 from . import cache as ref_cache
 from . import mlx_side
 from . import reference as torch_ref
@@ -294,6 +295,14 @@ def non_finite(outputs: Outputs, panel) -> str | None:
     return None
 
 
+# Writing its report into MLX_DIR, validation holds MLX_DIR's lock for the whole run, as the writers
+# of MLX_DIR do: a conversion replacing MLX_DIR meanwhile would get a report of the old weights.
+# (In the pipeline, MLX_DIR is a private staging directory under the output's lock.)
+@locked(
+    "mlx_dir",
+    when=lambda args: args["write"] and args["report_dir"] is None and args["artifact_path"] is None,
+    create_parent=False,
+)
 def validate(
     mlx_dir: str | Path,
     reference: str,
@@ -328,7 +337,8 @@ def validate(
     Returns the Report (``report.passed``): a config that contradicts the reference, or NaN/Inf
     in either model's weights, gives a failing report before any panel work. Raises
     ValidationError / ConvertError / FastaError when validation cannot run at all (missing
-    files, bad options, torch not installed, no such device).
+    files, bad options, torch not installed, no such device), OutputError when another
+    esmc-mlx run is writing ``mlx_dir`` (with the default report folder).
     """
     started, started_cpu = time.perf_counter(), time.process_time()
     if mode not in MODES:
@@ -345,6 +355,8 @@ def validate(
     from tqdm.auto import tqdm
 
     artifact = ArtifactWeights(mlx_dir)
+    if write:  # a report folder that cannot be made fails now, not after the whole validation
+        ensure_parent(Path(report_dir or Path(mlx_dir) / "validation") / "report.json", create=False)
     source = SourceWeights(reference, revision)
     panel = build_panel(sequences, max_length=max_length, marginal_positions=marginal_positions)
     batches = panel.batches(max_tokens)
@@ -596,6 +608,7 @@ def validate(
             )
         return report
     finally:
+        bar.close()  # on an error too: the bar ends its line, so the Error line starts on its own
         stack.close()
         background.shutdown(wait=True)  # never leave an import or a hash running into shutdown
         if importing is not None:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..artifact import PLOT_NAME
 from ..errors import ValidationError
 from ..outputs import add_to_marker, atomic_file, output_lock
 from ..privacy import public_source_id, scrub
 from .panel import Panel
 
-PLOT_NAME = "per_position.png"
 LABELS = {
     "config": "architecture matches the reference",
     "artifact_loads": "artifact loads",
