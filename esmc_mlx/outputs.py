@@ -173,12 +173,19 @@ def lock_path(target: Path) -> Path:
     return Path(target).parent / f".{Path(target).name}.lock"
 
 
+# What opening a lock file in a folder we may not write in raises.
+READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
 @contextlib.contextmanager
-def output_lock(target: str | Path, create_parent: bool = True) -> Iterator[None]:
+def output_lock(target: str | Path, create_parent: bool = True, optional: bool = False) -> Iterator[bool]:
     """Hold an exclusive lock on the output path ``target`` (a file ``.NAME.lock`` beside it,
     removed on release). A second holder fails at once with OutputError naming the first's PID.
     The kernel drops the lock when its process dies, so a killed run never blocks the next.
-    ``create_parent=False``: a missing parent folder is an error instead."""
+    ``create_parent=False``: a missing parent folder is an error instead. ``optional``: for a
+    caller that only reads ``target`` or writes inside it (push, validate), a folder it may not
+    write in means going on unlocked: no esmc-mlx run can replace ``target`` there either
+    (replacing renames entries of that folder). Yields whether the lock is held."""
     target = Path(target)
     path = lock_path(target)
     made = _first_missing(target) if create_parent else None
@@ -191,7 +198,10 @@ def output_lock(target: str | Path, create_parent: bool = True) -> Iterator[None
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:
             _remove_made(target, made)
-            raise write_error(e, path) from None
+            if not (optional and e.errno in READ_ONLY):
+                raise write_error(e, path) from None
+            fd = None
+            break
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -209,10 +219,13 @@ def output_lock(target: str | Path, create_parent: bool = True) -> Iterator[None
         if same:
             break
         os.close(fd)
+    if fd is None:
+        yield False
+        return
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
+        yield True
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # while still holding it: whoever opened the old file fails its check above
@@ -220,7 +233,9 @@ def output_lock(target: str | Path, create_parent: bool = True) -> Iterator[None
         _remove_made(target, made)
 
 
-def locked(parameter: str, when: Callable[[dict], bool] = lambda args: True, create_parent: bool = True):
+def locked(
+    parameter: str, when: Callable[[dict], bool] = lambda args: True, create_parent: bool = True, optional: bool = False
+):
     """Decorator: hold ``output_lock`` on the function's argument ``parameter`` (when it is not
     None and ``when(arguments)``) for the whole call, leftovers of dead runs cleaned first."""
 
@@ -234,8 +249,9 @@ def locked(parameter: str, when: Callable[[dict], bool] = lambda args: True, cre
             target = bound.arguments.get(parameter)
             if target is None or not when(bound.arguments):
                 return function(*args, **kwargs)
-            with output_lock(target, create_parent):
-                clean_leftovers(Path(target))
+            with output_lock(target, create_parent, optional) as held:
+                if held:  # (unlocked: a read-only folder, where no run left anything since)
+                    clean_leftovers(Path(target))
                 return function(*args, **kwargs)
 
         return wrapper

@@ -8,6 +8,7 @@ docs/reliability.md has the table.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import json
@@ -424,6 +425,36 @@ def test_validate_takes_the_artifacts_lock(old_output, checkpoints, tmp_path, lo
     result = cli("validate", out, "--reference", checkpoints["published"], "--quick")
     one_error_line(result, f"PID {pid}")
     assert snapshot(out) == before
+
+
+@pytest.fixture
+def read_only_folder(monkeypatch):
+    """read_only_folder(F): no lock file can be made in F (EACCES), as in a folder this user may
+    not write in (chmod cannot show that to root, so os.open refuses them here)."""
+    real_open = os.open
+
+    def make(folder: Path):
+        def refusing(path, *args, **kwargs):
+            if Path(path).parent == folder and str(path).endswith(".lock"):
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(outputs.os, "open", refusing)
+
+    return make
+
+
+def test_validate_goes_on_unlocked_where_no_lock_can_be_made(old_output, checkpoints, tmp_path, read_only_folder):
+    """validate only writes inside MLX_DIR: where the folder holding it is read-only, no run
+    can replace MLX_DIR either, so the lock is not needed; a conversion there still fails."""
+    out, _ = old_output
+    read_only_folder(out.parent)
+    result = cli("validate", out, "--reference", checkpoints["published"], "--quick")
+    assert result.exit_code == 0, result.output
+    assert (out / "validation" / "report.json").is_file()
+    result = convert_cli(checkpoints["published"], "-o", tmp_path / "other", "--no-validate")
+    one_error_line(result, "Permission denied")
+    assert not (tmp_path / "other").exists()
 
 
 # --- rule 4: a model directory means exactly what its index says --------------------------------------

@@ -3,6 +3,7 @@ local Hub of tests/hub_server.py (127.0.0.1 only; conftest_hub refuses any other
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -665,6 +666,24 @@ def test_push_sends_nothing_while_another_run_writes_the_artifact(hub, checkpoin
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_push_goes_on_unlocked_where_no_lock_can_be_made(hub, checkpoints, tmp_path, monkeypatch):
+    """push only reads the artifact (and writes its card inside it): in a folder this user may
+    not write in, where no run can replace the artifact either, it needs no lock. chmod cannot
+    show that to root, so os.open refuses the lock file here."""
+    artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
+    real_open = os.open
+
+    def refusing(path, *args, **kwargs):
+        if Path(path).parent == Path(artifact).parent and str(path).endswith(".lock"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)
+    result = CliRunner().invoke(main, ["push", str(artifact), "alice/tiny"])
+    assert result.exit_code == 0, result.output
+    assert "alice/tiny" in hub.state.repos
 
 
 def test_server_ids_are_git_object_ids():

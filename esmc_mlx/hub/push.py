@@ -254,7 +254,7 @@ def check_push_access(repo_id: str, token: str | None = None) -> Access:
 # --- push -------------------------------------------------------------------------------------------
 # A push reads the artifact's files while it uploads them and writes its card there: it holds the
 # artifact's lock, as its writers do, so that no conversion replaces the files mid-upload.
-@locked("model_dir", when=lambda args: args["hold_lock"] and not args["dry_run"], create_parent=False)
+@locked("model_dir", when=lambda args: args["hold_lock"] and not args["dry_run"], create_parent=False, optional=True)
 def push_artifact(
     model_dir: str | Path,
     repo_id: str,

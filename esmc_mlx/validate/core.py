@@ -302,6 +302,7 @@ def non_finite(outputs: Outputs, panel) -> str | None:
     "mlx_dir",
     when=lambda args: args["write"] and args["report_dir"] is None and args["artifact_path"] is None,
     create_parent=False,
+    optional=True,
 )
 def validate(
     mlx_dir: str | Path,
