@@ -61,7 +61,11 @@ def _run(invoke, ctx):
             warnings.showwarning = _show_warning
             try:
                 return invoke(ctx)
-            except (EsmcMlxError, OSError) as e:
+            except OSError as e:
+                if e.errno == errno.EPIPE and e.filename is None:
+                    raise  # stdout's reader has gone (`esmc-mlx info X | head`): click exits quietly
+                raise _error_line(e) from None
+            except EsmcMlxError as e:
                 raise _error_line(e) from None
     finally:
         if main_thread:
@@ -217,6 +221,8 @@ def run_convert(
     reference_device="auto",
 ):
     specs = list(q) if isinstance(q, (list, tuple)) else [q]
+    if private and upload_repo is None:
+        raise click.UsageError("--private applies to the repo that --upload-repo creates; give --upload-repo too")
     common = dict(
         dtype=dtype,
         group_size=group_size,

@@ -18,7 +18,7 @@ from .convert.writer import DEFAULT_SHARD_BYTES
 from .errors import ValidationError
 from .hub.push import PushResult, check_push_access, push_artifact
 from .outputs import StagedDirectory, check_target
-from .validate import Report, prefetch_torch, validate, validation_available
+from .validate import Report, pick_device, prefetch_torch, validate, validation_available
 
 
 @dataclasses.dataclass
@@ -68,6 +68,7 @@ def convert_validate_push(
     if validate_output and not validation_available():  # fail before an hour of converting
         raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
     check_target(out, force)  # before downloading anything
+    _check_reference_device(validate_output, reference_device)
     if upload_repo is not None:  # an empty or bad id, no token, a foreign namespace: fail before converting
         check_push_access(upload_repo)
     job = prepare(source, dtype, q, group_size, quantize_head, revision, command)
@@ -123,6 +124,7 @@ def convert_validate_many(
     labels = [spec_label(q, dtype, group_size) for q in specs]
     for label in labels:
         check_target(out / label, force)  # before downloading anything
+    _check_reference_device(validate_output, reference_device)
     jobs = prepare_many(source, specs, dtype, group_size, quantize_head, revision, command)
     _prefetch_if_validating(validate_output)
     results, failures = [], []
@@ -146,6 +148,13 @@ def convert_validate_many(
 def _validating(validate_output: bool | None) -> bool:
     """Whether the conversion will be validated: asked for, or by default with torch installed."""
     return validate_output is not False and validation_available()
+
+
+def _check_reference_device(validate_output: bool | None, reference_device: str) -> None:
+    """A named --reference-device that torch does not see (cuda, mps) fails before the
+    conversion, not after it (torch is imported for that, only when a device is named)."""
+    if reference_device not in ("auto", "cpu") and _validating(validate_output):
+        pick_device(reference_device)
 
 
 def _prefetch_if_validating(validate_output: bool | None) -> None:

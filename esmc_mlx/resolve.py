@@ -84,10 +84,13 @@ def resolve(source: str, revision: str | None = None) -> Source:
 
     Raises ConvertError for an unknown alias, a missing path, or a repo the Hub cannot give.
     """
-    if source in LOCAL_ALIASES:
-        return Source(LOCAL_ALIASES[source], f"esmc-mlx/{source}")
     repo_id = ALIASES.get(source) or ALIASES.get(source.upper())
     path = Path(source).expanduser()
+    local = source in LOCAL_ALIASES or (repo_id is None and path.exists())
+    if local and revision is not None:  # it would be ignored: say so instead
+        raise ConvertError(f"revision {revision!r}: {source} is local, and a revision names a version of a Hub repo")
+    if source in LOCAL_ALIASES:
+        return Source(LOCAL_ALIASES[source], f"esmc-mlx/{source}")
     if repo_id is None and path.exists():
         return Source(path.resolve(), str(path.resolve()))
     looks_like_repo = (

@@ -1332,3 +1332,42 @@ def test_outputs_take_the_users_umask(checkpoints, tmp_path, umask):
         for f in folder.iterdir():
             want = (0o777 if f.is_dir() else 0o666) & ~umask
             assert f.stat().st_mode & 0o777 == want, (f, oct(f.stat().st_mode))
+
+
+# --- options that would be ignored are refused; an absent reference device fails before converting --
+def test_options_that_would_be_ignored_are_refused(checkpoints, converted, tmp_path):
+    """--private without --upload-repo created nothing private; --revision with a local source or
+    artifact read the local files, whatever revision was asked for."""
+    result = convert_cli(checkpoints["published"], "-o", tmp_path / "a", "--private", "--no-validate")
+    assert result.exit_code == 2 and "--upload-repo" in result.output, result.output
+    result = convert_cli(checkpoints["published"], "-o", tmp_path / "b", "--revision", "v2", "--no-validate")
+    one_error_line(result, "revision 'v2'", "is local")
+    (tmp_path / "in.fasta").write_text(f">a\n{SEQ}\n")
+    result = cli("validate", converted, "--reference", checkpoints["published"], "--revision", "v2", "--quick")
+    one_error_line(result, "revision 'v2'", "is local")
+    assert debris(tmp_path) == [] and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.skipif(
+    getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(), reason="MPS is here"
+)
+def test_an_absent_reference_device_fails_before_the_conversion(checkpoints, tmp_path):
+    """--reference-device mps without an MPS device was reported after converting (hours for a 6B)."""
+    result = convert_cli(checkpoints["published"], "-o", tmp_path / "out", "--reference-device", "mps")
+    one_error_line(result, "--reference-device mps", "sees no MPS device")
+    assert "Validating the conversion" not in result.output, result.output  # failed before it had one
+    assert not (tmp_path / "out").exists() and debris(tmp_path) == []
+
+
+def test_a_closed_stdout_ends_quietly(converted):
+    """`esmc-mlx info X | head`: the reader going away printed `Error: Broken pipe`."""
+    env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "esmc_mlx.cli", "info", str(converted)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    p.stdout.close()  # before the command writes: its first write finds no reader
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 1 and err == "", err

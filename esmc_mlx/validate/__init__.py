@@ -10,6 +10,7 @@ Needs esmc-mlx[torch]; nothing in the runtime imports this package.
 
 from ..errors import ValidationError
 from .core import Check, Report, prefetch_torch, validate, validation_available
+from .reference import pick_device
 from .thresholds import FIDELITY, QUALITY
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "QUALITY",
     "Report",
     "ValidationError",
+    "pick_device",
     "prefetch_torch",
     "validate",
     "validation_available",
