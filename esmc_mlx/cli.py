@@ -564,8 +564,27 @@ Examples:
     help="Storage dtype of the embeddings.",
 )
 @click.option("--force", is_flag=True, help="Discard what OUT holds and start over.")
+@click.option(
+    "--drop-missing",
+    is_flag=True,
+    help="Drop the stored embeddings of IDs that FASTA no longer holds (without it such a rerun is refused).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def embed(model, fasta, output, layers, layer, pools, per_residue, storage, batch_tokens, dtype, force, no_progress):
+def embed(
+    model,
+    fasta,
+    output,
+    layers,
+    layer,
+    pools,
+    per_residue,
+    storage,
+    batch_tokens,
+    dtype,
+    force,
+    drop_missing,
+    no_progress,
+):
     pool_list = pools.split(",") if pools is not None else ["mean"]  # --pool "": an error, not the default
     if per_residue:
         pool_list.append("per_residue")
@@ -579,6 +598,7 @@ def embed(model, fasta, output, layers, layer, pools, per_residue, storage, batc
         batch_tokens=batch_tokens,
         dtype=dtype,
         force=force,
+        drop_missing=drop_missing,
         group=World.current(),
         progress=not no_progress,
     )

@@ -99,9 +99,14 @@ def test_storage_formats_round_trip_and_resume(model, storage, tmp_path, monkeyp
     )
     with pytest.raises(JobError, match="other settings"):
         embed_fasta(model, grown, tmp_path / "out", **dict(kwargs, pools=["mean"]))
-    # a shrunk FASTA drops the IDs it no longer holds, computing nothing
+    # a shrunk FASTA is refused (the stored embeddings of the IDs it lacks are not thrown away
+    # unasked); with drop_missing it drops them, computing nothing
     shrunk = write_fasta(tmp_path / "shrunk.fa", seqs[:10])
-    summary = embed_fasta(Counting(model), shrunk, tmp_path / "out", **kwargs)
+    kept = {p.name: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()}
+    with pytest.raises(JobError, match=r"3 IDs that .*shrunk.fa lacks \('s10' \.\.\.\).*--drop-missing"):
+        embed_fasta(Counting(model), shrunk, tmp_path / "out", **kwargs)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()} == kept
+    summary = embed_fasta(Counting(model), shrunk, tmp_path / "out", drop_missing=True, **kwargs)
     assert (summary.computed, summary.dropped) == (0, 3)
     last = read_embeddings(tmp_path / "out")
     assert last.ids == [f"s{i}" for i in range(10)]

@@ -1371,3 +1371,16 @@ def test_a_closed_stdout_ends_quietly(converted):
     p.stdout.close()  # before the command writes: its first write finds no reader
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 1 and err == "", err
+
+
+def test_embed_keeps_what_a_shorter_fasta_lacks_unless_told(converted, tmp_path):
+    """A rerun with a FASTA that lost records deleted their stored embeddings in the merge."""
+    (tmp_path / "all.fa").write_text(f">a\n{SEQ}\n>b\n{SEQ[:20]}\n")
+    (tmp_path / "one.fa").write_text(f">a\n{SEQ}\n")
+    assert cli("embed", converted, tmp_path / "all.fa", "-o", tmp_path / "e", "--no-progress").exit_code == 0
+    before = snapshot(tmp_path / "e")
+    result = cli("embed", converted, tmp_path / "one.fa", "-o", tmp_path / "e", "--no-progress")
+    one_error_line(result, "1 IDs that", "one.fa lacks ('b' ...)", "--drop-missing")
+    assert snapshot(tmp_path / "e") == before
+    result = cli("embed", converted, tmp_path / "one.fa", "-o", tmp_path / "e", "--drop-missing", "--no-progress")
+    assert result.exit_code == 0 and "Dropped 1 stored embeddings" in result.output, result.output

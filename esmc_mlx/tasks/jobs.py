@@ -81,6 +81,7 @@ def embed_fasta(
     batch_tokens: int | None = None,
     dtype: str = "float32",
     force: bool = False,
+    drop_missing: bool = False,
     flush_every: int = 256,
     flush_seconds: float = 60.0,
     chunk_records: int = CHUNK_RECORDS,
@@ -143,12 +144,18 @@ def embed_fasta(
         try:
             store.open(settings, force)
             id_index = IdIndex(ids)
-            done, changed = store.status(id_index, hashes)
+            done, changed, missing = store.status(id_index, hashes)
             if changed:
                 raise JobError(
                     f"{out} holds an embedding of another sequence under the ID {changed[0]!r} "
                     f"({len(changed)} such IDs); use another output directory or --force"
                 )
+            if missing and not drop_missing:  # computed embeddings are not thrown away unasked
+                raise JobError(
+                    f"{out} holds embeddings of {len(missing)} IDs that {fasta} lacks ({min(missing)!r} ...); "
+                    "the merge would drop them: use another output directory, or --drop-missing"
+                )
+            store.begin(settings)
             status[1:] = done
         except EsmcMlxError as e:
             failure, status[0] = e, 1

@@ -155,6 +155,7 @@ class EmbeddingStore:
     def __init__(self, out: str | Path):
         self.out = Path(out)
         self.parts = self.out / "parts"
+        self._existing: dict | None = None  # the manifest open() found
         self.manifest_path = self.out / "manifest.json"
         self.run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self._count = 0
@@ -174,9 +175,10 @@ class EmbeddingStore:
         return data
 
     def open(self, settings: dict, force: bool) -> None:
-        """Create the directory, or check that an existing one holds the same settings. With
-        ``force``, clear an embeddings directory (also one a failed first run left without a
-        manifest); a directory holding anything else is never cleared."""
+        """Check that an existing directory holds the same settings (a new one is made by
+        ``begin``). With ``force``, clear an embeddings directory (also one a failed first run
+        left without a manifest); a directory holding anything else is never cleared. Nothing
+        else changes until ``begin``, which the job calls once its own checks pass."""
         created = not self.out.exists()
         try:
             self._open(settings, force)
@@ -212,10 +214,14 @@ class EmbeddingStore:
                     f"{self.out} holds embeddings made with other settings ({'; '.join(differ)}); "
                     "use another output directory or --force to start over"
                 )
+        self._existing = existing
+
+    def begin(self, settings: dict) -> None:
+        """Mark the directory as being written (``complete: false``), made if new."""
         self.parts.mkdir(parents=True, exist_ok=True)
         for folder in (self.out, self.parts):  # temporary files of runs that were killed
             clean_leftovers(folder=folder)
-        self._write_manifest(dict(existing or {}, **settings, complete=False))
+        self._write_manifest(dict(self._existing or {}, **settings, complete=False))
 
     def _foreign(self) -> list[str]:
         """Entries of OUT that esmc-mlx did not write. With our manifest: anything but the files
@@ -309,17 +315,20 @@ class EmbeddingStore:
             done.update(zip(ids, digests.tolist()))
         return done
 
-    def status(self, index: IdIndex, hashes: np.ndarray) -> tuple[np.ndarray, list[str]]:
-        """(done: bool per FASTA record, IDs stored here with another sequence's sha1), reading
-        the merged index and the parts one at a time. ``hashes``: the FASTA's sha1s, bytes."""
+    def status(self, index: IdIndex, hashes: np.ndarray) -> tuple[np.ndarray, list[str], set[str]]:
+        """(done: bool per FASTA record, IDs stored here with another sequence's sha1, IDs stored
+        here that the FASTA lacks), reading the merged index and the parts one at a time.
+        ``hashes``: the FASTA's sha1s, bytes."""
         done = np.zeros(len(hashes), dtype=bool)
         changed: list[str] = []
+        missing: set[str] = set()
 
         def visit(ids, digests):
             pos = index.find(ids)
             hit = pos >= 0
             same = np.asarray(digests, dtype="S40")[hit] == hashes[pos[hit]]
             changed.extend(np.asarray(ids, dtype=object)[hit][~same].tolist())
+            missing.update(np.asarray(ids, dtype=object)[~hit].tolist())
             done[pos[hit][same]] = True
 
         merged = self._merged()
@@ -327,7 +336,7 @@ class EmbeddingStore:
             visit(merged["ids"], merged["sha1"])
         for path in self._part_files():
             visit(*_part_ids(path))
-        return done, changed
+        return done, changed, missing
 
     def write_part(self, ids: list[str], hashes: list[str], lengths: np.ndarray, arrays: dict[str, np.ndarray]) -> Path:
         """``arrays``: name -> (n, d) pooled, or (sum of lengths, d) per-residue rows."""
