@@ -222,7 +222,7 @@ def test_default_batch_tokens_follow_the_device(model, tmp_path, monkeypatch):
         assert seen == [expected, expected], device
         scoring.embed(model, seqs, batch_tokens=100)  # given: used as given
         assert seen[-1] == 100
-    with pytest.raises(ScoringError, match="batch_tokens must be positive"):
+    with pytest.raises(ScoringError, match="batch_tokens must be a positive integer"):
         scoring.embed(model, seqs, batch_tokens=0)  # refused, not replaced by the default
 
 
@@ -443,3 +443,59 @@ def test_runtime_imports_neither_torch_nor_transformers():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --- the public API's arguments (round 10b) ----------------------------------------------------
+
+
+def test_forward_refuses_ids_it_would_read_wrongly(model):
+    """Before: id 100 gave NaN logits and id -1 another token's row, without a word; a mask of
+    the wrong width that was all ones was dropped; float ids and an empty batch failed deep in
+    MLX (gather dtype, ZeroDivisionError)."""
+    import mlx.core as mx
+
+    from esmc_mlx.errors import SequenceError
+
+    ids = mx.array([[0, 20, 15, 2]])
+    cases = [
+        (mx.array([[0, 100, 2]]), {}, "token id 100 is outside the vocabulary"),
+        (mx.array([[0, -1, 2]]), {}, "token id -1 is outside the vocabulary"),
+        (mx.array([[0.0, 5.0, 2.0]]), {}, "token ids must be integers"),
+        (mx.zeros((1, 0), dtype=mx.int32), {}, "non-empty"),
+        (ids, {"attention_mask": mx.array([[1, 1]])}, r"attention_mask: shape \(1, 2\) does not match"),
+        (ids, {"sequence_id": mx.zeros((2, 4), dtype=mx.int32)}, "sequence_id: shape"),
+    ]
+    for input_ids, kwargs, message in cases:
+        with pytest.raises(SequenceError, match=message):
+            model(input_ids, **kwargs)
+    assert model(ids, attention_mask=mx.ones((1, 4))).logits.shape == (1, 4, 64)  # a right one still runs
+
+
+def test_api_arguments_of_the_wrong_type_are_named(model):
+    """Before: TypeError / AttributeError tracebacks from numpy or str methods ('int' object has
+    no attribute 'isascii'), a float layer truncated (1.5 -> 1), True read as layer 1, the
+    letters of methods="wt_marginal" taken as five unknown methods."""
+    from esmc_mlx.errors import SequenceError
+
+    s = "MKTAYIAKQRQISFVK"
+    refused = [
+        (lambda: model.embed(None), SequenceError, "sequences: expected a string or a list of strings, got NoneType"),
+        (lambda: model.embed(b"MKT"), SequenceError, "got bytes"),
+        (lambda: model.embed(["MKT", 5]), SequenceError, "expected a string of residues, got int"),
+        (lambda: model.embed(s, layer=1.5), ScoringError, "layer 1.5: give an integer"),
+        (lambda: model.embed(s, layer=True), ScoringError, "layer True"),
+        (lambda: model.embed(s, batch_tokens="4096"), ScoringError, "batch_tokens must be a positive integer"),
+        (lambda: model.embed(s).get("max"), ScoringError, "no max embeddings at layer"),
+        (lambda: model.score_mutations(None, ["M1A"]), SequenceError, "got NoneType"),
+        (lambda: model.score_mutations(s, ["M1A"], batch_size=2.5), ScoringError, "batch_size must be"),
+        (lambda: model.score_mutations(s, ["M1A"], window="5"), ScoringError, "window must be"),
+        (lambda: model.pseudo_perplexity(5), SequenceError, "got int"),
+        (lambda: model.pseudo_perplexity(s, window=0), ScoringError, "window must be a positive integer, got 0"),
+        (lambda: model.scan(s, window=-3), ScoringError, "window must be a positive integer, got -3"),
+    ]
+    for call, error, message in refused:
+        with pytest.raises(error, match=message):
+            call()
+    one = model.score_mutations(s, ["M1A"], methods="wt_marginal")  # one method, not its letters
+    assert list(one.scores) == ["wt_marginal"]
+    assert pseudo_perplexity(model, []).shape == (0,)  # was: numpy's "need at least one array"

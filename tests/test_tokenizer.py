@@ -77,3 +77,19 @@ def test_fast_paths_agree_with_the_per_character_rule():
         )
         slow = answer(lambda x: [0, *(TOKEN_TO_ID[t] for t in split_tokens(x, "r", special_tokens=True)), 2], s)
         assert answer(lambda x: tok.encode(x, name="r"), s) == slow, s
+
+
+def test_odd_inputs_are_tokenizer_errors():
+    """Before: tok([]) failed in max(), tok([5]) with 'int' object has no attribute 'isascii',
+    decode([100]) with IndexError and decode([-1]) returned the last token of the vocabulary."""
+    tok = ESMCTokenizer()
+    assert tok([], return_tensors="np")["input_ids"].shape == (0, 0)
+    for call, message in (
+        (lambda: tok(None), "got NoneType"),
+        (lambda: tok([5]), "expected a string of residues, got int"),
+        (lambda: tok.decode([100]), "token id 100 is not in the vocabulary"),
+        (lambda: tok.decode([-1]), "token id -1 is not in the vocabulary"),
+    ):
+        with pytest.raises(TokenizerError, match=message):
+            call()
+    assert tok.decode([0, 20, 2]) == "<cls>M<eos>"
