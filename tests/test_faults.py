@@ -1072,6 +1072,32 @@ def test_missing_local_paths_say_so(tmp_path, monkeypatch):
     assert debris(tmp_path) == [] and not (tmp_path / "e").exists()
 
 
+def test_an_empty_model_name_is_not_the_current_directory(converted, tmp_path, monkeypatch):
+    """Path("") is ".": an unset $MODEL made `embed "" in.fasta` embed with the model in the
+    current directory (and `esmc-convert ""` convert the checkpoint there) without a word."""
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n")
+    monkeypatch.chdir(converted)
+    one_error_line(cli("embed", "", fasta, "-o", tmp_path / "e"), "'' names no model")
+    one_error_line(convert_cli("", "-o", tmp_path / "o"), "'' names no model")
+    for name in ("", "  "):
+        with pytest.raises(ConvertError, match="names no model"):
+            esmc_mlx.load(name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.fasta"]
+
+
+def test_load_refuses_a_dtype_that_is_not_a_float(converted):
+    """load(dtype=mx.int32) cast every weight to integers without a word; a name or a numpy
+    dtype failed in MLX's astype with a TypeError."""
+    import mlx.core as mx
+    import numpy as np
+
+    for dtype in (mx.int32, np.float16, "int8"):
+        with pytest.raises(ConvertError, match="choose one of mx.float32"):
+            esmc_mlx.load(converted, dtype=dtype)
+    assert esmc_mlx.load(converted, dtype="float16")[0].dtype == mx.float16
+
+
 def test_score_into_a_missing_folder_fails_before_scoring(converted, tmp_path, monkeypatch):
     csv_in = tmp_path / "dms.csv"
     csv_in.write_text("mutant\nM1A\n")
