@@ -499,3 +499,25 @@ def test_api_arguments_of_the_wrong_type_are_named(model):
     one = model.score_mutations(s, ["M1A"], methods="wt_marginal")  # one method, not its letters
     assert list(one.scores) == ["wt_marginal"]
     assert pseudo_perplexity(model, []).shape == (0,)  # was: numpy's "need at least one array"
+
+
+def test_job_arguments_are_checked_before_anything_is_made(model, tmp_path):
+    """embed_fasta(batch_tokens=1.5 or 0) failed only once its output folder was made (a
+    manifest and an empty parts/ left behind); score_csv(methods="wt_marginal") took the letters
+    as five methods; offset="1" and a short ``where`` failed with TypeError / IndexError;
+    parse_fasta(bytes) with a TypeError from str.startswith."""
+    fasta = write_fasta(tmp_path / "in.fa", ["MKTAYIAKQ", "MKTAYIAKQRQ"])
+    (tmp_path / "m.csv").write_text("mutant\nM1A\n")
+    for tokens in (1.5, 0):
+        with pytest.raises(ScoringError, match="batch_tokens must be a positive integer"):
+            embed_fasta(model, fasta, tmp_path / "e", batch_tokens=tokens)
+        assert not (tmp_path / "e").exists()
+    summary = score_csv(model, "MKTAYIAKQ", tmp_path / "m.csv", tmp_path / "s.csv", methods="wt_marginal")
+    assert summary.methods == ["wt_marginal"]
+    with pytest.raises(MutationError, match="offset must be an integer"):
+        score_csv(model, "MKTAYIAKQ", tmp_path / "m.csv", tmp_path / "t.csv", offset="1")
+    assert not (tmp_path / "t.csv").exists()
+    with pytest.raises(ScoringError, match="where has 1 entries for 2 mutants"):
+        score_mutations(model, "MKTAYIAKQ", ["M1A", "K2A"], where=["row 2: "])
+    with pytest.raises(FastaError, match="expected FASTA text as a string, got bytes"):
+        parse_fasta(b">a\nMK\n")

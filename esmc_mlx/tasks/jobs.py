@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import EsmcMlxError, JobError, ScoringError
+from ..errors import EsmcMlxError, JobError
 from ..outputs import atomic_file, check_file_target, locked, written_in_place
 from ..runtime.load import load
 from ..runtime.model import ESMC
@@ -29,13 +29,14 @@ from .scan import scan as run_scan
 from .scoring import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_WINDOW,
-    METHODS,
     PAD_MULTIPLE,
     default_batch_tokens,
     encode,
     iter_embeddings,
     length_batches,
+    positive_int,
     resolve_layers,
+    resolve_methods,
     resolve_pools,
     score_mutations,
 )
@@ -105,8 +106,8 @@ def embed_fasta(
     (or other sequences under the same IDs), ScoringError for a layer or pool the model lacks.
     """
     world = World.of(group)
-    if batch_tokens is None:
-        batch_tokens = default_batch_tokens()
+    # checked before anything is read or made (length_batches would refuse it with the store open)
+    batch_tokens = positive_int(default_batch_tokens() if batch_tokens is None else batch_tokens, "batch_tokens")
     if dtype not in ("float32", "float16"):
         raise JobError(f"dtype must be float32 or float16, got {dtype!r}")
     if storage not in FORMATS:
@@ -469,9 +470,7 @@ def score_csv(
     agree with the mutant strings. Raises JobError, MutationError, FastaError, ScoringError.
     """
     world = World.of(group)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise ScoringError(f"unknown scoring method {unknown or methods!r}; choose from {', '.join(METHODS)}")
+    methods = resolve_methods(methods)
     if out is not None and world.is_root:
         # a missing or unwritable folder, or -o naming an input, fails now, not after the scoring
         wt_file = Path(sequence).expanduser()

@@ -516,6 +516,15 @@ def pseudo_perplexity(
 # --- variant scores --------------------------------------------------------------------------
 
 
+def resolve_methods(methods) -> tuple[str, ...]:
+    """Scoring methods as a tuple (one name is that method, not its letters), or ScoringError."""
+    methods = (methods,) if isinstance(methods, str) else tuple(methods)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ScoringError(f"unknown scoring method {unknown or methods!r}; choose from {', '.join(METHODS)}")
+    return methods
+
+
 @dataclasses.dataclass
 class MutationScores:
     """Scores aligned with ``mutants``: ``scores[method]`` is (N,) float64 for each method run.
@@ -560,11 +569,9 @@ def score_mutations(
     Raises MutationError (malformed, wild type mismatch, out of range), FastaError (bad
     characters in ``sequence``), ScoringError (unknown method or multi, sites beyond a window).
     """
-    if isinstance(methods, str):  # one method, not its letters
-        methods = (methods,)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise ScoringError(f"unknown scoring method {unknown or methods!r}; choose from {', '.join(METHODS)}")
+    methods = resolve_methods(methods)
+    if where is not None and len(where) != len(mutations):
+        raise ScoringError(f"where has {len(where)} entries for {len(mutations)} mutants")
     if multi not in MULTI:
         raise ScoringError(f"unknown multi-mutant convention {multi!r}; choose from {', '.join(MULTI)}")
     if window is not None:
