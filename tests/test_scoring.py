@@ -521,3 +521,19 @@ def test_job_arguments_are_checked_before_anything_is_made(model, tmp_path):
         score_mutations(model, "MKTAYIAKQ", ["M1A", "K2A"], where=["row 2: "])
     with pytest.raises(FastaError, match="expected FASTA text as a string, got bytes"):
         parse_fasta(b">a\nMK\n")
+
+
+def test_a_sequence_of_gaps_has_nothing_to_score(model):
+    """pseudo_perplexity(["MKT", "---"]) gave NaN for the second without a word (0/0), alone a
+    ValueError from np.concatenate; scan("---") the same ValueError; the wild type's pppl NaN."""
+    from esmc_mlx.errors import SequenceError
+
+    for call, message in (
+        (lambda: pseudo_perplexity(model, ["MKT", "-.-"]), "sequence 2: no residues to score"),
+        (lambda: pseudo_perplexity(model, "|"), "sequence 1: no residues to score"),
+        (lambda: model.scan("---"), "sequence: no residues to score"),
+        (lambda: score_mutations(model, "---", [], methods=["pppl"]), "the wild type: no residues to score"),
+    ):
+        with pytest.raises(SequenceError, match=message):
+            call()
+    assert model.scan("M|K").scores.shape == (2, 20)  # gaps and breaks between residues still fine

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..errors import ScoringError
+from ..errors import ScoringError, SequenceError
 from ..runtime.model import ESMC
 from ..runtime.quantized import backend
 from ..runtime.tokenizer import ESMCTokenizer
@@ -407,9 +407,13 @@ def run_jobs(
     return result, passes
 
 
-def _residue_positions(sequence: str) -> np.ndarray:
-    """0-based positions of residues (letters), skipping gaps and chain breaks."""
-    return np.array([i for i, c in enumerate(sequence) if c.isalpha()], dtype=np.int64)
+def _residue_positions(sequence: str, what: str | None = None) -> np.ndarray:
+    """0-based positions of residues (letters), skipping gaps and chain breaks. With ``what``:
+    SequenceError naming it when there are none (a pseudo-perplexity of nothing is NaN)."""
+    positions = np.array([i for i, c in enumerate(sequence) if c.isalpha()], dtype=np.int64)
+    if what is not None and not positions.size:
+        raise SequenceError(f"{what}: no residues to score, only gaps or chain breaks ({sequence!r})")
+    return positions
 
 
 # --- windows over long sequences ---------------------------------------------------------------
@@ -501,7 +505,7 @@ def pseudo_perplexity(
     jobs, owner = _Jobs(), []
     for i, s in enumerate(sequences):
         check_length(s, window, f"sequence {i + 1}")
-        for p in _residue_positions(s):
+        for p in _residue_positions(s, f"sequence {i + 1}"):
             jobs.site(s, [p], masked=True, window=window)
             owner.append(i)
     rows, _ = jobs.run(
@@ -592,7 +596,7 @@ def score_mutations(
     jobs = _Jobs()
     masked_sites = sorted({s.index for subs in parsed for s in subs}) if "masked_marginal" in methods else []
     if "pppl" in methods:
-        masked_sites = sorted(set(masked_sites) | set(_residue_positions(sequence).tolist()))
+        masked_sites = sorted(set(masked_sites) | set(_residue_positions(sequence, "the wild type").tolist()))
     masked_job = {p: jobs.site(sequence, [p], masked=True, window=window) for p in masked_sites}
     joint_job = {}
     if "masked_marginal" in methods and multi == "joint":
