@@ -782,7 +782,7 @@ Examples:
     show_default=True,
     help="masked-marginal: one masked copy per residue; wt-marginal: one unmasked pass (see above).",
 )
-@click.option("--name", default="sequence", show_default=True, help="File name stem for --sequence.")
+@click.option("--name", default=None, help="File name stem for --sequence (default: sequence; not with --fasta).")
 @window_option
 @click.option(
     "-B", "--batch-size", default=32, show_default=True, type=click.IntRange(1), help="Masked copies per forward pass."

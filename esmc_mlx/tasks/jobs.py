@@ -320,7 +320,7 @@ def scan_job(
     *,
     sequence: str | None = None,
     fasta: str | Path | None = None,
-    name: str = "sequence",
+    name: str | None = None,
     method: str = "masked_marginal",
     batch_size: int = DEFAULT_BATCH_SIZE,
     window: int | None = DEFAULT_WINDOW,
@@ -330,15 +330,18 @@ def scan_job(
     group=None,
     progress: bool = False,
 ) -> ScanSummary:
-    """Scan ``sequence`` (literal, or a FASTA file with one record) or every record of
-    ``fasta`` and write each protein's files into ``out`` (see ``Scan.write``); rank 0 writes.
+    """Scan ``sequence`` (literal, or a FASTA file with one record; its files named ``name``,
+    default ``sequence``) or every record of ``fasta`` (named by their IDs) and write each
+    protein's files into ``out`` (see ``Scan.write``); rank 0 writes.
     Raises FastaError, ScoringError, JobError (matplotlib missing with ``plot``)."""
     if (sequence is None) == (fasta is None):
         raise JobError("give exactly one of --sequence and --fasta")
+    if fasta is not None and name is not None:  # it would be ignored: say so instead
+        raise JobError(f"--name {name!r} names --sequence's files; with --fasta each record's ID names its files")
     if fasta is not None:
         records = [(r.id, r.sequence) for r in iter_fasta(fasta)]  # all checked before the model loads
     else:
-        records = [(name, resolve_sequence(sequence))]
+        records = [(name or "sequence", resolve_sequence(sequence))]
     stems: dict[str, str] = {}
     for ident, _ in records:  # case-blind: macOS's file system is
         other = stems.setdefault(safe_name(ident).lower(), ident)
