@@ -537,3 +537,18 @@ def test_a_sequence_of_gaps_has_nothing_to_score(model):
         with pytest.raises(SequenceError, match=message):
             call()
     assert model.scan("M|K").scores.shape == (2, 20)  # gaps and breaks between residues still fine
+
+
+def test_stored_per_residue_by_negative_index(model, tmp_path):
+    """StoredEmbeddings.per_residue(-1) returned an empty (0, d) array and (-2) the last
+    record's rows (offsets has n + 1 entries: a raw negative index sliced the wrong span);
+    an unknown ID or index past the end failed with ValueError / IndexError."""
+    seqs = ["MKTAY", "MKTAYIAK", "MKV"]
+    embed_fasta(model, write_fasta(tmp_path / "in.fa", seqs), tmp_path / "e", per_residue=True)
+    stored = read_embeddings(tmp_path / "e")
+    for i, s in enumerate(seqs):
+        assert stored.per_residue(i).shape[0] == stored.per_residue(i - len(seqs)).shape[0] == len(s)
+        np.testing.assert_array_equal(stored.per_residue(i - len(seqs)), stored.per_residue(f"s{i}"))
+    for key, message in ((3, r"an index in -3\.\.2"), (-4, "an index"), ("zz", "no record 'zz'")):
+        with pytest.raises(JobError, match=message):
+            stored.per_residue(key)
