@@ -93,3 +93,17 @@ def test_odd_inputs_are_tokenizer_errors():
         with pytest.raises(TokenizerError, match=message):
             call()
     assert tok.decode([0, 20, 2]) == "<cls>M<eos>"
+
+
+def test_return_tensors_and_names_are_checked():
+    """return_tensors="pt" (transformers' spelling) returned numpy arrays without a word; names
+    shorter than the sequences failed with IndexError, pad_to_multiple_of=-4 in numpy."""
+    tok = ESMCTokenizer()
+    for call, message in (
+        (lambda: tok(["MKT"], return_tensors="pt"), "return_tensors 'pt'"),
+        (lambda: tok(["MKT", "MK"], names=["a"]), "1 names for 2 sequences"),
+        (lambda: tok.pad([[0, 5, 2]], pad_to_multiple_of=-4), "pad_to_multiple_of must be"),
+    ):
+        with pytest.raises(TokenizerError, match=message):
+            call()
+    assert tok(["MKT"], return_tensors="np")["input_ids"].shape == (1, 5)

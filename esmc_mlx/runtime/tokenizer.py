@@ -83,6 +83,8 @@ class ESMCTokenizer:
         ``mx.array`` (``return_tensors="mlx"``), ``np.ndarray`` (``"np"``) or lists (``None``).
         """
         sequences = as_sequences(sequences)
+        if names is not None and len(names) != len(sequences):
+            raise TokenizerError(f"names: {len(names)} names for {len(sequences)} sequences")
         encoded = [self.encode(s, name=names[i] if names else None) for i, s in enumerate(sequences)]
         return self.pad(encoded, return_tensors, return_sequence_id)
 
@@ -95,6 +97,10 @@ class ESMCTokenizer:
     ) -> dict:
         """Right-pad already encoded rows into a batch; the same outputs as ``__call__``.
         ``pad_to_multiple_of``: widen the batch to a multiple of this many tokens."""
+        if return_tensors not in ("mlx", "np", None):  # e.g. "pt": it would get numpy arrays
+            raise TokenizerError(f"return_tensors {return_tensors!r}: choose 'mlx', 'np' or None (lists)")
+        if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool) or pad_to_multiple_of < 0):
+            raise TokenizerError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}")
         width = max((len(e) for e in encoded), default=0)
         if pad_to_multiple_of:
             width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
