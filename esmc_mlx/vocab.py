@@ -68,7 +68,7 @@ _RESIDUES_RE = re.compile("[" + re.escape("".join(sorted(RESIDUE_ALPHABET))) + "
 def split_tokens(
     sequence: str, name: str | None = None, where: str = "", label: str = "sequence", special_tokens: bool = False
 ) -> list[str]:
-    """The tokens of ``sequence`` (lower-case residues read as upper case).
+    """The tokens of ``sequence`` (lower-case ASCII residues read as upper case).
 
     ``special_tokens``: also accept ``<mask>`` and the other ``<...>`` vocabulary tokens (the
     tokenizer does; a FASTA file does not). Raises SequenceError naming the sequence and each
@@ -81,7 +81,7 @@ def split_tokens(
     tokens, bad = [], []
     for match in _TOKEN_RE.finditer(sequence):
         token = match.group()
-        if len(token) == 1 and token not in allowed and token.upper() in allowed:
+        if len(token) == 1 and token.isascii() and token not in allowed and token.upper() in allowed:
             token = token.upper()
         if token not in allowed:
             bad.append(f"{token!r} at position {match.start() + 1}")

@@ -107,3 +107,14 @@ def test_return_tensors_and_names_are_checked():
         with pytest.raises(TokenizerError, match=message):
             call()
     assert tok(["MKT"], return_tensors="np")["input_ids"].shape == (1, 5)
+
+
+def test_non_ascii_letters_are_not_residues():
+    """'ı' (dotless i) and 'ſ' (long s) upper-case to I and S in Python: a sequence holding
+    them was read as those residues without a word (tokenizer, FASTA, scoring alike)."""
+    tok = ESMCTokenizer()
+    for text, bad in (("MKı", "'ı' at position 3"), ("Mſ", "'ſ' at position 2")):
+        for call in (tok.encode, check_sequence, split_tokens):
+            with pytest.raises(TokenizerError, match=bad):
+                call(text)
+    assert tok.encode("mkt") == [0, 20, 15, 11, 2]  # ASCII lower case still reads as upper
