@@ -982,6 +982,25 @@ def test_damaged_artifact_config_fields(old_output, tmp_path, edit, message):
     assert not (tmp_path / "emb").exists() and not (tmp_path / "q").exists() and debris(tmp_path) == []
 
 
+@pytest.mark.parametrize(
+    "change", [{"bits": 7}, {"group_size": 48}, {"mode": "mxfp4"}], ids=["bits7", "group48", "mxfp4-g64"]
+)
+def test_a_quantization_record_mlx_cannot_run(tmp_path, change):
+    """A well-formed record MLX refuses (7 bits, a group size the widths do not divide, mxfp4
+    with group size 64): load, embed and every command on it failed with MLX's ValueError
+    traceback ('[quantize] The requested number of bits 7 is not supported')."""
+    out = convert("tiny", tmp_path / "q4", q="4", progress=False)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization"].update(change)
+    (out / "config.json").write_text(json.dumps(config))
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n")
+    one_error_line(cli("embed", out, fasta, "-o", tmp_path / "emb"), "config.json", "[quantize]")
+    with pytest.raises(ConvertError, match="quantization record does not describe"):
+        esmc_mlx.load(out)
+    assert not (tmp_path / "emb").exists() and debris(tmp_path) == []
+
+
 def test_an_index_naming_files_elsewhere_is_refused(old_output, tmp_path):
     out, _ = old_output
     elsewhere = tmp_path / "elsewhere"

@@ -104,7 +104,13 @@ def load(
     model = model_class(config)
     record = quantization_record(raw)
     if record:
-        apply_quantization(model, record, weights)
+        try:
+            apply_quantization(model, record, weights)
+        except ValueError as e:  # MLX refusing the record's bits / group size / mode, as a traceback
+            raise ConvertError(
+                f"{directory / 'config.json'}: its quantization record does not describe a quantization "
+                f"MLX can run ({e}); convert the model again"
+            ) from None
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
