@@ -998,7 +998,10 @@ def test_a_quantization_record_mlx_cannot_run(tmp_path, change):
     one_error_line(cli("embed", out, fasta, "-o", tmp_path / "emb"), "config.json", "[quantize]")
     with pytest.raises(ConvertError, match="quantization record does not describe"):
         esmc_mlx.load(out)
-    assert not (tmp_path / "emb").exists() and debris(tmp_path) == []
+    if "bits" in change:  # validate's bounds table has no 7-bit row: it said only "Error: 7bit"
+        result = cli("validate", out, "--reference", "tiny", "--report", tmp_path / "rep")
+        one_error_line(result, "no validation bounds for a 7bit artifact")
+    assert not (tmp_path / "emb").exists() and not (tmp_path / "rep").exists() and debris(tmp_path) == []
 
 
 def test_an_index_naming_files_elsewhere_is_refused(old_output, tmp_path):
