@@ -469,6 +469,8 @@ def test_forward_refuses_ids_it_would_read_wrongly(model):
         with pytest.raises(SequenceError, match=message):
             model(input_ids, **kwargs)
     assert model(ids, attention_mask=mx.ones((1, 4))).logits.shape == (1, 4, 64)  # a right one still runs
+    # one unbatched sequence with its unbatched mask, as before the check
+    assert model(ids[0], attention_mask=mx.ones((4,))).logits.shape == (1, 4, 64)
 
 
 def test_api_arguments_of_the_wrong_type_are_named(model):

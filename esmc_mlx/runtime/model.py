@@ -523,8 +523,10 @@ class ESMC(nn.Module):
         are not integers in the vocabulary, an empty batch, a mask of another shape.
         """
         input_ids = mx.array(input_ids)
-        if input_ids.ndim == 1:
+        if input_ids.ndim == 1:  # one unbatched sequence: its mask and chain ids too
             input_ids = input_ids[None]
+            attention_mask = None if attention_mask is None else mx.array(attention_mask).reshape(1, -1)
+            sequence_id = None if sequence_id is None else mx.array(sequence_id).reshape(1, -1)
         check_inputs(input_ids, attention_mask, sequence_id, self.config.vocab_size)
         if input_ids.shape[-1] - 2 > TRAINED_LENGTH:
             # the longest real row (batches may be padded wider than their longest sequence)
