@@ -498,6 +498,13 @@ def test_api_arguments_of_the_wrong_type_are_named(model):
     for call, error, message in refused:
         with pytest.raises(error, match=message):
             call()
+    for call, error, message in (
+        (lambda: model.score_mutations(s, None), MutationError, "mutations: expected a list of mutant strings"),
+        (lambda: model.score_mutations(s, [5]), MutationError, "a mutant is a string like A23G, not a int"),
+        (lambda: model.embed(s, pools=5), ScoringError, "pools 5: give pool names"),
+    ):
+        with pytest.raises(error, match=message):
+            call()
     one = model.score_mutations(s, ["M1A"], methods="wt_marginal")  # one method, not its letters
     assert list(one.scores) == ["wt_marginal"]
     assert pseudo_perplexity(model, []).shape == (0,)  # was: numpy's "need at least one array"

@@ -35,6 +35,8 @@ def parse_mutant(text: str, sequence: str, offset: int = 1, where: str = "") -> 
 
     ``where`` prefixes messages (e.g. ``"mutations.csv, line 7: "``).
     """
+    if not isinstance(text, str):
+        raise MutationError(f"{where}{text!r}: a mutant is a string like A23G, not a {type(text).__name__}")
     text = text.strip()
     if text.lower() in WILD_TYPE_NAMES:
         return []

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..errors import ScoringError, SequenceError
+from ..errors import MutationError, ScoringError, SequenceError
 from ..runtime.model import ESMC
 from ..runtime.quantized import backend
 from ..runtime.tokenizer import ESMCTokenizer
@@ -163,6 +163,8 @@ def resolve_pools(pools) -> tuple[str, ...]:
     ``per_residue`` both accepted)."""
     if isinstance(pools, str):
         pools = pools.split(",")
+    if not isinstance(pools, Iterable) or not all(isinstance(p, str) for p in pools):
+        raise ScoringError(f"pools {pools!r}: give pool names (mean, max, cls, per-residue)")
     out = tuple(dict.fromkeys(p.strip().lower().replace("-", "_") for p in pools if p.strip()))
     unknown = [p for p in out if p not in POOLS]
     if unknown or not out:
@@ -574,8 +576,6 @@ def score_mutations(
     characters in ``sequence``), ScoringError (unknown method or multi, sites beyond a window).
     """
     methods = resolve_methods(methods)
-    if where is not None and len(where) != len(mutations):
-        raise ScoringError(f"where has {len(where)} entries for {len(mutations)} mutants")
     if multi not in MULTI:
         raise ScoringError(f"unknown multi-mutant convention {multi!r}; choose from {', '.join(MULTI)}")
     if window is not None:
@@ -583,7 +583,11 @@ def score_mutations(
     sequence = check_sequence(sequence, "wild type", label="sequence")
     if isinstance(mutations, str):
         mutations = [mutations]
+    if not isinstance(mutations, Iterable):
+        raise MutationError(f"mutations: expected a list of mutant strings, got {type(mutations).__name__}")
     mutants = list(mutations)
+    if where is not None and len(where) != len(mutants):
+        raise ScoringError(f"where has {len(where)} entries for {len(mutants)} mutants")
     parsed = parse_mutants(mutants, sequence, offset, list(where) if where else None)
     check_length(sequence, window, "the wild type")
     world = World.of(group)
