@@ -291,16 +291,22 @@ Examples:
 @main.command(help=QUANTIZE_HELP)
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True, help="Output directory.")
-@click.option("--q", "q", metavar="SPEC", required=True, help="Quantization spec (see above).")
+@click.option("--q", "q", metavar="SPEC", required=True, multiple=True, help="Quantization spec (see above).")
 @group_size_option
 @quantize_head_option
 @force_option
 @shard_size_option
 def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size):
+    if len(q) > 1:  # click kept the last one without a word; esmc-convert takes several
+        raise click.BadParameter(
+            f"give one spec here, got {len(q)} ({', '.join(q)}); for several precisions from one read "
+            "use esmc-convert SOURCE -o DIR --q 4 --q 8",
+            param_hint="--q",
+        )
     quantize_directory(
         model_dir,
         output,
-        q,
+        q[0],
         group_size=group_size,
         quantize_head=quantize_head,
         force=force,
