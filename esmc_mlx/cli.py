@@ -540,9 +540,9 @@ Examples:
 @click.option("--layers", metavar="LIST", help="Hidden states, e.g. 6,12,-1 or all (default: --layer).")
 @click.option(
     "--layer",
-    default=-1,
-    show_default=True,
-    help="One hidden state: 0 = token embeddings, i = after block i, -1 = final (after the last norm).",
+    type=int,
+    default=None,
+    help="One hidden state: 0 = token embeddings, i = after block i, -1 = final (after the last norm). [default: -1]",
 )
 @click.option("--pool", "pools", metavar="LIST", help="Poolings: mean,max,cls,per-residue (default: mean).")
 @click.option(
@@ -591,6 +591,8 @@ def embed(
     drop_missing,
     no_progress,
 ):
+    if layer is not None and layers is not None:  # one of them would be ignored: say so instead
+        raise click.BadParameter(f"give --layer {layer} or --layers {layers}, not both", param_hint="--layer")
     pool_list = pools.split(",") if pools is not None else ["mean"]  # --pool "": an error, not the default
     if per_residue:
         pool_list.append("per_residue")
@@ -598,7 +600,7 @@ def embed(
         model,
         fasta,
         output,
-        layers=layers if layers is not None else layer,
+        layers=layers if layers is not None else -1 if layer is None else layer,
         pools=pool_list,
         storage=storage,
         batch_tokens=batch_tokens,

@@ -561,3 +561,17 @@ def test_stored_per_residue_by_negative_index(model, tmp_path):
     for key, message in ((3, r"an index in -3\.\.2"), (-4, "an index"), ("zz", "no record 'zz'")):
         with pytest.raises(JobError, match=message):
             stored.per_residue(key)
+
+
+def test_embed_refuses_layer_with_layers(converted, tmp_path):
+    """embed --layer 2 --layers 1 embedded layer 1 only, --layer ignored without a word."""
+    fasta = write_fasta(tmp_path / "in.fa", ["MKTAYIAKQ"])
+    args = ["embed", str(converted), str(fasta), "--no-progress", "-o"]
+    result = CliRunner().invoke(cli, [*args, str(tmp_path / "e"), "--layer", "2", "--layers", "1"])
+    assert result.exit_code == 2 and "give --layer 2 or --layers 1, not both" in result.output, result.output
+    assert not (tmp_path / "e").exists()
+    for extra, want in (([], [-1]), (["--layer", "2"], [2]), (["--layers", "1,2"], [1, 2])):
+        out = tmp_path / f"e{len(extra)}{want[0]}"
+        assert CliRunner().invoke(cli, [*args, str(out), *extra]).exit_code == 0
+        n = read_embeddings(out).num_layers
+        assert list(read_embeddings(out).layers) == [w % (n + 1) for w in want]
