@@ -291,16 +291,22 @@ Examples:
 @main.command(help=QUANTIZE_HELP)
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True, help="Output directory.")
-@click.option("--q", "q", metavar="SPEC", required=True, help="Quantization spec (see above).")
+@click.option("--q", "q", metavar="SPEC", required=True, multiple=True, help="Quantization spec (see above).")
 @group_size_option
 @quantize_head_option
 @force_option
 @shard_size_option
 def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size):
+    if len(q) > 1:  # click kept the last one without a word; esmc-convert takes several
+        raise click.BadParameter(
+            f"give one spec here, got {len(q)} ({', '.join(q)}); for several precisions from one read "
+            "use esmc-convert SOURCE -o DIR --q 4 --q 8",
+            param_hint="--q",
+        )
     quantize_directory(
         model_dir,
         output,
-        q,
+        q[0],
         group_size=group_size,
         quantize_head=quantize_head,
         force=force,
@@ -534,9 +540,9 @@ Examples:
 @click.option("--layers", metavar="LIST", help="Hidden states, e.g. 6,12,-1 or all (default: --layer).")
 @click.option(
     "--layer",
-    default=-1,
-    show_default=True,
-    help="One hidden state: 0 = token embeddings, i = after block i, -1 = final (after the last norm).",
+    type=int,
+    default=None,
+    help="One hidden state: 0 = token embeddings, i = after block i, -1 = final (after the last norm). [default: -1]",
 )
 @click.option("--pool", "pools", metavar="LIST", help="Poolings: mean,max,cls,per-residue (default: mean).")
 @click.option(
@@ -585,6 +591,8 @@ def embed(
     drop_missing,
     no_progress,
 ):
+    if layer is not None and layers is not None:  # one of them would be ignored: say so instead
+        raise click.BadParameter(f"give --layer {layer} or --layers {layers}, not both", param_hint="--layer")
     pool_list = pools.split(",") if pools is not None else ["mean"]  # --pool "": an error, not the default
     if per_residue:
         pool_list.append("per_residue")
@@ -592,7 +600,7 @@ def embed(
         model,
         fasta,
         output,
-        layers=layers if layers is not None else layer,
+        layers=layers if layers is not None else -1 if layer is None else layer,
         pools=pool_list,
         storage=storage,
         batch_tokens=batch_tokens,
@@ -782,7 +790,7 @@ Examples:
     show_default=True,
     help="masked-marginal: one masked copy per residue; wt-marginal: one unmasked pass (see above).",
 )
-@click.option("--name", default="sequence", show_default=True, help="File name stem for --sequence.")
+@click.option("--name", default=None, help="File name stem for --sequence (default: sequence; not with --fasta).")
 @window_option
 @click.option(
     "-B", "--batch-size", default=32, show_default=True, type=click.IntRange(1), help="Masked copies per forward pass."

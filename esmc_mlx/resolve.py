@@ -84,6 +84,10 @@ def resolve(source: str, revision: str | None = None) -> Source:
 
     Raises ConvertError for an unknown alias, a missing path, or a repo the Hub cannot give.
     """
+    if not isinstance(source, str) or not source.strip():
+        # Path("") is the current directory: an unset shell variable ($MODEL) would read
+        # whatever model or checkpoint the current directory holds
+        raise ConvertError(f"{source!r} names no model: give an alias, a local path or a Hub repo id")
     repo_id = ALIASES.get(source) or ALIASES.get(source.upper())
     path = Path(source).expanduser()
     local = source in LOCAL_ALIASES or (repo_id is None and path.exists())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from .errors import SequenceError
@@ -67,22 +68,24 @@ _RESIDUES_RE = re.compile("[" + re.escape("".join(sorted(RESIDUE_ALPHABET))) + "
 def split_tokens(
     sequence: str, name: str | None = None, where: str = "", label: str = "sequence", special_tokens: bool = False
 ) -> list[str]:
-    """The tokens of ``sequence`` (lower-case residues read as upper case).
+    """The tokens of ``sequence`` (lower-case ASCII residues read as upper case).
 
     ``special_tokens``: also accept ``<mask>`` and the other ``<...>`` vocabulary tokens (the
     tokenizer does; a FASTA file does not). Raises SequenceError naming the sequence and each
     bad character with its 1-based position, or an empty sequence.
     """
+    named = f"{where}{label}" + (f" {name!r}" if name else "")
+    if not isinstance(sequence, str):
+        raise SequenceError(f"{named}: expected a string of residues, got {type(sequence).__name__}")
     allowed = TOKEN_TO_ID if special_tokens else RESIDUE_ALPHABET
     tokens, bad = [], []
     for match in _TOKEN_RE.finditer(sequence):
         token = match.group()
-        if len(token) == 1 and token not in allowed and token.upper() in allowed:
+        if len(token) == 1 and token.isascii() and token not in allowed and token.upper() in allowed:
             token = token.upper()
         if token not in allowed:
             bad.append(f"{token!r} at position {match.start() + 1}")
         tokens.append(token)
-    named = f"{where}{label}" + (f" {name!r}" if name else "")
     if bad:
         shown = ", ".join(bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
         extra = ", <mask>" if special_tokens else ""
@@ -92,9 +95,20 @@ def split_tokens(
     return tokens
 
 
+def as_sequences(sequences) -> list:
+    """``sequences`` as a list: one string is one sequence. SequenceError for anything that is
+    not a string or a collection of them (None, a number, bytes); the items are checked later,
+    each naming itself."""
+    if isinstance(sequences, str):
+        return [sequences]
+    if isinstance(sequences, (bytes, bytearray)) or not isinstance(sequences, Iterable):
+        raise SequenceError(f"sequences: expected a string or a list of strings, got {type(sequences).__name__}")
+    return list(sequences)
+
+
 def check_sequence(sequence: str, name: str | None = None, where: str = "", label: str = "record") -> str:
     """``sequence`` upper-cased, or SequenceError naming ``name`` and each bad position."""
-    if sequence.isascii():
+    if isinstance(sequence, str) and sequence.isascii():
         upper = sequence.upper()
         if _RESIDUES_RE.fullmatch(upper):
             return upper

@@ -982,6 +982,28 @@ def test_damaged_artifact_config_fields(old_output, tmp_path, edit, message):
     assert not (tmp_path / "emb").exists() and not (tmp_path / "q").exists() and debris(tmp_path) == []
 
 
+@pytest.mark.parametrize(
+    "change", [{"bits": 7}, {"group_size": 48}, {"mode": "mxfp4"}], ids=["bits7", "group48", "mxfp4-g64"]
+)
+def test_a_quantization_record_mlx_cannot_run(tmp_path, change):
+    """A well-formed record MLX refuses (7 bits, a group size the widths do not divide, mxfp4
+    with group size 64): load, embed and every command on it failed with MLX's ValueError
+    traceback ('[quantize] The requested number of bits 7 is not supported')."""
+    out = convert("tiny", tmp_path / "q4", q="4", progress=False)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization"].update(change)
+    (out / "config.json").write_text(json.dumps(config))
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n")
+    one_error_line(cli("embed", out, fasta, "-o", tmp_path / "emb"), "config.json", "[quantize]")
+    with pytest.raises(ConvertError, match="quantization record does not describe"):
+        esmc_mlx.load(out)
+    if "bits" in change:  # validate's bounds table has no 7-bit row: it said only "Error: 7bit"
+        result = cli("validate", out, "--reference", "tiny", "--report", tmp_path / "rep")
+        one_error_line(result, "no validation bounds for a 7bit artifact")
+    assert not (tmp_path / "emb").exists() and not (tmp_path / "rep").exists() and debris(tmp_path) == []
+
+
 def test_an_index_naming_files_elsewhere_is_refused(old_output, tmp_path):
     out, _ = old_output
     elsewhere = tmp_path / "elsewhere"
@@ -1070,6 +1092,32 @@ def test_missing_local_paths_say_so(tmp_path, monkeypatch):
         convert_cli("models/esmc", "-o", tmp_path / "o"), "models/esmc: no such file or directory here", "Hub"
     )
     assert debris(tmp_path) == [] and not (tmp_path / "e").exists()
+
+
+def test_an_empty_model_name_is_not_the_current_directory(converted, tmp_path, monkeypatch):
+    """Path("") is ".": an unset $MODEL made `embed "" in.fasta` embed with the model in the
+    current directory (and `esmc-convert ""` convert the checkpoint there) without a word."""
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{SEQ}\n")
+    monkeypatch.chdir(converted)
+    one_error_line(cli("embed", "", fasta, "-o", tmp_path / "e"), "'' names no model")
+    one_error_line(convert_cli("", "-o", tmp_path / "o"), "'' names no model")
+    for name in ("", "  "):
+        with pytest.raises(ConvertError, match="names no model"):
+            esmc_mlx.load(name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.fasta"]
+
+
+def test_load_refuses_a_dtype_that_is_not_a_float(converted):
+    """load(dtype=mx.int32) cast every weight to integers without a word; a name or a numpy
+    dtype failed in MLX's astype with a TypeError."""
+    import mlx.core as mx
+    import numpy as np
+
+    for dtype in (mx.int32, np.float16, "int8"):
+        with pytest.raises(ConvertError, match="choose one of mx.float32"):
+            esmc_mlx.load(converted, dtype=dtype)
+    assert esmc_mlx.load(converted, dtype="float16")[0].dtype == mx.float16
 
 
 def test_score_into_a_missing_folder_fails_before_scoring(converted, tmp_path, monkeypatch):

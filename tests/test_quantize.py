@@ -279,3 +279,14 @@ def test_already_quantized_is_refused(quantized, tmp_path):
     result = CliRunner().invoke(main, ["quantize", str(quantized["8"]), "-o", str(tmp_path / "x"), "--q", "4"])
     assert result.exit_code == 1 and result.output.startswith("Error: ") and "already quantized" in result.output
     assert not (tmp_path / "again").exists() and not (tmp_path / "x").exists()
+
+
+def test_quantize_refuses_several_specs(converted, tmp_path):
+    """esmc-mlx quantize --q 4 --q 8 wrote only the 8-bit model without a word (click keeps the
+    last value of a single option), where esmc-convert --q 4 --q 8 writes both."""
+    out = tmp_path / "q"
+    result = CliRunner().invoke(main, ["quantize", str(converted), "-o", str(out), "--q", "4", "--q", "8"])
+    assert result.exit_code == 2 and "give one spec here, got 2 (4, 8)" in result.output, result.output
+    assert not out.exists()
+    result = CliRunner().invoke(main, ["quantize", str(converted), "-o", str(out), "--q", "4"])
+    assert result.exit_code == 0 and json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4

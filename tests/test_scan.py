@@ -162,3 +162,17 @@ def test_scan_refuses_ids_that_would_share_file_names(converted, tmp_path, other
     )
     assert r.exit_code == 1 and r.output.count("Error:") == 1 and f"'a_b' and '{other}'" in r.output, r.output
     assert not (tmp_path / "scan").exists()
+
+
+def test_scan_refuses_name_with_fasta(converted, tmp_path):
+    """--name with --fasta was ignored without a word (each record's ID names its files)."""
+    fasta = tmp_path / "in.fa"
+    fasta.write_text(f">a\n{WT[:12]}\n")
+    args = ["scan", str(converted), "--no-plot", "--no-progress", "-o"]
+    r = CliRunner().invoke(cli, [*args, str(tmp_path / "scan"), "--fasta", str(fasta), "--name", "mine"])
+    assert r.exit_code == 1 and r.output.count("Error:") == 1 and "--name 'mine'" in r.output, r.output
+    assert not (tmp_path / "scan").exists()
+    r = CliRunner().invoke(cli, [*args, str(tmp_path / "one"), "--sequence", WT[:12], "--name", "mine"])
+    assert r.exit_code == 0 and (tmp_path / "one" / "mine_scan.csv").exists(), r.output
+    r = CliRunner().invoke(cli, [*args, str(tmp_path / "two"), "--sequence", WT[:12]])
+    assert r.exit_code == 0 and (tmp_path / "two" / "sequence_scan.csv").exists(), r.output

@@ -222,7 +222,7 @@ def test_default_batch_tokens_follow_the_device(model, tmp_path, monkeypatch):
         assert seen == [expected, expected], device
         scoring.embed(model, seqs, batch_tokens=100)  # given: used as given
         assert seen[-1] == 100
-    with pytest.raises(ScoringError, match="batch_tokens must be positive"):
+    with pytest.raises(ScoringError, match="batch_tokens must be a positive integer"):
         scoring.embed(model, seqs, batch_tokens=0)  # refused, not replaced by the default
 
 
@@ -443,3 +443,135 @@ def test_runtime_imports_neither_torch_nor_transformers():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --- the public API's arguments (round 10b) ----------------------------------------------------
+
+
+def test_forward_refuses_ids_it_would_read_wrongly(model):
+    """Before: id 100 gave NaN logits and id -1 another token's row, without a word; a mask of
+    the wrong width that was all ones was dropped; float ids and an empty batch failed deep in
+    MLX (gather dtype, ZeroDivisionError)."""
+    import mlx.core as mx
+
+    from esmc_mlx.errors import SequenceError
+
+    ids = mx.array([[0, 20, 15, 2]])
+    cases = [
+        (mx.array([[0, 100, 2]]), {}, "token id 100 is outside the vocabulary"),
+        (mx.array([[0, -1, 2]]), {}, "token id -1 is outside the vocabulary"),
+        (mx.array([[0.0, 5.0, 2.0]]), {}, "token ids must be integers"),
+        (mx.zeros((1, 0), dtype=mx.int32), {}, "non-empty"),
+        (ids, {"attention_mask": mx.array([[1, 1]])}, r"attention_mask: shape \(1, 2\) does not match"),
+        (ids, {"sequence_id": mx.zeros((2, 4), dtype=mx.int32)}, "sequence_id: shape"),
+    ]
+    for input_ids, kwargs, message in cases:
+        with pytest.raises(SequenceError, match=message):
+            model(input_ids, **kwargs)
+    assert model(ids, attention_mask=mx.ones((1, 4))).logits.shape == (1, 4, 64)  # a right one still runs
+    # one unbatched sequence with its unbatched mask, as before the check
+    assert model(ids[0], attention_mask=mx.ones((4,))).logits.shape == (1, 4, 64)
+
+
+def test_api_arguments_of_the_wrong_type_are_named(model):
+    """Before: TypeError / AttributeError tracebacks from numpy or str methods ('int' object has
+    no attribute 'isascii'), a float layer truncated (1.5 -> 1), True read as layer 1, the
+    letters of methods="wt_marginal" taken as five unknown methods."""
+    from esmc_mlx.errors import SequenceError
+
+    s = "MKTAYIAKQRQISFVK"
+    refused = [
+        (lambda: model.embed(None), SequenceError, "sequences: expected a string or a list of strings, got NoneType"),
+        (lambda: model.embed(b"MKT"), SequenceError, "got bytes"),
+        (lambda: model.embed(["MKT", 5]), SequenceError, "expected a string of residues, got int"),
+        (lambda: model.embed(s, layer=1.5), ScoringError, "layer 1.5: give an integer"),
+        (lambda: model.embed(s, layer=True), ScoringError, "layer True"),
+        (lambda: model.embed(s, batch_tokens="4096"), ScoringError, "batch_tokens must be a positive integer"),
+        (lambda: model.embed(s).get("max"), ScoringError, "no max embeddings at layer"),
+        (lambda: model.score_mutations(None, ["M1A"]), SequenceError, "got NoneType"),
+        (lambda: model.score_mutations(s, ["M1A"], batch_size=2.5), ScoringError, "batch_size must be"),
+        (lambda: model.score_mutations(s, ["M1A"], window="5"), ScoringError, "window must be"),
+        (lambda: model.pseudo_perplexity(5), SequenceError, "got int"),
+        (lambda: model.pseudo_perplexity(s, window=0), ScoringError, "window must be a positive integer, got 0"),
+        (lambda: model.scan(s, window=-3), ScoringError, "window must be a positive integer, got -3"),
+    ]
+    for call, error, message in refused:
+        with pytest.raises(error, match=message):
+            call()
+    for call, error, message in (
+        (lambda: model.score_mutations(s, None), MutationError, "mutations: expected a list of mutant strings"),
+        (lambda: model.score_mutations(s, [5]), MutationError, "a mutant is a string like A23G, not a int"),
+        (lambda: model.embed(s, pools=5), ScoringError, "pools 5: give pool names"),
+    ):
+        with pytest.raises(error, match=message):
+            call()
+    one = model.score_mutations(s, ["M1A"], methods="wt_marginal")  # one method, not its letters
+    assert list(one.scores) == ["wt_marginal"]
+    assert pseudo_perplexity(model, []).shape == (0,)  # was: numpy's "need at least one array"
+
+
+def test_job_arguments_are_checked_before_anything_is_made(model, tmp_path):
+    """embed_fasta(batch_tokens=1.5 or 0) failed only once its output folder was made (a
+    manifest and an empty parts/ left behind); score_csv(methods="wt_marginal") took the letters
+    as five methods; offset="1" and a short ``where`` failed with TypeError / IndexError;
+    parse_fasta(bytes) with a TypeError from str.startswith."""
+    fasta = write_fasta(tmp_path / "in.fa", ["MKTAYIAKQ", "MKTAYIAKQRQ"])
+    (tmp_path / "m.csv").write_text("mutant\nM1A\n")
+    for tokens in (1.5, 0):
+        with pytest.raises(ScoringError, match="batch_tokens must be a positive integer"):
+            embed_fasta(model, fasta, tmp_path / "e", batch_tokens=tokens)
+        assert not (tmp_path / "e").exists()
+    summary = score_csv(model, "MKTAYIAKQ", tmp_path / "m.csv", tmp_path / "s.csv", methods="wt_marginal")
+    assert summary.methods == ["wt_marginal"]
+    with pytest.raises(MutationError, match="offset must be an integer"):
+        score_csv(model, "MKTAYIAKQ", tmp_path / "m.csv", tmp_path / "t.csv", offset="1")
+    assert not (tmp_path / "t.csv").exists()
+    with pytest.raises(ScoringError, match="where has 1 entries for 2 mutants"):
+        score_mutations(model, "MKTAYIAKQ", ["M1A", "K2A"], where=["row 2: "])
+    with pytest.raises(FastaError, match="expected FASTA text as a string, got bytes"):
+        parse_fasta(b">a\nMK\n")
+
+
+def test_a_sequence_of_gaps_has_nothing_to_score(model):
+    """pseudo_perplexity(["MKT", "---"]) gave NaN for the second without a word (0/0), alone a
+    ValueError from np.concatenate; scan("---") the same ValueError; the wild type's pppl NaN."""
+    from esmc_mlx.errors import SequenceError
+
+    for call, message in (
+        (lambda: pseudo_perplexity(model, ["MKT", "-.-"]), "sequence 2: no residues to score"),
+        (lambda: pseudo_perplexity(model, "|"), "sequence 1: no residues to score"),
+        (lambda: model.scan("---"), "sequence: no residues to score"),
+        (lambda: score_mutations(model, "---", [], methods=["pppl"]), "the wild type: no residues to score"),
+    ):
+        with pytest.raises(SequenceError, match=message):
+            call()
+    assert model.scan("M|K").scores.shape == (2, 20)  # gaps and breaks between residues still fine
+
+
+def test_stored_per_residue_by_negative_index(model, tmp_path):
+    """StoredEmbeddings.per_residue(-1) returned an empty (0, d) array and (-2) the last
+    record's rows (offsets has n + 1 entries: a raw negative index sliced the wrong span);
+    an unknown ID or index past the end failed with ValueError / IndexError."""
+    seqs = ["MKTAY", "MKTAYIAK", "MKV"]
+    embed_fasta(model, write_fasta(tmp_path / "in.fa", seqs), tmp_path / "e", per_residue=True)
+    stored = read_embeddings(tmp_path / "e")
+    for i, s in enumerate(seqs):
+        assert stored.per_residue(i).shape[0] == stored.per_residue(i - len(seqs)).shape[0] == len(s)
+        np.testing.assert_array_equal(stored.per_residue(i - len(seqs)), stored.per_residue(f"s{i}"))
+    for key, message in ((3, r"an index in -3\.\.2"), (-4, "an index"), ("zz", "no record 'zz'")):
+        with pytest.raises(JobError, match=message):
+            stored.per_residue(key)
+
+
+def test_embed_refuses_layer_with_layers(converted, tmp_path):
+    """embed --layer 2 --layers 1 embedded layer 1 only, --layer ignored without a word."""
+    fasta = write_fasta(tmp_path / "in.fa", ["MKTAYIAKQ"])
+    args = ["embed", str(converted), str(fasta), "--no-progress", "-o"]
+    result = CliRunner().invoke(cli, [*args, str(tmp_path / "e"), "--layer", "2", "--layers", "1"])
+    assert result.exit_code == 2 and "give --layer 2 or --layers 1, not both" in result.output, result.output
+    assert not (tmp_path / "e").exists()
+    for extra, want in (([], [-1]), (["--layer", "2"], [2]), (["--layers", "1,2"], [1, 2])):
+        out = tmp_path / f"e{len(extra)}{want[0]}"
+        assert CliRunner().invoke(cli, [*args, str(out), *extra]).exit_code == 0
+        n = read_embeddings(out).num_layers
+        assert list(read_embeddings(out).layers) == [w % (n + 1) for w in want]

@@ -77,3 +77,44 @@ def test_fast_paths_agree_with_the_per_character_rule():
         )
         slow = answer(lambda x: [0, *(TOKEN_TO_ID[t] for t in split_tokens(x, "r", special_tokens=True)), 2], s)
         assert answer(lambda x: tok.encode(x, name="r"), s) == slow, s
+
+
+def test_odd_inputs_are_tokenizer_errors():
+    """Before: tok([]) failed in max(), tok([5]) with 'int' object has no attribute 'isascii',
+    decode([100]) with IndexError and decode([-1]) returned the last token of the vocabulary."""
+    tok = ESMCTokenizer()
+    assert tok([], return_tensors="np")["input_ids"].shape == (0, 0)
+    for call, message in (
+        (lambda: tok(None), "got NoneType"),
+        (lambda: tok([5]), "expected a string of residues, got int"),
+        (lambda: tok.decode([100]), "token id 100 is not in the vocabulary"),
+        (lambda: tok.decode([-1]), "token id -1 is not in the vocabulary"),
+    ):
+        with pytest.raises(TokenizerError, match=message):
+            call()
+    assert tok.decode([0, 20, 2]) == "<cls>M<eos>"
+
+
+def test_return_tensors_and_names_are_checked():
+    """return_tensors="pt" (transformers' spelling) returned numpy arrays without a word; names
+    shorter than the sequences failed with IndexError, pad_to_multiple_of=-4 in numpy."""
+    tok = ESMCTokenizer()
+    for call, message in (
+        (lambda: tok(["MKT"], return_tensors="pt"), "return_tensors 'pt'"),
+        (lambda: tok(["MKT", "MK"], names=["a"]), "1 names for 2 sequences"),
+        (lambda: tok.pad([[0, 5, 2]], pad_to_multiple_of=-4), "pad_to_multiple_of must be"),
+    ):
+        with pytest.raises(TokenizerError, match=message):
+            call()
+    assert tok(["MKT"], return_tensors="np")["input_ids"].shape == (1, 5)
+
+
+def test_non_ascii_letters_are_not_residues():
+    """'ı' (dotless i) and 'ſ' (long s) upper-case to I and S in Python: a sequence holding
+    them was read as those residues without a word (tokenizer, FASTA, scoring alike)."""
+    tok = ESMCTokenizer()
+    for text, bad in (("MKı", "'ı' at position 3"), ("Mſ", "'ſ' at position 2")):
+        for call in (tok.encode, check_sequence, split_tokens):
+            with pytest.raises(TokenizerError, match=bad):
+                call(text)
+    assert tok.encode("mkt") == [0, 20, 15, 11, 2]  # ASCII lower case still reads as upper

@@ -51,6 +51,18 @@ def compute_dtype_for_device(stored: mx.Dtype) -> mx.Dtype:
     return mx.float32 if mx.default_device() == mx.cpu else stored
 
 
+def compute_dtype(dtype) -> mx.Dtype | None:
+    """``load``'s ``dtype`` as an MLX float dtype (a name is accepted), or ConvertError: an
+    integer dtype cast every weight to integers without a word, a name or numpy dtype failed
+    in MLX's astype."""
+    if dtype is None:
+        return None
+    chosen = FLOAT_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(chosen, mx.Dtype) or chosen not in FLOAT_DTYPES.values():
+        raise ConvertError(f"dtype {dtype!r}: choose one of mx.float32, mx.bfloat16, mx.float16 (or their names)")
+    return chosen
+
+
 def load(
     path_or_repo_id: str | Path,
     revision: str | None = None,
@@ -68,8 +80,10 @@ def load(
     model runs q/k/v and gate/up as one matrix each, so its parameter names differ from the
     artifact's; pass ``fuse=False`` to keep transformers' layout. ``model_class``: an ``ESMC``
     subclass to build (``esmc_mlx.load`` passes the one with the task methods). Raises
-    ConvertError for a directory that is not an artifact, HubError for a failed download.
+    ConvertError for a directory that is not an artifact or a ``dtype`` that is not a float
+    dtype (``mx.float16`` or its name), HubError for a failed download.
     """
+    dtype = compute_dtype(dtype)
     directory = resolve_model_dir(path_or_repo_id, revision)
     raw, config = read_model_config(directory)
     weights: dict[str, mx.array] = {}
@@ -90,7 +104,13 @@ def load(
     model = model_class(config)
     record = quantization_record(raw)
     if record:
-        apply_quantization(model, record, weights)
+        try:
+            apply_quantization(model, record, weights)
+        except ValueError as e:  # MLX refusing the record's bits / group size / mode, as a traceback
+            raise ConvertError(
+                f"{directory / 'config.json'}: its quantization record does not describe a quantization "
+                f"MLX can run ({e}); convert the model again"
+            ) from None
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import TRAINED_LENGTH, ESMCConfig
-from ..errors import EsmcMlxWarning
+from ..errors import EsmcMlxWarning, SequenceError
 from . import kernels
 from .quantized import POLICY_ENV as QUANT_POLICY_ENV
 
@@ -79,6 +79,31 @@ def additive_mask(mask: mx.array, dtype: mx.Dtype) -> mx.array:
     (B, H, L, L) before the fused kernel (measured at L=4096: 1 GB extra for 15 heads, against
     8 MB with this (B, 1, 1, L) bias). On the CPU both cost the same."""
     return mx.where(mask, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+
+
+def check_inputs(input_ids: mx.array, attention_mask, sequence_id, vocab_size: int) -> None:
+    """SequenceError for inputs the forward would read wrongly without a word or fail on deep in
+    MLX: ids that are not integers, an empty batch, ids outside the embedding table (MLX's
+    gather reads past it: NaN logits for id 100, another token's row for -1), a mask or
+    sequence_id of another shape than the ids (an all-ones mask of the wrong width was
+    dropped as "no padding")."""
+    if input_ids.ndim != 2 or 0 in input_ids.shape:
+        raise SequenceError(
+            f"input_ids: expected a non-empty (batch, length) array of token ids, got shape {tuple(input_ids.shape)}"
+        )
+    if not mx.issubdtype(input_ids.dtype, mx.integer):
+        raise SequenceError(f"input_ids: token ids must be integers, got {input_ids.dtype}")
+    ids = np.asarray(input_ids)  # the ids are small and usually made from numpy: no device wait
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        raise SequenceError(
+            f"input_ids: token id {low if low < 0 else high} is outside the vocabulary (ids 0..{vocab_size - 1})"
+        )
+    for name, value in (("attention_mask", attention_mask), ("sequence_id", sequence_id)):
+        if value is not None and tuple(np.shape(value)) != tuple(input_ids.shape):
+            raise SequenceError(
+                f"{name}: shape {tuple(np.shape(value))} does not match input_ids' {tuple(input_ids.shape)}"
+            )
 
 
 def _no_padding(attention_mask) -> bool:
@@ -494,11 +519,15 @@ class ESMC(nn.Module):
 
         ``attention_mask`` (B, L): 1 for tokens, 0 for padding. ``sequence_id`` (B, L): chain
         ids, -1 for padding; tokens attend only within their chain (``attention_mask`` is then
-        ignored). Positions are absolute from 0 across chains.
+        ignored). Positions are absolute from 0 across chains. Raises SequenceError for ids that
+        are not integers in the vocabulary, an empty batch, a mask of another shape.
         """
         input_ids = mx.array(input_ids)
-        if input_ids.ndim == 1:
+        if input_ids.ndim == 1:  # one unbatched sequence: its mask and chain ids too
             input_ids = input_ids[None]
+            attention_mask = None if attention_mask is None else mx.array(attention_mask).reshape(1, -1)
+            sequence_id = None if sequence_id is None else mx.array(sequence_id).reshape(1, -1)
+        check_inputs(input_ids, attention_mask, sequence_id, self.config.vocab_size)
         if input_ids.shape[-1] - 2 > TRAINED_LENGTH:
             # the longest real row (batches may be padded wider than their longest sequence)
             tokens = input_ids.shape[-1] if attention_mask is None else int(np.asarray(attention_mask).sum(-1).max())

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import TokenizerError  # noqa: F401  (re-exported: the tokenizer's error)
-from ..vocab import AMINO_ACIDS, TOKEN_TO_ID, VOCAB, split_tokens, write_tokenizer_files  # noqa: F401
+from ..errors import TokenizerError  # re-exported: the tokenizer's error
+from ..vocab import AMINO_ACIDS, TOKEN_TO_ID, VOCAB, as_sequences, split_tokens, write_tokenizer_files  # noqa: F401
 
 # ASCII code -> id of the one-character token it reads as (lower case as upper case, as
 # split_tokens does), -1 for any other character and for "<" (which starts <mask> and the
@@ -50,7 +50,7 @@ class ESMCTokenizer:
     def encode_array(self, sequence: str, add_special_tokens: bool = True, name: str | None = None) -> np.ndarray:
         """``encode`` as an int32 array."""
         ids = None
-        if sequence and sequence.isascii():
+        if isinstance(sequence, str) and sequence and sequence.isascii():
             ids = _ASCII_IDS[np.frombuffer(sequence.encode("ascii"), dtype=np.uint8)]
             ids = ids if (ids >= 0).all() else None
         if ids is None:
@@ -60,7 +60,11 @@ class ESMCTokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        out = [VOCAB[int(i)] for i in ids]
+        ids = [int(i) for i in ids]
+        outside = [i for i in ids if not 0 <= i < len(VOCAB)]
+        if outside:  # a negative id would index from the end: a wrong token, not an error
+            raise TokenizerError(f"token id {outside[0]} is not in the vocabulary (ids 0..{len(VOCAB) - 1})")
+        out = [VOCAB[i] for i in ids]
         if skip_special_tokens:
             out = [t for t in out if t not in ("<cls>", "<pad>", "<eos>")]
         return "".join(out)
@@ -78,8 +82,9 @@ class ESMCTokenizer:
         counting ``|`` breaks, -1 on padding; a ``|`` token belongs to the chain it closes) as
         ``mx.array`` (``return_tensors="mlx"``), ``np.ndarray`` (``"np"``) or lists (``None``).
         """
-        if isinstance(sequences, str):
-            sequences = [sequences]
+        sequences = as_sequences(sequences)
+        if names is not None and len(names) != len(sequences):
+            raise TokenizerError(f"names: {len(names)} names for {len(sequences)} sequences")
         encoded = [self.encode(s, name=names[i] if names else None) for i, s in enumerate(sequences)]
         return self.pad(encoded, return_tensors, return_sequence_id)
 
@@ -92,7 +97,11 @@ class ESMCTokenizer:
     ) -> dict:
         """Right-pad already encoded rows into a batch; the same outputs as ``__call__``.
         ``pad_to_multiple_of``: widen the batch to a multiple of this many tokens."""
-        width = max(len(e) for e in encoded)
+        if return_tensors not in ("mlx", "np", None):  # e.g. "pt": it would get numpy arrays
+            raise TokenizerError(f"return_tensors {return_tensors!r}: choose 'mlx', 'np' or None (lists)")
+        if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool) or pad_to_multiple_of < 0):
+            raise TokenizerError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}")
+        width = max((len(e) for e in encoded), default=0)
         if pad_to_multiple_of:
             width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
         ids = np.full((len(encoded), width), self.pad_token_id, dtype=np.int32)

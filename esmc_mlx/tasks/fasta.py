@@ -90,6 +90,8 @@ def _records(lines: Iterable[str], source: str) -> Iterator[Record]:
 
 def parse_fasta(text: str, source: str = "<string>") -> list[Record]:
     """Parse FASTA text; raise FastaError for anything that is not clean protein FASTA."""
+    if not isinstance(text, str):
+        raise FastaError(f"{source}: expected FASTA text as a string, got {type(text).__name__}")
     return list(_records(text.splitlines(), source))
 
 

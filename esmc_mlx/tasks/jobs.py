@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import EsmcMlxError, JobError, ScoringError
+from ..errors import EsmcMlxError, JobError
 from ..outputs import atomic_file, check_file_target, locked, written_in_place
 from ..runtime.load import load
 from ..runtime.model import ESMC
@@ -29,13 +29,14 @@ from .scan import scan as run_scan
 from .scoring import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_WINDOW,
-    METHODS,
     PAD_MULTIPLE,
     default_batch_tokens,
     encode,
     iter_embeddings,
     length_batches,
+    positive_int,
     resolve_layers,
+    resolve_methods,
     resolve_pools,
     score_mutations,
 )
@@ -105,8 +106,8 @@ def embed_fasta(
     (or other sequences under the same IDs), ScoringError for a layer or pool the model lacks.
     """
     world = World.of(group)
-    if batch_tokens is None:
-        batch_tokens = default_batch_tokens()
+    # checked before anything is read or made (length_batches would refuse it with the store open)
+    batch_tokens = positive_int(default_batch_tokens() if batch_tokens is None else batch_tokens, "batch_tokens")
     if dtype not in ("float32", "float16"):
         raise JobError(f"dtype must be float32 or float16, got {dtype!r}")
     if storage not in FORMATS:
@@ -319,7 +320,7 @@ def scan_job(
     *,
     sequence: str | None = None,
     fasta: str | Path | None = None,
-    name: str = "sequence",
+    name: str | None = None,
     method: str = "masked_marginal",
     batch_size: int = DEFAULT_BATCH_SIZE,
     window: int | None = DEFAULT_WINDOW,
@@ -329,15 +330,18 @@ def scan_job(
     group=None,
     progress: bool = False,
 ) -> ScanSummary:
-    """Scan ``sequence`` (literal, or a FASTA file with one record) or every record of
-    ``fasta`` and write each protein's files into ``out`` (see ``Scan.write``); rank 0 writes.
+    """Scan ``sequence`` (literal, or a FASTA file with one record; its files named ``name``,
+    default ``sequence``) or every record of ``fasta`` (named by their IDs) and write each
+    protein's files into ``out`` (see ``Scan.write``); rank 0 writes.
     Raises FastaError, ScoringError, JobError (matplotlib missing with ``plot``)."""
     if (sequence is None) == (fasta is None):
         raise JobError("give exactly one of --sequence and --fasta")
+    if fasta is not None and name is not None:  # it would be ignored: say so instead
+        raise JobError(f"--name {name!r} names --sequence's files; with --fasta each record's ID names its files")
     if fasta is not None:
         records = [(r.id, r.sequence) for r in iter_fasta(fasta)]  # all checked before the model loads
     else:
-        records = [(name, resolve_sequence(sequence))]
+        records = [(name or "sequence", resolve_sequence(sequence))]
     stems: dict[str, str] = {}
     for ident, _ in records:  # case-blind: macOS's file system is
         other = stems.setdefault(safe_name(ident).lower(), ident)
@@ -469,9 +473,7 @@ def score_csv(
     agree with the mutant strings. Raises JobError, MutationError, FastaError, ScoringError.
     """
     world = World.of(group)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise ScoringError(f"unknown scoring method {unknown or methods!r}; choose from {', '.join(METHODS)}")
+    methods = resolve_methods(methods)
     if out is not None and world.is_root:
         # a missing or unwritable folder, or -o naming an input, fails now, not after the scoring
         wt_file = Path(sequence).expanduser()

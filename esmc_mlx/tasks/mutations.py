@@ -8,6 +8,7 @@ residue; 1 unless the sequence is a fragment of a longer numbering, as some DMS 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import re
 
 from ..errors import MutationError
@@ -34,6 +35,8 @@ def parse_mutant(text: str, sequence: str, offset: int = 1, where: str = "") -> 
 
     ``where`` prefixes messages (e.g. ``"mutations.csv, line 7: "``).
     """
+    if not isinstance(text, str):
+        raise MutationError(f"{where}{text!r}: a mutant is a string like A23G, not a {type(text).__name__}")
     text = text.strip()
     if text.lower() in WILD_TYPE_NAMES:
         return []
@@ -72,6 +75,8 @@ def parse_mutants(
     mutants: list[str], sequence: str, offset: int = 1, where: list[str] | None = None
 ) -> list[list[Substitution]]:
     """Parse many mutant strings; ``where[i]`` prefixes the message for ``mutants[i]``."""
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+        raise MutationError(f"offset must be an integer (the number of the first residue), got {offset!r}")
     return [
         parse_mutant(m, sequence, offset, where[i] if where else f"mutant {i + 1}: ") for i, m in enumerate(mutants)
     ]

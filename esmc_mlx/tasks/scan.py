@@ -125,7 +125,7 @@ def scan(
         raise ScoringError(f"unknown scan method {method!r}; choose from {', '.join(SCAN_METHODS)}")
     sequence = check_sequence(sequence, name, label="sequence")
     check_length(sequence, window, name)
-    positions = _residue_positions(sequence)
+    positions = _residue_positions(sequence, name)
     jobs = _Jobs()
     if method == "masked_marginal":
         for p in positions:

@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from ..errors import ScoringError
+from ..errors import MutationError, ScoringError, SequenceError
 from ..runtime.model import ESMC
 from ..runtime.quantized import backend
 from ..runtime.tokenizer import ESMCTokenizer
-from ..vocab import check_sequence
+from ..vocab import as_sequences, check_sequence
 from .distributed import World
 from .mutations import Substitution, apply, parse_mutants
 
@@ -118,12 +119,18 @@ class Embeddings:
     def get(self, pool: str = "mean", layer: int | None = None):
         """The embeddings of ``pool`` at hidden state ``layer`` (-1 = final; default: the first)."""
         layer = self.layer if layer is None else resolve_layer(layer, self.num_layers)
-        return self.pooled[(layer, pool.replace("-", "_"))]
+        key = (layer, pool.replace("-", "_"))
+        if key not in self.pooled:
+            asked = ", ".join(f"{p} at layer {i}" for i, p in self.pooled)
+            raise ScoringError(f"no {key[1]} embeddings at layer {layer}: these hold {asked}")
+        return self.pooled[key]
 
 
 def resolve_layer(layer: int, num_layers: int) -> int:
     """Index into ``hidden_states`` (0 = token embeddings, i = after block i, ``num_layers`` =
     final, after the last LayerNorm); negative counts from the end (-1 = final)."""
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
+        raise ScoringError(f"layer {layer!r}: give an integer (0 = token embeddings, -1 = final)")
     if not -(num_layers + 1) <= layer <= num_layers:
         raise ScoringError(
             f"layer {layer} is out of range: this model has hidden states 0..{num_layers} "
@@ -143,9 +150,9 @@ def resolve_layers(layers, num_layers: int) -> tuple[int, ...]:
             layers = [int(x) for x in text.split(",") if x.strip()]
         except ValueError:
             raise ScoringError(f"layers {layers!r}: give 'all' or comma-separated integers like 6,12,-1") from None
-    if isinstance(layers, int):
+    if isinstance(layers, numbers.Integral) or not isinstance(layers, Iterable):
         layers = [layers]
-    out = tuple(dict.fromkeys(resolve_layer(int(x), num_layers) for x in layers))
+    out = tuple(dict.fromkeys(int(resolve_layer(x, num_layers)) for x in layers))
     if not out:
         raise ScoringError("no layer given")
     return out
@@ -156,11 +163,21 @@ def resolve_pools(pools) -> tuple[str, ...]:
     ``per_residue`` both accepted)."""
     if isinstance(pools, str):
         pools = pools.split(",")
+    if not isinstance(pools, Iterable) or not all(isinstance(p, str) for p in pools):
+        raise ScoringError(f"pools {pools!r}: give pool names (mean, max, cls, per-residue)")
     out = tuple(dict.fromkeys(p.strip().lower().replace("-", "_") for p in pools if p.strip()))
     unknown = [p for p in out if p not in POOLS]
     if unknown or not out:
         raise ScoringError(f"unknown pooling {unknown or pools!r}; choose from mean, max, cls, per-residue")
     return out
+
+
+def positive_int(value, name: str) -> int:
+    """``value`` as an int, or ScoringError naming ``name`` when it is not a positive integer
+    (a float, a string or a bool would fail deep in numpy, or be used as 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ScoringError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def default_batch_tokens() -> int:
@@ -172,8 +189,7 @@ def length_batches(token_lengths: Sequence[int], batch_tokens: int, multiple: in
     """Group indices longest first so that a batch holds at most ``batch_tokens`` padded
     tokens (rows x longest row, rounded up to ``multiple``); a sequence longer than that runs
     alone."""
-    if batch_tokens < 1:
-        raise ScoringError(f"batch_tokens must be positive, got {batch_tokens}")
+    batch_tokens = positive_int(batch_tokens, "batch_tokens")
     lengths = np.asarray(token_lengths)
     widths = -(-lengths // multiple) * multiple
     order = np.argsort(-lengths, kind="stable")
@@ -259,8 +275,7 @@ def embed(
     batched by length, at most ``batch_tokens`` padded tokens a pass (default:
     ``default_batch_tokens()``). Raises TokenizerError for
     characters outside the vocabulary, ScoringError for a layer the model does not have."""
-    if isinstance(sequences, str):
-        sequences = [sequences]
+    sequences = as_sequences(sequences)
     n_layers = model.config.num_hidden_layers
     layers = resolve_layers(layer if layers is None else layers, n_layers)
     pools = resolve_pools(pools if pools is not None else ("mean", "per_residue") if per_residue else ("mean",))
@@ -345,8 +360,7 @@ def run_jobs(
     and reads the rows at ``reads[j]``. One row per job goes into a batch of ``batch_size``.
     Rows come back concatenated in job order; the true tokens of ``targets_only`` are the
     unmasked sequence's."""
-    if batch_size < 1:
-        raise ScoringError(f"batch_size must be positive, got {batch_size}")
+    batch_size = positive_int(batch_size, "batch_size")
     world = world or World()
     seq_index = np.asarray(seq_index, dtype=np.int64)
     encoded = encode(sequences)
@@ -395,9 +409,13 @@ def run_jobs(
     return result, passes
 
 
-def _residue_positions(sequence: str) -> np.ndarray:
-    """0-based positions of residues (letters), skipping gaps and chain breaks."""
-    return np.array([i for i, c in enumerate(sequence) if c.isalpha()], dtype=np.int64)
+def _residue_positions(sequence: str, what: str | None = None) -> np.ndarray:
+    """0-based positions of residues (letters), skipping gaps and chain breaks. With ``what``:
+    SequenceError naming it when there are none (a pseudo-perplexity of nothing is NaN)."""
+    positions = np.array([i for i, c in enumerate(sequence) if c.isalpha()], dtype=np.int64)
+    if what is not None and not positions.size:
+        raise SequenceError(f"{what}: no residues to score, only gaps or chain breaks ({sequence!r})")
+    return positions
 
 
 # --- windows over long sequences ---------------------------------------------------------------
@@ -415,7 +433,10 @@ def window_bounds(center: int, length: int, width: int | None) -> tuple[int, int
 
 
 def check_length(sequence: str, window: int | None, what: str = "sequence") -> None:
-    """Warn when ``sequence`` is longer than the model was trained on (2,048 tokens)."""
+    """Warn when ``sequence`` is longer than the model was trained on (2,048 tokens);
+    ScoringError for a ``window`` that is not None or a positive integer."""
+    if window is not None:
+        positive_int(window, "window")
     if len(sequence) + 2 > TRAINED_TOKENS:
         how = (
             f"it is scored in windows of {window} residues centred on each scored site"
@@ -480,13 +501,13 @@ def pseudo_perplexity(
     copy per residue, masked copies of all sequences share passes, ``batch_size`` a pass.
     A sequence longer than ``window`` residues is read through a window centred on each
     masked residue. Returns (N,) float64."""
-    if isinstance(sequences, str):
-        sequences = [sequences]
-    sequences = [check_sequence(s, str(i + 1), label="sequence") for i, s in enumerate(sequences)]
+    sequences = [check_sequence(s, str(i + 1), label="sequence") for i, s in enumerate(as_sequences(sequences))]
+    if not sequences:
+        return np.zeros(0, np.float64)
     jobs, owner = _Jobs(), []
     for i, s in enumerate(sequences):
         check_length(s, window, f"sequence {i + 1}")
-        for p in _residue_positions(s):
+        for p in _residue_positions(s, f"sequence {i + 1}"):
             jobs.site(s, [p], masked=True, window=window)
             owner.append(i)
     rows, _ = jobs.run(
@@ -499,6 +520,15 @@ def pseudo_perplexity(
 
 
 # --- variant scores --------------------------------------------------------------------------
+
+
+def resolve_methods(methods) -> tuple[str, ...]:
+    """Scoring methods as a tuple (one name is that method, not its letters), or ScoringError."""
+    methods = (methods,) if isinstance(methods, str) else tuple(methods)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ScoringError(f"unknown scoring method {unknown or methods!r}; choose from {', '.join(METHODS)}")
+    return methods
 
 
 @dataclasses.dataclass
@@ -545,17 +575,19 @@ def score_mutations(
     Raises MutationError (malformed, wild type mismatch, out of range), FastaError (bad
     characters in ``sequence``), ScoringError (unknown method or multi, sites beyond a window).
     """
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise ScoringError(f"unknown scoring method {unknown or methods!r}; choose from {', '.join(METHODS)}")
+    methods = resolve_methods(methods)
     if multi not in MULTI:
         raise ScoringError(f"unknown multi-mutant convention {multi!r}; choose from {', '.join(MULTI)}")
-    if window is not None and window < 1:
-        raise ScoringError(f"window must be a positive number of residues, got {window}")
+    if window is not None:
+        positive_int(window, "window")
     sequence = check_sequence(sequence, "wild type", label="sequence")
     if isinstance(mutations, str):
         mutations = [mutations]
+    if not isinstance(mutations, Iterable):
+        raise MutationError(f"mutations: expected a list of mutant strings, got {type(mutations).__name__}")
     mutants = list(mutations)
+    if where is not None and len(where) != len(mutants):
+        raise ScoringError(f"where has {len(where)} entries for {len(mutants)} mutants")
     parsed = parse_mutants(mutants, sequence, offset, list(where) if where else None)
     check_length(sequence, window, "the wild type")
     world = World.of(group)
@@ -568,7 +600,7 @@ def score_mutations(
     jobs = _Jobs()
     masked_sites = sorted({s.index for subs in parsed for s in subs}) if "masked_marginal" in methods else []
     if "pppl" in methods:
-        masked_sites = sorted(set(masked_sites) | set(_residue_positions(sequence).tolist()))
+        masked_sites = sorted(set(masked_sites) | set(_residue_positions(sequence, "the wild type").tolist()))
     masked_job = {p: jobs.site(sequence, [p], masked=True, window=window) for p in masked_sites}
     joint_job = {}
     if "masked_marginal" in methods and multi == "joint":

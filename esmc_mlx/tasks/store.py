@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import numbers
 import os
 import re
 import shutil
@@ -659,10 +660,18 @@ class StoredEmbeddings:
         return self.arrays.get("per_residue")
 
     def per_residue(self, key: int | str, layer: int | None = None) -> np.ndarray:
-        """(L, d) rows of record ``key`` (an index or an ID)."""
+        """(L, d) rows of record ``key`` (an index, negative from the end, or an ID)."""
         if not any(map(is_per_residue, self.arrays)):
             raise JobError("this directory was written without per-residue embeddings")
-        i = self.ids.index(key) if isinstance(key, str) else key
+        n = len(self.ids)
+        if isinstance(key, str):
+            if key not in self.ids:
+                raise JobError(f"no record {key!r} here")
+            i = self.ids.index(key)
+        elif isinstance(key, numbers.Integral) and not isinstance(key, bool) and -n <= key < n:
+            i = int(key) % n  # offsets has n + 1 entries: a raw -1 read the slice offsets[-1]:offsets[0]
+        else:
+            raise JobError(f"record {key!r}: give an ID or an index in {-n}..{n - 1} ({n} records)")
         return np.asarray(self.get("per_residue", layer)[self.offsets[i] : self.offsets[i + 1]])
 
 

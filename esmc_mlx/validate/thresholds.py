@@ -108,7 +108,10 @@ def resolve(precision: str, compute_dtype: str, overrides: dict[str, float] | No
 
     Output bounds are the looser of the precision's row and the compute dtype's row (an
     artifact that MLX runs in bf16, on a GPU, carries bf16 rounding whatever it stores); the
-    ``weights`` bound is the precision's alone. Raises KeyError naming an unknown check."""
+    ``weights`` bound is the precision's alone. Raises KeyError naming an unknown check or a
+    precision without bounds (a record of 1 or 7 bits, which esmc-mlx never writes)."""
+    if precision not in QUALITY:  # a bare KeyError('7bit') reached the user as "Error: 7bit"
+        raise KeyError(f"no validation bounds for a {precision} artifact; bounds exist for {', '.join(QUALITY)}")
     values = dict(QUALITY[precision])
     if compute_dtype in QUALITY and compute_dtype != "float32":
         for name, bound in QUALITY[compute_dtype].items():
