@@ -471,6 +471,9 @@ def test_forward_refuses_ids_it_would_read_wrongly(model):
     assert model(ids, attention_mask=mx.ones((1, 4))).logits.shape == (1, 4, 64)  # a right one still runs
     # one unbatched sequence with its unbatched mask, as before the check
     assert model(ids[0], attention_mask=mx.ones((4,))).logits.shape == (1, 4, 64)
+    # the caller's own mx.compile still traces the forward (the id values are unknown there)
+    compiled = mx.compile(lambda i: model(i).logits)
+    assert mx.allclose(compiled(ids), model(ids).logits, atol=1e-5).item()
 
 
 def test_api_arguments_of_the_wrong_type_are_named(model):

@@ -93,8 +93,11 @@ def check_inputs(input_ids: mx.array, attention_mask, sequence_id, vocab_size: i
         )
     if not mx.issubdtype(input_ids.dtype, mx.integer):
         raise SequenceError(f"input_ids: token ids must be integers, got {input_ids.dtype}")
-    ids = np.asarray(input_ids)  # the ids are small and usually made from numpy: no device wait
-    low, high = int(ids.min()), int(ids.max())
+    try:
+        ids = np.asarray(input_ids)  # the ids are small and usually made from numpy: no device wait
+    except ValueError:  # inside the caller's own mx.compile / vmap: values unknown while tracing
+        ids = None
+    low, high = (int(ids.min()), int(ids.max())) if ids is not None else (0, 0)
     if low < 0 or high >= vocab_size:
         raise SequenceError(
             f"input_ids: token id {low if low < 0 else high} is outside the vocabulary (ids 0..{vocab_size - 1})"
