@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from .artifact import REPORT_DIR
 from .convert import prepare, write_artifact, write_artifacts
 from .convert.many import prepare_many, spec_label
 from .convert.writer import DEFAULT_SHARD_BYTES
@@ -84,11 +85,11 @@ def convert_validate_push(
             if where == out:  # there was no old output to keep
                 raise ValidationError(
                     f"validation failed ({failed}). The artifact stays at {out} with its failing report in "
-                    f"{out / 'validation'}; it will not be uploaded."
+                    f"{out / REPORT_DIR}; it will not be uploaded."
                 )
             raise ValidationError(
                 f"validation failed ({failed}). The old {out} is unchanged; the new artifact is kept at "
-                f"{where} with its failing report in {where / 'validation'}; it will not be uploaded."
+                f"{where} with its failing report in {where / REPORT_DIR}; it will not be uploaded."
             )
         if upload_repo is not None:  # last, and still under the lock: no other run replaces OUT mid-upload
             result.push = push_artifact(out, upload_repo, private=private, hold_lock=False)  # ours already
@@ -193,6 +194,6 @@ def _prove_and_place(
     where = stage.keep_failed() if failed_beside_old else stage.publish()
     log(f"Wrote {where}")
     if report is not None:
-        report.directory = where / "validation"
+        report.directory = where / REPORT_DIR
         log(f"Report: {report.directory / 'report.md'}")
     return where, report

@@ -17,6 +17,7 @@ from pathlib import Path
 from .._version import __version__
 from ..artifact import (
     FP_MODES,
+    REPORT_DIR,
     describe,
     precision_label,
     quantization_record,
@@ -71,7 +72,7 @@ class Validation:
 
 def read_validation(model_dir: Path) -> Validation:
     """Read ``validation/report.json`` (+ report.md and PNG plots) of an artifact directory."""
-    folder = Path(model_dir) / "validation"
+    folder = Path(model_dir) / REPORT_DIR
     report_path = folder / "report.json"
     plots = sorted(p.relative_to(model_dir).as_posix() for p in folder.glob("*.png")) if folder.is_dir() else []
     markdown = (folder / "report.md").read_text(errors="replace") if (folder / "report.md").is_file() else None

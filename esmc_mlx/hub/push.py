@@ -34,7 +34,7 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, Mo
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
 from .._version import __version__
-from ..artifact import human_size, precision_label, weight_files
+from ..artifact import REPORT_DIR, human_size, precision_label, weight_files
 from ..errors import ConvertError, HubError
 from ..outputs import locked
 from ..privacy import private_findings
@@ -135,10 +135,10 @@ def check_validation(model_dir: Path, repo_id: str, allow_unvalidated: bool) -> 
     reference = base_model_of(meta) or (meta.get("source") or {}).get("id") or "SOURCE"
     anyway = f"esmc-mlx push {model_dir} {repo_id} --allow-unvalidated"
     if validation.state == "failed":
-        report = Path(model_dir) / "validation" / "report.md"
+        report = Path(model_dir) / REPORT_DIR / "report.md"
         raise HubError(
             f"refusing to push {model_dir}: {validation.problem}.\n"
-            f"See {report if report.exists() else Path(model_dir) / 'validation' / 'report.json'}. "
+            f"See {report if report.exists() else report.with_name('report.json')}. "
             f"To publish it anyway (its model card will say that validation FAILED):\n  {anyway}"
         )
     raise HubError(

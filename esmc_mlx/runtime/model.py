@@ -97,11 +97,12 @@ def check_inputs(input_ids: mx.array, attention_mask, sequence_id, vocab_size: i
         ids = np.asarray(input_ids)  # the ids are small and usually made from numpy: no device wait
     except ValueError:  # inside the caller's own mx.compile / vmap: values unknown while tracing
         ids = None
-    low, high = (int(ids.min()), int(ids.max())) if ids is not None else (0, 0)
-    if low < 0 or high >= vocab_size:
-        raise SequenceError(
-            f"input_ids: token id {low if low < 0 else high} is outside the vocabulary (ids 0..{vocab_size - 1})"
-        )
+    if ids is not None:
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            raise SequenceError(
+                f"input_ids: token id {low if low < 0 else high} is outside the vocabulary (ids 0..{vocab_size - 1})"
+            )
     for name, value in (("attention_mask", attention_mask), ("sequence_id", sequence_id)):
         if value is not None and tuple(np.shape(value)) != tuple(input_ids.shape):
             raise SequenceError(

@@ -328,8 +328,9 @@ class EmbeddingStore:
             pos = index.find(ids)
             hit = pos >= 0
             same = np.asarray(digests, dtype="S40")[hit] == hashes[pos[hit]]
-            changed.extend(np.asarray(ids, dtype=object)[hit][~same].tolist())
-            missing.update(np.asarray(ids, dtype=object)[~hit].tolist())
+            ids = np.asarray(ids, dtype=object)
+            changed.extend(ids[hit][~same].tolist())
+            missing.update(ids[~hit].tolist())
             done[pos[hit][same]] = True
 
         merged = self._merged()
@@ -361,7 +362,7 @@ class EmbeddingStore:
             and all(a == b for a, b in zip(merged["ids"], ids))
         ):
             self._write_manifest(dict(self.manifest() or {}, **settings, complete=True, count=len(ids)))
-            self._drop_empty_parts()  # made by open()
+            self._drop_empty_parts()  # made by begin()
             return 0  # nothing new: the merged files are already this FASTA's
         dtype, d, names = np.dtype(settings["dtype"]), settings["hidden_size"], settings["arrays"]
         lengths = np.asarray(lengths, dtype=np.int64)

@@ -38,7 +38,7 @@ import numpy as np
 
 from .. import _blas
 from .._version import __version__
-from ..artifact import sha256, weight_files
+from ..artifact import REPORT_DIR, sha256, weight_files
 from ..config import ESMCConfig
 from ..errors import EsmcMlxError, ValidationError
 from ..hashes import file_hashes
@@ -356,8 +356,9 @@ def validate(
     from tqdm.auto import tqdm
 
     artifact = ArtifactWeights(mlx_dir)
+    report_folder = Path(report_dir) if report_dir else Path(mlx_dir) / REPORT_DIR
     if write:  # a report folder that cannot be made fails now, not after the whole validation
-        ensure_parent(Path(report_dir or Path(mlx_dir) / "validation") / "report.json", create=False)
+        ensure_parent(report_folder / "report.json", create=False)
     source = SourceWeights(reference, revision)
     panel = build_panel(sequences, max_length=max_length, marginal_positions=marginal_positions)
     batches = panel.batches(max_tokens)
@@ -604,9 +605,7 @@ def validate(
         )
         report = Report(passed, checks, data)
         if write:
-            report.directory = write_report(
-                report, panel, Path(report_dir) if report_dir else Path(mlx_dir) / "validation", draw=plot
-            )
+            report.directory = write_report(report, panel, report_folder, draw=plot)
         return report
     finally:
         bar.close()  # on an error too: the bar ends its line, so the Error line starts on its own
