@@ -22,6 +22,7 @@ is set just while it loads, so numpy's and torch's BLAS keep theirs).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import importlib.util
@@ -71,6 +72,25 @@ def load_mlx() -> None:
         raise ImportError(message) from e
     _check_cuda_build()
     load_fast_blas()
+    atexit.register(_finish_queued_work)
+
+
+def _finish_queued_work() -> None:
+    """Let MLX finish what it has queued before the process's libraries are finalized.
+
+    A run stopped by Ctrl-C or SIGTERM leaves work queued by ``mx.async_eval`` (the next batch
+    of a scan or an embedding) running on MLX's own thread. OpenBLAS's finalizer, run by
+    ``exit()``, then stops its worker threads while that thread is still handing them a GEMM, and
+    waits forever for one of them (gdb: the main thread in ``blas_thread_shutdown_``, joining a
+    worker asleep on its condition variable; 5 of 20 terminated scans on the CPU hung so). Python
+    runs atexit functions before ``exit()``; waiting here costs at most the batch in flight, and
+    nothing when the queue is empty."""
+    mx = sys.modules["mlx.core"]  # imported by load_mlx, which registered this
+    for device in (mx.cpu, mx.gpu):
+        try:
+            mx.synchronize(mx.default_stream(device))
+        except Exception:  # no such device, or a failed GPU: nothing of ours is left to wait for
+            pass
 
 
 def _check_cuda_build() -> None:
