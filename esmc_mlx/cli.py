@@ -756,6 +756,9 @@ pass). Entropy: of the predicted distribution over the 20 amino acids (renormali
 nats, at each position. NAME is the FASTA ID (or --name), made file-safe. Longer than
 --window residues: windows centred on each residue. See docs/scoring.md.
 
+OUT/scan-manifest.json records what each protein was scanned from: a rerun skips the proteins
+already there with the same sequence, settings and model, so a stopped --fasta run resumes.
+
 Runs data-parallel under MLX's launcher (ranks split the passes, rank 0 writes):
 
 \b
@@ -805,7 +808,15 @@ Examples:
 )
 @click.option("--no-plot", is_flag=True, help="No heatmap (needs no matplotlib).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def scan(model, sequence, fasta, output, method, name, window, batch_size, offset, per_row, no_plot, no_progress):
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Scan again the proteins that OUT already holds from the same sequence, settings and model "
+    "(by default they are skipped: a stopped run resumes).",
+)
+def scan(
+    model, sequence, fasta, output, method, name, window, batch_size, offset, per_row, no_plot, no_progress, force
+):
     s = scan_job(
         model,
         output,
@@ -820,9 +831,12 @@ def scan(model, sequence, fasta, output, method, name, window, batch_size, offse
         per_row=per_row,
         group=World.current(),
         progress=not no_progress,
+        force=force,
     )
     if s.rank == 0:
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
+        for ident in s.skipped:
+            click.echo(f"Skipped {ident}: already scanned into {s.out} with these settings (--force scans again)")
         for ident, n, passes in s.scanned:
             click.echo(f"Scanned {ident}: {n} residues x 19 substitutions ({passes} forward passes{ranks})")
         click.echo(f"Wrote {s.out}")

@@ -171,6 +171,13 @@ def test_two_ranks_scan_and_embed_layers_like_one(converted, tmp_path):
     assert "on 2 ranks" in out
     for i, s in enumerate(seqs):
         np.testing.assert_allclose(np.load(tmp_path / "scan" / f"p{i}_matrix.npy"), model.scan(s).scores, atol=1e-5)
+    # a rerun: rank 0 reads the manifest, both ranks skip the same proteins (else they would wait on each other)
+    fasta.write_text("".join(f">p{i}\n{s if i else s[:-1]}\n" for i, s in enumerate(seqs)))
+    out = launch(
+        ["scan", str(converted), "--fasta", str(fasta), "-o", str(tmp_path / "scan"), "-B", "4", "--no-plot"], tmp_path
+    )
+    assert out.count("Skipped p") == 4 and "Scanned p0" in out, out
+    np.testing.assert_allclose(np.load(tmp_path / "scan" / "p0_matrix.npy"), model.scan(seqs[0][:-1]).scores, atol=1e-5)
     embed_fasta(
         model,
         fasta,

@@ -176,3 +176,77 @@ def test_scan_refuses_name_with_fasta(converted, tmp_path):
     assert r.exit_code == 0 and (tmp_path / "one" / "mine_scan.csv").exists(), r.output
     r = CliRunner().invoke(cli, [*args, str(tmp_path / "two"), "--sequence", WT[:12]])
     assert r.exit_code == 0 and (tmp_path / "two" / "sequence_scan.csv").exists(), r.output
+
+
+def test_a_stopped_fasta_scan_resumes_where_it_stopped(converted, tmp_path, monkeypatch):
+    """A rerun scanned every record again; now the proteins OUT holds from the same sequence,
+    settings and model are skipped, and what changed is scanned again."""
+    from esmc_mlx.tasks import jobs
+
+    fasta = tmp_path / "in.fa"
+    fasta.write_text(f">one\n{WT}\n>two\n{WT[:20]}\n>three\n{WT[5:25]}\n")
+    out = tmp_path / "scan"
+    args = ["scan", str(converted), "--fasta", str(fasta), "-o", str(out), "--no-plot", "--no-progress"]
+    calls, real = [], jobs.run_scan
+
+    def counted(model, sequence, **kw):
+        calls.append(kw["name"])
+        if kw["name"] == "two" and stop:
+            raise KeyboardInterrupt  # Ctrl-C during the second protein
+        return real(model, sequence, **kw)
+
+    monkeypatch.setattr(jobs, "run_scan", counted)
+    stop = True
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 1 and calls == ["one", "two"] and (out / "one_scan.csv").exists()
+    assert not (out / "two_scan.csv").exists()
+    kept = (out / "one_matrix.npy").stat().st_mtime_ns
+
+    stop, calls[:] = False, []
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0 and calls == ["two", "three"], r.output
+    assert "Skipped one: already scanned" in r.output
+    assert (out / "one_matrix.npy").stat().st_mtime_ns == kept
+    fresh = tmp_path / "fresh"
+    monkeypatch.setattr(jobs, "run_scan", real)
+    assert CliRunner().invoke(cli, [*args[:4], "-o", str(fresh), "--no-plot", "--no-progress"]).exit_code == 0
+    for name in ("one", "two", "three"):
+        assert (out / f"{name}_scan.csv").read_bytes() == (fresh / f"{name}_scan.csv").read_bytes()
+    monkeypatch.setattr(jobs, "run_scan", counted)
+
+    calls[:] = []  # all there: nothing computed, nothing loaded
+    assert CliRunner().invoke(cli, args).exit_code == 0 and calls == []
+    # what changes a protein's files makes it scanned again: its sequence, the method, a file cut short, --force
+    fasta.write_text(f">one\n{WT}\n>two\n{WT[:21]}\n>three\n{WT[5:25]}\n")
+    assert CliRunner().invoke(cli, args).exit_code == 0 and calls == ["two"]
+    calls[:] = []
+    assert CliRunner().invoke(cli, [*args, "--method", "wt-marginal"]).exit_code == 0
+    assert calls == ["one", "two", "three"]
+    calls[:] = []
+    (out / "three_matrix.csv").write_text("position\n")
+    assert CliRunner().invoke(cli, [*args, "--method", "wt-marginal"]).exit_code == 0 and calls == ["three"]
+    calls[:] = []
+    assert CliRunner().invoke(cli, [*args, "--method", "wt-marginal", "--force"]).exit_code == 0
+    assert calls == ["one", "two", "three"]
+
+
+def test_scan_refuses_a_manifest_it_did_not_write(converted, tmp_path):
+    out = tmp_path / "scan"
+    out.mkdir()
+    (out / "scan-manifest.json").write_text('{"format": "someone-else", "proteins": {}}')
+    r = CliRunner().invoke(cli, ["scan", str(converted), "--sequence", WT[:12], "-o", str(out), "--no-progress"])
+    assert r.exit_code == 1 and r.output.count("Error:") == 1 and "scan-manifest.json" in r.output, r.output
+    assert sorted(p.name for p in out.iterdir()) == ["scan-manifest.json"]
+    assert "someone-else" in (out / "scan-manifest.json").read_text()
+
+
+def test_a_loaded_model_without_a_name_is_never_taken_for_another(model, tmp_path):
+    """scan_job with a loaded ESMC cannot tell which model made OUT's files: it scans again,
+    unless the caller names the model."""
+    from esmc_mlx.tasks.jobs import scan_job
+
+    first = scan_job(model, tmp_path, sequence=WT[:12], plot=False)
+    again = scan_job(model, tmp_path, sequence=WT[:12], plot=False)
+    assert [s[0] for s in first.scanned] == [s[0] for s in again.scanned] == ["sequence"] and again.skipped == []
+    named = [scan_job(model, tmp_path / "n", sequence=WT[:12], plot=False, model_name="mine") for _ in range(2)]
+    assert named[1].skipped == ["sequence"] and named[1].scanned == []

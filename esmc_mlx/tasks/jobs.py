@@ -24,7 +24,7 @@ from .distributed import World
 from .fasta import iter_fasta, read_fasta
 from .heatmap import check_plotting
 from .mutations import apply, parse_mutants
-from .scan import safe_name
+from .scan import ScanManifest, safe_name, scan_settings
 from .scan import scan as run_scan
 from .scoring import (
     DEFAULT_BATCH_SIZE,
@@ -311,6 +311,7 @@ class ScanSummary:
     scanned: list[tuple[str, int, int]]  # (name, residues, forward passes) per protein
     rank: int = 0
     world_size: int = 1
+    skipped: list[str] = dataclasses.field(default_factory=list)  # names already scanned in out
 
 
 @locked("out", when=lambda args: World.of(args["group"]).is_root)
@@ -329,11 +330,19 @@ def scan_job(
     per_row: int = 100,
     group=None,
     progress: bool = False,
+    force: bool = False,
+    model_name: str | None = None,
 ) -> ScanSummary:
     """Scan ``sequence`` (literal, or a FASTA file with one record; its files named ``name``,
     default ``sequence``) or every record of ``fasta`` (named by their IDs) and write each
     protein's files into ``out`` (see ``Scan.write``); rank 0 writes.
-    Raises FastaError, ScoringError, JobError (matplotlib missing with ``plot``)."""
+
+    Resumes: a protein that ``out`` already holds, scanned from the same sequence with the same
+    settings and model (``out/scan-manifest.json``), is skipped unless ``force``. The model is
+    known by its resolved path or Hub id, or by ``model_name`` when ``model`` is a loaded ESMC
+    (without one, nothing is skipped).
+    Raises FastaError, ScoringError, JobError (matplotlib missing with ``plot``, a manifest of
+    another tool)."""
     if (sequence is None) == (fasta is None):
         raise JobError("give exactly one of --sequence and --fasta")
     if fasta is not None and name is not None:  # it would be ignored: say so instead
@@ -350,11 +359,28 @@ def scan_job(
                 f"{fasta}: the IDs {other!r} and {ident!r} would both be written as {safe_name(ident)}_*; "
                 "rename one of them"
             )
-    if plot and World.of(group).is_root:
+    world = World.of(group)
+    if plot and world.is_root:
         check_plotting()
+    label = model_name if model_name is not None else _model_label(model)
+    settings = [
+        scan_settings(seq, method=method, window=window, offset=offset, model=label, plot=plot, per_row=per_row)
+        for _, seq in records
+    ]
+    manifest = ScanManifest(out) if world.is_root else None  # before the model loads: fails fast
+    # rank 0 reads OUT; every rank learns which proteins are left
+    done = np.zeros(len(records), dtype=np.int32)
+    if manifest is not None and label is not None and not force:
+        done[:] = [manifest.done(safe_name(ident), entry) for (ident, _), entry in zip(records, settings)]
+    done = world.broadcast(done)
+    skipped = [ident for (ident, _), d in zip(records, done) if d]
+    if len(skipped) == len(records):
+        return ScanSummary(Path(out), [], world.rank, world.size, skipped)
     model, _ = _model(model, None)
-    world, scanned = World.of(group), []
-    for ident, seq in records:
+    scanned = []
+    for (ident, seq), entry, is_done in zip(records, settings, done):
+        if is_done:
+            continue
         result = run_scan(
             model,
             seq,
@@ -366,10 +392,21 @@ def scan_job(
             group=world.group,
             progress=progress,
         )
-        if world.is_root:
-            result.write(out, plot=plot, per_row=per_row)
+        if manifest is not None:
+            paths = result.write(out, plot=plot, per_row=per_row)
+            if label is not None:
+                manifest.record(safe_name(ident), entry, paths)
         scanned.append((ident, len(result.positions), result.passes))
-    return ScanSummary(Path(out), scanned, world.rank, world.size)
+    return ScanSummary(Path(out), scanned, world.rank, world.size, skipped)
+
+
+def _model_label(model: ESMC | str | Path) -> str | None:
+    """How a scan names its model in the manifest: a directory by its resolved path (the same
+    folder from another working directory is the same model), a Hub id as given; a loaded
+    model has no name."""
+    if isinstance(model, ESMC):
+        return None
+    return str(Path(model).resolve()) if Path(model).exists() else str(model)
 
 
 # --- esmc-mlx score ---------------------------------------------------------------------------

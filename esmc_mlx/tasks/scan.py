@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import re
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import ScoringError
+from ..errors import JobError, ScoringError
 from ..outputs import atomic_file
 from ..runtime.model import ESMC
 from ..vocab import check_sequence
@@ -25,6 +26,7 @@ from .distributed import World
 from .heatmap import plot_heatmap
 from .mutations import AMINO_ACIDS_20
 from .scoring import _TOKENIZER, DEFAULT_BATCH_SIZE, DEFAULT_WINDOW, _Jobs, _residue_positions, check_length
+from .store import sequence_hash
 
 SCAN_METHODS = ("masked_marginal", "wt_marginal")
 _AA_IDS = np.array([_TOKENIZER.token_to_id[a] for a in AMINO_ACIDS_20])
@@ -94,6 +96,67 @@ class Scan:
             paths["png"] = out_dir / f"{stem}_heatmap.png"
             plot_heatmap(self, paths["png"], per_row=per_row)
         return paths
+
+
+class ScanManifest:
+    """``OUT/scan-manifest.json``: for each protein written into OUT (by file stem), the sha1 of
+    its sequence, the settings that shape its files (method, window, offset, model, plot) and
+    each file's size. A rerun skips a protein whose entry matches and whose files are all there
+    at those sizes: a FASTA of many proteins stopped half-way resumes where it stopped, and
+    nothing is computed twice. Each file is written whole (``atomic_file``) before the entry
+    that names it, so an entry never vouches for a file that was cut short."""
+
+    NAME = "scan-manifest.json"
+    FORMAT = "esmc-mlx-scan/1"
+
+    def __init__(self, out: str | Path):
+        self.path = Path(out) / self.NAME
+        self.proteins: dict[str, dict] = {}
+        if not self.path.exists():
+            return
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise JobError(f"{self.path}: unreadable ({e}); remove it to scan everything again") from None
+        if (
+            not isinstance(data, dict)
+            or data.get("format") != self.FORMAT
+            or not isinstance(data.get("proteins"), dict)
+        ):
+            raise JobError(f"{self.path} was not written by esmc-mlx scan; use another output directory")
+        self.proteins = data["proteins"]
+
+    def done(self, stem: str, settings: dict) -> bool:
+        """Whether OUT already holds ``stem``'s files, made with ``settings``."""
+        entry = self.proteins.get(stem)
+        if not isinstance(entry, dict) or entry.get("settings") != settings or not isinstance(entry.get("files"), dict):
+            return False
+        folder = self.path.parent
+        return all(
+            (folder / name).is_file() and (folder / name).stat().st_size == size
+            for name, size in entry["files"].items()
+        )
+
+    def record(self, stem: str, settings: dict, paths: dict[str, Path]) -> None:
+        files = {p.name: p.stat().st_size for p in paths.values()}
+        self.proteins[stem] = {"settings": settings, "files": files}
+        with atomic_file(self.path, "w") as f:
+            json.dump({"format": self.FORMAT, "proteins": self.proteins}, f, indent=1, sort_keys=True)
+
+
+def scan_settings(
+    sequence: str, *, method: str, window: int | None, offset: int, model: str, plot: bool, per_row: int
+) -> dict:
+    """What a scan's files depend on (the batch size only changes how the work is split)."""
+    return {
+        "sequence_sha1": sequence_hash(sequence),
+        "method": method,
+        "window": window,
+        "offset": offset,
+        "model": model,
+        "plot": plot,
+        "per_row": per_row if plot else None,
+    }
 
 
 def safe_name(name: str) -> str:
