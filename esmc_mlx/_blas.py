@@ -76,7 +76,7 @@ def load_mlx() -> None:
 
 
 def _finish_queued_work() -> None:
-    """Let MLX finish what it has queued before the process's libraries are finalized.
+    """Let MLX finish the CPU work it has queued before the process's libraries are finalized.
 
     A run stopped by Ctrl-C or SIGTERM leaves work queued by ``mx.async_eval`` (the next batch
     of a scan or an embedding) running on MLX's own thread. OpenBLAS's finalizer, run by
@@ -84,13 +84,13 @@ def _finish_queued_work() -> None:
     waits forever for one of them (gdb: the main thread in ``blas_thread_shutdown_``, joining a
     worker asleep on its condition variable; 5 of 20 terminated scans on the CPU hung so). Python
     runs atexit functions before ``exit()``; waiting here costs at most the batch in flight, and
-    nothing when the queue is empty."""
+    nothing when the queue is empty. Only the CPU stream: GPU work never reaches OpenBLAS, and
+    asking for the GPU's stream would start a GPU context in a process that used none."""
     mx = sys.modules["mlx.core"]  # imported by load_mlx, which registered this
-    for device in (mx.cpu, mx.gpu):
-        try:
-            mx.synchronize(mx.default_stream(device))
-        except Exception:  # no such device, or a failed GPU: nothing of ours is left to wait for
-            pass
+    try:
+        mx.synchronize(mx.default_stream(mx.cpu))
+    except Exception:  # a failed computation: it has nothing left to hand to OpenBLAS
+        pass
 
 
 def _check_cuda_build() -> None:
