@@ -855,6 +855,29 @@ def test_a_really_full_disk(small_disk, checkpoints, tmp_path):
     assert debris(small_disk, small_disk / "emb", small_disk / "emb" / "parts") == []
 
 
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
+def test_a_disk_that_fills_during_the_embed_merge(small_disk, tmp_path):
+    """The parts fit and the merged copy does not. The merge wrote through a memory map into a
+    sparse file: the process died of SIGBUS (rc 135 from a shell) with `.merge/` and its lock
+    left. Now the space is reserved first: one Error line, the parts kept, and once the disk has
+    room a rerun merges them without embedding anything again."""
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text("".join(f">s{i}\n{SEQ}{SEQ[:16]}\n" for i in range(11)))  # 11 x 49 residues x 256 x 4 B
+    tiny = Path(esmc_mlx.__file__).parent / "data" / "esmc-tiny"
+    command = [shutil.which("esmc-mlx") or "esmc-mlx", "embed", str(tiny), str(fasta), "-o", str(small_disk / "emb")]
+    env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
+    run = lambda: subprocess.run([*command, "--per-residue", "--no-progress"], env=env, capture_output=True, text=True)  # noqa: E731
+    first = run()
+    assert first.returncode == 1, (first.returncode, first.stderr)  # not -7 (SIGBUS)
+    assert first.stderr.count("Error:") == 1 and "the disk is full" in first.stderr and "Traceback" not in first.stderr
+    assert debris(small_disk, small_disk / "emb") == [] and len(list((small_disk / "emb" / "parts").iterdir())) == 1
+    subprocess.run(["mount", "-o", "remount,size=2m", str(small_disk)], check=True)
+    second = run()
+    assert second.returncode == 0 and "Embedded 0 sequences (11 already done" in second.stdout, second.stderr
+    assert np.load(small_disk / "emb" / "per_residue.npy").shape == (11 * 49, 256)
+    assert not (small_disk / "emb" / "parts").exists()
+
+
 # --- rule 7: every failure is one Error line -----------------------------------------------------------
 def _with_header(src: Path, dst: Path, edit) -> Path:
     """A copy of a checkpoint whose safetensors header was edited (the data left as is)."""
