@@ -228,6 +228,14 @@ def test_a_stopped_fasta_scan_resumes_where_it_stopped(converted, tmp_path, monk
     calls[:] = []
     assert CliRunner().invoke(cli, [*args, "--method", "wt-marginal", "--force"]).exit_code == 0
     assert calls == ["one", "two", "three"]
+    # a heatmap of the old scores is not left beside the new ones (but a file the user changed is)
+    calls[:] = []
+    assert CliRunner().invoke(cli, [*args[:-2], "--no-progress"]).exit_code == 0 and len(calls) == 3
+    assert (out / "one_heatmap.png").exists() and (out / "two_heatmap.png").exists()
+    with open(out / "two_heatmap.png", "ab") as f:
+        f.write(b"edited")
+    assert CliRunner().invoke(cli, [*args, "--method", "wt-marginal"]).exit_code == 0
+    assert not (out / "one_heatmap.png").exists() and (out / "two_heatmap.png").exists()
 
 
 def test_scan_refuses_a_manifest_it_did_not_write(converted, tmp_path):

@@ -138,7 +138,16 @@ class ScanManifest:
         )
 
     def record(self, stem: str, settings: dict, paths: dict[str, Path]) -> None:
+        """Enter ``stem``'s new files. A file of its previous entry that this run did not write
+        (the heatmap of a scan now run with --no-plot) would describe the old scores: it is
+        removed if it is still the file we wrote (same size), else left to its owner."""
         files = {p.name: p.stat().st_size for p in paths.values()}
+        old = self.proteins.get(stem)
+        if isinstance(old, dict) and isinstance(old.get("files"), dict):
+            for name, size in old["files"].items():
+                stale = self.path.parent / name
+                if name not in files and stale.is_file() and stale.stat().st_size == size:
+                    stale.unlink()
         self.proteins[stem] = {"settings": settings, "files": files}
         with atomic_file(self.path, "w") as f:
             json.dump({"format": self.FORMAT, "proteins": self.proteins}, f, indent=1, sort_keys=True)
