@@ -41,7 +41,8 @@ def free_port_pair() -> int:
     pytest.skip("no two consecutive free ports on 127.0.0.1")
 
 
-def launch(args: list[str], cwd: Path, timeout: int = 150) -> str:
+def launch(args: list[str], cwd: Path, timeout: int = 150, ok: bool = True) -> str:
+    """Run ``esmc-mlx ARGS`` on two ranks; its stdout (``ok``), else its output after a failure."""
     launcher = Path(sys.executable).with_name("mlx.launch")
     prefix = (
         [str(launcher)]
@@ -72,6 +73,8 @@ def launch(args: list[str], cwd: Path, timeout: int = 150) -> str:
         )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"mlx.launch timed out after {timeout} s: {e.stdout}\n{e.stderr}")
+    if not ok:  # mlx.launch exits 0 even when its ranks fail: the caller reads the output
+        return done.stdout + done.stderr
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -178,6 +181,12 @@ def test_two_ranks_scan_and_embed_layers_like_one(converted, tmp_path):
     )
     assert out.count("Skipped p") == 4 and "Scanned p0" in out, out
     np.testing.assert_allclose(np.load(tmp_path / "scan" / "p0_matrix.npy"), model.scan(seqs[0][:-1]).scores, atol=1e-5)
+    # rank 0 refusing OUT (a manifest of another tool): both ranks stop, neither waits for the other
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "scan-manifest.json").write_text("[]")
+    out = launch(["scan", str(converted), "--fasta", str(fasta), "-o", str(tmp_path / "other")], tmp_path, 60, ok=False)
+    assert "was not written by esmc-mlx scan" in out and "rank 1 exited with code 1" in out, out
+    assert "Traceback" not in out and not list((tmp_path / "other").glob("p*")), out
     embed_fasta(
         model,
         fasta,

@@ -367,12 +367,22 @@ def scan_job(
         scan_settings(seq, method=method, window=window, offset=offset, model=label, plot=plot, per_row=per_row)
         for _, seq in records
     ]
-    manifest = ScanManifest(out) if world.is_root else None  # before the model loads: fails fast
-    # rank 0 reads OUT; every rank learns which proteins are left
-    done = np.zeros(len(records), dtype=np.int32)
-    if manifest is not None and label is not None and not force:
-        done[:] = [manifest.done(safe_name(ident), entry) for (ident, _), entry in zip(records, settings)]
-    done = world.broadcast(done)
+    # Rank 0 reads OUT (before the model loads: fails fast); every rank learns which proteins
+    # are left, and whether rank 0 failed (else the others would wait for it in the first pass).
+    manifest, failure, status = None, None, np.zeros(len(records) + 1, dtype=np.int32)
+    if world.is_root:
+        try:
+            manifest = ScanManifest(out)
+            if label is not None and not force:
+                status[1:] = [manifest.done(safe_name(ident), entry) for (ident, _), entry in zip(records, settings)]
+        except EsmcMlxError as e:
+            failure, status[0] = e, 1
+    status = world.broadcast(status)
+    if failure is not None:
+        raise failure
+    if status[0]:
+        raise JobError(f"rank 0 could not read {out} (see its error)")
+    done = status[1:]
     skipped = [ident for (ident, _), d in zip(records, done) if d]
     if len(skipped) == len(records):
         return ScanSummary(Path(out), [], world.rank, world.size, skipped)
