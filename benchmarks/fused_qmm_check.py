@@ -1,8 +1,9 @@
 """Correctness of kernels.quantized_matmul (the Marlin-style fused kernel) on a CUDA GPU.
 
 1. Bit-exact weights: with x the identity (K tokens), y = W.T exactly (one product of 1.0 per
-   output, fp32 sums of zeros), so y must equal dequantize(w).T bit for bit: checks the
-   in-register dequantize (both the octet functions and the FAST pair arithmetic).
+   output, fp32 sums of zeros), so y must equal dequantize(w).T value for value (a -0 weight
+   comes out +0; NaN where NaN): checks the in-register dequantize (both the octet functions
+   and the FAST pair arithmetic).
 2. Errors against an fp32 reference: each within twice that of dequantize + matmul (bf16 and
    fp16, odd shapes, a 2-byte-misaligned x, split and unsplit K).
 Prints one line per failure and 'BAD n' at the end. python -m benchmarks.fused_qmm_check [--quick|--extended]"""

@@ -1,7 +1,9 @@
 """Custom CUDA kernels for MLX's CUDA backend, each written to give the MLX ops it replaces
 bit for bit: ``dequantize`` (below), ``qkv_heads`` (the attention's QK LayerNorm, RoPE and
 head layout in one pass) and ``add_layer_norm`` (a residual add and the LayerNorm after it);
-their docstrings have the details. Elsewhere they are the MLX ops.
+their docstrings have the details. ``quantized_matmul`` (a fused tensor-core matmul that
+dequantizes the packed weight in registers, Marlin-style) gives dequantize's weight values
+bit for bit and sums in fp32 in its own order (its section below). Elsewhere they are the MLX ops.
 Each is an ``mx.fast.cuda_kernel`` whose compiled form runtime/kernel_cache.py keeps on disk
 (MLX would compile it in every process).
 
