@@ -45,10 +45,12 @@ for name in exact_modes:
         for dtype in (mx.bfloat16, mx.float16):
             wq, sc, bi = quant(n, k, mode, bits, gs, dtype)
             deq = kernels.dequantize(wq, sc, bi, gs, bits, mode, dtype)
-            for fast in (True, False):
+            for fast, tile in ((True, None), (False, None), (True, "1d"), (True, "2d128"), (True, "2d32")):
+                if tile and (dtype != mx.bfloat16 or n != 7680):
+                    continue
                 for rows in (k,):
                     x = mx.eye(k, dtype=dtype)[:rows]
-                    y = kernels.quantized_matmul(x, wq, sc, bi, gs, bits, mode, fast=fast)
+                    y = kernels.quantized_matmul(x, wq, sc, bi, gs, bits, mode, fast=fast, tile=tile)
                     d = deq[:, :rows].T
                     # equal values (the fp32 sum turns a -0 weight into +0), NaN where NaN
                     agree = (y == d) | (mx.isnan(y) & mx.isnan(d))
@@ -58,7 +60,7 @@ for name in exact_modes:
                         bad += 1
                         diff = mx.sum(~agree).item()
                         print(
-                            f"NOT BIT-EXACT {name} {n}x{k} rows {rows} {dtype} fast={fast}: {diff} values differ",
+                            f"NOT BIT-EXACT {name} {n}x{k} rows {rows} {dtype} fast={fast} tile={tile}: {diff} values differ",
                             flush=True,
                         )
 print(f"bit-exact: {checked} cases, {bad} bad", flush=True)
@@ -92,17 +94,29 @@ for name in err_modes:
                 print("UNSUPPORTED", name, n, k, rows, dtype, flush=True)
                 bad += 1
                 continue
-            for waves, bt in ((1.0, None), (1.0, 16), (1.0, 128)):
-                if (mis or dtype != mx.bfloat16) and bt:
+            for waves, bt, tile in (
+                (1.0, None, None),
+                (1.0, 16, None),
+                (1.0, 128, None),
+                (1.0, None, "2d128"),
+                (1.0, None, "2d32"),
+            ):
+                if (mis or dtype != mx.bfloat16) and (bt or tile):
                     continue
-                y = kernels.quantized_matmul(x, wq, sc, bi, gs, bits, mode, waves=waves, bt=bt)
+                y = kernels.quantized_matmul(x, wq, sc, bi, gs, bits, mode, waves=waves, bt=bt, tile=tile)
                 s = mx.abs(ref).max().item()
                 e = mx.abs(y.astype(mx.float32) - ref).max().item() / s
                 e_dm = mx.abs(dm.astype(mx.float32) - ref).max().item() / s
                 ok = e <= 2 * e_dm + 1e-4 and y.shape == dm.shape and y.dtype == dtype
                 checked += 1
                 if not ok or (rows == 256 and waves == 1.0 and bt is None and not mis):
-                    plan = kernels.qmm_plan(rows, n, k, waves, bt)
+                    t_ = kernels.qmm_tile(rows, tile if bt is None else "1d")
+                    plan = (
+                        t_,
+                        kernels.qmm_plan(rows, n, k, waves, bt)
+                        if t_ == "1d"
+                        else kernels.qmm2_plan(rows, n, k, t_, waves),
+                    )
                     print(
                         f"{'BAD ' if not ok else ''}{name:11s} {n}x{k} rows {rows:5d} {dtype} mis={mis} plan={plan} err {e:.2e} (dequant+matmul {e_dm:.2e})",
                         flush=True,

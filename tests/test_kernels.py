@@ -706,14 +706,15 @@ def test_qmm_not_supported_on_cpu():
 def test_qmm_weights_bit_exact_on_cuda(name, dtype, fast):
     """x = the identity: y is the dequantized weight, transposed, exactly (each output one
     product with 1.0 and fp32 sums of zeros), so the kernel's in-register dequantize must give
-    dequantize's values (a -0 weight comes out +0), in a block short of its 128 rows."""
+    dequantize's values (a -0 weight comes out +0), in a block short of its 128 (256) rows."""
     w, s, b, gs, bits, mode = qmm_weight(200, 192, name, FLOATS[dtype])
     assert kernels.quantized_matmul_supported(mx.zeros((1, 192), FLOATS[dtype]), w, s, b, gs, bits, mode)
     d = kernels.dequantize(w, s, b, gs, bits, mode, FLOATS[dtype]).T
-    for bt in (None, 16):
-        y = kernels.quantized_matmul(mx.eye(192, dtype=FLOATS[dtype]), w, s, b, gs, bits, mode, bt=bt, fast=fast)
+    for bt, tile in ((None, None), (16, None), (None, "2d128"), (None, "2d32")):  # 2d, 1d, 2d tiles
+        x = mx.eye(192, dtype=FLOATS[dtype])
+        y = kernels.quantized_matmul(x, w, s, b, gs, bits, mode, bt=bt, fast=fast, tile=tile)
         assert y.dtype == FLOATS[dtype] and y.shape == d.shape
-        assert mx.all((y == d) | (mx.isnan(y) & mx.isnan(d))).item(), (name, dtype, fast, bt)
+        assert mx.all((y == d) | (mx.isnan(y) & mx.isnan(d))).item(), (name, dtype, fast, bt, tile)
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
@@ -728,7 +729,7 @@ def test_qmm_error_within_dequantize_matmul_on_cuda(name, rows):
     for x in (big[: rows * 640].reshape(1, rows, 640), big[1 : 1 + rows * 640].reshape(1, rows, 640)):
         ref = x.astype(mx.float32) @ d.astype(mx.float32).T
         e_dm = mx.abs(((x + 0) @ d.T).astype(mx.float32) - ref).max().item()
-        for waves, bt in ((1.0, None), (4.0, 16)):
-            y = kernels.quantized_matmul(x, w, s, b, gs, bits, mode, waves=waves, bt=bt)
+        for waves, bt, tile in ((1.0, None, None), (4.0, 16, None), (1.0, None, "2d"), (4.0, None, "2d32")):
+            y = kernels.quantized_matmul(x, w, s, b, gs, bits, mode, waves=waves, bt=bt, tile=tile)
             assert y.shape == (1, rows, 520) and y.dtype == mx.bfloat16
             assert mx.abs(y.astype(mx.float32) - ref).max().item() <= 2 * e_dm + 1e-4 * mx.abs(ref).max().item()
