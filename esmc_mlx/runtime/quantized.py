@@ -63,16 +63,18 @@ CROSSOVER_TOKENS = {
 # Token windows [lo, hi) in which kernels.quantized_matmul (the fused Marlin-style kernel that
 # reads the packed weight: no bf16 copy) replaces the table's path, per backend and mode, for
 # weights of kernels.MIN_VALUES values or more ("cuda": the 6B's, but o_proj). Measured on an
-# H200 in whole 6B forwards at B=1 with every supported block weight through it, interleaved
-# with dequantize + matmul (python -m benchmarks.crossover_forward --model 6B --modes
-# affine4,mxfp4 --sides bf16,dequantize,fused --tokens 64,256,1024; eleventh issue-16 session,
-# docs/benchmarks.md): at 64 tokens 16.9 against 19.5 ms (affine4) and 23.2 against 27.8 ms
-# (mxfp4); at 256 tokens 31.4 against 26.8 and 28.7 against 26.2 ms, so 128 closes the window
-# (per weight it was 0.75-0.89x dequantize + matmul at 16-64 tokens and 1.05-1.27x at 256 on
-# the 6B's large weights; 128 tokens was not measured). Below 64 tokens not measured in
-# forwards against quantized_matmul (the table's path there), so the window starts at 64.
+# H200 in whole 6B forwards at B=1 with every supported block weight through each path,
+# interleaved (python -m benchmarks.crossover_forward --model 6B --modes affine4,mxfp4 --sides
+# bf16,quantized,dequantize,fused --tokens 32,64,128,256,512,1024 --budget 0.5; twelfth
+# issue-16 session, docs/benchmarks.md; the one-dimensional warp tile up to 64 tokens, the
+# two-dimensional one from 65). Fused against the better of quantized_matmul and dequantize +
+# matmul: affine4 0.84 / 0.93 / 0.92 at 32 / 64 / 128 tokens, 1.25 at 256, 1.96 at 512;
+# mxfp4 0.71 / 0.81 / 0.95, then 1.38 / 2.23. The window is the measured wins, 32 to 128
+# (129 closes it: 129-255 not measured). Below 32 not measured in forwards. The 300M
+# ("cuda-small") gets none: its affine4 forwards had fused behind at 32-128 and 512-1024 and
+# 0.96 of dequantize + matmul at 256 alone; its mxfp4 was not reached.
 FUSED_TOKENS = {
-    "cuda": {"affine4": (64, 128), "mxfp4": (64, 128)},
+    "cuda": {"affine4": (32, 129), "mxfp4": (32, 129)},
 }
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
 # fused where kernels.quantized_matmul runs, else the table); "auto" or unset uses the tables.
