@@ -48,7 +48,12 @@ RECORDS = {
     **{m: {"mode": m, "bits": bits, "group_size": gs} for m, (gs, bits) in FIXED_MODES.items()},
 }
 # What each side sets; "bf16" (the unquantized model, for reference) sets nothing.
-SIDES = {"quantized": {POLICY_ENV: "quantized"}, "dequantize": {POLICY_ENV: "dequantize"}, "bf16": {}}
+SIDES = {
+    "quantized": {POLICY_ENV: "quantized"},
+    "dequantize": {POLICY_ENV: "dequantize"},
+    "fused": {POLICY_ENV: "fused"},  # kernels.quantized_matmul where it runs, else the table
+    "bf16": {},
+}
 
 
 TIE = 1.03  # neighbouring rows of one run move by this much: within it, a tie

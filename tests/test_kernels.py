@@ -671,3 +671,65 @@ def test_mlx_runs_the_seeded_kernel_on_cuda(tmp_path):
     txt.write_text(f"{name}\t_Z_not_there\n")
     spoilt = run()
     assert spoilt.returncode != 0 and "EQUAL" not in spoilt.stdout
+
+
+# ---- the fused quantized matmul (kernels.quantized_matmul) --------------------------------
+
+QMM_MODES = {
+    "affine4": ("affine", 4, 64),
+    "affine4g32": ("affine", 4, 32),
+    "mxfp4": ("mxfp4", 4, 32),
+    "affine8": ("affine", 8, 64),
+}
+
+
+def qmm_weight(n, k, name, dtype, seed=0):
+    mode, bits, gs = QMM_MODES[name]
+    mx.random.seed(seed)
+    q = mx.quantize((mx.random.normal((n, k)) * 0.05).astype(dtype), group_size=gs, bits=bits, mode=mode)
+    return q[0], q[1], (q[2] if mode == "affine" else None), gs, bits, mode
+
+
+def test_qmm_not_supported_on_cpu():
+    """On the CPU the fused kernel never runs (QuantizedLinear keeps its table)."""
+    with mx.stream(mx.cpu):
+        w, s, b, gs, bits, mode = qmm_weight(64, 128, "affine4", mx.bfloat16)
+        x = mx.zeros((4, 128), mx.bfloat16)
+        if mx.default_device() == mx.cpu:
+            assert not kernels.quantized_matmul_supported(x, w, s, b, gs, bits, mode)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.parametrize("name", list(QMM_MODES))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("fast", [True, False])
+def test_qmm_weights_bit_exact_on_cuda(name, dtype, fast):
+    """x = the identity: y is the dequantized weight, transposed, exactly (each output one
+    product with 1.0 and fp32 sums of zeros), so the kernel's in-register dequantize must give
+    dequantize's values (a -0 weight comes out +0), in a block short of its 128 (256) rows."""
+    w, s, b, gs, bits, mode = qmm_weight(200, 192, name, FLOATS[dtype])
+    assert kernels.quantized_matmul_supported(mx.zeros((1, 192), FLOATS[dtype]), w, s, b, gs, bits, mode)
+    d = kernels.dequantize(w, s, b, gs, bits, mode, FLOATS[dtype]).T
+    for bt, tile in ((None, None), (16, None), (None, "2d128"), (None, "2d32")):  # 2d, 1d, 2d tiles
+        x = mx.eye(192, dtype=FLOATS[dtype])
+        y = kernels.quantized_matmul(x, w, s, b, gs, bits, mode, bt=bt, fast=fast, tile=tile)
+        assert y.dtype == FLOATS[dtype] and y.shape == d.shape
+        assert mx.all((y == d) | (mx.isnan(y) & mx.isnan(d))).item(), (name, dtype, fast, bt, tile)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.parametrize("name", list(QMM_MODES))
+@pytest.mark.parametrize("rows", [1, 37, 300])
+def test_qmm_error_within_dequantize_matmul_on_cuda(name, rows):
+    """Against an fp32 reference each output's error is within twice dequantize + matmul's,
+    split K or not, with a 2-byte-misaligned x, and batch dims kept."""
+    w, s, b, gs, bits, mode = qmm_weight(520, 640, name, mx.bfloat16, seed=rows)
+    d = kernels.dequantize(w, s, b, gs, bits, mode, mx.bfloat16)
+    big = mx.random.normal((rows * 640 + 8,)).astype(mx.bfloat16)
+    for x in (big[: rows * 640].reshape(1, rows, 640), big[1 : 1 + rows * 640].reshape(1, rows, 640)):
+        ref = x.astype(mx.float32) @ d.astype(mx.float32).T
+        e_dm = mx.abs(((x + 0) @ d.T).astype(mx.float32) - ref).max().item()
+        for waves, bt, tile in ((1.0, None, None), (4.0, 16, None), (1.0, None, "2d"), (4.0, None, "2d32")):
+            y = kernels.quantized_matmul(x, w, s, b, gs, bits, mode, waves=waves, bt=bt, tile=tile)
+            assert y.shape == (1, rows, 520) and y.dtype == mx.bfloat16
+            assert mx.abs(y.astype(mx.float32) - ref).max().item() <= 2 * e_dm + 1e-4 * mx.abs(ref).max().item()

@@ -290,3 +290,38 @@ def test_quantize_refuses_several_specs(converted, tmp_path):
     assert not out.exists()
     result = CliRunner().invoke(main, ["quantize", str(converted), "-o", str(out), "--q", "4"])
     assert result.exit_code == 0 and json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
+
+
+def test_fused_window_by_backend_mode_and_weight_size(monkeypatch):
+    """The fused kernel takes FUSED_TOKENS' window [lo, hi) for large weights on CUDA only; the
+    environment switch forces it (fused) or keeps it off (quantized, dequantize)."""
+    from esmc_mlx.runtime import kernels
+
+    monkeypatch.delenv(rq.POLICY_ENV, raising=False)
+    monkeypatch.setattr(rq, "backend", lambda: "cuda")
+    big, small = kernels.MIN_VALUES, kernels.MIN_VALUES - 1
+    lo, hi = rq.FUSED_TOKENS["cuda"]["affine4"]
+    assert rq.fused_first(lo, "affine", 4, big) and rq.fused_first(hi - 1, "affine", 4, big)
+    assert not rq.fused_first(lo - 1, "affine", 4, big) and not rq.fused_first(hi, "affine", 4, big)
+    assert not rq.fused_first(lo, "affine", 4, small)  # "cuda-small": no window
+    assert not rq.fused_first(lo, "affine", 8, big)  # not measured: no window
+    assert rq.fused_first(lo, "mxfp4", None, big)
+    monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
+    assert not rq.fused_first(lo, "affine", 4, big)
+    monkeypatch.setenv(rq.POLICY_ENV, "fused")
+    assert rq.fused_first(1, "affine", 8, small)
+    monkeypatch.delenv(rq.POLICY_ENV)
+    monkeypatch.setattr(rq, "backend", lambda: "cpu")
+    assert not any(rq.fused_first(t, "affine", 4, big) for t in (1, lo, hi, 10**6))
+
+
+def test_fused_window_falls_back_where_the_kernel_cannot_run(quantized, monkeypatch):
+    """Inside the window, a layer the kernel cannot take (here: the CPU) keeps the table's path
+    and its output."""
+    monkeypatch.delenv(rq.POLICY_ENV, raising=False)
+    model, _ = load(quantized["4"])
+    layer = model.esmc.layers[0].mlp.up_proj
+    x = mx.ones((1, 70, 128))
+    expected = layer(x)
+    monkeypatch.setattr(rq, "fused_first", lambda *a: True)
+    assert mx.array_equal(layer(x), expected).item()

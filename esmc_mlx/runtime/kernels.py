@@ -1,7 +1,9 @@
 """Custom CUDA kernels for MLX's CUDA backend, each written to give the MLX ops it replaces
 bit for bit: ``dequantize`` (below), ``qkv_heads`` (the attention's QK LayerNorm, RoPE and
 head layout in one pass) and ``add_layer_norm`` (a residual add and the LayerNorm after it);
-their docstrings have the details. Elsewhere they are the MLX ops.
+their docstrings have the details. ``quantized_matmul`` (a fused tensor-core matmul that
+dequantizes the packed weight in registers, Marlin-style) gives dequantize's weight values
+bit for bit and sums in fp32 in its own order (its section below). Elsewhere they are the MLX ops.
 Each is an ``mx.fast.cuda_kernel`` whose compiled form runtime/kernel_cache.py keeps on disk
 (MLX would compile it in every process).
 
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -143,10 +146,32 @@ __device__ __forceinline__ float e2m1(uint32_t b) {
   const float mag = e == 0 ? (m ? 0.5f : 0.0f) : __int_as_float(int(((e + 126u) << 23) | (m << 22)));
   return (b & 8u) ? -mag : mag;
 }
+
+// One octet of an affine weight: T(q) * scale + bias in the scales' dtype, then to O.
+template <int BITS, typename T, typename O>
+__device__ __forceinline__ void affine_octet(uint64_t q, T scale, T bias, O (&v)[8]) {
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const T r = static_cast<T>(static_cast<int>(uint32_t(q >> (i * BITS)) & MASK)) * scale + bias;
+    v[i] = to_out<O>(r);
+  }
+}
+
+// One octet of an mxfp4/mxfp8/nvfp4 weight: float(scale) * float(value), one rounding to O.
+template <int BITS, int MX, typename O>
+__device__ __forceinline__ void fp_octet(uint64_t q, uint8_t s, O (&v)[8]) {
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  const float scale = MX ? e8m0(s) : e4m3(s) * 1.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t d = uint32_t(q >> (i * BITS)) & MASK;
+    v[i] = static_cast<O>(scale * (BITS == 8 ? e4m3(d) : e2m1(d)));
+  }
+}
 """
 
 _LOOP = """
-  constexpr uint32_t MASK = (1u << BITS) - 1u;
   const size_t n_octets = size_t(w_shape[0]) * 4 / BITS;  // 8 values = BITS bytes
   const size_t step = size_t(gridDim.x) * blockDim.x;
   const uint8_t* packed = reinterpret_cast<const uint8_t*>(w);
@@ -160,22 +185,11 @@ _LOOP = """
 """
 
 _AFFINE = """
-    const T scale = scales[g];
-    const T bias = biases[g];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const T r = static_cast<T>(static_cast<int>(uint32_t(q >> (i * BITS)) & MASK)) * scale + bias;
-      v[i] = to_out<O>(r);
-    }
+    affine_octet<BITS, T, O>(q, scales[g], biases[g], v);
 """
 
 _FP = """
-    const float scale = MX ? e8m0(scales[g]) : e4m3(scales[g]) * 1.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t d = uint32_t(q >> (i * BITS)) & MASK;
-      v[i] = static_cast<O>(scale * (BITS == 8 ? e4m3(d) : e2m1(d)));
-    }
+    fp_octet<BITS, MX, O>(q, scales[g], v);
 """
 
 
@@ -269,6 +283,694 @@ def dequantize(
         output_dtypes=[dtype],
     )
     return out
+
+
+# ---- quantized matmul, Marlin-style: packed weight dequantized into tensor-core fragments ----
+#
+# Issue 16's B=1 gap: every quantized weight is written out as a bf16 copy and read back by
+# cuBLAS. This kernel reads the packed weight itself. Design (after Frantar et al. 2024,
+# "MARLIN", written here from the paper's ideas, no code taken):
+# - mma.sync m16n8k16 with the weight rows as A (16 rows) and the tokens as B (8 tokens),
+#   fp32 sums; each of 8 warps owns 16 weight rows and all BT tokens of its block, so a weight
+#   value is dequantized once per block, in registers, straight into the A fragments (no bf16
+#   tile in shared memory, no barrier between dequantize and math).
+# - K is read in steps of 64 columns; a thread's 16 values of a row in a step are its two
+#   octets 2t, 2t+1 (t = lane % 4): the k order inside a step is permuted (the same permutation
+#   for x), so those 16 values are exactly what the thread's A fragments need for the step's
+#   four k16 slices, and its x values are 32 contiguous bytes (two 16-byte shared loads per 8
+#   tokens, XOR-swizzled so that a warp's loads hit distinct banks). No repacking of the weight.
+# - x and the packed weight arrive by 16-byte cp.async, STAGES steps in flight; the scales by
+#   plain loads into registers one step ahead (each thread needs one group per row per step).
+# - a block: 128 weight rows x BT (16..128) tokens; K split (fp32 slabs summed by MLX, a
+#   deterministic reduction) until the grid fills the SMs at B=1.
+# - the dequantized values are dequantize's, bit for bit: the same octet functions
+#   (affine_octet, fp_octet), or (FAST) the same arithmetic on pairs: affine 4-bit with the
+#   scales in x's dtype builds q exactly (magic-number exponent), then one fma per value
+#   (__hfma2, the fma the scalar expression is contracted into); mxfp4 into bf16 builds e2m1
+#   exactly (bf16 bits times 2^126, exact) and multiplies by the e8m0 scale in bf16 (exact
+#   wherever the fp32 product is, as bf16 has fp32's exponent range).
+# - two warp tiles: "1d" (_QMM_SOURCE, above) and the two-dimensional ones (_QMM2_SOURCE,
+#   QMM_TILES): a warp 16 * MI weight rows x BT / WN tokens, so each A fragment feeds BT / WN / 8
+#   mma and each x fragment MI x 4; same k order, swizzle, pipeline, scales and octet code.
+
+QMM_BW = 128  # weight rows (output columns) a block computes: 8 warps x 16
+QMM_BK = 64  # weight columns a pipeline step loads
+QMM_STAGES = 4  # steps in flight (cp.async)
+QMM_THREADS = 256
+QMM_FLOATS = (mx.bfloat16, mx.float16)  # what the tensor-core instruction takes
+QMM_BITS = (4, 8)  # whole octets of 4 / 8 bytes: 16-byte aligned rows of a step
+QMM_SMS = 132  # the H200's multiprocessors
+
+_QMM_HEADER = """
+// 16 (or, src_bytes = 0, zero) bytes from global to shared memory, asynchronously.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\\n" ::"n"(N)); }
+
+// d += a (16x16, row-major) @ b (16x8, column-major), fp32 accumulators.
+template <typename O>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (cuda::std::is_same_v<O, __nv_bfloat16>) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+template <typename O>
+__device__ __forceinline__ uint32_t pack2(O lo, O hi) { return bits16(lo) | (bits16(hi) << 16); }
+
+// Values 2p, 2p+1 (p = 0..3) of a 4-bit affine octet, as a pair of O, with O == T:
+// O(q) exactly (the bits of 128 + q in bf16, 1024 + q in fp16, minus that constant), then
+// q * scale + bias as one fma: affine_octet's arithmetic, two values at a time.
+template <typename O>
+__device__ __forceinline__ void affine4_pairs(uint32_t q, uint32_t scale2, uint32_t bias2, uint32_t* out) {
+  constexpr uint32_t MAGIC = cuda::std::is_same_v<O, __nv_bfloat16> ? 0x43004300u : 0x64006400u;
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const uint32_t t = q >> (8 * p);
+    const uint32_t word = (t & 0xFu) | ((t << 12) & 0xF0000u) | MAGIC;
+    if constexpr (cuda::std::is_same_v<O, __nv_bfloat16>) {
+      const __nv_bfloat162 v = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&word),
+                                       *reinterpret_cast<const __nv_bfloat162*>(&MAGIC));
+      const __nv_bfloat162 r = __hfma2(v, *reinterpret_cast<const __nv_bfloat162*>(&scale2),
+                                       *reinterpret_cast<const __nv_bfloat162*>(&bias2));
+      out[p] = *reinterpret_cast<const uint32_t*>(&r);
+    } else {
+      const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&word), *reinterpret_cast<const __half2*>(&MAGIC));
+      const __half2 r = __hfma2(v, *reinterpret_cast<const __half2*>(&scale2), *reinterpret_cast<const __half2*>(&bias2));
+      out[p] = *reinterpret_cast<const uint32_t*>(&r);
+    }
+  }
+}
+
+// Values 2p, 2p+1 of an mxfp4 octet in bf16: e2m1 exactly (its bits placed as a bf16 that is
+// the value times 2^-126, subnormals included, times 2^126), times the e8m0 scale in bf16.
+__device__ __forceinline__ void mxfp4_pairs_bf16(uint32_t q, uint32_t scale2, uint32_t* out) {
+  const uint32_t up = 0x7E807E80u;  // 2^126 twice
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const uint32_t t = q >> (8 * p);
+    const uint32_t word = ((t << 6) & 0x1C0u) | ((t << 12) & 0x8000u) | ((t << 18) & 0x1C00000u) | ((t << 24) & 0x80000000u);
+    const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&word),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&up));
+    const __nv_bfloat162 r = __hmul2(v, *reinterpret_cast<const __nv_bfloat162*>(&scale2));
+    out[p] = *reinterpret_cast<const uint32_t*>(&r);
+  }
+}
+
+// e8m0 as a bf16 (exact: bf16 has fp32's exponent range; 0 is the subnormal 2^-127).
+__device__ __forceinline__ uint32_t e8m0_bf16(uint32_t e) {
+  const uint32_t b = e == 255u ? 0x7FC0u : e == 0u ? 0x0040u : (e << 7);
+  return b | (b << 16);
+}
+"""
+
+_QMM_SOURCE = """
+  // y (M x N) = x (M x K) @ dequantize(w).T; a block: 128 weight rows (8 warps x 16) x BT
+  // tokens x the steps s0..s1 of 64 columns of K (blockIdx.z: one split of K; SPLIT: y holds
+  // fp32 partial sums, one M x N slab per split).
+  constexpr int BK = 64, STAGES = 4, THREADS = 256, BW = 128;
+  constexpr int NT = BT / 8;  // n8 tiles of tokens (each warp computes all of them)
+  constexpr int WB = BK * BITS / 8;  // packed bytes of a weight row in a step
+  constexpr int XSTAGE = BT * BK;  // values of x in a stage
+  constexpr int WSTAGE = BW * WB;  // packed bytes of w in a stage
+  extern __shared__ __align__(16) uint8_t smem[];
+  O* xs = reinterpret_cast<O*>(smem);  // STAGES x BT rows x 64 values, 16-byte chunks swizzled
+  uint8_t* ws = smem + STAGES * XSTAGE * sizeof(O);  // STAGES x 128 rows x WB bytes
+
+  const int M = x_shape[0], K = x_shape[1], N = w_shape[0];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * BW, m0 = blockIdx.y * BT;
+  const int steps = K / BK, per = (steps + gridDim.z - 1) / gridDim.z;
+  const int s0 = blockIdx.z * per, s1 = min(steps, s0 + per);
+  const size_t row_bytes = size_t(K) * BITS / 8;
+  const uint8_t* packed = reinterpret_cast<const uint8_t*>(w);
+  const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+  const bool w16 = (reinterpret_cast<uintptr_t>(packed) & 15) == 0;
+
+  auto issue = [&](int s, int stage) {
+    const int k0 = s * BK;
+    O* xd = xs + stage * XSTAGE;
+#pragma unroll
+    for (int c = tid; c < BT * 8; c += THREADS) {  // token r's 16-byte chunk j at j ^ (r & 7)
+      const int r = c >> 3, j = c & 7, m = m0 + r;
+      O* dst = xd + r * BK + ((j ^ (r & 7)) << 3);
+      const O* src = x + size_t(min(m, M - 1)) * K + k0 + j * 8;
+      if (x16) {
+        cp_async16(dst, src, m < M ? 16 : 0);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dst[i] = m < M ? src[i] : O(0.0f);
+      }
+    }
+    uint8_t* wd = ws + stage * WSTAGE;
+#pragma unroll
+    for (int c = tid; c < BW * WB / 16; c += THREADS) {
+      const int r = c / (WB / 16), j = c % (WB / 16);
+      const uint8_t* src = packed + size_t(min(n0 + r, N - 1)) * row_bytes + size_t(k0) * BITS / 8 + j * 16;
+      uint8_t* dst = wd + r * WB + j * 16;
+      if (w16) {
+        cp_async16(dst, src, 16);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cp_async4(dst + 4 * i, src + 4 * i);
+      }
+    }
+  };
+
+  // This thread's weight rows (within the block: warp * 16 + g and + 8) and their groups.
+  const int wr = warp * 16 + g;
+  const size_t ga = size_t(min(n0 + wr, N - 1)) * (K / GROUP), gb = size_t(min(n0 + wr + 8, N - 1)) * (K / GROUP);
+  SCALE_REGS
+  auto load_scales = [&](int s, Sc& d) {
+    const int gi = (s * BK + 16 * t) / GROUP;  // the thread's 16 values of a step: one group
+    LOAD_SCALES
+  };
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[j][c] = 0.0f;
+
+#pragma unroll
+  for (int p = 0; p < STAGES - 1; ++p) {
+    if (s0 + p < s1) issue(s0 + p, p);
+    cp_async_commit();
+  }
+  Sc cur;
+  if (s0 < s1) load_scales(s0, cur);
+
+  int stage = 0;
+  for (int s = s0; s < s1; ++s) {
+    cp_async_wait<STAGES - 2>();  // step s has landed (this thread's copies)
+    __syncthreads();  // ... everyone's; step s - 1's buffers are free
+    {
+      const int sn = s + STAGES - 1;
+      if (sn < s1) issue(sn, stage == 0 ? STAGES - 1 : stage - 1);
+      cp_async_commit();
+    }
+    Sc nxt;
+    if (s + 1 < s1) load_scales(s + 1, nxt);
+
+    // Dequantize the thread's 2 rows x 16 values into A-fragment pairs: pa[p] = values 2p, 2p+1.
+    const uint8_t* wt = ws + stage * WSTAGE + wr * WB + t * 2 * BITS;
+    uint32_t qa[2 * BITS / 4], qb[2 * BITS / 4];  // the two octets of each row
+    if constexpr (BITS == 4) {
+      const uint2 ua = *reinterpret_cast<const uint2*>(wt), ub = *reinterpret_cast<const uint2*>(wt + 8 * WB);
+      qa[0] = ua.x; qa[1] = ua.y; qb[0] = ub.x; qb[1] = ub.y;
+    } else {
+      const uint4 ua = *reinterpret_cast<const uint4*>(wt), ub = *reinterpret_cast<const uint4*>(wt + 8 * WB);
+      qa[0] = ua.x; qa[1] = ua.y; qa[2] = ua.z; qa[3] = ua.w;
+      qb[0] = ub.x; qb[1] = ub.y; qb[2] = ub.z; qb[3] = ub.w;
+    }
+    uint32_t pa[8], pb[8];
+#pragma unroll
+    for (int o = 0; o < 2; ++o) {
+      const uint64_t oa = BITS == 4 ? uint64_t(qa[o]) : (uint64_t(qa[2 * o]) | (uint64_t(qa[2 * o + 1]) << 32));
+      const uint64_t ob = BITS == 4 ? uint64_t(qb[o]) : (uint64_t(qb[2 * o]) | (uint64_t(qb[2 * o + 1]) << 32));
+      DEQUANT
+    }
+
+    const O* xt = xs + stage * XSTAGE;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int r = j * 8 + g;
+      const uint4 lo = *reinterpret_cast<const uint4*>(xt + r * BK + (((2 * t) ^ g) << 3));
+      const uint4 hi = *reinterpret_cast<const uint4*>(xt + r * BK + (((2 * t + 1) ^ g) << 3));
+      const uint32_t bw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int k4 = 0; k4 < 4; ++k4) {
+        const uint32_t a[4] = {pa[2 * k4], pb[2 * k4], pa[2 * k4 + 1], pb[2 * k4 + 1]};
+        mma_16816<O>(acc[j], a, bw[2 * k4], bw[2 * k4 + 1]);
+      }
+    }
+    cur = nxt;
+    stage = stage == STAGES - 1 ? 0 : stage + 1;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Through shared memory (fp32, BT x (128 + 4)), then coalesced rows of y.
+  constexpr int CS = BW + 4;
+  float* cs = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int r = j * 8 + 2 * t;
+    cs[r * CS + wr] = acc[j][0];
+    cs[(r + 1) * CS + wr] = acc[j][1];
+    cs[r * CS + wr + 8] = acc[j][2];
+    cs[(r + 1) * CS + wr + 8] = acc[j][3];
+  }
+  __syncthreads();
+  if constexpr (SPLIT) {
+    float* out = reinterpret_cast<float*>(y) + size_t(blockIdx.z) * M * N;
+    for (int c = tid; c < BT * BW / 4; c += THREADS) {
+      const int r = c / (BW / 4), col = (c % (BW / 4)) * 4;
+      if (m0 + r < M && n0 + col < N)
+        *reinterpret_cast<float4*>(out + size_t(m0 + r) * N + n0 + col) = *reinterpret_cast<const float4*>(cs + r * CS + col);
+    }
+  } else {
+    for (int c = tid; c < BT * BW / 8; c += THREADS) {
+      const int r = c / (BW / 8), col = (c % (BW / 8)) * 8;
+      if (m0 + r < M && n0 + col < N) {
+        const float* v = cs + r * CS + col;
+        *reinterpret_cast<uint4*>(y + size_t(m0 + r) * N + n0 + col) = make_uint4(
+            pack2(O(v[0]), O(v[1])), pack2(O(v[2]), O(v[3])), pack2(O(v[4]), O(v[5])), pack2(O(v[6]), O(v[7])));
+      }
+    }
+  }
+"""
+
+_QMM_DEQUANT = {
+    # (scale registers, their loads for group gi of rows a / b, the octet o's dequantize)
+    "affine": (
+        "struct Sc { T sa, ba, sb, bb; };",
+        "d.sa = scales[ga + gi]; d.ba = biases[ga + gi]; d.sb = scales[gb + gi]; d.bb = biases[gb + gi];",
+        """{
+        O va[8], vb[8];
+        affine_octet<BITS, T, O>(oa, cur.sa, cur.ba, va);
+        affine_octet<BITS, T, O>(ob, cur.sb, cur.bb, vb);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          pa[4 * o + p] = pack2(va[2 * p], va[2 * p + 1]);
+          pb[4 * o + p] = pack2(vb[2 * p], vb[2 * p + 1]);
+        }
+      }""",
+    ),
+    "affine_fast": (  # BITS == 4, T == O
+        "struct Sc { uint32_t sa, ba, sb, bb; };",
+        "d.sa = bits16(scales[ga + gi]) * 0x10001u; d.ba = bits16(biases[ga + gi]) * 0x10001u;\n"
+        "    d.sb = bits16(scales[gb + gi]) * 0x10001u; d.bb = bits16(biases[gb + gi]) * 0x10001u;",
+        "affine4_pairs<O>(uint32_t(oa), cur.sa, cur.ba, pa + 4 * o);\n"
+        "      affine4_pairs<O>(uint32_t(ob), cur.sb, cur.bb, pb + 4 * o);",
+    ),
+    "fp": (
+        "struct Sc { uint8_t sa, sb; };",
+        "d.sa = scales[ga + gi]; d.sb = scales[gb + gi];",
+        """{
+        O va[8], vb[8];
+        fp_octet<BITS, MX, O>(oa, cur.sa, va);
+        fp_octet<BITS, MX, O>(ob, cur.sb, vb);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          pa[4 * o + p] = pack2(va[2 * p], va[2 * p + 1]);
+          pb[4 * o + p] = pack2(vb[2 * p], vb[2 * p + 1]);
+        }
+      }""",
+    ),
+    "fp_fast": (  # mxfp4 into bf16
+        "struct Sc { uint32_t sa, sb; };",
+        "d.sa = e8m0_bf16(scales[ga + gi]); d.sb = e8m0_bf16(scales[gb + gi]);",
+        "mxfp4_pairs_bf16(uint32_t(oa), cur.sa, pa + 4 * o);\n      mxfp4_pairs_bf16(uint32_t(ob), cur.sb, pb + 4 * o);",
+    ),
+}
+
+
+_QMM2_SOURCE = """
+  // The two-dimensional warp tile. y (M x N) = x (M x K) @ dequantize(w).T; a block: BW weight
+  // rows x BT tokens x the steps s0..s1 of 64 columns of K. The 8 warps are WMW (along the
+  // weight rows) x WN (along the tokens); a warp owns MI m16 tiles of weight rows (16 * MI
+  // rows) and BT / WN tokens (NJ n8 tiles): each A fragment (dequantized weight, registers)
+  // feeds NJ mma.sync and each x fragment (two swizzled 16-byte shared loads) MI x 4.
+  constexpr int BK = 64, STAGES = 4, THREADS = 256;
+  constexpr int WMW = 8 / WN;  // warps along the weight rows
+  constexpr int BW = WMW * 16 * MI;  // weight rows of a block
+  constexpr int TW = BT / WN;  // tokens of a warp
+  constexpr int NJ = TW / 8;  // n8 tiles of a warp
+  constexpr int WB = BK * BITS / 8;  // packed bytes of a weight row in a step
+  constexpr int XSTAGE = BT * BK;  // values of x in a stage
+  constexpr int WSTAGE = BW * WB;  // packed bytes of w in a stage
+  extern __shared__ __align__(16) uint8_t smem[];
+  O* xs = reinterpret_cast<O*>(smem);  // STAGES x BT rows x 64 values, 16-byte chunks swizzled
+  uint8_t* ws = smem + STAGES * XSTAGE * sizeof(O);  // STAGES x BW rows x WB bytes
+
+  const int M = x_shape[0], K = x_shape[1], N = w_shape[0];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp % WMW, wn = warp / WMW;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * BW, m0 = blockIdx.y * BT;
+  const int steps = K / BK, per = (steps + gridDim.z - 1) / gridDim.z;
+  const int s0 = blockIdx.z * per, s1 = min(steps, s0 + per);
+  const size_t row_bytes = size_t(K) * BITS / 8;
+  const uint8_t* packed = reinterpret_cast<const uint8_t*>(w);
+  const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+  const bool w16 = (reinterpret_cast<uintptr_t>(packed) & 15) == 0;
+
+  auto issue = [&](int s, int stage) {
+    const int k0 = s * BK;
+    O* xd = xs + stage * XSTAGE;
+#pragma unroll
+    for (int c = tid; c < BT * 8; c += THREADS) {  // token r's 16-byte chunk j at j ^ (r & 7)
+      const int r = c >> 3, j = c & 7, m = m0 + r;
+      O* dst = xd + r * BK + ((j ^ (r & 7)) << 3);
+      const O* src = x + size_t(min(m, M - 1)) * K + k0 + j * 8;
+      if (x16) {
+        cp_async16(dst, src, m < M ? 16 : 0);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dst[i] = m < M ? src[i] : O(0.0f);
+      }
+    }
+    uint8_t* wd = ws + stage * WSTAGE;
+#pragma unroll
+    for (int c = tid; c < BW * WB / 16; c += THREADS) {
+      const int r = c / (WB / 16), j = c % (WB / 16);
+      const uint8_t* src = packed + size_t(min(n0 + r, N - 1)) * row_bytes + size_t(k0) * BITS / 8 + j * 16;
+      uint8_t* dst = wd + r * WB + j * 16;
+      if (w16) {
+        cp_async16(dst, src, 16);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cp_async4(dst + 4 * i, src + 4 * i);
+      }
+    }
+  };
+
+  // This thread's weight rows (within the block: wm * 16 * MI + 16 * i + g and + 8), their groups.
+  const int wr0 = wm * 16 * MI + g;
+  SCALE_REGS
+  auto load_scales = [&](int s, Sc& d, size_t ga, size_t gb) {
+    const int gi = (s * BK + 16 * t) / GROUP;  // the thread's 16 values of a step: one group
+    LOAD_SCALES
+  };
+  size_t gra[MI], grb[MI];
+#pragma unroll
+  for (int i = 0; i < MI; ++i) {
+    gra[i] = size_t(min(n0 + wr0 + 16 * i, N - 1)) * (K / GROUP);
+    grb[i] = size_t(min(n0 + wr0 + 16 * i + 8, N - 1)) * (K / GROUP);
+  }
+
+  float acc[MI][NJ][4];
+#pragma unroll
+  for (int i = 0; i < MI; ++i)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
+
+#pragma unroll
+  for (int p = 0; p < STAGES - 1; ++p) {
+    if (s0 + p < s1) issue(s0 + p, p);
+    cp_async_commit();
+  }
+  Sc cur_[MI];
+  if (s0 < s1) {
+#pragma unroll
+    for (int i = 0; i < MI; ++i) load_scales(s0, cur_[i], gra[i], grb[i]);
+  }
+
+  int stage = 0;
+  for (int s = s0; s < s1; ++s) {
+    cp_async_wait<STAGES - 2>();  // step s has landed (this thread's copies)
+    __syncthreads();  // ... everyone's; step s - 1's buffers are free
+    {
+      const int sn = s + STAGES - 1;
+      if (sn < s1) issue(sn, stage == 0 ? STAGES - 1 : stage - 1);
+      cp_async_commit();
+    }
+    Sc nxt_[MI];
+    if (s + 1 < s1) {
+#pragma unroll
+      for (int i = 0; i < MI; ++i) load_scales(s + 1, nxt_[i], gra[i], grb[i]);
+    }
+
+    // Dequantize the thread's 2 * MI rows x 16 values into A-fragment pairs.
+    uint32_t pas[MI][8], pbs[MI][8];
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+      const uint8_t* wt = ws + stage * WSTAGE + (wr0 + 16 * i) * WB + t * 2 * BITS;
+      uint32_t qa[2 * BITS / 4], qb[2 * BITS / 4];  // the two octets of each row
+      if constexpr (BITS == 4) {
+        const uint2 ua = *reinterpret_cast<const uint2*>(wt), ub = *reinterpret_cast<const uint2*>(wt + 8 * WB);
+        qa[0] = ua.x; qa[1] = ua.y; qb[0] = ub.x; qb[1] = ub.y;
+      } else {
+        const uint4 ua = *reinterpret_cast<const uint4*>(wt), ub = *reinterpret_cast<const uint4*>(wt + 8 * WB);
+        qa[0] = ua.x; qa[1] = ua.y; qa[2] = ua.z; qa[3] = ua.w;
+        qb[0] = ub.x; qb[1] = ub.y; qb[2] = ub.z; qb[3] = ub.w;
+      }
+      const Sc& cur = cur_[i];
+      uint32_t* pa = pas[i];
+      uint32_t* pb = pbs[i];
+#pragma unroll
+      for (int o = 0; o < 2; ++o) {
+        const uint64_t oa = BITS == 4 ? uint64_t(qa[o]) : (uint64_t(qa[2 * o]) | (uint64_t(qa[2 * o + 1]) << 32));
+        const uint64_t ob = BITS == 4 ? uint64_t(qb[o]) : (uint64_t(qb[2 * o]) | (uint64_t(qb[2 * o + 1]) << 32));
+        DEQUANT
+      }
+    }
+
+    const O* xt = xs + stage * XSTAGE;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int r = wn * TW + j * 8 + g;
+      const uint4 lo = *reinterpret_cast<const uint4*>(xt + r * BK + (((2 * t) ^ g) << 3));
+      const uint4 hi = *reinterpret_cast<const uint4*>(xt + r * BK + (((2 * t + 1) ^ g) << 3));
+      const uint32_t bw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int k4 = 0; k4 < 4; ++k4)
+#pragma unroll
+        for (int i = 0; i < MI; ++i) {
+          const uint32_t a[4] = {pas[i][2 * k4], pbs[i][2 * k4], pas[i][2 * k4 + 1], pbs[i][2 * k4 + 1]};
+          mma_16816<O>(acc[i][j], a, bw[2 * k4], bw[2 * k4 + 1]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MI; ++i) cur_[i] = nxt_[i];
+    stage = stage == STAGES - 1 ? 0 : stage + 1;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Through shared memory (fp32, BT x (BW + 4)), then coalesced rows of y.
+  constexpr int CS = BW + 4;
+  float* cs = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int i = 0; i < MI; ++i)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int r = wn * TW + j * 8 + 2 * t, c = wr0 + 16 * i;
+      cs[r * CS + c] = acc[i][j][0];
+      cs[(r + 1) * CS + c] = acc[i][j][1];
+      cs[r * CS + c + 8] = acc[i][j][2];
+      cs[(r + 1) * CS + c + 8] = acc[i][j][3];
+    }
+  __syncthreads();
+  if constexpr (SPLIT) {
+    float* out = reinterpret_cast<float*>(y) + size_t(blockIdx.z) * M * N;
+    for (int c = tid; c < BT * BW / 4; c += THREADS) {
+      const int r = c / (BW / 4), col = (c % (BW / 4)) * 4;
+      if (m0 + r < M && n0 + col < N)
+        *reinterpret_cast<float4*>(out + size_t(m0 + r) * N + n0 + col) = *reinterpret_cast<const float4*>(cs + r * CS + col);
+    }
+  } else {
+    for (int c = tid; c < BT * BW / 8; c += THREADS) {
+      const int r = c / (BW / 8), col = (c % (BW / 8)) * 8;
+      if (m0 + r < M && n0 + col < N) {
+        const float* v = cs + r * CS + col;
+        *reinterpret_cast<uint4*>(y + size_t(m0 + r) * N + n0 + col) = make_uint4(
+            pack2(O(v[0]), O(v[1])), pack2(O(v[2]), O(v[3])), pack2(O(v[4]), O(v[5])), pack2(O(v[6]), O(v[7])));
+      }
+    }
+  }
+"""
+
+
+def _qmm_source(variant: str, source: str = _QMM_SOURCE) -> str:
+    regs, load, octet = _QMM_DEQUANT[variant]
+    return source.replace("SCALE_REGS", regs).replace("LOAD_SCALES", load).replace("DEQUANT", octet)
+
+
+def _qmm_shared_bytes(bt: int, bits: int) -> int:
+    stages = QMM_STAGES * (bt * QMM_BK * 2 + QMM_BW * QMM_BK * bits // 8)
+    return max(stages, bt * (QMM_BW + 4) * 4)
+
+
+@functools.cache
+def _qmm_kernel(variant: str, bits: int, group_size: int, bt: int) -> Kernel:
+    affine = variant.startswith("affine")
+    return Kernel(
+        name=f"esmc_qmm_{variant}_{bits}_{group_size}_{bt}",
+        input_names=["x", "w", "scales", "biases"] if affine else ["x", "w", "scales"],
+        output_names=["y"],
+        source=_qmm_source(variant),
+        header=_HEADER + _QMM_HEADER,
+        shared_memory=_qmm_shared_bytes(bt, bits),
+    )
+
+
+# The two-dimensional warp tiles: name -> (BT tokens, MI m16 tiles of a warp, WN warps along
+# the tokens); a block is (8 / WN) * 16 * MI weight rows x BT tokens, a warp 16 * MI rows x
+# BT / WN tokens.
+QMM_TILES = {
+    "2d": (64, 2, 1),  # 256 rows x 64 tokens, warps 8 x 1 of 32 rows x 64 tokens
+    "2d128": (128, 2, 2),  # 128 rows x 128 tokens, warps 4 x 2 of 32 x 64
+    "2d64w": (64, 4, 2),  # 256 rows x 64 tokens, warps 4 x 2 of 64 x 32
+    "2d32": (32, 2, 1),  # 256 rows x 32 tokens, warps 8 x 1 of 32 x 32
+}
+# Resident blocks of a tile on an SM, from its registers (nvcc 13.0 for sm_90, no spills):
+# "2d" 174-188 a thread, "2d128" 174-186, "2d64w" 151-249, "2d32" 116-127.
+QMM_TILE_RESIDENT = {"2d": 1, "2d128": 1, "2d64w": 1, "2d32": 2}
+# From this many tokens the default tile is "2d"; below it the one-dimensional tile. H200, per
+# weight (benchmarks.fused_qmm_ab2, twelfth issue-16 session), "2d" against "1d" on the 6B's
+# four block shapes: affine4 0.88-1.02x at 256 tokens and 0.78-0.90x at 1024, mxfp4 1.01-1.06x
+# at 256 and 0.97-1.04x at 1024; both 1.0-1.23x at 16-64 tokens. On 7680x2560, "2d128" was
+# within 3% of "2d" at 256 tokens and 5% slower at 1024; "2d32" was slower at both.
+QMM_2D_FROM = 65
+QMM_TILE_ENV = "ESMC_MLX_QMM_TILE"  # 1d | 2d | 2d128 | 2d64w | 2d32: forces a tile (A/B runs)
+
+
+def _qmm2_bw(tile: str) -> int:
+    bt, mi, wn = QMM_TILES[tile]
+    return (8 // wn) * 16 * mi
+
+
+def _qmm2_shared_bytes(tile: str, bits: int) -> int:
+    bt, bw = QMM_TILES[tile][0], _qmm2_bw(tile)
+    stages = QMM_STAGES * (bt * QMM_BK * 2 + bw * QMM_BK * bits // 8)
+    return max(stages, bt * (bw + 4) * 4)
+
+
+@functools.cache
+def _qmm2_kernel(variant: str, bits: int, group_size: int, tile: str) -> Kernel:
+    affine = variant.startswith("affine")
+    return Kernel(
+        name=f"esmc_qmm2_{variant}_{bits}_{group_size}_{tile}",
+        input_names=["x", "w", "scales", "biases"] if affine else ["x", "w", "scales"],
+        output_names=["y"],
+        source=_qmm_source(variant, _QMM2_SOURCE),
+        header=_HEADER + _QMM_HEADER,
+        shared_memory=_qmm2_shared_bytes(tile, bits),
+    )
+
+
+def qmm_tile(rows: int, tile: str | None = None) -> str:
+    """The warp tile for ``rows`` tokens: ``tile``, else ESMC_MLX_QMM_TILE, else "1d" (a warp
+    16 weight rows x all tokens) below QMM_2D_FROM tokens and "2d" from there."""
+    tile = tile or os.environ.get(QMM_TILE_ENV, "") or ("2d" if rows >= QMM_2D_FROM else "1d")
+    if tile != "1d" and tile not in QMM_TILES:
+        raise ValueError(f"{QMM_TILE_ENV}: {tile!r} is not 1d or one of {', '.join(QMM_TILES)}")
+    return tile
+
+
+def qmm2_plan(rows: int, n: int, k: int, tile: str, waves: float = 1.0) -> int:
+    """Splits of K for a two-dimensional tile, by qmm_plan's rule."""
+    bt, bw = QMM_TILES[tile][0], _qmm2_bw(tile)
+    tiles = -(-n // bw) * -(-rows // bt)
+    target = int(waves * QMM_SMS * QMM_TILE_RESIDENT[tile])
+    steps = k // QMM_BK
+    splits = max(1, min(target // tiles, steps // 4)) if 2 * tiles <= target else 1
+    per = -(-steps // splits)
+    return -(-steps // per)
+
+
+def quantized_matmul_supported(x, w, scales, biases, group_size: int, bits: int, mode: str) -> bool:
+    """True when ``quantized_matmul`` runs the fused kernel for this call: x in bf16 or fp16, a
+    2-D weight of 4 or 8 bits, K a multiple of 64, N of 8."""
+    k = x.shape[-1] if x.ndim else 0
+    return (
+        x.dtype in QMM_FLOATS
+        and bits in QMM_BITS
+        and w.ndim == 2
+        and k % QMM_BK == 0
+        and k > 0
+        and x.size > 0
+        and w.shape[1] * 32 // bits == k
+        and w.shape[0] % 8 == 0
+        and group_size >= 16
+        and supported(w, scales, biases, group_size, bits, mode, x.dtype)
+    )
+
+
+# Blocks of each token tile an SM holds at once (registers: 62-68 / 80 / 106-110 / 142-152 a
+# thread with nvcc 13.0 for sm_90; shared memory: 25-49 / 82 KB at 4 bits).
+QMM_RESIDENT = {16: 3, 32: 3, 64: 2, 128: 1}
+
+
+def qmm_plan(rows: int, n: int, k: int, waves: float = 1.0, bt: int | None = None) -> tuple[int, int]:
+    """(BT, splits of K) for ``rows`` tokens through an n x k weight: token tiles of 16-128
+    (the smallest that holds them); when the tiles fill less than half of ``waves`` waves of
+    resident blocks, K is split (fp32 slabs) up to that, each split keeping at least 4 steps
+    of 64 columns, none empty."""
+    bt = bt or (16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128)
+    tiles = -(-n // QMM_BW) * -(-rows // bt)
+    target = int(waves * QMM_SMS * QMM_RESIDENT[bt])
+    steps = k // QMM_BK
+    splits = max(1, min(target // tiles, steps // 4)) if 2 * tiles <= target else 1
+    per = -(-steps // splits)
+    return bt, -(-steps // per)
+
+
+def _qmm_variant(mode: str, bits: int, x_dtype, scales_dtype, fast: bool) -> str:
+    if mode == "affine":
+        return "affine_fast" if fast and bits == 4 and scales_dtype == x_dtype else "affine"
+    return "fp_fast" if fast and mode == "mxfp4" and x_dtype == mx.bfloat16 else "fp"
+
+
+def quantized_matmul(
+    x,
+    w,
+    scales,
+    biases=None,
+    group_size: int = 64,
+    bits: int = 4,
+    mode: str = "affine",
+    waves: float = 1.0,
+    bt: int | None = None,
+    fast: bool = True,
+    tile: str | None = None,
+):
+    """``x @ dequantize(w, ...).T`` without writing the float weight out: each weight value is
+    what ``dequantize`` gives, bit for bit; the products are summed in fp32 on tensor cores (in
+    another order than cuBLAS, so results differ from dequantize + matmul by fp32 rounding).
+    Callers check ``quantized_matmul_supported`` first. ``tile`` picks the warp tile ("1d", or
+    one of QMM_TILES; default ``qmm_tile``'s rule); ``bt`` forces the one-dimensional tile with
+    that many tokens a block."""
+    k, n = x.shape[-1], w.shape[0]
+    rows = x.size // k
+    tile = qmm_tile(rows, tile if bt is None else "1d")
+    variant = _qmm_variant(mode, bits, x.dtype, scales.dtype, fast)
+    if tile == "1d":
+        bt, splits = qmm_plan(rows, n, k, waves, bt)
+        kernel, bw, extra = _qmm_kernel(variant, bits, group_size, bt), QMM_BW, []
+    else:
+        bt, mi, wn = QMM_TILES[tile]
+        splits = qmm2_plan(rows, n, k, tile, waves)
+        kernel, bw, extra = _qmm2_kernel(variant, bits, group_size, tile), _qmm2_bw(tile), [("MI", mi), ("WN", wn)]
+    inputs = [x.reshape(rows, k), w, scales.reshape(n, -1)]
+    template = [("O", x.dtype), ("BITS", bits), ("GROUP", group_size), ("BT", bt), ("SPLIT", splits > 1), *extra]
+    if mode == "affine":
+        inputs.append(biases.reshape(n, -1))
+        template.append(("T", scales.dtype))
+    else:
+        template.append(("MX", int(mode != "nvfp4")))
+    (y,) = kernel(
+        inputs=inputs,
+        template=template,
+        grid=(-(-n // bw) * QMM_THREADS, -(-rows // bt), splits),
+        threadgroup=(QMM_THREADS, 1, 1),
+        output_shapes=[(splits, rows, n) if splits > 1 else (rows, n)],
+        output_dtypes=[mx.float32 if splits > 1 else x.dtype],
+    )
+    if splits > 1:
+        y = y.sum(axis=0).astype(x.dtype)
+    return y.reshape(*x.shape[:-1], n)
 
 
 # ---- row kernels: one block per token row, MLX's layer_norm layout --------------------------

@@ -6,7 +6,10 @@ CPU backend it runs at a few GFLOP/s against ~200 for fp32 BLAS, and on CUDA it 
 than a bf16 GEMM at large batch. There, dequantizing the weight (per call, into a temporary
 that is freed right after) and running the float matmul is faster. The choice is made per
 call from the token count, with the measured crossovers in CROSSOVER_TOKENS
-(benchmarks/quant_matmul.py, docs/quantization.md).
+(benchmarks/quant_matmul.py, docs/quantization.md). On CUDA a third path,
+``kernels.quantized_matmul`` (a fused tensor-core kernel that dequantizes the packed weight in
+registers, no bf16 copy), takes the token windows in FUSED_TOKENS where whole forwards
+measured it ahead.
 
 The dequantized weight is not cached: keeping it would cost the float model's memory, which is
 what quantization was for. ``dequantize_model`` does that on purpose, for users who have the
@@ -57,8 +60,24 @@ CROSSOVER_TOKENS = {
     # Not measured here: Metal's quantized kernels are what mlx-lm runs at every batch size.
     "metal": {"affine": math.inf, "mxfp8": math.inf, "mxfp4": math.inf, "nvfp4": math.inf},
 }
-# ESMC_MLX_QUANT_MATMUL=quantized|dequantize forces one path (benchmarks, debugging); "auto" or
-# unset uses the table.
+# Token windows [lo, hi) in which kernels.quantized_matmul (the fused Marlin-style kernel that
+# reads the packed weight: no bf16 copy) replaces the table's path, per backend and mode, for
+# weights of kernels.MIN_VALUES values or more ("cuda": the 6B's, but o_proj). Measured on an
+# H200 in whole 6B forwards at B=1 with every supported block weight through each path,
+# interleaved (python -m benchmarks.crossover_forward --model 6B --modes affine4,mxfp4 --sides
+# bf16,quantized,dequantize,fused --tokens 32,64,128,256,512,1024 --budget 0.5; twelfth
+# issue-16 session, docs/benchmarks.md; the one-dimensional warp tile up to 64 tokens, the
+# two-dimensional one from 65). Fused against the better of quantized_matmul and dequantize +
+# matmul: affine4 0.84 / 0.93 / 0.92 at 32 / 64 / 128 tokens, 1.25 at 256, 1.96 at 512;
+# mxfp4 0.71 / 0.81 / 0.95, then 1.38 / 2.23. The window is the measured wins, 32 to 128
+# (129 closes it: 129-255 not measured). Below 32 not measured in forwards. The 300M
+# ("cuda-small") gets none: its affine4 forwards had fused behind at 32-128 and 512-1024 and
+# 0.96 of dequantize + matmul at 256 alone; its mxfp4 was not reached.
+FUSED_TOKENS = {
+    "cuda": {"affine4": (32, 129), "mxfp4": (32, 129)},
+}
+# ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
+# fused where kernels.quantized_matmul runs, else the table); "auto" or unset uses the tables.
 POLICY_ENV = "ESMC_MLX_QUANT_MATMUL"
 
 
@@ -92,6 +111,19 @@ def dequantize_first(tokens: int, mode: str, bits: int | None = None, values: in
     return tokens >= crossover(mode, bits, values)
 
 
+def fused_first(tokens: int, mode: str, bits: int | None = None, values: int = 0) -> bool:
+    """True when the fused kernel (kernels.quantized_matmul, where it runs) is the faster path
+    for ``tokens`` rows through a weight of ``values`` values quantized as (mode, bits)."""
+    forced = os.environ.get(POLICY_ENV, "auto").lower()
+    if forced != "auto":
+        return forced == "fused"
+    name = backend()
+    if name == "cuda" and values < kernels.MIN_VALUES:
+        name = "cuda-small"
+    lo, hi = FUSED_TOKENS.get(name, {}).get(mode_name(mode, bits), (0, 0))
+    return lo <= tokens < hi
+
+
 def dequantized_weight(module: nn.Module, dtype: mx.Dtype) -> mx.array:
     """The float weight of a quantized linear or embedding (kernels.dequantize: MLX's own
     dequantize, or on CUDA a faster kernel with the same output)."""
@@ -111,7 +143,12 @@ class QuantizedLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         tokens = x.size // x.shape[-1] if x.shape[-1] else 0
-        if not dequantize_first(tokens, self.mode, self.bits, self.weight.size * 32 // self.bits):
+        values = self.weight.size * 32 // self.bits
+        packed = (self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode)
+        if fused_first(tokens, self.mode, self.bits, values) and kernels.quantized_matmul_supported(x, *packed):
+            y = kernels.quantized_matmul(x, *packed)
+            return y + self["bias"] if "bias" in self else y
+        if not dequantize_first(tokens, self.mode, self.bits, values):
             return super().__call__(x)
         w = dequantized_weight(self, x.dtype).T
         return mx.addmm(self["bias"], x, w) if "bias" in self else x @ w

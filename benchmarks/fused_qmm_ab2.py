@@ -1,0 +1,58 @@
+"""Per-weight A/B of the fused quantized matmul's warp tiles (kernels.quantized_matmul) against
+cuBLAS bf16 and dequantize + matmul on a CUDA GPU: the 6B's four block shapes, affine4 and
+mxfp4, 16-1024 tokens; interleaved (rotated order), 8 independent calls per mx.eval, median of
+the rounds, microseconds a call. fused_2d: the two-dimensional warp tile (block 256 weight rows
+x 64 tokens, warps 8 x 1 of 32 rows x 64 tokens); fused_1d: the first version (a warp 16
+weight rows x all tokens); 2d128 / 2d32 the other two-dimensional tiles (7680x2560 only).
+python -m benchmarks.fused_qmm_ab2 OUT.json"""
+
+import json
+import sys
+
+import mlx.core as mx
+
+from esmc_mlx.bench import time_interleaved
+from esmc_mlx.runtime import kernels
+
+out = sys.argv[1]
+CALLS = 8
+SHAPES = [(7680, 2560), (13824, 2560), (2560, 6912), (2560, 2560)]
+MODES = {"affine4": ("affine", 4, 64), "mxfp4": ("mxfp4", 4, 32)}
+mx.random.seed(0)
+res = []
+for n, k in SHAPES:
+    for name, (mode, bits, gs) in MODES.items():
+        wf = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
+        wq, sc, *rest = mx.quantize(wf, group_size=gs, bits=bits, mode=mode)
+        bi = rest[0] if rest else None
+        mx.eval(wf, wq, sc, *rest)
+        for rows in (16, 64, 256, 1024):
+            xs = [mx.random.normal((rows, k)).astype(mx.bfloat16) for _ in range(CALLS)]
+            mx.eval(xs)
+
+            def fused(tile):
+                return lambda: mx.eval([kernels.quantized_matmul(x, wq, sc, bi, gs, bits, mode, tile=tile) for x in xs])
+
+            fns = {
+                "bf16": lambda: mx.eval([x @ wf.T for x in xs]),
+                "dequant": lambda: mx.eval(
+                    [x @ kernels.dequantize(wq, sc, bi, gs, bits, mode, mx.bfloat16).T for x in xs]
+                ),
+                "fused_2d": fused("2d"),
+                "fused_1d": fused("1d"),
+            }
+            if (n, k) == (7680, 2560):
+                fns["fused_2d128"] = fused("2d128")
+                fns["fused_2d32"] = fused("2d32")
+            t = time_interleaved(fns, warmup=2, budget_s=0.15, max_reps=10)
+            flops = 2 * rows * n * k
+            row = {"n": n, "k": k, "mode": name, "rows": rows, "plan_2d": kernels.qmm2_plan(rows, n, k, "2d")}
+            row.update({f"{f}_us": v["median_ms"] * 1e3 / CALLS for f, v in t.items()})
+            print(
+                f"{name:7s} {n}x{k} rows {rows:5d} "
+                + " ".join(f"{f} {row[f + '_us']:.1f}us({flops / row[f + '_us'] / 1e6:.0f}TF)" for f in fns)
+                + f"  2d/dequant {row['fused_2d_us'] / row['dequant_us']:.2f} 2d/1d {row['fused_2d_us'] / row['fused_1d_us']:.2f}",
+                flush=True,
+            )
+            res.append(row)
+        json.dump(res, open(out, "w"), indent=1)
