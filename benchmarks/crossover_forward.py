@@ -52,6 +52,7 @@ SIDES = {
     "quantized": {POLICY_ENV: "quantized"},
     "dequantize": {POLICY_ENV: "dequantize"},
     "fused": {POLICY_ENV: "fused"},  # kernels.quantized_matmul where it runs, else the table
+    "shipped": {POLICY_ENV: "auto"},  # what users get: the tables' choice per weight and token count
     "bf16": {},
 }
 
@@ -77,7 +78,8 @@ def main(argv=None) -> dict:
     p.add_argument(
         "--sides",
         default="quantized,dequantize",
-        help="of quantized, dequantize (both needed for the crossover) and bf16 (the unquantized model, for reference)",
+        help="of quantized, dequantize (both needed for the crossover), fused, shipped (the tables' choice) "
+        "and bf16 (the unquantized model, for reference)",
     )
     add_forward_arguments(p, modes=",".join(RECORDS))
     a = parse_forward_arguments(p, argv)
