@@ -4,6 +4,7 @@ fresh interpreter: what a process has loaded cannot be unloaded."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -185,10 +186,12 @@ def test_cpu_libmlx_in_place_of_the_cuda_one_is_named(tmp_path):
     info = tmp_path / "mlx_cuda_13-0.32.4.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-cuda-13\nVersion: 0.32.4\n")
-    (info / "RECORD").write_text("mlx/lib/libmlx.so,sha256=x,145673817\n")
+    # a size that is not the installed file's: 145673817 (mlx-cuda-13's own) was, on a GPU machine
+    libmlx = Path(importlib.util.find_spec("mlx.core").origin).parent / "lib" / "libmlx.so"
+    (info / "RECORD").write_text(f"mlx/lib/libmlx.so,sha256=x,{libmlx.stat().st_size + 1}\n")
     out = python(
         "import warnings; warnings.simplefilter('always'); import esmc_mlx",
-        {"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])},
+        {"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path), os.environ.get("PYTHONPATH", "")])},
     )
     assert out.returncode == 0, out.stderr
     assert "MLX will not use the GPU" in out.stderr

@@ -77,6 +77,11 @@ def test_chunk_layers_rejects_nonsense():
             model.chunk_layers(bad)
 
 
+@pytest.mark.skipif(
+    mx.default_device() == mx.gpu,
+    reason="the analytic two-block bound holds on the CPU; on CUDA the allocator's peak also holds work queued "
+    "ahead (86 and 146 MB against 61 MB in two H200 runs): the GPU's bound is benchmarks/long_memory.py's",
+)
 def test_chunked_peak_memory_is_a_few_layers():
     # MLX's CPU allocator tracks its peak (mx.get_peak_memory after mx.reset_peak_memory).
     # On the CPU a whole lazy graph also runs in about one block's memory (the GPU queues
@@ -86,12 +91,13 @@ def test_chunked_peak_memory_is_a_few_layers():
     model = random_model(config).chunk_layers(1)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     ids = mx.array(np.random.default_rng(3).integers(4, 24, size=(1, 1024)))
-    mx.eval(model(ids).logits)  # warm: allocator caches and the RoPE tables
+    mx.eval(model(ids).logits)  # warm: allocator caches, the RoPE tables, cuBLAS's workspace
     mx.reset_peak_memory()
-    assert mx.get_peak_memory() <= mx.get_active_memory() + 1024
+    base = mx.get_active_memory()  # the weights and what the backend keeps (32 MiB more on an H200)
+    assert mx.get_peak_memory() <= base + 1024 and base >= weights
     out = model(ids)
     mx.eval(out.logits)
-    peak = mx.get_peak_memory() - weights
+    peak = mx.get_peak_memory() - base
     per_layer = layer_activation_bytes(config, 1, 1024, 4)
     assert per_layer / 4 < peak < 2 * per_layer, (peak, per_layer)
     # with every hidden state kept, those add up on top, and nothing else does
@@ -99,7 +105,7 @@ def test_chunked_peak_memory_is_a_few_layers():
     out = model(ids, output_hidden_states=True)
     mx.eval(out.logits, *out.hidden_states)
     kept = sum(h.nbytes for h in out.hidden_states)
-    assert mx.get_peak_memory() - weights < 2 * per_layer + kept
+    assert mx.get_peak_memory() - base < 2 * per_layer + kept
 
 
 def test_chunking_steps_aside_under_grad():
@@ -114,4 +120,9 @@ def test_chunking_steps_aside_under_grad():
     chunked = nn.value_and_grad(model, loss)(model.chunk_layers(1))
     whole = nn.value_and_grad(model, loss)(model.chunk_layers(None))
     assert same(chunked[0], whole[0])
-    assert all(same(a, b) for (_, a), (_, b) in zip(tree_flatten(chunked[1]), tree_flatten(whole[1])))
+    for (name, a), (_, b) in zip(tree_flatten(chunked[1]), tree_flatten(whole[1])):
+        if mx.default_device() == mx.gpu:  # the embedding's gradient sums repeated ids with atomic
+            # adds there, in no fixed order: two runs of one graph differ in the last bits
+            np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-7, err_msg=name)
+        else:
+            assert same(a, b), name
