@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from esmc_mlx.errors import ScoringError
 from esmc_mlx.runtime.model import ESMC, layer_activation_bytes, layers_per_eval
 from esmc_mlx.testing import SHAPES, random_mlx_model, tiny_config
 
@@ -71,10 +72,12 @@ def test_chunked_compiled_forward_is_bit_identical():
 
 
 def test_chunk_layers_rejects_nonsense():
+    # before round 11: a plain ValueError ("every must be ..."), and True was taken as 1
     model = random_model(tiny_config())
-    for bad in (0, -1, "all", 1.5):
-        with pytest.raises(ValueError):
+    for bad in (0, -1, "all", 1.5, True):
+        with pytest.raises(ScoringError, match=r"chunk_layers\(every="):
             model.chunk_layers(bad)
+    assert model._layers_per_eval == "auto"  # a refused value leaves the setting as it was
 
 
 def test_chunked_peak_memory_is_a_few_layers():

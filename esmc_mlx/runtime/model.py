@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import TRAINED_LENGTH, ESMCConfig
-from ..errors import EsmcMlxWarning, SequenceError
+from ..errors import EsmcMlxWarning, ScoringError, SequenceError
 from . import kernels
 from .quantized import POLICY_ENV as QUANT_POLICY_ENV
 
@@ -366,8 +366,8 @@ class ESMC(nn.Module):
         """Evaluate the residual stream every ``every`` blocks: ``"auto"`` (the default) chunks
         only inputs whose activations would exceed ``ACTIVATION_BUDGET``; None never chunks.
         Outputs are bit-identical either way; only peak memory and syncs change."""
-        if every is not None and every != "auto" and (not isinstance(every, int) or every < 1):
-            raise ValueError(f"every must be 'auto', None or a positive int, got {every!r}")
+        if every is not None and every != "auto" and (type(every) is not int or every < 1):
+            raise ScoringError(f"chunk_layers(every={every!r}): every must be 'auto', None or a positive int")
         object.__setattr__(self, "_layers_per_eval", every)
         return self
 
