@@ -15,7 +15,7 @@ from pathlib import Path
 from .artifact import REPORT_DIR
 from .convert import prepare, write_artifact, write_artifacts
 from .convert.many import prepare_many, spec_label
-from .convert.writer import DEFAULT_SHARD_BYTES
+from .convert.writer import DEFAULT_SHARD_BYTES, check_shard_bytes
 from .errors import ValidationError
 from .hub.push import PushResult, check_push_access, push_artifact
 from .outputs import StagedDirectory, check_target
@@ -65,6 +65,7 @@ def convert_validate_push(
     report are kept: beside an existing ``output``, which stays as it was, as ``OUT.failed-<time>``;
     at ``output`` when there was none. Nothing is uploaded.
     """
+    check_shard_bytes(shard_bytes)
     out = Path(output) if output else default_output(source, q, dtype)
     if validate_output and not validation_available():  # fail before an hour of converting
         raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
@@ -119,6 +120,7 @@ def convert_validate_many(
     original's outputs on the panel are computed for the first and taken from validation's
     reference cache by the others. Raises ValidationError, once every artifact is validated,
     naming those that failed and where each is kept."""
+    check_shard_bytes(shard_bytes)
     out = Path(output) if output else default_output(source, None, dtype)
     if validate_output and not validation_available():  # fail before an hour of converting
         raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")

@@ -71,6 +71,23 @@ def test_output_layout_shards_index_and_tokenizer(checkpoints, reference_model, 
     assert torch.equal(back.lm_head.decoder.weight, reference_model.lm_head.decoder.weight)
 
 
+def test_api_refuses_a_shard_size_that_is_not_positive(checkpoints, tmp_path):
+    # before round 11: convert(..., shard_bytes=0) wrote one shard per tensor (34 files for
+    # tiny) where the CLI refuses --shard-size 0
+    from esmc_mlx.convert.many import convert_many
+    from esmc_mlx.pipeline import convert_validate_push
+
+    src = str(checkpoints["published"])
+    for bad in (0, -5, 2.5, "1GB"):
+        with pytest.raises(ConvertError, match=r"shard_bytes="):
+            convert(src, tmp_path / "out", shard_bytes=bad, progress=False)
+        with pytest.raises(ConvertError, match=r"shard_bytes="):
+            convert_many(src, tmp_path / "many", ["4", "8"], shard_bytes=bad, progress=False)
+        with pytest.raises(ConvertError, match=r"shard_bytes="):
+            convert_validate_push(src, tmp_path / "pipe", shard_bytes=bad, validate_output=False, log=None)
+    assert not list(tmp_path.iterdir())
+
+
 def test_dtype_defaults_to_the_source_and_can_be_chosen(reference_model, tmp_path):
     from esmc_mlx.testing import write_checkpoint
 
