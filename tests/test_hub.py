@@ -619,6 +619,9 @@ def test_card_of_an_unquantized_local_conversion(checkpoints, tmp_path):
     assert "Not quantized" in card.text and "Not validated" in card.text
     assert "no command line was recorded" in card.text
     assert read_validation(artifact).state == "missing"
+    # its first sentence read "ESMC protein language model a local checkpoint (`published`) converted
+    # to MLX" before round 11
+    assert "An ESMC protein language model from a local checkpoint (`published`), converted to [MLX]" in card.text
 
 
 def test_incomplete_artifact_is_refused(hub, checkpoints, tmp_path):
