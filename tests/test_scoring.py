@@ -360,6 +360,24 @@ def test_score_csv_errors_name_file_and_line(model, tmp_path):
         score_csv(model, WT, bad, None, methods=["entropy"])
 
 
+def test_score_csv_checks_joint_windows_before_the_model(tmp_path):
+    # before round 11: a joint mutant wider than --window and an unknown multi= failed only after
+    # the model had loaded (here: a missing model's error instead), and the message named no
+    # mutant ("sites 1..33 span more than the window of 20 residues")
+    csv = tmp_path / "joint.csv"
+    csv.write_text("mutant\nA4G\nM1A:Q33A\n")
+    missing = tmp_path / "no-model"
+    with pytest.raises(ScoringError, match=r"joint.csv, line 3: 'M1A:Q33A': its sites span more than the window of 20"):
+        score_csv(missing, WT, csv, None, multi="joint", window=20)
+    with pytest.raises(ScoringError, match="unknown multi-mutant convention 'both'"):
+        score_csv(missing, WT, csv, None, multi="both")
+    result = CliRunner().invoke(
+        cli, ["score", str(missing), "--sequence", WT, "--mutations", str(csv), "--multi", "joint", "--window", "20"]
+    )
+    assert result.exit_code == 1 and "line 3: 'M1A:Q33A'" in result.output, result.output
+    assert not (tmp_path / "joint.scored.csv").exists()
+
+
 def test_spearman_matches_scipy():
     spearmanr = pytest.importorskip("scipy.stats").spearmanr
 

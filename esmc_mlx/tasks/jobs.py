@@ -30,6 +30,8 @@ from .scoring import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_WINDOW,
     PAD_MULTIPLE,
+    check_joint_windows,
+    check_multi_window,
     default_batch_tokens,
     encode,
     iter_embeddings,
@@ -511,6 +513,7 @@ def score_csv(
     """
     world = World.of(group)
     methods = resolve_methods(methods)
+    check_multi_window(multi, window)
     if out is not None and world.is_root:
         # a missing or unwritable folder, or -o naming an input, fails now, not after the scoring
         wt_file = Path(sequence).expanduser()
@@ -519,6 +522,8 @@ def score_csv(
     columns, rows, where = read_mutants_csv(mutations_csv, mutant_column)
     mutants = [row[mutant_column] or "" for row in rows]
     parsed = parse_mutants(mutants, wt, offset, where)  # before loading a model: bad input fails fast
+    if "masked_marginal" in methods and multi == "joint":
+        check_joint_windows(mutants, parsed, len(wt), window, where)
     if "mutated_sequence" in columns:
         for row, subs, prefix in zip(rows, parsed, where):
             given = (row["mutated_sequence"] or "").strip().upper()

@@ -432,6 +432,32 @@ def window_bounds(center: int, length: int, width: int | None) -> tuple[int, int
     return start, start + width
 
 
+def check_multi_window(multi: str, window: int | None) -> None:
+    """ScoringError for an unknown ``multi`` or a ``window`` that is not None or a positive int."""
+    if multi not in MULTI:
+        raise ScoringError(f"unknown multi-mutant convention {multi!r}; choose from {', '.join(MULTI)}")
+    if window is not None:
+        positive_int(window, "window")
+
+
+def check_joint_windows(
+    mutants: Sequence[str], parsed: list[list[Substitution]], length: int, window: int | None, where=None
+) -> None:
+    """Joint masking reads all sites of a multi-mutant from one window: refuse, naming the mutant
+    (``where[i]`` prefixes its message), one whose sites no window of ``window`` residues holds."""
+    for i, (mutant, subs) in enumerate(zip(mutants, parsed)):
+        if len(subs) < 2:
+            continue
+        lo, hi = min(s.index for s in subs), max(s.index for s in subs)
+        start, end = window_bounds((lo + hi) // 2, length, window)
+        if lo < start or hi >= end:
+            prefix = where[i] if where else f"mutant {i + 1}: "
+            raise ScoringError(
+                f"{prefix}{mutant!r}: its sites span more than the window of {window} residues ({hi - lo + 1}); "
+                "--multi joint needs them in one window (raise --window)"
+            )
+
+
 def check_length(sequence: str, window: int | None, what: str = "sequence") -> None:
     """Warn when ``sequence`` is longer than the model was trained on (2,048 tokens);
     ScoringError for a ``window`` that is not None or a positive integer."""
@@ -576,10 +602,7 @@ def score_mutations(
     characters in ``sequence``), ScoringError (unknown method or multi, sites beyond a window).
     """
     methods = resolve_methods(methods)
-    if multi not in MULTI:
-        raise ScoringError(f"unknown multi-mutant convention {multi!r}; choose from {', '.join(MULTI)}")
-    if window is not None:
-        positive_int(window, "window")
+    check_multi_window(multi, window)
     sequence = check_sequence(sequence, "wild type", label="sequence")
     if isinstance(mutations, str):
         mutations = [mutations]
@@ -589,6 +612,8 @@ def score_mutations(
     if where is not None and len(where) != len(mutants):
         raise ScoringError(f"where has {len(where)} entries for {len(mutants)} mutants")
     parsed = parse_mutants(mutants, sequence, offset, list(where) if where else None)
+    if "masked_marginal" in methods and multi == "joint":
+        check_joint_windows(mutants, parsed, len(sequence), window, where)
     check_length(sequence, window, "the wild type")
     world = World.of(group)
     tid = _TOKENIZER.token_to_id
