@@ -88,6 +88,8 @@ def resolve(source: str, revision: str | None = None) -> Source:
         # Path("") is the current directory: an unset shell variable ($MODEL) would read
         # whatever model or checkpoint the current directory holds
         raise ConvertError(f"{source!r} names no model: give an alias, a local path or a Hub repo id")
+    if source.startswith("esmc-mlx/") and source.removeprefix("esmc-mlx/") in LOCAL_ALIASES:
+        source = source.removeprefix("esmc-mlx/")  # the id provenance records for a bundled model
     repo_id = ALIASES.get(source) or ALIASES.get(source.upper())
     path = Path(source).expanduser()
     local = source in LOCAL_ALIASES or (repo_id is None and path.exists())

@@ -221,6 +221,18 @@ def test_an_empty_revision_is_refused_not_taken_for_main(hub, checkpoints, tmp_p
     assert hub.state.log == [] and "alice/tiny" not in hub.state.repos  # was: committed to main
 
 
+def test_the_validate_command_a_refused_push_suggests_reads_its_reference(hub, tmp_path):
+    # before round 11 the packaged model's artifacts were told to run `esmc-mlx validate DIR
+    # --reference esmc-mlx/tiny` (the id their provenance records), which went to the Hub and failed
+    from esmc_mlx.resolve import resolve
+
+    artifact = convert("tiny", tmp_path / "tiny-4bit", q="4", progress=False)
+    with pytest.raises(HubError, match=r"--reference esmc-mlx/tiny\n"):
+        push_artifact(artifact, "alice/tiny")
+    assert resolve("esmc-mlx/tiny").path == resolve("tiny").path
+    assert hub.state.log == []
+
+
 # --- what gets refused before anything is sent --------------------------------------------------------
 @pytest.mark.parametrize("validated", [None, False])
 def test_unvalidated_or_failed_artifact_is_refused_unless_allowed(hub, checkpoints, tmp_path, validated):
