@@ -70,3 +70,13 @@ def test_readme_command_table_lists_every_option():
                 continue  # the short spelling (-o, -B) stands for the long one
             options |= {o for o in opts if o.startswith("--") and o not in ("--help", "--version")}
         assert documented == options, f"README, {' '.join(words[:2])}: {documented ^ options}"
+
+
+BENCHMARKS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_every_benchmark_the_docs_run_imports(name):
+    # before round 11 `python benchmarks/quant_sizes.py` (docs/quantization.md) stopped at
+    # `from esmc_mlx.info import describe`: describe had moved to esmc_mlx.artifact
+    importlib.import_module(f"benchmarks.{name}")
