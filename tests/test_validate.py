@@ -422,6 +422,23 @@ def test_threshold_override(converted, checkpoints, tmp_path):
         run(converted, checkpoints["published"], tmp_path, thresholds={"kl": 1})
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_length": 0}, "max_length=0: give a positive number"),  # was: ran, cropping nothing
+        ({"marginal_positions": 0}, "marginal_positions=0"),  # was: ran, then failed spearman (NaN)
+        ({"compute_dtype": "int8"}, "compute_dtype 'int8'"),  # was: KeyError 'int8'
+        ({"thresholds": {"kl_mean": "x"}}, "threshold kl_mean='x': give a number"),  # was: ValueError
+        ({"thresholds": {"kl_mean": math.nan}}, "threshold kl_mean=nan"),  # was: a bound nothing passes
+        ({"thresholds": {"bogus": 1}}, "unknown threshold 'bogus'"),  # was: after reading the reference
+    ],
+)
+def test_api_arguments_are_checked_before_any_work(converted, tmp_path, kwargs, message):
+    with pytest.raises(ValidationError, match=message):
+        validate(converted, str(tmp_path / "no-reference"), report_dir=tmp_path / "r", **kwargs)
+    assert not (tmp_path / "r").exists()
+
+
 def test_threshold_table_has_every_precision():
     for row in (
         "float32",

@@ -38,7 +38,7 @@ import numpy as np
 
 from .. import _blas
 from .._version import __version__
-from ..artifact import REPORT_DIR, sha256, weight_files
+from ..artifact import FLOAT_DTYPES, REPORT_DIR, sha256, weight_files
 from ..config import ESMCConfig
 from ..errors import EsmcMlxError, ValidationError
 from ..hashes import file_hashes
@@ -349,6 +349,13 @@ def validate(
 
     if reference_device not in torch_ref.DEVICES:
         raise ValidationError(f"reference device {reference_device!r}: choose one of {', '.join(torch_ref.DEVICES)}")
+    if compute_dtype is not None and compute_dtype not in FLOAT_DTYPES:
+        raise ValidationError(f"compute_dtype {compute_dtype!r}: choose one of {', '.join(FLOAT_DTYPES)}")
+    if max_length is not None and (type(max_length) is not int or max_length < 1):  # 0 cropped nothing
+        raise ValidationError(f"max_length={max_length!r}: give a positive number of residues, or None")
+    if type(marginal_positions) is not int or marginal_positions < 1:  # 0: a Spearman of nothing, failed
+        raise ValidationError(f"marginal_positions={marginal_positions!r}: give a positive integer")
+    th.check_overrides(thresholds)
     if not validation_available():
         raise ValidationError(
             "validation needs torch and transformers (>= 5.23, with EsmcForMaskedLM): pip install 'esmc-mlx[torch]'"
