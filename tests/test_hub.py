@@ -219,6 +219,10 @@ def test_an_empty_revision_is_refused_not_taken_for_main(hub, checkpoints, tmp_p
     result = CliRunner().invoke(main, ["push", str(artifact), "alice/tiny", "--revision", ""])
     assert result.exit_code == 1 and result.output.count("Error:") == 1 and "--revision ''" in result.output
     assert hub.state.log == [] and "alice/tiny" not in hub.state.repos  # was: committed to main
+    for bad in (5, b"dev", "  "):  # 5 and b"dev" were AttributeErrors ('int' object has no attribute 'strip')
+        with pytest.raises(HubError, match=r"--revision .*: give the branch to commit to"):
+            push_artifact(artifact, "alice/tiny", revision=bad)
+    assert hub.state.log == []
 
 
 def test_the_validate_command_a_refused_push_suggests_reads_its_reference(hub, tmp_path):
