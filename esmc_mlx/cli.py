@@ -144,7 +144,7 @@ convert_options = [
         "--output",
         "output",
         type=OutputPath(path_type=Path),
-        help="Output directory (default: ESMC-<name>[-<q>]-mlx in the current directory).",
+        help="Output directory (default: ESMC-<name>[-<spec>]-mlx in the current directory: ESMC-300M-4bit-mlx, ESMC-6B-mxfp4-mlx).",
     ),
     click.option(
         "--dtype",

@@ -29,12 +29,15 @@ class PipelineResult:
     push: PushResult | None = None
 
 
-def default_output(source: str, q: str | None, dtype: str | None) -> Path:
-    """ESMC-<name>[-<q> | -<dtype>]-mlx in the current directory."""
+def default_output(source: str, q: str | None, dtype: str | None, group_size: int | None = None) -> Path:
+    """ESMC-<name>[-<label> | -<dtype>]-mlx in the current directory; the label is the one of
+    ``--q``'s sub-directories (``spec_label``: 4bit, 4bit-g32, mxfp4)."""
     stem = Path(source.rstrip("/")).name.removesuffix(".pth") or "model"
     if not stem.lower().startswith("esmc"):
         stem = f"ESMC-{stem}"
-    return Path(f"{stem}-{q}-mlx" if q else f"{stem}-{dtype}-mlx" if dtype else f"{stem}-mlx")
+    if q:
+        return Path(f"{stem}-{spec_label(q, None, group_size)}-mlx")
+    return Path(f"{stem}-{dtype}-mlx" if dtype else f"{stem}-mlx")
 
 
 def convert_validate_push(
@@ -66,7 +69,7 @@ def convert_validate_push(
     at ``output`` when there was none. Nothing is uploaded.
     """
     check_shard_bytes(shard_bytes)
-    out = Path(output) if output else default_output(source, q, dtype)
+    out = Path(output) if output else default_output(source, q, dtype, group_size)
     if validate_output and not validation_available():  # fail before an hour of converting
         raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
     check_target(out, force)  # before downloading anything

@@ -119,6 +119,21 @@ def run_cli(args):
     return CliRunner().invoke(convert_main, args)
 
 
+def test_default_output_names_the_spec_as_the_sub_directories_do(tmp_path, monkeypatch):
+    # before round 11 `esmc-convert tiny --q 4` wrote ESMC-tiny-4-mlx (docs: ESMC-300M-4bit-mlx; -o DIR
+    # --q 4 --q 8 writes DIR/4bit), and --group-size 32 went to the same folder as the default 64
+    monkeypatch.chdir(tmp_path)
+    for args in (["--q", "4"], ["--q", "4", "--group-size", "32"], ["--q", "mxfp4"], ["--dtype", "float16"]):
+        result = CliRunner().invoke(convert_main, ["tiny", "--no-validate", *args])
+        assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ESMC-tiny-4bit-g32-mlx",
+        "ESMC-tiny-4bit-mlx",
+        "ESMC-tiny-float16-mlx",
+        "ESMC-tiny-mxfp4-mlx",
+    ]
+
+
 def test_unknown_alias_and_missing_path(tmp_path):
     for source in ["3B", str(tmp_path / "nowhere"), "./missing.pth"]:
         result = run_cli([source, "-o", str(tmp_path / "out")])
