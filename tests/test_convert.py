@@ -114,6 +114,17 @@ def test_cli_converts_and_info_describes(checkpoints, tmp_path):
     assert "--q" in runner.invoke(convert_main, ["--help"]).output
 
 
+def test_info_names_its_size_unit_as_it_counts(tmp_path):
+    # before round 11 `info` divided by 1024 and wrote MB/GB: the packaged tiny (20,890,680 bytes,
+    # "20.9 MB" in docs/esmc-tiny.md) read "19.92 MB", the 6B mxfp4 (3.387 GB in docs/quantization.md) "3.15 GB"
+    from esmc_mlx.artifact import describe, human_size
+
+    out = convert("tiny", tmp_path / "tiny", progress=False)
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    assert describe(out)["size on disk"] == f"{size / 2**20:.2f} MiB"
+    assert (human_size(3_387_000_000), human_size(2048), human_size(10)) == ("3.15 GiB", "2.00 KiB", "10 B")
+
+
 # --- bad input: clear message, non-zero exit, nothing left in place ---------------------------
 def run_cli(args):
     return CliRunner().invoke(convert_main, args)
