@@ -439,6 +439,24 @@ def test_api_arguments_are_checked_before_any_work(converted, tmp_path, kwargs, 
     assert not (tmp_path / "r").exists()
 
 
+def test_a_report_folder_holding_the_users_files_of_those_names_is_refused(converted, tmp_path):
+    # before round 11 `validate --report DIR` replaced DIR/report.json (or report.md) whatever it was
+    from esmc_mlx.errors import ConvertError
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    for name, content in (("report.json", '{"x": 1}'), ("report.md", "# my notes")):
+        (folder / name).write_text(content)
+        with pytest.raises(ValidationError, match=f"{name} is not an esmc-mlx validation report"):
+            validate(converted, str(tmp_path / "no-reference"), report_dir=folder)
+        assert (folder / name).read_text() == content
+        (folder / name).unlink()
+    # a previous run's report is replaced: the run goes on (here to the missing reference)
+    (folder / "report.json").write_text(json.dumps({"passed": True, "checks": [], "thresholds": {}, "panel": {}}))
+    with pytest.raises(ConvertError, match="no-reference: no such file"):
+        validate(converted, str(tmp_path / "no-reference"), report_dir=folder)
+
+
 def test_threshold_table_has_every_precision():
     for row in (
         "float32",

@@ -51,7 +51,7 @@ from .metrics import fidelity as fidelity_metrics
 from .metrics import quality as quality_metrics
 from .panel import build_panel
 from .reference import Outputs, fp32_bytes
-from .report import text_summary, write_report
+from .report import check_report_folder, text_summary, write_report
 from .weights import ArtifactWeights, SourceWeights, names_for
 
 MODES = ("auto", "full", "layered")
@@ -366,6 +366,7 @@ def validate(
     report_folder = Path(report_dir) if report_dir else Path(mlx_dir) / REPORT_DIR
     if write:  # a report folder that cannot be made fails now, not after the whole validation
         ensure_parent(report_folder / "report.json", create=False)
+        check_report_folder(report_folder)
     source = SourceWeights(reference, revision)
     panel = build_panel(sequences, max_length=max_length, marginal_positions=marginal_positions)
     batches = panel.batches(max_tokens)
