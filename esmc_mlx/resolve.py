@@ -62,6 +62,11 @@ def download_checkpoint(repo_id: str, revision: str | None = None) -> tuple[Path
             f"{where}: the download from {constants.ENDPOINT} was interrupted ({type(e).__name__}: {e}). "
             "Run the same command again: finished files are kept in the cache."
         ) from None
+    if not local.is_dir():  # the client returns a path it never made when no file matched
+        raise HubError(
+            f"{where}: the repo holds no model files there (no config.json, weights or .pth); "
+            "a model pushed to a branch is read with its --revision"
+        )
     commit = local.name if len(local.name) == 40 else None  # snapshots/<commit sha>
     return local, commit
 

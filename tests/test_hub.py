@@ -237,6 +237,19 @@ def test_the_validate_command_a_refused_push_suggests_reads_its_reference(hub, t
     assert hub.state.log == []
 
 
+def test_a_repo_without_model_files_is_named_as_such(hub, tmp_path):
+    # before round 11: load('alice/empty') said 'alice/empty: a file, not a model directory' (the client
+    # returns a snapshot path it never made when no file matched), embed and score the same
+    hub.state.create_repo("alice/empty")  # only .gitattributes, as a push to another branch leaves main
+    with pytest.raises(HubError, match=r"alice/empty: the repo holds no model files there"):
+        load("alice/empty")
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(">a\nMKTAYIAKQR\n")
+    result = CliRunner().invoke(main, ["embed", "alice/empty", str(fasta), "-o", str(tmp_path / "e")])
+    assert result.exit_code == 1 and "the repo holds no model files there" in result.output, result.output
+    assert not (tmp_path / "e").exists()
+
+
 # --- what gets refused before anything is sent --------------------------------------------------------
 @pytest.mark.parametrize("validated", [None, False])
 def test_unvalidated_or_failed_artifact_is_refused_unless_allowed(hub, checkpoints, tmp_path, validated):
