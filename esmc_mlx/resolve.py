@@ -64,8 +64,7 @@ def download_checkpoint(repo_id: str, revision: str | None = None) -> tuple[Path
         ) from None
     if not local.is_dir():  # the client returns a path it never made when no file matched
         raise HubError(
-            f"{where}: the repo holds no model files there (no config.json, weights or .pth); "
-            "a model pushed to a branch is read with its --revision"
+            f"{repo_id}: the repo holds no model files on {revision or 'main'} (no config.json, weights or .pth)"
         )
     commit = local.name if len(local.name) == 40 else None  # snapshots/<commit sha>
     return local, commit

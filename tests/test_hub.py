@@ -241,12 +241,12 @@ def test_a_repo_without_model_files_is_named_as_such(hub, tmp_path):
     # before round 11: load('alice/empty') said 'alice/empty: a file, not a model directory' (the client
     # returns a snapshot path it never made when no file matched), embed and score the same
     hub.state.create_repo("alice/empty")  # only .gitattributes, as a push to another branch leaves main
-    with pytest.raises(HubError, match=r"alice/empty: the repo holds no model files there"):
+    with pytest.raises(HubError, match=r"alice/empty: the repo holds no model files on main"):
         load("alice/empty")
     fasta = tmp_path / "in.fasta"
     fasta.write_text(">a\nMKTAYIAKQR\n")
     result = CliRunner().invoke(main, ["embed", "alice/empty", str(fasta), "-o", str(tmp_path / "e")])
-    assert result.exit_code == 1 and "the repo holds no model files there" in result.output, result.output
+    assert result.exit_code == 1 and "the repo holds no model files on main" in result.output, result.output
     assert not (tmp_path / "e").exists()
 
 
