@@ -80,3 +80,14 @@ def test_every_benchmark_the_docs_run_imports(name):
     # before round 11 `python benchmarks/quant_sizes.py` (docs/quantization.md) stopped at
     # `from esmc_mlx.info import describe`: describe had moved to esmc_mlx.artifact
     importlib.import_module(f"benchmarks.{name}")
+
+
+def test_heatmap_size_the_docs_give_is_the_one_drawn():
+    # before round 11 docs/scoring.md said 1,570 x 7,570 px for 2,000 residues; scans draw 1,570 x 7,170
+    from esmc_mlx.tasks.heatmap import heatmap_size
+
+    said = re.findall(r"([\d,]+) x ([\d,]+) px for ([\d,]+) residues", (ROOT / "docs" / "scoring.md").read_text())
+    assert said
+    for width, height, residues in said:
+        number = [int(x.replace(",", "")) for x in (width, height, residues)]
+        assert heatmap_size(number[2]) == (number[0], number[1]), f"docs/scoring.md: {width} x {height} px"
