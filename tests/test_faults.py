@@ -566,7 +566,9 @@ def test_inputs_longer_than_training_warn_before_the_work(converted, tmp_path):
     model = esmc_mlx.load(converted)[0]
     rng = np.random.default_rng(0)
     long = "".join(rng.choice(list("ACDEFGHIKLMNPQRSTVWY"), 2100))
-    with pytest.warns(EsmcMlxWarning, match="2,100 residues is longer than the 2,048 ESMC was trained on"):
+    with pytest.warns(
+        EsmcMlxWarning, match="2,100 residues is longer than the 2,046 residues \\(2,048 tokens\\) ESMC was trained on"
+    ):
         emb = model.embed(long)
     assert np.isfinite(emb.mean).all()
     # 20,000 residues: the warning (slow, memory) comes before any forward pass

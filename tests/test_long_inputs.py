@@ -118,3 +118,22 @@ def test_chunking_steps_aside_under_grad():
     whole = nn.value_and_grad(model, loss)(model.chunk_layers(None))
     assert same(chunked[0], whole[0])
     assert all(same(a, b) for (_, a), (_, b) in zip(tree_flatten(chunked[1]), tree_flatten(whole[1])))
+
+
+def test_the_forward_warns_past_the_trained_length_where_scoring_does():
+    # before round 11 the forward (embed, validate) warned past 2,048 residues, scoring past 2,046
+    # (2,048 tokens with <cls> and <eos>, docs/scoring.md): a 2,047-residue protein warned in one only
+    import warnings
+
+    from esmc_mlx.errors import EsmcMlxWarning
+    from esmc_mlx.runtime.tokenizer import ESMCTokenizer
+    from esmc_mlx.testing import random_sequences
+
+    model = random_model(tiny_config(num_hidden_layers=1))
+    seq = random_sequences(1, 2047, 2047, seed=3)[0]
+    ids = ESMCTokenizer()([seq])["input_ids"]
+    with pytest.warns(EsmcMlxWarning, match="2,047 residues is longer than the 2,046 residues"):
+        model(ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(ESMCTokenizer()([seq[:2046]])["input_ids"])

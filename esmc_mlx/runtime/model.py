@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..config import TRAINED_LENGTH, ESMCConfig
+from ..config import TRAINED_LENGTH, TRAINED_TOKENS, ESMCConfig
 from ..errors import EsmcMlxWarning, ScoringError, SequenceError
 from . import kernels
 from .quantized import POLICY_ENV as QUANT_POLICY_ENV
@@ -496,10 +496,10 @@ class ESMC(nn.Module):
         """Before the first pass over an input longer than ESMC's training crop: say so, and
         what the quadratic attention will cost (every command inherits this; once per length)."""
         message = (
-            f"an input of {residues:,} residues is longer than the {TRAINED_LENGTH:,} ESMC was trained on; "
-            "its outputs are extrapolation"
+            f"an input of {residues:,} residues is longer than the {TRAINED_LENGTH:,} residues ({TRAINED_TOKENS:,} "
+            "tokens) ESMC was trained on; its outputs are extrapolation"
         )
-        if residues > 4 * TRAINED_LENGTH:
+        if residues + 2 > 4 * TRAINED_TOKENS:
             scores = self.config.num_attention_heads * (residues + 2) ** 2 * 4  # fp32 scores, one layer, one row
             message += (
                 f". Attention grows with the square of the length: expect this to be slow and to need "

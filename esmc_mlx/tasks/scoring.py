@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..config import TRAINED_TOKENS
 from ..errors import MutationError, ScoringError, SequenceError
 from ..runtime.model import ESMC
 from ..runtime.quantized import backend
@@ -39,7 +40,6 @@ from .mutations import Substitution, apply, parse_mutants
 
 METHODS = ("masked_marginal", "wt_marginal", "pppl")
 MULTI = ("sum", "joint")  # multi-mutant conventions of masked-marginal
-TRAINED_TOKENS = 2048  # ESMC's training context (ESM C paper), <cls> and <eos> included
 DEFAULT_WINDOW = TRAINED_TOKENS - 2  # residues per scoring window: the trained length
 DEFAULT_BATCH_SIZE = 32  # masked copies per forward pass
 DEFAULT_BATCH_TOKENS = 4096  # padded tokens per embedding batch
