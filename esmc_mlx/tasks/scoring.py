@@ -270,15 +270,17 @@ def embed(
     progress: bool = False,
 ) -> Embeddings:
     """Embeddings of ``sequences`` from the hidden states ``layers`` (0 = token embeddings, -1 =
-    final; default: ``layer``) pooled as ``pools`` (mean, max, cls, per_residue; default: mean,
-    plus per_residue with ``per_residue``), all from one forward pass per batch. Sequences are
+    final; default: ``layer``) pooled as ``pools`` (mean, max, cls, per_residue; default: mean),
+    plus per_residue with ``per_residue``, all from one forward pass per batch. Sequences are
     batched by length, at most ``batch_tokens`` padded tokens a pass (default:
     ``default_batch_tokens()``). Raises TokenizerError for
     characters outside the vocabulary, ScoringError for a layer the model does not have."""
     sequences = as_sequences(sequences)
     n_layers = model.config.num_hidden_layers
     layers = resolve_layers(layer if layers is None else layers, n_layers)
-    pools = resolve_pools(pools if pools is not None else ("mean", "per_residue") if per_residue else ("mean",))
+    pools = resolve_pools(("mean",) if pools is None else pools)
+    if per_residue and "per_residue" not in pools:  # adds it, as --per-residue does to --pool
+        pools = (*pools, "per_residue")
     encoded = encode(sequences, tokenizer)
     d, n = model.config.hidden_size, len(encoded)
     pooled = {
