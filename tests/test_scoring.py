@@ -378,7 +378,7 @@ def test_score_csv_checks_joint_windows_before_the_model(tmp_path):
     assert not (tmp_path / "joint.scored.csv").exists()
 
 
-def test_embed_per_residue_adds_to_the_pools_given(model):
+def test_embed_per_residue_adds_to_the_pools_given(model, tmp_path):
     # before round 11 model.embed(S, pools="max", per_residue=True) dropped per_residue without a
     # word (emb.per_residue was None), where the CLI's --pool max --per-residue stores both
     emb = model.embed([WT, "MKV"], pools="max", per_residue=True)
@@ -386,6 +386,10 @@ def test_embed_per_residue_adds_to_the_pools_given(model):
     assert [r.shape[0] for r in emb.per_residue] == [len(WT), 3]
     alone = model.embed([WT, "MKV"], pools="per-residue")
     np.testing.assert_array_equal(emb.per_residue[0], alone.per_residue[0])
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{WT}\n")
+    embed_fasta(model, fasta, tmp_path / "e", pools=["max"], per_residue=True)  # the job: the same
+    assert set(read_embeddings(tmp_path / "e").pools) == {"max", "per_residue"}
 
 
 def test_spearman_matches_scipy():

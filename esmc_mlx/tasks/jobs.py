@@ -95,7 +95,7 @@ def embed_fasta(
     """Embed every record of ``fasta`` into the directory ``out``, resuming from what is there.
     ``model``: a loaded ESMC, or a path / Hub id to load once the FASTA has been read.
     ``layers`` (``"all"``, ``"6,12,-1"`` or ints; default ``layer``) and ``pools`` (mean, max,
-    cls, per_residue; default mean, plus per_residue with ``per_residue``) are all computed in
+    cls, per_residue; default mean; ``per_residue`` adds per_residue) are all computed in
     one forward pass per batch. ``storage``: npy, safetensors or h5 (see ``tasks.store``).
 
     The FASTA is read as a stream, twice: a first pass checks it and keeps each record's ID,
@@ -116,7 +116,7 @@ def embed_fasta(
         raise JobError(f"storage format must be one of {', '.join(FORMATS)}, got {storage!r}")
     if storage == "h5":
         require_h5py()
-    pools = resolve_pools(pools if pools is not None else ("mean", "per_residue") if per_residue else ("mean",))
+    pools = resolve_pools(pools, per_residue)
     # Compact per-record metadata (~70 bytes a record with IdIndex): ID, length, sha1.
     ids, lengths, hashes = IdList(), array("q"), bytearray()
     for r in iter_fasta(fasta):  # before loading a model: bad input fails fast

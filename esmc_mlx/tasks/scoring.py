@@ -158,9 +158,11 @@ def resolve_layers(layers, num_layers: int) -> tuple[int, ...]:
     return out
 
 
-def resolve_pools(pools) -> tuple[str, ...]:
-    """``"mean,max,cls,per-residue"`` or a list -> distinct pool names (``per-residue`` and
-    ``per_residue`` both accepted)."""
+def resolve_pools(pools, per_residue: bool = False) -> tuple[str, ...]:
+    """``"mean,max,cls,per-residue"`` or a list (None: mean) -> distinct pool names (``per-residue``
+    and ``per_residue`` both accepted); ``per_residue`` adds per_residue, as ``--per-residue`` does."""
+    if pools is None:
+        pools = ("mean",)
     if isinstance(pools, str):
         pools = pools.split(",")
     if not isinstance(pools, Iterable) or not all(isinstance(p, str) for p in pools):
@@ -169,7 +171,7 @@ def resolve_pools(pools) -> tuple[str, ...]:
     unknown = [p for p in out if p not in POOLS]
     if unknown or not out:
         raise ScoringError(f"unknown pooling {unknown or pools!r}; choose from mean, max, cls, per-residue")
-    return out
+    return (*out, "per_residue") if per_residue and "per_residue" not in out else out
 
 
 def positive_int(value, name: str) -> int:
@@ -278,9 +280,7 @@ def embed(
     sequences = as_sequences(sequences)
     n_layers = model.config.num_hidden_layers
     layers = resolve_layers(layer if layers is None else layers, n_layers)
-    pools = resolve_pools(("mean",) if pools is None else pools)
-    if per_residue and "per_residue" not in pools:  # adds it, as --per-residue does to --pool
-        pools = (*pools, "per_residue")
+    pools = resolve_pools(pools, per_residue)
     encoded = encode(sequences, tokenizer)
     d, n = model.config.hidden_size, len(encoded)
     pooled = {
