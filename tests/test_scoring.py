@@ -392,6 +392,19 @@ def test_embed_per_residue_adds_to_the_pools_given(model, tmp_path):
     assert set(read_embeddings(tmp_path / "e").pools) == {"max", "per_residue"}
 
 
+def test_embed_layer_and_layers_together_are_refused(model, tmp_path):
+    # before round 11 model.embed(S, layer=2, layers="1") / embed_fasta(...) used layers=1 and
+    # ignored layer=2 without a word (the CLI refuses --layer 2 --layers 1)
+    with pytest.raises(ScoringError, match=r"give layer=2 or layers='1', not both"):
+        model.embed([WT], layer=2, layers="1")
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{WT}\n")
+    with pytest.raises(ScoringError, match="not both"):
+        embed_fasta(model, fasta, tmp_path / "e", layer=2, layers=[1])
+    assert not (tmp_path / "e").exists()
+    assert model.embed([WT], layer=1).layer == 1 and model.embed([WT]).layer == model.config.num_hidden_layers
+
+
 def test_spearman_matches_scipy():
     spearmanr = pytest.importorskip("scipy.stats").spearmanr
 

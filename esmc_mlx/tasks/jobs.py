@@ -36,6 +36,7 @@ from .scoring import (
     encode,
     iter_embeddings,
     length_batches,
+    pick_layers,
     positive_int,
     resolve_layers,
     resolve_methods,
@@ -76,7 +77,7 @@ def embed_fasta(
     fasta: str | Path,
     out: str | Path,
     *,
-    layer: int = -1,
+    layer: int | None = None,
     per_residue: bool = False,
     layers=None,
     pools=None,
@@ -117,6 +118,7 @@ def embed_fasta(
     if storage == "h5":
         require_h5py()
     pools = resolve_pools(pools, per_residue)
+    layers = pick_layers(layer, layers)
     # Compact per-record metadata (~70 bytes a record with IdIndex): ID, length, sha1.
     ids, lengths, hashes = IdList(), array("q"), bytearray()
     for r in iter_fasta(fasta):  # before loading a model: bad input fails fast
@@ -126,7 +128,7 @@ def embed_fasta(
     lengths, hashes = np.frombuffer(lengths, dtype=np.int64), np.frombuffer(bytes(hashes), dtype="S40")
     model, model_name = _model(model, model_name)
     n_layers = model.config.num_hidden_layers
-    layers = resolve_layers(layer if layers is None else layers, n_layers)
+    layers = resolve_layers(layers, n_layers)
     names = array_names(layers, pools)
     settings = {
         "layers": list(layers),

@@ -139,6 +139,14 @@ def resolve_layer(layer: int, num_layers: int) -> int:
     return layer % (num_layers + 1)
 
 
+def pick_layers(layer, layers):
+    """``layers``, else ``layer``, else -1 (the final hidden state); ScoringError when both are
+    given, since one would be ignored (as ``--layer`` with ``--layers``)."""
+    if layer is not None and layers is not None:
+        raise ScoringError(f"give layer={layer!r} or layers={layers!r}, not both")
+    return layers if layers is not None else -1 if layer is None else layer
+
+
 def resolve_layers(layers, num_layers: int) -> tuple[int, ...]:
     """``"all"``, ``"6,12,-1"``, an int or a list of ints -> distinct hidden-state indices, in
     the order given."""
@@ -263,7 +271,7 @@ def embed(
     model: ESMC,
     sequences: str | Sequence[str],
     *,
-    layer: int = -1,
+    layer: int | None = None,
     per_residue: bool = False,
     layers=None,
     pools=None,
@@ -272,14 +280,14 @@ def embed(
     progress: bool = False,
 ) -> Embeddings:
     """Embeddings of ``sequences`` from the hidden states ``layers`` (0 = token embeddings, -1 =
-    final; default: ``layer``) pooled as ``pools`` (mean, max, cls, per_residue; default: mean),
+    final; default: ``layer``, else -1) pooled as ``pools`` (mean, max, cls, per_residue; default: mean),
     plus per_residue with ``per_residue``, all from one forward pass per batch. Sequences are
     batched by length, at most ``batch_tokens`` padded tokens a pass (default:
     ``default_batch_tokens()``). Raises TokenizerError for
     characters outside the vocabulary, ScoringError for a layer the model does not have."""
     sequences = as_sequences(sequences)
     n_layers = model.config.num_hidden_layers
-    layers = resolve_layers(layer if layers is None else layers, n_layers)
+    layers = resolve_layers(pick_layers(layer, layers), n_layers)
     pools = resolve_pools(pools, per_residue)
     encoded = encode(sequences, tokenizer)
     d, n = model.config.hidden_size, len(encoded)
