@@ -16,7 +16,7 @@ from .artifact import REPORT_DIR
 from .convert import prepare, write_artifact, write_artifacts
 from .convert.many import prepare_many, spec_label
 from .convert.writer import DEFAULT_SHARD_BYTES, check_shard_bytes
-from .errors import ValidationError
+from .errors import HubError, ValidationError
 from .hub.push import PushResult, check_push_access, push_artifact
 from .outputs import StagedDirectory, check_target
 from .validate import Report, pick_device, prefetch_torch, validate, validation_available
@@ -69,6 +69,8 @@ def convert_validate_push(
     at ``output`` when there was none. Nothing is uploaded.
     """
     check_shard_bytes(shard_bytes)
+    if private and upload_repo is None:  # nothing would be made private: say so instead
+        raise HubError("private=True (--private) applies to the repo that upload_repo creates; give upload_repo too")
     out = Path(output) if output else default_output(source, q, dtype, group_size)
     if validate_output and not validation_available():  # fail before an hour of converting
         raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")

@@ -88,6 +88,17 @@ def test_api_refuses_a_shard_size_that_is_not_positive(checkpoints, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_api_private_without_an_upload_repo_is_refused(checkpoints, tmp_path):
+    # before round 11 convert_validate_push(..., private=True) without upload_repo converted and made
+    # nothing private without a word (the CLI refuses --private without --upload-repo, 8.4d)
+    from esmc_mlx.errors import HubError
+    from esmc_mlx.pipeline import convert_validate_push
+
+    with pytest.raises(HubError, match="applies to the repo that upload_repo creates"):
+        convert_validate_push(str(checkpoints["published"]), tmp_path / "out", private=True, validate_output=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_dtype_defaults_to_the_source_and_can_be_chosen(reference_model, tmp_path):
     from esmc_mlx.testing import write_checkpoint
 
