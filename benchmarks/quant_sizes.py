@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from esmc_mlx.info import describe  # noqa: E402
+from esmc_mlx.artifact import describe  # noqa: E402
 from esmc_mlx.quantize import SPECS  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "quant_sizes.json"

@@ -295,11 +295,12 @@ def sha256(path: Path, chunk: int = 16 << 20) -> str:
 
 
 def human_size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
+    """Binary units, named as such: the docs' tables give GB as 10^9 bytes (3.39 GB = 3.15 GiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    return f"{n:.2f} GB"
+    return f"{n:.2f} GiB"
 
 
 def describe(model_dir: Path) -> dict:

@@ -394,6 +394,8 @@ def run(
     ensure_parent(Path(out_dir) / f"{stem}.json", create=False)  # fails now, not after the timing
     if device == "auto":
         device = "gpu" if mx.default_device() == mx.gpu else "cpu"
+    if device == "gpu" and not mx.is_available(mx.gpu):  # else the MLX child's traceback, after the torch side
+        raise EsmcMlxError("--device gpu: this MLX has no GPU backend (it runs on the CPU here); use --device cpu")
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     shapes = [tuple(s) for s in (shapes or (CPU_SHAPES if device == "cpu" else GPU_SHAPES))]
     if with_torch and not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "safetensors")):

@@ -98,6 +98,17 @@ def _command_line() -> str:
     return " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]])
 
 
+class OutputPath(click.Path):
+    """An output path. `-`, stdout to many tools, is refused: it would make a file or folder named '-'."""
+
+    def convert(self, value, param, ctx):
+        if str(value) == "-":
+            self.fail(
+                "'-' would be a file or folder named '-': esmc-mlx writes files, not stdout; name a path", param, ctx
+            )
+        return super().convert(value, param, ctx)
+
+
 # Options shared by `esmc-convert` / `esmc-mlx convert` and `esmc-mlx quantize`.
 group_size_option = click.option("--group-size", type=int, help="Affine group size: 32, 64 (default) or 128.")
 quantize_head_option = click.option(
@@ -132,8 +143,8 @@ convert_options = [
         "-o",
         "--output",
         "output",
-        type=click.Path(path_type=Path),
-        help="Output directory (default: ESMC-<name>[-<q>]-mlx in the current directory).",
+        type=OutputPath(path_type=Path),
+        help="Output directory (default: ESMC-<name>[-<spec>]-mlx in the current directory: ESMC-300M-4bit-mlx, ESMC-6B-mxfp4-mlx).",
     ),
     click.option(
         "--dtype",
@@ -290,7 +301,7 @@ Examples:
 
 @main.command(help=QUANTIZE_HELP)
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@click.option("-o", "--output", "output", type=OutputPath(path_type=Path), required=True, help="Output directory.")
 @click.option("--q", "q", metavar="SPEC", required=True, multiple=True, help="Quantization spec (see above).")
 @group_size_option
 @quantize_head_option
@@ -379,7 +390,7 @@ def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
 @click.option(
     "--report",
     "report_dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputPath(file_okay=False, path_type=Path),
     help="Write the report here (default: MLX_DIR/validation).",
 )
 @click.option(
@@ -534,7 +545,7 @@ Examples:
     "-o",
     "--output",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputPath(file_okay=False, path_type=Path),
     help="Output directory (created; an existing one is resumed).",
 )
 @click.option("--layers", metavar="LIST", help="Hidden states, e.g. 6,12,-1 or all (default: --layer).")
@@ -674,7 +685,7 @@ window_option = click.option(
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutputPath(dir_okay=False, path_type=Path),
     help="Scored CSV (default: <mutations>.scored.csv beside the input).",
 )
 @click.option(
@@ -783,7 +794,7 @@ Examples:
     "-o",
     "--output",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputPath(file_okay=False, path_type=Path),
     help="Output directory (created).",
 )
 @click.option(
@@ -894,7 +905,7 @@ Examples:
     "out_dir",
     default="bench-results",
     show_default=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputPath(file_okay=False, path_type=Path),
     help="Folder for bench.json and bench.png.",
 )
 def bench(models, shapes, device, dtype, variants, quant, no_torch, out_dir):

@@ -20,7 +20,8 @@ from .errors import ConfigError
 
 HEAD_DIM = 64  # every released ESMC uses 64-wide heads (300M 960/15, 600M 1152/18, 6B 2560/40)
 VOCAB_SIZE = 64  # logits width; the tokenizer uses the first 33 ids
-TRAINED_LENGTH = 2048  # residues: ESMC's training crop; longer inputs run, but outside what it learned
+TRAINED_TOKENS = 2048  # ESMC's training crop (ESM C paper), <cls> and <eos> included
+TRAINED_LENGTH = TRAINED_TOKENS - 2  # residues; longer inputs run, but outside what it learned
 
 
 def default_intermediate_size(hidden_size: int) -> int:

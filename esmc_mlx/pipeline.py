@@ -15,8 +15,8 @@ from pathlib import Path
 from .artifact import REPORT_DIR
 from .convert import prepare, write_artifact, write_artifacts
 from .convert.many import prepare_many, spec_label
-from .convert.writer import DEFAULT_SHARD_BYTES
-from .errors import ValidationError
+from .convert.writer import DEFAULT_SHARD_BYTES, check_shard_bytes
+from .errors import HubError, ValidationError
 from .hub.push import PushResult, check_push_access, push_artifact
 from .outputs import StagedDirectory, check_target
 from .validate import Report, pick_device, prefetch_torch, validate, validation_available
@@ -29,12 +29,15 @@ class PipelineResult:
     push: PushResult | None = None
 
 
-def default_output(source: str, q: str | None, dtype: str | None) -> Path:
-    """ESMC-<name>[-<q> | -<dtype>]-mlx in the current directory."""
+def default_output(source: str, q: str | None, dtype: str | None, group_size: int | None = None) -> Path:
+    """ESMC-<name>[-<label> | -<dtype>]-mlx in the current directory; the label is the one of
+    ``--q``'s sub-directories (``spec_label``: 4bit, 4bit-g32, mxfp4)."""
     stem = Path(source.rstrip("/")).name.removesuffix(".pth") or "model"
     if not stem.lower().startswith("esmc"):
         stem = f"ESMC-{stem}"
-    return Path(f"{stem}-{q}-mlx" if q else f"{stem}-{dtype}-mlx" if dtype else f"{stem}-mlx")
+    if q:
+        return Path(f"{stem}-{spec_label(q, None, group_size)}-mlx")
+    return Path(f"{stem}-{dtype}-mlx" if dtype else f"{stem}-mlx")
 
 
 def convert_validate_push(
@@ -65,7 +68,10 @@ def convert_validate_push(
     report are kept: beside an existing ``output``, which stays as it was, as ``OUT.failed-<time>``;
     at ``output`` when there was none. Nothing is uploaded.
     """
-    out = Path(output) if output else default_output(source, q, dtype)
+    check_shard_bytes(shard_bytes)
+    if private and upload_repo is None:  # nothing would be made private: say so instead
+        raise HubError("private=True (--private) applies to the repo that upload_repo creates; give upload_repo too")
+    out = Path(output) if output else default_output(source, q, dtype, group_size)
     if validate_output and not validation_available():  # fail before an hour of converting
         raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
     check_target(out, force)  # before downloading anything
@@ -119,6 +125,7 @@ def convert_validate_many(
     original's outputs on the panel are computed for the first and taken from validation's
     reference cache by the others. Raises ValidationError, once every artifact is validated,
     naming those that failed and where each is kept."""
+    check_shard_bytes(shard_bytes)
     out = Path(output) if output else default_output(source, None, dtype)
     if validate_output and not validation_available():  # fail before an hour of converting
         raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")

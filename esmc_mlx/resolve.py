@@ -62,6 +62,10 @@ def download_checkpoint(repo_id: str, revision: str | None = None) -> tuple[Path
             f"{where}: the download from {constants.ENDPOINT} was interrupted ({type(e).__name__}: {e}). "
             "Run the same command again: finished files are kept in the cache."
         ) from None
+    if not local.is_dir():  # the client returns a path it never made when no file matched
+        raise HubError(
+            f"{repo_id}: the repo holds no model files on {revision or 'main'} (no config.json, weights or .pth)"
+        )
     commit = local.name if len(local.name) == 40 else None  # snapshots/<commit sha>
     return local, commit
 
@@ -88,6 +92,8 @@ def resolve(source: str, revision: str | None = None) -> Source:
         # Path("") is the current directory: an unset shell variable ($MODEL) would read
         # whatever model or checkpoint the current directory holds
         raise ConvertError(f"{source!r} names no model: give an alias, a local path or a Hub repo id")
+    if source.startswith("esmc-mlx/") and source.removeprefix("esmc-mlx/") in LOCAL_ALIASES:
+        source = source.removeprefix("esmc-mlx/")  # the id provenance records for a bundled model
     repo_id = ALIASES.get(source) or ALIASES.get(source.upper())
     path = Path(source).expanduser()
     local = source in LOCAL_ALIASES or (repo_id is None and path.exists())

@@ -47,6 +47,16 @@ def test_bench_into_an_impossible_folder_fails_before_timing(tmp_path, monkeypat
     assert out.output.count("Error:") == 1 and "notes.txt is a file" in out.output, out.output
 
 
+def test_bench_on_a_gpu_mlx_has_not_fails_before_timing(tmp_path, monkeypatch):
+    # before round 11 (on a CPU-only MLX): the torch side timed, then the MLX child's traceback
+    # ("Cannot set gpu device without gpu backend") and "the mlx side of the benchmark failed"
+    monkeypatch.setattr(bench.mx, "is_available", lambda device: device != bench.mx.gpu)
+    monkeypatch.setattr(bench, "_side", lambda *a, **k: pytest.fail("timed first"))
+    out = CliRunner().invoke(main, ["bench", "--model", "tiny", "--device", "gpu", "-o", str(tmp_path / "b")])
+    assert out.exit_code == 1 and out.output.count("Error:") == 1, out.output
+    assert "--device gpu: this MLX has no GPU backend" in out.output and not (tmp_path / "b").exists()
+
+
 @pytest.mark.parametrize("shapes", ["0x16", "1x0", "", "1x2,0x4"])
 def test_bench_refuses_shapes_it_cannot_time(tmp_path, monkeypatch, shapes):
     """0x16 / 1x0 crashed the timing child (ZeroDivisionError traceback); "" timed the defaults."""

@@ -71,6 +71,34 @@ def test_output_layout_shards_index_and_tokenizer(checkpoints, reference_model, 
     assert torch.equal(back.lm_head.decoder.weight, reference_model.lm_head.decoder.weight)
 
 
+def test_api_refuses_a_shard_size_that_is_not_positive(checkpoints, tmp_path):
+    # before round 11: convert(..., shard_bytes=0) wrote one shard per tensor (34 files for
+    # tiny) where the CLI refuses --shard-size 0
+    from esmc_mlx.convert.many import convert_many
+    from esmc_mlx.pipeline import convert_validate_push
+
+    src = str(checkpoints["published"])
+    for bad in (0, -5, 2.5, "1GB"):
+        with pytest.raises(ConvertError, match=r"shard_bytes="):
+            convert(src, tmp_path / "out", shard_bytes=bad, progress=False)
+        with pytest.raises(ConvertError, match=r"shard_bytes="):
+            convert_many(src, tmp_path / "many", ["4", "8"], shard_bytes=bad, progress=False)
+        with pytest.raises(ConvertError, match=r"shard_bytes="):
+            convert_validate_push(src, tmp_path / "pipe", shard_bytes=bad, validate_output=False, log=None)
+    assert not list(tmp_path.iterdir())
+
+
+def test_api_private_without_an_upload_repo_is_refused(checkpoints, tmp_path):
+    # before round 11 convert_validate_push(..., private=True) without upload_repo converted and made
+    # nothing private without a word (the CLI refuses --private without --upload-repo, 8.4d)
+    from esmc_mlx.errors import HubError
+    from esmc_mlx.pipeline import convert_validate_push
+
+    with pytest.raises(HubError, match="applies to the repo that upload_repo creates"):
+        convert_validate_push(str(checkpoints["published"]), tmp_path / "out", private=True, validate_output=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_dtype_defaults_to_the_source_and_can_be_chosen(reference_model, tmp_path):
     from esmc_mlx.testing import write_checkpoint
 
@@ -97,9 +125,35 @@ def test_cli_converts_and_info_describes(checkpoints, tmp_path):
     assert "--q" in runner.invoke(convert_main, ["--help"]).output
 
 
+def test_info_names_its_size_unit_as_it_counts(tmp_path):
+    # before round 11 `info` divided by 1024 and wrote MB/GB: the packaged tiny (20,890,680 bytes,
+    # "20.9 MB" in docs/esmc-tiny.md) read "19.92 MB", the 6B mxfp4 (3.387 GB in docs/quantization.md) "3.15 GB"
+    from esmc_mlx.artifact import describe, human_size
+
+    out = convert("tiny", tmp_path / "tiny", progress=False)
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    assert describe(out)["size on disk"] == f"{size / 2**20:.2f} MiB"
+    assert (human_size(3_387_000_000), human_size(2048), human_size(10)) == ("3.15 GiB", "2.00 KiB", "10 B")
+
+
 # --- bad input: clear message, non-zero exit, nothing left in place ---------------------------
 def run_cli(args):
     return CliRunner().invoke(convert_main, args)
+
+
+def test_default_output_names_the_spec_as_the_sub_directories_do(tmp_path, monkeypatch):
+    # before round 11 `esmc-convert tiny --q 4` wrote ESMC-tiny-4-mlx (docs: ESMC-300M-4bit-mlx; -o DIR
+    # --q 4 --q 8 writes DIR/4bit), and --group-size 32 went to the same folder as the default 64
+    monkeypatch.chdir(tmp_path)
+    for args in (["--q", "4"], ["--q", "4", "--group-size", "32"], ["--q", "mxfp4"], ["--dtype", "float16"]):
+        result = CliRunner().invoke(convert_main, ["tiny", "--no-validate", *args])
+        assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ESMC-tiny-4bit-g32-mlx",
+        "ESMC-tiny-4bit-mlx",
+        "ESMC-tiny-float16-mlx",
+        "ESMC-tiny-mxfp4-mlx",
+    ]
 
 
 def test_unknown_alias_and_missing_path(tmp_path):

@@ -566,7 +566,9 @@ def test_inputs_longer_than_training_warn_before_the_work(converted, tmp_path):
     model = esmc_mlx.load(converted)[0]
     rng = np.random.default_rng(0)
     long = "".join(rng.choice(list("ACDEFGHIKLMNPQRSTVWY"), 2100))
-    with pytest.warns(EsmcMlxWarning, match="2,100 residues is longer than the 2,048 ESMC was trained on"):
+    with pytest.warns(
+        EsmcMlxWarning, match="2,100 residues is longer than the 2,046 residues \\(2,048 tokens\\) ESMC was trained on"
+    ):
         emb = model.embed(long)
     assert np.isfinite(emb.mean).all()
     # 20,000 residues: the warning (slow, memory) comes before any forward pass
@@ -1376,6 +1378,30 @@ def test_nonsense_job_options(converted, tmp_path, command):
     result = cli(*args)
     assert result.exit_code == 2 and "Invalid value" in result.output
     assert not (tmp_path / "e").exists() and not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["convert", "tiny", "-o", "-", "--no-validate"],
+        ["quantize", "{model}", "-o", "-", "--q", "4"],
+        ["embed", "{model}", "{fasta}", "-o", "-"],
+        ["score", "{model}", "--sequence", SEQ, "--mutations", "{csv}", "-o", "-"],
+        ["scan", "{model}", "--sequence", SEQ, "-o", "-", "--no-plot"],
+        ["validate", "{model}", "--reference", "tiny", "--report", "-"],
+        ["bench", "--model", "tiny", "--no-torch", "-o", "-"],
+    ],
+)
+def test_dash_as_an_output_is_refused(converted, tmp_path, monkeypatch, command):
+    """Before round 11 `-o -` (stdout to many tools) made a file or folder named '-' (score: the
+    CSV, rc 0)."""
+    (tmp_path / "in.fasta").write_text(f">a\n{SEQ}\n")
+    (tmp_path / "m.csv").write_text("mutant\nM1A\n")
+    monkeypatch.chdir(tmp_path)
+    args = [a.format(model=converted, fasta=tmp_path / "in.fasta", csv=tmp_path / "m.csv") for a in command]
+    result = cli(*args)
+    assert result.exit_code == 2 and "'-' would be a file or folder named '-'" in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.fasta", "m.csv"]
 
 
 @pytest.mark.parametrize("option,message", [("--layers", "no layer given"), ("--pool", "unknown pooling ['']")])

@@ -219,6 +219,35 @@ def test_an_empty_revision_is_refused_not_taken_for_main(hub, checkpoints, tmp_p
     result = CliRunner().invoke(main, ["push", str(artifact), "alice/tiny", "--revision", ""])
     assert result.exit_code == 1 and result.output.count("Error:") == 1 and "--revision ''" in result.output
     assert hub.state.log == [] and "alice/tiny" not in hub.state.repos  # was: committed to main
+    for bad in (5, b"dev", "  "):  # 5 and b"dev" were AttributeErrors ('int' object has no attribute 'strip')
+        with pytest.raises(HubError, match=r"--revision .*: give the branch to commit to"):
+            push_artifact(artifact, "alice/tiny", revision=bad)
+    assert hub.state.log == []
+
+
+def test_the_validate_command_a_refused_push_suggests_reads_its_reference(hub, tmp_path):
+    # before round 11 the packaged model's artifacts were told to run `esmc-mlx validate DIR
+    # --reference esmc-mlx/tiny` (the id their provenance records), which went to the Hub and failed
+    from esmc_mlx.resolve import resolve
+
+    artifact = convert("tiny", tmp_path / "tiny-4bit", q="4", progress=False)
+    with pytest.raises(HubError, match=r"--reference esmc-mlx/tiny\n"):
+        push_artifact(artifact, "alice/tiny")
+    assert resolve("esmc-mlx/tiny").path == resolve("tiny").path
+    assert hub.state.log == []
+
+
+def test_a_repo_without_model_files_is_named_as_such(hub, tmp_path):
+    # before round 11: load('alice/empty') said 'alice/empty: a file, not a model directory' (the client
+    # returns a snapshot path it never made when no file matched), embed and score the same
+    hub.state.create_repo("alice/empty")  # only .gitattributes, as a push to another branch leaves main
+    with pytest.raises(HubError, match=r"alice/empty: the repo holds no model files on main"):
+        load("alice/empty")
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(">a\nMKTAYIAKQR\n")
+    result = CliRunner().invoke(main, ["embed", "alice/empty", str(fasta), "-o", str(tmp_path / "e")])
+    assert result.exit_code == 1 and "the repo holds no model files on main" in result.output, result.output
+    assert not (tmp_path / "e").exists()
 
 
 # --- what gets refused before anything is sent --------------------------------------------------------
@@ -619,6 +648,9 @@ def test_card_of_an_unquantized_local_conversion(checkpoints, tmp_path):
     assert "Not quantized" in card.text and "Not validated" in card.text
     assert "no command line was recorded" in card.text
     assert read_validation(artifact).state == "missing"
+    # its first sentence read "ESMC protein language model a local checkpoint (`published`) converted
+    # to MLX" before round 11
+    assert "An ESMC protein language model from a local checkpoint (`published`), converted to [MLX]" in card.text
 
 
 def test_incomplete_artifact_is_refused(hub, checkpoints, tmp_path):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from esmc_mlx.errors import ScoringError
 from esmc_mlx.runtime.model import ESMC, layer_activation_bytes, layers_per_eval
 from esmc_mlx.testing import SHAPES, random_mlx_model, tiny_config
 
@@ -71,10 +72,12 @@ def test_chunked_compiled_forward_is_bit_identical():
 
 
 def test_chunk_layers_rejects_nonsense():
+    # before round 11: a plain ValueError ("every must be ..."), and True was taken as 1
     model = random_model(tiny_config())
-    for bad in (0, -1, "all", 1.5):
-        with pytest.raises(ValueError):
+    for bad in (0, -1, "all", 1.5, True):
+        with pytest.raises(ScoringError, match=r"chunk_layers\(every="):
             model.chunk_layers(bad)
+    assert model._layers_per_eval == "auto"  # a refused value leaves the setting as it was
 
 
 @pytest.mark.skipif(
@@ -126,3 +129,22 @@ def test_chunking_steps_aside_under_grad():
             np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-7, err_msg=name)
         else:
             assert same(a, b), name
+
+
+def test_the_forward_warns_past_the_trained_length_where_scoring_does():
+    # before round 11 the forward (embed, validate) warned past 2,048 residues, scoring past 2,046
+    # (2,048 tokens with <cls> and <eos>, docs/scoring.md): a 2,047-residue protein warned in one only
+    import warnings
+
+    from esmc_mlx.errors import EsmcMlxWarning
+    from esmc_mlx.runtime.tokenizer import ESMCTokenizer
+    from esmc_mlx.testing import random_sequences
+
+    model = random_model(tiny_config(num_hidden_layers=1))
+    seq = random_sequences(1, 2047, 2047, seed=3)[0]
+    ids = ESMCTokenizer()([seq])["input_ids"]
+    with pytest.warns(EsmcMlxWarning, match="2,047 residues is longer than the 2,046 residues"):
+        model(ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(ESMCTokenizer()([seq[:2046]])["input_ids"])

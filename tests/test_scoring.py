@@ -360,6 +360,51 @@ def test_score_csv_errors_name_file_and_line(model, tmp_path):
         score_csv(model, WT, bad, None, methods=["entropy"])
 
 
+def test_score_csv_checks_joint_windows_before_the_model(tmp_path):
+    # before round 11: a joint mutant wider than --window and an unknown multi= failed only after
+    # the model had loaded (here: a missing model's error instead), and the message named no
+    # mutant ("sites 1..33 span more than the window of 20 residues")
+    csv = tmp_path / "joint.csv"
+    csv.write_text("mutant\nA4G\nM1A:Q33A\n")
+    missing = tmp_path / "no-model"
+    with pytest.raises(ScoringError, match=r"joint.csv, line 3: 'M1A:Q33A': its sites span more than the window of 20"):
+        score_csv(missing, WT, csv, None, multi="joint", window=20)
+    with pytest.raises(ScoringError, match="unknown multi-mutant convention 'both'"):
+        score_csv(missing, WT, csv, None, multi="both")
+    result = CliRunner().invoke(
+        cli, ["score", str(missing), "--sequence", WT, "--mutations", str(csv), "--multi", "joint", "--window", "20"]
+    )
+    assert result.exit_code == 1 and "line 3: 'M1A:Q33A'" in result.output, result.output
+    assert not (tmp_path / "joint.scored.csv").exists()
+
+
+def test_embed_per_residue_adds_to_the_pools_given(model, tmp_path):
+    # before round 11 model.embed(S, pools="max", per_residue=True) dropped per_residue without a
+    # word (emb.per_residue was None), where the CLI's --pool max --per-residue stores both
+    emb = model.embed([WT, "MKV"], pools="max", per_residue=True)
+    assert emb.get("max").shape == (2, model.config.hidden_size)
+    assert [r.shape[0] for r in emb.per_residue] == [len(WT), 3]
+    alone = model.embed([WT, "MKV"], pools="per-residue")
+    np.testing.assert_array_equal(emb.per_residue[0], alone.per_residue[0])
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{WT}\n")
+    embed_fasta(model, fasta, tmp_path / "e", pools=["max"], per_residue=True)  # the job: the same
+    assert set(read_embeddings(tmp_path / "e").pools) == {"max", "per_residue"}
+
+
+def test_embed_layer_and_layers_together_are_refused(model, tmp_path):
+    # before round 11 model.embed(S, layer=2, layers="1") / embed_fasta(...) used layers=1 and
+    # ignored layer=2 without a word (the CLI refuses --layer 2 --layers 1)
+    with pytest.raises(ScoringError, match=r"give layer=2 or layers='1', not both"):
+        model.embed([WT], layer=2, layers="1")
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{WT}\n")
+    with pytest.raises(ScoringError, match="not both"):
+        embed_fasta(model, fasta, tmp_path / "e", layer=2, layers=[1])
+    assert not (tmp_path / "e").exists()
+    assert model.embed([WT], layer=1).layer == 1 and model.embed([WT]).layer == model.config.num_hidden_layers
+
+
 def test_spearman_matches_scipy():
     spearmanr = pytest.importorskip("scipy.stats").spearmanr
 

@@ -422,6 +422,41 @@ def test_threshold_override(converted, checkpoints, tmp_path):
         run(converted, checkpoints["published"], tmp_path, thresholds={"kl": 1})
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_length": 0}, "max_length=0: give a positive number"),  # was: ran, cropping nothing
+        ({"marginal_positions": 0}, "marginal_positions=0"),  # was: ran, then failed spearman (NaN)
+        ({"compute_dtype": "int8"}, "compute_dtype 'int8'"),  # was: KeyError 'int8'
+        ({"thresholds": {"kl_mean": "x"}}, "threshold kl_mean='x': give a number"),  # was: ValueError
+        ({"thresholds": {"kl_mean": math.nan}}, "threshold kl_mean=nan"),  # was: a bound nothing passes
+        ({"thresholds": {"bogus": 1}}, "unknown threshold 'bogus'"),  # was: after reading the reference
+    ],
+)
+def test_api_arguments_are_checked_before_any_work(converted, tmp_path, kwargs, message):
+    with pytest.raises(ValidationError, match=message):
+        validate(converted, str(tmp_path / "no-reference"), report_dir=tmp_path / "r", **kwargs)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_report_folder_holding_the_users_files_of_those_names_is_refused(converted, tmp_path):
+    # before round 11 `validate --report DIR` replaced DIR/report.json (or report.md) whatever it was
+    from esmc_mlx.errors import ConvertError
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    for name, content in (("report.json", '{"x": 1}'), ("report.md", "# my notes")):
+        (folder / name).write_text(content)
+        with pytest.raises(ValidationError, match=f"{name} is not an esmc-mlx validation report"):
+            validate(converted, str(tmp_path / "no-reference"), report_dir=folder)
+        assert (folder / name).read_text() == content
+        (folder / name).unlink()
+    # a previous run's report is replaced: the run goes on (here to the missing reference)
+    (folder / "report.json").write_text(json.dumps({"passed": True, "checks": [], "thresholds": {}, "panel": {}}))
+    with pytest.raises(ConvertError, match="no-reference: no such file"):
+        validate(converted, str(tmp_path / "no-reference"), report_dir=folder)
+
+
 def test_threshold_table_has_every_precision():
     for row in (
         "float32",

@@ -28,7 +28,7 @@ from ..resolve import Source, resolve
 from ..vocab import write_tokenizer_files
 from . import mapping
 from .sources import Checkpoint, open_checkpoint
-from .writer import DEFAULT_SHARD_BYTES, ShardWriter
+from .writer import DEFAULT_SHARD_BYTES, ShardWriter, check_shard_bytes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -184,6 +184,7 @@ def convert(
     ``derived_from``: the provenance of the checkpoint ``source`` was converted from
     (``quantize_directory`` keeps it for the model card).
     """
+    check_shard_bytes(shard_bytes)
     check_target(out_dir, force)  # fail before downloading anything
     job = prepare(source, dtype, q, group_size, quantize_head, revision, command, derived_from)
     with StagedDirectory(out_dir, force, sources=job.inputs) as stage:

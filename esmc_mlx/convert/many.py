@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import ConvertError
 from ..outputs import StagedDirectory, check_target
 from . import Conversion, prepare, write_artifacts
-from .writer import DEFAULT_SHARD_BYTES
+from .writer import DEFAULT_SHARD_BYTES, check_shard_bytes
 
 
 def spec_label(q: str | None, dtype: str | None = None, group_size: int | None = None) -> str:
@@ -67,6 +67,7 @@ def convert_many(
     directory}`` in the order given (``None`` in ``specs``: the float conversion). Raises
     ConvertError / QuantizeError / OutputError as ``convert`` does, before reading any weight for
     a bad spec or an existing output (without ``force``)."""
+    check_shard_bytes(shard_bytes)
     out_dir = Path(out_dir)
     labels = [spec_label(q, dtype, group_size) for q in specs]
     for label in labels:

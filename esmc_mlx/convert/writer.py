@@ -9,10 +9,19 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..errors import ConvertError
 from ..outputs import disk_full, disk_full_error
 
 DEFAULT_SHARD_BYTES = 1 << 30  # a shard is held in memory until written: this bounds peak RSS
 INDEX_NAME = "model.safetensors.index.json"
+
+
+def check_shard_bytes(shard_bytes: int) -> None:
+    """Refuse a shard limit that is not a positive int, naming ``shard_bytes`` (0 wrote one
+    shard per tensor; the CLI's ``--shard-size`` asks for at least 1MB, the API allows the
+    small shards that tests of sharding use)."""
+    if type(shard_bytes) is not int or shard_bytes < 1:
+        raise ConvertError(f"shard_bytes={shard_bytes!r}: give the largest shard as a positive number of bytes")
 
 
 class ShardWriter:

@@ -201,7 +201,8 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
     out: list[str] = ["---", data.to_yaml(), "---", "", f"# {repo_id}", ""]
     weights = f"quantized to **{precision}**" if q else f"stored as **{precision}**"
     out += [
-        f"ESMC protein language model {base_link} converted to [MLX](https://github.com/ml-explore/mlx) "
+        (f"ESMC protein language model {base_link}" if base else f"An ESMC protein language model from {base_link},")
+        + " converted to [MLX](https://github.com/ml-explore/mlx) "
         f"with [esmc-mlx]({PROJECT_URL}), weights {weights}: {info['bits per weight']} bits per weight, "
         f"{info['size on disk']} on disk.",
         "",

@@ -287,8 +287,8 @@ def push_artifact(
     """
     model_dir = Path(model_dir)
     check_repo_id(repo_id)
-    if revision is not None and not revision.strip():  # an unset variable: never main in its place
-        raise HubError("--revision '': give the branch to commit to (or leave the option out for main)")
+    if revision is not None and (not isinstance(revision, str) or not revision.strip()):  # never main in its place
+        raise HubError(f"--revision {revision!r}: give the branch to commit to (or leave the option out for main)")
     branch = revision or "main"
     files = artifact_files(model_dir)
     validation = check_validation(model_dir, repo_id, allow_unvalidated)

@@ -63,6 +63,11 @@ def parse_spec(spec: str, group_size: int | None = None) -> tuple[str, QuantPara
     """``--q SPEC [--group-size N]`` -> (normalized spec, default params). Needs no model, so
     callers check it before downloading anything. Raises QuantizeError naming the bad option."""
     spec = str(spec).strip().lower()
+    if group_size is not None and type(group_size) is not int:  # "64" read as "64 is not one of 32, 64, 128"
+        raise QuantizeError(
+            f"group_size={group_size!r} (--group-size): give an int, one of "
+            f"{', '.join(map(str, AFFINE_GROUP_SIZES))} (affine modes)"
+        )
     if spec in FIXED_MODES:
         fixed_group, bits = FIXED_MODES[spec]
         if group_size not in (None, fixed_group):

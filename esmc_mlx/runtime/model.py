@@ -16,8 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..config import TRAINED_LENGTH, ESMCConfig
-from ..errors import EsmcMlxWarning, SequenceError
+from ..config import TRAINED_LENGTH, TRAINED_TOKENS, ESMCConfig
+from ..errors import EsmcMlxWarning, ScoringError, SequenceError
 from . import kernels
 from .quantized import POLICY_ENV as QUANT_POLICY_ENV
 
@@ -366,8 +366,8 @@ class ESMC(nn.Module):
         """Evaluate the residual stream every ``every`` blocks: ``"auto"`` (the default) chunks
         only inputs whose activations would exceed ``ACTIVATION_BUDGET``; None never chunks.
         Outputs are bit-identical either way; only peak memory and syncs change."""
-        if every is not None and every != "auto" and (not isinstance(every, int) or every < 1):
-            raise ValueError(f"every must be 'auto', None or a positive int, got {every!r}")
+        if every is not None and every != "auto" and (type(every) is not int or every < 1):
+            raise ScoringError(f"chunk_layers(every={every!r}): every must be 'auto', None or a positive int")
         object.__setattr__(self, "_layers_per_eval", every)
         return self
 
@@ -496,10 +496,10 @@ class ESMC(nn.Module):
         """Before the first pass over an input longer than ESMC's training crop: say so, and
         what the quadratic attention will cost (every command inherits this; once per length)."""
         message = (
-            f"an input of {residues:,} residues is longer than the {TRAINED_LENGTH:,} ESMC was trained on; "
-            "its outputs are extrapolation"
+            f"an input of {residues:,} residues is longer than the {TRAINED_LENGTH:,} residues ({TRAINED_TOKENS:,} "
+            "tokens) ESMC was trained on; its outputs are extrapolation"
         )
-        if residues > 4 * TRAINED_LENGTH:
+        if residues + 2 > 4 * TRAINED_TOKENS:
             scores = self.config.num_attention_heads * (residues + 2) ** 2 * 4  # fp32 scores, one layer, one row
             message += (
                 f". Attention grows with the square of the length: expect this to be slow and to need "

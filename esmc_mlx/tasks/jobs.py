@@ -30,10 +30,13 @@ from .scoring import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_WINDOW,
     PAD_MULTIPLE,
+    check_joint_windows,
+    check_multi_window,
     default_batch_tokens,
     encode,
     iter_embeddings,
     length_batches,
+    pick_layers,
     positive_int,
     resolve_layers,
     resolve_methods,
@@ -74,7 +77,7 @@ def embed_fasta(
     fasta: str | Path,
     out: str | Path,
     *,
-    layer: int = -1,
+    layer: int | None = None,
     per_residue: bool = False,
     layers=None,
     pools=None,
@@ -93,7 +96,7 @@ def embed_fasta(
     """Embed every record of ``fasta`` into the directory ``out``, resuming from what is there.
     ``model``: a loaded ESMC, or a path / Hub id to load once the FASTA has been read.
     ``layers`` (``"all"``, ``"6,12,-1"`` or ints; default ``layer``) and ``pools`` (mean, max,
-    cls, per_residue; default mean, plus per_residue with ``per_residue``) are all computed in
+    cls, per_residue; default mean; ``per_residue`` adds per_residue) are all computed in
     one forward pass per batch. ``storage``: npy, safetensors or h5 (see ``tasks.store``).
 
     The FASTA is read as a stream, twice: a first pass checks it and keeps each record's ID,
@@ -114,7 +117,8 @@ def embed_fasta(
         raise JobError(f"storage format must be one of {', '.join(FORMATS)}, got {storage!r}")
     if storage == "h5":
         require_h5py()
-    pools = resolve_pools(pools if pools is not None else ("mean", "per_residue") if per_residue else ("mean",))
+    pools = resolve_pools(pools, per_residue)
+    layers = pick_layers(layer, layers)
     # Compact per-record metadata (~70 bytes a record with IdIndex): ID, length, sha1.
     ids, lengths, hashes = IdList(), array("q"), bytearray()
     for r in iter_fasta(fasta):  # before loading a model: bad input fails fast
@@ -124,7 +128,7 @@ def embed_fasta(
     lengths, hashes = np.frombuffer(lengths, dtype=np.int64), np.frombuffer(bytes(hashes), dtype="S40")
     model, model_name = _model(model, model_name)
     n_layers = model.config.num_hidden_layers
-    layers = resolve_layers(layer if layers is None else layers, n_layers)
+    layers = resolve_layers(layers, n_layers)
     names = array_names(layers, pools)
     settings = {
         "layers": list(layers),
@@ -521,6 +525,7 @@ def score_csv(
     """
     world = World.of(group)
     methods = resolve_methods(methods)
+    check_multi_window(multi, window)
     if out is not None and world.is_root:
         # a missing or unwritable folder, or -o naming an input, fails now, not after the scoring
         wt_file = Path(sequence).expanduser()
@@ -529,6 +534,8 @@ def score_csv(
     columns, rows, where = read_mutants_csv(mutations_csv, mutant_column)
     mutants = [row[mutant_column] or "" for row in rows]
     parsed = parse_mutants(mutants, wt, offset, where)  # before loading a model: bad input fails fast
+    if "masked_marginal" in methods and multi == "joint":
+        check_joint_windows(mutants, parsed, len(wt), window, where)
     if "mutated_sequence" in columns:
         for row, subs, prefix in zip(rows, parsed, where):
             given = (row["mutated_sequence"] or "").strip().upper()

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..config import TRAINED_TOKENS
 from ..errors import MutationError, ScoringError, SequenceError
 from ..runtime.model import ESMC
 from ..runtime.quantized import backend
@@ -39,7 +40,6 @@ from .mutations import Substitution, apply, parse_mutants
 
 METHODS = ("masked_marginal", "wt_marginal", "pppl")
 MULTI = ("sum", "joint")  # multi-mutant conventions of masked-marginal
-TRAINED_TOKENS = 2048  # ESMC's training context (ESM C paper), <cls> and <eos> included
 DEFAULT_WINDOW = TRAINED_TOKENS - 2  # residues per scoring window: the trained length
 DEFAULT_BATCH_SIZE = 32  # masked copies per forward pass
 DEFAULT_BATCH_TOKENS = 4096  # padded tokens per embedding batch
@@ -139,6 +139,14 @@ def resolve_layer(layer: int, num_layers: int) -> int:
     return layer % (num_layers + 1)
 
 
+def pick_layers(layer, layers):
+    """``layers``, else ``layer``, else -1 (the final hidden state); ScoringError when both are
+    given, since one would be ignored (as ``--layer`` with ``--layers``)."""
+    if layer is not None and layers is not None:
+        raise ScoringError(f"give layer={layer!r} or layers={layers!r}, not both")
+    return layers if layers is not None else -1 if layer is None else layer
+
+
 def resolve_layers(layers, num_layers: int) -> tuple[int, ...]:
     """``"all"``, ``"6,12,-1"``, an int or a list of ints -> distinct hidden-state indices, in
     the order given."""
@@ -158,9 +166,11 @@ def resolve_layers(layers, num_layers: int) -> tuple[int, ...]:
     return out
 
 
-def resolve_pools(pools) -> tuple[str, ...]:
-    """``"mean,max,cls,per-residue"`` or a list -> distinct pool names (``per-residue`` and
-    ``per_residue`` both accepted)."""
+def resolve_pools(pools, per_residue: bool = False) -> tuple[str, ...]:
+    """``"mean,max,cls,per-residue"`` or a list (None: mean) -> distinct pool names (``per-residue``
+    and ``per_residue`` both accepted); ``per_residue`` adds per_residue, as ``--per-residue`` does."""
+    if pools is None:
+        pools = ("mean",)
     if isinstance(pools, str):
         pools = pools.split(",")
     if not isinstance(pools, Iterable) or not all(isinstance(p, str) for p in pools):
@@ -169,7 +179,7 @@ def resolve_pools(pools) -> tuple[str, ...]:
     unknown = [p for p in out if p not in POOLS]
     if unknown or not out:
         raise ScoringError(f"unknown pooling {unknown or pools!r}; choose from mean, max, cls, per-residue")
-    return out
+    return (*out, "per_residue") if per_residue and "per_residue" not in out else out
 
 
 def positive_int(value, name: str) -> int:
@@ -261,7 +271,7 @@ def embed(
     model: ESMC,
     sequences: str | Sequence[str],
     *,
-    layer: int = -1,
+    layer: int | None = None,
     per_residue: bool = False,
     layers=None,
     pools=None,
@@ -270,15 +280,15 @@ def embed(
     progress: bool = False,
 ) -> Embeddings:
     """Embeddings of ``sequences`` from the hidden states ``layers`` (0 = token embeddings, -1 =
-    final; default: ``layer``) pooled as ``pools`` (mean, max, cls, per_residue; default: mean,
-    plus per_residue with ``per_residue``), all from one forward pass per batch. Sequences are
+    final; default: ``layer``, else -1) pooled as ``pools`` (mean, max, cls, per_residue; default: mean),
+    plus per_residue with ``per_residue``, all from one forward pass per batch. Sequences are
     batched by length, at most ``batch_tokens`` padded tokens a pass (default:
     ``default_batch_tokens()``). Raises TokenizerError for
     characters outside the vocabulary, ScoringError for a layer the model does not have."""
     sequences = as_sequences(sequences)
     n_layers = model.config.num_hidden_layers
-    layers = resolve_layers(layer if layers is None else layers, n_layers)
-    pools = resolve_pools(pools if pools is not None else ("mean", "per_residue") if per_residue else ("mean",))
+    layers = resolve_layers(pick_layers(layer, layers), n_layers)
+    pools = resolve_pools(pools, per_residue)
     encoded = encode(sequences, tokenizer)
     d, n = model.config.hidden_size, len(encoded)
     pooled = {
@@ -432,6 +442,32 @@ def window_bounds(center: int, length: int, width: int | None) -> tuple[int, int
     return start, start + width
 
 
+def check_multi_window(multi: str, window: int | None) -> None:
+    """ScoringError for an unknown ``multi`` or a ``window`` that is not None or a positive int."""
+    if multi not in MULTI:
+        raise ScoringError(f"unknown multi-mutant convention {multi!r}; choose from {', '.join(MULTI)}")
+    if window is not None:
+        positive_int(window, "window")
+
+
+def check_joint_windows(
+    mutants: Sequence[str], parsed: list[list[Substitution]], length: int, window: int | None, where=None
+) -> None:
+    """Joint masking reads all sites of a multi-mutant from one window: refuse, naming the mutant
+    (``where[i]`` prefixes its message), one whose sites no window of ``window`` residues holds."""
+    for i, (mutant, subs) in enumerate(zip(mutants, parsed)):
+        if len(subs) < 2:
+            continue
+        lo, hi = min(s.index for s in subs), max(s.index for s in subs)
+        start, end = window_bounds((lo + hi) // 2, length, window)
+        if lo < start or hi >= end:
+            prefix = where[i] if where else f"mutant {i + 1}: "
+            raise ScoringError(
+                f"{prefix}{mutant!r}: its sites span more than the window of {window} residues ({hi - lo + 1}); "
+                "--multi joint needs them in one window (raise --window)"
+            )
+
+
 def check_length(sequence: str, window: int | None, what: str = "sequence") -> None:
     """Warn when ``sequence`` is longer than the model was trained on (2,048 tokens);
     ScoringError for a ``window`` that is not None or a positive integer."""
@@ -576,10 +612,7 @@ def score_mutations(
     characters in ``sequence``), ScoringError (unknown method or multi, sites beyond a window).
     """
     methods = resolve_methods(methods)
-    if multi not in MULTI:
-        raise ScoringError(f"unknown multi-mutant convention {multi!r}; choose from {', '.join(MULTI)}")
-    if window is not None:
-        positive_int(window, "window")
+    check_multi_window(multi, window)
     sequence = check_sequence(sequence, "wild type", label="sequence")
     if isinstance(mutations, str):
         mutations = [mutations]
@@ -589,6 +622,8 @@ def score_mutations(
     if where is not None and len(where) != len(mutants):
         raise ScoringError(f"where has {len(where)} entries for {len(mutants)} mutants")
     parsed = parse_mutants(mutants, sequence, offset, list(where) if where else None)
+    if "masked_marginal" in methods and multi == "joint":
+        check_joint_windows(mutants, parsed, len(sequence), window, where)
     check_length(sequence, window, "the wild type")
     world = World.of(group)
     tid = _TOKENIZER.token_to_id

@@ -38,7 +38,7 @@ import numpy as np
 
 from .. import _blas
 from .._version import __version__
-from ..artifact import REPORT_DIR, sha256, weight_files
+from ..artifact import FLOAT_DTYPES, REPORT_DIR, sha256, weight_files
 from ..config import ESMCConfig
 from ..errors import EsmcMlxError, ValidationError
 from ..hashes import file_hashes
@@ -51,7 +51,7 @@ from .metrics import fidelity as fidelity_metrics
 from .metrics import quality as quality_metrics
 from .panel import build_panel
 from .reference import Outputs, fp32_bytes
-from .report import text_summary, write_report
+from .report import check_report_folder, text_summary, write_report
 from .weights import ArtifactWeights, SourceWeights, names_for
 
 MODES = ("auto", "full", "layered")
@@ -349,6 +349,13 @@ def validate(
 
     if reference_device not in torch_ref.DEVICES:
         raise ValidationError(f"reference device {reference_device!r}: choose one of {', '.join(torch_ref.DEVICES)}")
+    if compute_dtype is not None and compute_dtype not in FLOAT_DTYPES:
+        raise ValidationError(f"compute_dtype {compute_dtype!r}: choose one of {', '.join(FLOAT_DTYPES)}")
+    if max_length is not None and (type(max_length) is not int or max_length < 1):  # 0 cropped nothing
+        raise ValidationError(f"max_length={max_length!r}: give a positive number of residues, or None")
+    if type(marginal_positions) is not int or marginal_positions < 1:  # 0: a Spearman of nothing, failed
+        raise ValidationError(f"marginal_positions={marginal_positions!r}: give a positive integer")
+    th.check_overrides(thresholds)
     if not validation_available():
         raise ValidationError(
             "validation needs torch and transformers (>= 5.23, with EsmcForMaskedLM): pip install 'esmc-mlx[torch]'"
@@ -359,6 +366,7 @@ def validate(
     report_folder = Path(report_dir) if report_dir else Path(mlx_dir) / REPORT_DIR
     if write:  # a report folder that cannot be made fails now, not after the whole validation
         ensure_parent(report_folder / "report.json", create=False)
+        check_report_folder(report_folder)
     source = SourceWeights(reference, revision)
     panel = build_panel(sequences, max_length=max_length, marginal_positions=marginal_positions)
     batches = panel.batches(max_tokens)

@@ -1,7 +1,7 @@
 """The sequences validation runs: real proteins, plus inputs derived from them, in padded batches.
 
 From the records of a FASTA file (the bundled ``data/panel.fasta`` unless the user gives one):
-  * every record: the longest whole (positions past the 1,024-residue training crop), every
+  * every record: the longest whole (positions past esmc-tiny's 1,022-residue training crop), every
     other one cropped to its first ``record_window`` residues (``max_length`` crops them all);
   * a two-chain input: two records joined by the chain break ``|`` (run with ``sequence_id``);
   * ``<mask>`` inputs: records with 15% of their residues replaced by ``<mask>``;

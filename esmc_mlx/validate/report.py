@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifact import PLOT_NAME
+from ..artifact import PLOT_NAME, REPORT_FILES
 from ..errors import ValidationError
 from ..outputs import add_to_marker, atomic_file, output_lock
 from ..privacy import public_source_id, scrub
@@ -264,6 +264,25 @@ def _finite(obj):
     if isinstance(obj, float) and not np.isfinite(obj):
         return None
     return obj
+
+
+def check_report_folder(directory: Path) -> None:
+    """ValidationError, before any work, for a report folder holding a report.json, report.md
+    or plot that is not an esmc-mlx report's (the run would replace them): one whose report.json
+    is an esmc-mlx report is a previous run's, replaced by this one."""
+    present = [n for n in REPORT_FILES if (directory / n).exists()]
+    if not present:
+        return
+    try:
+        data = json.loads((directory / "report.json").read_text())
+        ours = isinstance(data, dict) and {"passed", "checks", "thresholds", "panel"} <= data.keys()
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise ValidationError(
+            f"{directory / present[0]} is not an esmc-mlx validation report, and the report would replace it; "
+            "choose another --report folder (or move the file)"
+        )
 
 
 def write_report(report, panel: Panel, directory: Path, draw: bool = True) -> Path:

@@ -21,6 +21,10 @@ with ``--threshold NAME=VALUE``.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+
+from ..errors import ValidationError
 
 # Checks whose value must stay *at or above* the threshold; every other check is "at most".
 HIGHER_IS_BETTER = frozenset({"top1", "embedding_cosine", "spearman"})
@@ -68,6 +72,19 @@ QUALITY: dict[str, dict[str, float]] = {p: dict(zip(QUALITY_COLUMNS, row)) for p
 # (unmasked) input residues; a random-weight network recovers about 1/33. Quality checks are
 # enforced only against a trained reference unless the caller says otherwise (quality_gate).
 TRAINED_IDENTITY_ACCURACY = 0.5
+CHECK_NAMES = (*QUALITY_COLUMNS, "fidelity_logits", "fidelity_hidden")
+
+
+def check_overrides(overrides: dict[str, float] | None) -> None:
+    """ValidationError, before any work, for an override that names no check or is not a
+    number (NaN included: no value passes it); ``resolve`` applies them."""
+    for name, bound in (overrides or {}).items():
+        if name not in CHECK_NAMES:
+            raise ValidationError(f"unknown threshold {name!r}; known: {', '.join(sorted(CHECK_NAMES))}")
+        if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or math.isnan(bound):
+            raise ValidationError(
+                f"threshold {name}={bound!r}: give a number, e.g. {name}={QUALITY['4bit'].get(name, 1e-5)}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
