@@ -258,3 +258,17 @@ def test_a_loaded_model_without_a_name_is_never_taken_for_another(model, tmp_pat
     assert [s[0] for s in first.scanned] == [s[0] for s in again.scanned] == ["sequence"] and again.skipped == []
     named = [scan_job(model, tmp_path / "n", sequence=WT[:12], plot=False, model_name="mine") for _ in range(2)]
     assert named[1].skipped == ["sequence"] and named[1].scanned == []
+
+
+@pytest.mark.parametrize("offset", ["1", 1.5, True])
+def test_scan_offset_must_be_an_integer(model, offset):
+    """offset="1" failed only in write (TypeError), 1.5 wrote mutants such as M1.5A."""
+    with pytest.raises(ScoringError, match="offset must be an integer"):
+        model.scan(WT[:8], offset=offset)
+
+
+def test_non_ascii_names_keep_their_letters(converted, tmp_path):
+    r = CliRunner().invoke(
+        cli, ["scan", str(converted), "--sequence", WT[:8], "--name", "αβ/1", "-o", str(tmp_path), "--no-plot"]
+    )
+    assert r.exit_code == 0 and (tmp_path / "αβ_1_scan.csv").exists(), r.output

@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import numbers
 import re
 from pathlib import Path
 
@@ -169,8 +170,9 @@ def scan_settings(
 
 
 def safe_name(name: str) -> str:
-    """A FASTA ID as a file name stem (``sp|P69905|HBA_HUMAN`` -> ``sp_P69905_HBA_HUMAN``)."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "sequence"
+    """A FASTA ID as a file name stem (``sp|P69905|HBA_HUMAN`` -> ``sp_P69905_HBA_HUMAN``, ``αβ`` ->
+    ``αβ``: before round 11 every non-ASCII letter was dropped, so ``--name αβ`` wrote sequence_*)."""
+    return re.sub(r"[^\w.-]+", "_", name).strip("._") or "sequence"  # \w: letters of any script stay
 
 
 def scan(
@@ -195,6 +197,8 @@ def scan(
     """
     if method not in SCAN_METHODS:
         raise ScoringError(f"unknown scan method {method!r}; choose from {', '.join(SCAN_METHODS)}")
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):  # "1" failed in write, 1.5 wrote M1.5A
+        raise ScoringError(f"offset must be an integer (the number of the first residue), got {offset!r}")
     sequence = check_sequence(sequence, name, label="sequence")
     check_length(sequence, window, name)
     positions = _residue_positions(sequence, name)
