@@ -828,7 +828,7 @@ QMM_TILES = {
 # "2d" 174-188 a thread, "2d128" 174-186, "2d64w" 151-249, "2d32" 116-127.
 QMM_TILE_RESIDENT = {"2d": 1, "2d128": 1, "2d64w": 1, "2d32": 2}
 # From this many tokens the default tile is "2d"; below it the one-dimensional tile. H200, per
-# weight (benchmarks.fused_qmm_ab2, twelfth issue-16 session), "2d" against "1d" on the 6B's
+# weight (benchmarks.fused_qmm_ab2, eleventh issue-16 session, second round), "2d" against "1d" on the 6B's
 # four block shapes: affine4 0.88-1.02x at 256 tokens and 0.78-0.90x at 1024, mxfp4 1.01-1.06x
 # at 256 and 0.97-1.04x at 1024; both 1.0-1.23x at 16-64 tokens. On 7680x2560, "2d128" was
 # within 3% of "2d" at 256 tokens and 5% slower at 1024; "2d32" was slower at both.

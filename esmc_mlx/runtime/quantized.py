@@ -65,14 +65,16 @@ CROSSOVER_TOKENS = {
 # weights of kernels.MIN_VALUES values or more ("cuda": the 6B's, but o_proj). Measured on an
 # H200 in whole 6B forwards at B=1 with every supported block weight through each path,
 # interleaved (python -m benchmarks.crossover_forward --model 6B --modes affine4,mxfp4 --sides
-# bf16,quantized,dequantize,fused --tokens 32,64,128,256,512,1024 --budget 0.5; twelfth
-# issue-16 session, docs/benchmarks.md; the one-dimensional warp tile up to 64 tokens, the
+# bf16,quantized,dequantize,fused --tokens 32,64,128,256,512,1024 --budget 0.5; eleventh
+# issue-16 session, second round, docs/benchmarks.md; the one-dimensional warp tile up to 64 tokens, the
 # two-dimensional one from 65). Fused against the better of quantized_matmul and dequantize +
 # matmul: affine4 0.84 / 0.93 / 0.92 at 32 / 64 / 128 tokens, 1.25 at 256, 1.96 at 512;
 # mxfp4 0.71 / 0.81 / 0.95, then 1.38 / 2.23. The window is the measured wins, 32 to 128
 # (129 closes it: 129-255 not measured). Below 32 not measured in forwards. The 300M
 # ("cuda-small") gets none: its affine4 forwards had fused behind at 32-128 and 512-1024 and
-# 0.96 of dequantize + matmul at 256 alone; its mxfp4 was not reached.
+# 0.96 of dequantize + matmul at 256 alone; its mxfp4 was not reached. A third run, the
+# shipped policy against dequantize + matmul everywhere (--sides bf16,shipped,dequantize):
+# 0.90-0.91 at 32-128 tokens (affine4), 0.91 / 0.90 / 0.97 (mxfp4).
 FUSED_TOKENS = {
     "cuda": {"affine4": (32, 129), "mxfp4": (32, 129)},
 }
