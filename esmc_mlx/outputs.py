@@ -376,7 +376,7 @@ def _is_within(inner: Path, outer: Path) -> bool:
 
 def check_target(out: str | Path, force: bool, sources: Iterable[str | Path] = (), create_parent: bool = False) -> None:
     """Fail before any work when the output directory ``out`` cannot be (re)placed: it exists and
-    ``force`` is off; it is or contains one of ``sources``; or, with ``force``, it is a file, a
+    ``force`` is off; it is, contains or lies inside one of ``sources``; or, with ``force``, it is a file, a
     link, the current directory or one holding it, a directory esmc-mlx did not write, or one
     holding files esmc-mlx did not write."""
     out = Path(out)
@@ -389,6 +389,8 @@ def check_target(out: str | Path, force: bool, sources: Iterable[str | Path] = (
         if _is_within(source, real):
             what = "is" if source == real else "contains"
             raise OutputError(f"the output {out} {what} the input {source}; write the output somewhere else")
+        if source.is_dir() and _is_within(real, source):  # it would become part of the input (and its upload)
+            raise OutputError(f"the output {out} is inside the input {source}; write the output somewhere else")
     if exists:
         refuse = f"--force will not replace {out}:"
         if _is_within(Path.cwd().resolve(), real):

@@ -165,6 +165,21 @@ def test_force_refuses_the_source_itself_and_a_folder_holding_it(old_output, che
     assert (outer / "ckpt" / "model.safetensors").exists() and debris(tmp_path) == []
 
 
+@pytest.mark.parametrize("command", ["convert", "quantize"])
+def test_an_output_inside_its_input_is_refused(old_output, command):
+    # before round 12, `quantize OUT -o OUT/sub` wrote a model inside the model it read: a
+    # folder that later loads, uploads and hashes of OUT would carry along
+    out, before = old_output
+    entries = sorted(out.rglob("*"))
+    for inner in (out / "sub", out / "a" / "b"):
+        if command == "convert":
+            result = convert_cli(out, "-o", inner, "--q", "8", "--no-validate")
+        else:
+            result = cli("quantize", out, "-o", inner, "--q", "8")
+        one_error_line(result, f"the output {inner} is inside the input {out.resolve()}")
+    assert snapshot(out) == before and sorted(out.rglob("*")) == entries
+
+
 def test_force_replaces_an_esmc_mlx_output_and_one_from_before_the_marker(old_output, checkpoints, tmp_path):
     out, before = old_output
     marker = json.loads((out / outputs.MARKER).read_text())
