@@ -116,3 +116,27 @@ def test_fast_mxfp4_quantize_is_bit_identical():
             assert len(out) == len(ref)
             for a, b in zip(out, ref):
                 assert a.dtype == b.dtype and mx.array_equal(a, b).item()
+
+
+def test_the_fingerprint_names_the_weights_not_their_runtime_layout(tiny_config):
+    """embed and scan resume only with the model that made their files (ESMC.fingerprint): the
+    same weights give one fingerprint however they run, other weights another."""
+    from mlx.utils import tree_flatten
+
+    from esmc_mlx.testing import random_mlx_model
+
+    want = random_mlx_model(tiny_config, mx.bfloat16, seed=1).fingerprint()
+    same = random_mlx_model(tiny_config, mx.bfloat16, seed=1).fuse()
+    assert same.is_fused and same.fingerprint() == want
+    same.set_dtype(mx.float32)  # what load() does on the CPU: every bfloat16 value is a float32
+    assert same.fingerprint() == want
+    weights = dict(tree_flatten(random_mlx_model(tiny_config, mx.float32, seed=1).parameters()))
+    others = [
+        random_mlx_model(tiny_config, mx.bfloat16, seed=2),  # another checkpoint of the same shape
+        bench.mlx_model(tiny_config, weights),  # the same checkpoint stored in float32: other values
+        *(bench.mlx_model(tiny_config, weights, quant=bench.QUANT_MODES[m]) for m in ("affine8", "affine4", "mxfp4")),
+    ]
+    prints = [want, *(m.fingerprint() for m in others)]
+    assert len(set(prints)) == len(prints)
+    fused = bench.mlx_model(tiny_config, weights, fuse=True, quant=bench.QUANT_MODES["mxfp4"])
+    assert fused.is_fused and fused.fingerprint() == prints[-1]

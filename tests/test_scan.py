@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import math
+import shutil
 import struct
 
 import numpy as np
@@ -214,7 +215,7 @@ def test_a_stopped_fasta_scan_resumes_where_it_stopped(converted, tmp_path, monk
         assert (out / f"{name}_scan.csv").read_bytes() == (fresh / f"{name}_scan.csv").read_bytes()
     monkeypatch.setattr(jobs, "run_scan", counted)
 
-    calls[:] = []  # all there: nothing computed, nothing loaded
+    calls[:] = []  # all there: nothing computed
     assert CliRunner().invoke(cli, args).exit_code == 0 and calls == []
     # what changes a protein's files makes it scanned again: its sequence, the method, a file cut short, --force
     fasta.write_text(f">one\n{WT}\n>two\n{WT[:21]}\n>three\n{WT[5:25]}\n")
@@ -248,16 +249,30 @@ def test_scan_refuses_a_manifest_it_did_not_write(converted, tmp_path):
     assert "someone-else" in (out / "scan-manifest.json").read_text()
 
 
-def test_a_loaded_model_without_a_name_is_never_taken_for_another(model, tmp_path):
-    """scan_job with a loaded ESMC cannot tell which model made OUT's files: it scans again,
-    unless the caller names the model."""
-    from esmc_mlx.tasks.jobs import scan_job
+def test_a_scan_resumes_with_the_same_weights_only(converted, tmp_path):
+    """The model is known by its weights (ESMC.fingerprint): before round 12 a loaded model was
+    never resumed, and a path was known by its name, so a folder converted again in place (or
+    another model given the same name) was taken for the one that made OUT's files."""
+    import mlx.core as mx
 
-    first = scan_job(model, tmp_path, sequence=WT[:12], plot=False)
-    again = scan_job(model, tmp_path, sequence=WT[:12], plot=False)
-    assert [s[0] for s in first.scanned] == [s[0] for s in again.scanned] == ["sequence"] and again.skipped == []
-    named = [scan_job(model, tmp_path / "n", sequence=WT[:12], plot=False, model_name="mine") for _ in range(2)]
-    assert named[1].skipped == ["sequence"] and named[1].scanned == []
+    from esmc_mlx.tasks.jobs import scan_job
+    from esmc_mlx.testing import write_random_artifact
+
+    def job(model, **kw):
+        return scan_job(model, tmp_path / "out", sequence=WT[:12], plot=False, **kw)
+
+    assert [s[0] for s in job(load(converted, fuse=False)[0]).scanned] == ["sequence"]
+    # the same weights: loaded fused, or a copy elsewhere named by its path
+    moved = tmp_path / "moved"
+    shutil.copytree(converted, moved)
+    for same in (load(converted, fuse=True)[0], str(moved)):
+        again = job(same)
+        assert again.skipped == ["sequence"] and again.scanned == []
+    # other weights of the same shape: the same path converted again, then the first model again
+    shutil.rmtree(moved)
+    write_random_artifact(moved, load(converted)[0].config, mx.float32, seed=3)
+    assert [s[0] for s in job(str(moved)).scanned] == ["sequence"]
+    assert [s[0] for s in job(load(converted)[0]).scanned] == ["sequence"]
 
 
 @pytest.mark.parametrize("offset", ["1", 1.5, True])

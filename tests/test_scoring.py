@@ -284,6 +284,31 @@ def test_embed_job_resumes_without_recomputing(model, tmp_path):
     assert read_embeddings(tmp_path / "resumed").residues is None
 
 
+def test_embed_resumes_only_with_the_model_that_made_the_store(converted, tmp_path):
+    """Before round 12 a model of the same shape passed the settings check, so a rerun with
+    another checkpoint (or a folder converted again in place) added its embeddings to the
+    first model's; now the weights' fingerprint decides, wherever the model is loaded from."""
+    import shutil
+
+    import mlx.core as mx
+
+    from esmc_mlx.testing import write_random_artifact
+
+    seqs = random_sequences(6, 4, 30, seed=41)
+    fasta = write_fasta(tmp_path / "in.fa", seqs)
+    interrupted = Counting(load(converted)[0], fail_after=2)
+    with pytest.raises(KeyboardInterrupt):
+        embed_fasta(interrupted, fasta, tmp_path / "out", batch_tokens=64, flush_every=1)
+    kept = {p.name: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()}
+    other = write_random_artifact(tmp_path / "other", load(converted)[0].config, mx.float32, seed=5)
+    with pytest.raises(JobError, match=r"other settings \(model_weights: '[0-9a-f]{12}\.\.\.' there"):
+        embed_fasta(str(other), fasta, tmp_path / "out", batch_tokens=64)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()} == kept
+    moved = shutil.copytree(converted, tmp_path / "moved")  # the same weights elsewhere resume
+    summary = embed_fasta(str(moved), fasta, tmp_path / "out", batch_tokens=64)
+    assert summary.skipped > 0 and summary.skipped + summary.computed == 6
+
+
 def test_embed_refuses_foreign_directory(model, tmp_path):
     fasta = write_fasta(tmp_path / "in.fa", ["MKV"])
     (tmp_path / "busy").mkdir()

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 import os
 import warnings
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ..config import TRAINED_LENGTH, TRAINED_TOKENS, ESMCConfig
 from ..errors import EsmcMlxWarning, ScoringError, SequenceError
@@ -506,6 +509,44 @@ class ESMC(nn.Module):
                 f"about {scores / 2**30:,.1f} GB per sequence for attention alone"
             )
         warnings.warn(message, EsmcMlxWarning, stacklevel=3)
+
+    def fingerprint(self) -> str:
+        """A sha256 naming these weights, whatever their runtime layout: the same for an artifact
+        loaded fused or not, on the CPU in float32 or on a GPU in bfloat16 (float values are
+        hashed as float32), different for another checkpoint, quantization or stored precision.
+        ``embed_fasta`` and ``scan_job`` record it so that a rerun resumes only with the same
+        model. It hashes each parameter's name and shape, small arrays whole and three rows
+        (first, middle, last) of each matrix: hashing a 6B's 12 GB would take seconds, and
+        three rows of every matrix already tell trained weights apart."""
+        digest = hashlib.sha256(json.dumps(self.config.to_dict(), sort_keys=True).encode())
+        for name, array, part, parts in sorted(self._unfused_parameters(), key=lambda t: t[0]):
+            rows = array.shape[0] // parts
+            start = part * rows
+            if array.size // parts <= 4096:
+                sample = array[start : start + rows]
+            else:
+                sample = array[mx.array([start, start + rows // 2, start + rows - 1])]
+            if mx.issubdtype(sample.dtype, mx.floating):
+                sample = sample.astype(mx.float32)
+            values = np.asarray(sample)
+            digest.update(f"{name} {(rows, *array.shape[1:])} {values.dtype}\n".encode())
+            digest.update(values.tobytes())
+        return digest.hexdigest()
+
+    def _unfused_parameters(self):
+        """(artifact name, array, part, parts) per parameter: a fused q/k/v or gate/up array is
+        its parts' rows side by side (``concat_linears``), so part ``i`` of ``n`` is named as
+        the unfused parameter it came from."""
+        fused = {fused_name: part_names for _, fused_name, part_names in FUSIONS}
+        for name, array in tree_flatten(self.parameters()):
+            keys = name.split(".")
+            hit = next((i for i, k in enumerate(keys) if k in fused), None)
+            if hit is None:
+                yield name, array, 0, 1
+                continue
+            names = fused[keys[hit]]
+            for i, part_name in enumerate(names):
+                yield ".".join([*keys[:hit], part_name, *keys[hit + 1 :]]), array, i, len(names)
 
     @property
     def dtype(self) -> mx.Dtype:

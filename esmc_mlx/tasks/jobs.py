@@ -105,6 +105,10 @@ def embed_fasta(
     ``batch_tokens``: padded tokens per forward pass (default ``default_batch_tokens()``:
     16384 on a CUDA GPU, 4096 elsewhere).
 
+    A rerun resumes only with the same settings and model weights (``ESMC.fingerprint``, the
+    same for the artifact moved, or loaded on another device); ``model_name`` is how the manifest
+    names the model for people (default: the path or Hub id given).
+
     Raises FastaError for a bad FASTA, JobError for an output directory holding other settings
     (or other sequences under the same IDs), ScoringError for a layer or pool the model lacks.
     """
@@ -140,6 +144,7 @@ def embed_fasta(
         "arrays": list(names.values()),
         "pooling": "mean and max over the tokens between <cls> and <eos>; cls = the <cls> token",
         "model": model_name,
+        "model_weights": model.fingerprint(),  # what decides whether a rerun may resume
         "fasta": str(fasta),
     }
     store, id_index = (EmbeddingStore(out) if world.is_root else None), None
@@ -335,16 +340,14 @@ def scan_job(
     group=None,
     progress: bool = False,
     force: bool = False,
-    model_name: str | None = None,
 ) -> ScanSummary:
     """Scan ``sequence`` (literal, or a FASTA file with one record; its files named ``name``,
     default ``sequence``) or every record of ``fasta`` (named by their IDs) and write each
     protein's files into ``out`` (see ``Scan.write``); rank 0 writes.
 
     Resumes: a protein that ``out`` already holds, scanned from the same sequence with the same
-    settings and model (``out/scan-manifest.json``), is skipped unless ``force``. The model is
-    known by its resolved path or Hub id, or by ``model_name`` when ``model`` is a loaded ESMC
-    (without one, nothing is skipped).
+    settings and model weights (``out/scan-manifest.json``; ``ESMC.fingerprint``), is skipped
+    unless ``force``.
     Raises FastaError, ScoringError, JobError (matplotlib missing with ``plot``, a manifest of
     another tool)."""
     if (sequence is None) == (fasta is None):
@@ -366,31 +369,27 @@ def scan_job(
     world = World.of(group)
     if plot and world.is_root:
         check_plotting()
-    label = model_name if model_name is not None else _model_label(model)
-    settings = [
-        scan_settings(seq, method=method, window=window, offset=offset, model=label, plot=plot, per_row=per_row)
-        for _, seq in records
-    ]
-    # Rank 0 reads OUT (before the model loads: fails fast); every rank learns which proteins
-    # are left, and whether rank 0 failed (else the others would wait for it in the first pass).
-    manifest, failure, status = None, None, np.zeros(len(records) + 1, dtype=np.int32)
+    # Rank 0 reads OUT (before the model loads: fails fast); every rank learns whether it failed
+    # (else the others would wait for it in the first pass), then which proteins are left.
+    manifest, failure, status = None, None, np.zeros(1, dtype=np.int32)
     if world.is_root:
         try:
             manifest = ScanManifest(out)
-            if label is not None and not force:
-                status[1:] = [manifest.done(safe_name(ident), entry) for (ident, _), entry in zip(records, settings)]
         except EsmcMlxError as e:
             failure, status[0] = e, 1
-    status = world.broadcast(status)
-    if failure is not None:
-        raise failure
-    if status[0]:
-        raise JobError(f"rank 0 could not read {out} (see its error)")
-    done = status[1:]
-    skipped = [ident for (ident, _), d in zip(records, done) if d]
-    if len(skipped) == len(records):
-        return ScanSummary(Path(out), [], world.rank, world.size, skipped)
+    if world.broadcast(status)[0]:
+        raise failure or JobError(f"rank 0 could not read {out} (see its error)")
     model, _ = _model(model, None)
+    weights = model.fingerprint()  # the same model: the same weights, wherever they were loaded from
+    settings = [
+        scan_settings(seq, method=method, window=window, offset=offset, model=weights, plot=plot, per_row=per_row)
+        for _, seq in records
+    ]
+    done = np.zeros(len(records), dtype=np.int32)
+    if manifest is not None and not force:
+        done[:] = [manifest.done(safe_name(ident), entry) for (ident, _), entry in zip(records, settings)]
+    done = world.broadcast(done)
+    skipped = [ident for (ident, _), d in zip(records, done) if d]
     scanned = []
     for (ident, seq), entry, is_done in zip(records, settings, done):
         if is_done:
@@ -407,20 +406,9 @@ def scan_job(
             progress=progress,
         )
         if manifest is not None:
-            paths = result.write(out, plot=plot, per_row=per_row)
-            if label is not None:
-                manifest.record(safe_name(ident), entry, paths)
+            manifest.record(safe_name(ident), entry, result.write(out, plot=plot, per_row=per_row))
         scanned.append((ident, len(result.positions), result.passes))
     return ScanSummary(Path(out), scanned, world.rank, world.size, skipped)
-
-
-def _model_label(model: ESMC | str | Path) -> str | None:
-    """How a scan names its model in the manifest: a directory by its resolved path (the same
-    folder from another working directory is the same model), a Hub id as given; a loaded
-    model has no name."""
-    if isinstance(model, ESMC):
-        return None
-    return str(Path(model).resolve()) if Path(model).exists() else str(model)
 
 
 # --- esmc-mlx score ---------------------------------------------------------------------------

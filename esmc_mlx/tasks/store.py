@@ -48,7 +48,10 @@ FORMAT_VERSION = 2
 FORMATS = ("npy", "safetensors", "h5")
 FLUSH_BYTES = 256 << 20  # also flush once this much is buffered (per-residue outputs of big models)
 SHARD_BYTES = 1 << 30  # largest safetensors shard
-SETTINGS_KEYS = ("layers", "pools", "dtype", "hidden_size", "num_hidden_layers", "storage")
+# what the stored arrays depend on: a rerun with other values is refused. model_weights is
+# ``ESMC.fingerprint``; a manifest from before round 12 lacks it and resumes as it always did
+# (nothing there can tell which model wrote it), recording it from then on.
+SETTINGS_KEYS = ("layers", "pools", "dtype", "hidden_size", "num_hidden_layers", "storage", "model_weights")
 ST_INDEX = "embeddings.safetensors.index.json"
 H5_FILE = "embeddings.h5"
 COPY_ROWS = 1 << 16  # rows per copy when converting the merged arrays to safetensors / HDF5
@@ -62,6 +65,11 @@ _OURS = re.compile(
 _DEBRIS = re.compile(r"parts|\.merge|\..+\.tmp(-\d+-[0-9a-f]+)?")
 _PART = re.compile(r"part-.+\.npz|\..+\.tmp(-\d+-[0-9a-f]+)?")
 _ARRAY = re.compile(r"[A-Za-z0-9_]+\.npy")
+
+
+def _shown(value) -> str:
+    """A setting in an error message; a model's sha256 by its first 12 digits, as git shows commits."""
+    return repr(value[:12] + "...") if isinstance(value, str) and len(value) == 64 else repr(value)
 
 
 def reserved_memmap(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> np.memmap:
@@ -223,9 +231,9 @@ class EmbeddingStore:
             existing = None
         if existing is not None:
             differ = [
-                f"{k}: {existing.get(k)!r} there, {settings[k]!r} now"
+                f"{k}: {_shown(existing.get(k))} there, {_shown(settings[k])} now"
                 for k in SETTINGS_KEYS
-                if existing.get(k) != settings[k]
+                if existing.get(k) != settings[k] and not (k == "model_weights" and k not in existing)
             ]
             if differ:
                 raise JobError(
