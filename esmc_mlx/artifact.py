@@ -294,6 +294,11 @@ def sha256(path: Path, chunk: int = 16 << 20) -> str:
     return digest.hexdigest()
 
 
+def plural(n: int, noun: str) -> str:
+    """``1 shard``, ``2 shards``, ``0 forward passes`` (nouns ending in s take -es)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
+
+
 def human_size(n: float) -> str:
     """Binary units, named as such: the docs' tables give GB as 10^9 bytes (3.39 GB = 3.15 GiB)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -322,10 +327,10 @@ def describe(model_dir: Path) -> dict:
         storage = f"{q['mode']} {q['bits']}-bit, group size {q['group_size']}"
         if overrides:
             kinds = sorted({f"{v['bits']}-bit" for v in overrides.values()})
-            storage += f" ({len(overrides)} layers at {', '.join(kinds)})"
+            storage += f" ({plural(len(overrides), 'layer')} at {', '.join(kinds)})"
         spec = (raw.get("esmc_mlx", {}).get("quantization") or {}).get("spec")
         storage = (f"{spec}: " if spec and spec.startswith("mixed") else "") + storage  # name the recipe
-        storage += f"; {sum(n.endswith('.scales') for n in names)} layers quantized"
+        storage += f"; {plural(sum(n.endswith('.scales') for n in names), 'layer')} quantized"
         head_quantized = "lm_head.decoder.scales" in names or "esmc.embed_tokens.scales" in names
         storage += f"; {'norms' if head_quantized else 'embedding, norms, LM head'} {raw.get('dtype')}"
     else:

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from ._version import __version__
-from .artifact import describe
+from .artifact import describe, plural
 from .bench import parse_shapes, run
 from .convert import quantize_directory
 from .errors import EsmcMlxError, EsmcMlxWarning
@@ -623,9 +623,11 @@ def embed(
     )
     if s.rank == 0:
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
-        click.echo(f"Embedded {s.computed} sequences{ranks} ({s.skipped} already done, {s.total} in all) -> {s.out}")
+        click.echo(
+            f"Embedded {plural(s.computed, 'sequence')}{ranks} ({s.skipped} already done, {s.total} in all) -> {s.out}"
+        )
         if s.dropped:
-            click.echo(f"Dropped {s.dropped} stored embeddings whose IDs are not in {fasta}")
+            click.echo(f"Dropped {plural(s.dropped, 'stored embedding')} of IDs not in {fasta}")
 
 
 SCORE_HELP = """Score mutants against a wild-type sequence and write the CSV back with one column per
@@ -745,7 +747,10 @@ def score(
     )
     if s.rank == 0:
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
-        click.echo(f"Scored {s.count} mutants ({', '.join(s.methods)}; {s.passes} forward passes{ranks}) -> {s.out}")
+        click.echo(
+            f"Scored {plural(s.count, 'mutant')} ({', '.join(s.methods)}; {plural(s.passes, 'forward pass')}{ranks}) "
+            f"-> {s.out}"
+        )
         if s.wt_pppl is not None:
             click.echo(f"Wild-type pseudo-perplexity: {s.wt_pppl:.4f}")
         for method, (rho, n) in s.spearman.items():
@@ -849,7 +854,9 @@ def scan(
         for ident in s.skipped:
             click.echo(f"Skipped {ident}: already scanned into {s.out} with these settings (--force scans again)")
         for ident, n, passes in s.scanned:
-            click.echo(f"Scanned {ident}: {n} residues x 19 substitutions ({passes} forward passes{ranks})")
+            click.echo(
+                f"Scanned {ident}: {plural(n, 'residue')} x 19 substitutions ({plural(passes, 'forward pass')}{ranks})"
+            )
         click.echo(f"Wrote {s.out}")
 
 

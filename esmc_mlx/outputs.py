@@ -381,6 +381,10 @@ def check_target(out: str | Path, force: bool, sources: Iterable[str | Path] = (
     holding files esmc-mlx did not write."""
     out = Path(out)
     exists = os.path.lexists(out)
+    if out.is_symlink() and not out.exists():  # "already exists" would puzzle: ls shows nothing usable
+        raise OutputError(
+            f"{out} is a link to {os.readlink(out)}, which does not exist; remove the link or choose another output"
+        )
     if exists and not force:
         raise OutputError(f"{out} already exists; pass --force to replace it")
     real = out.resolve()
@@ -426,6 +430,9 @@ def check_file_target(path: str | Path, option: str = "-o", sources: Iterable[st
         return
     if not path.parent.is_dir():
         raise OutputError(f"{option} {path}: no such directory {path.parent}")
+    target = Path(os.path.realpath(path))  # a link is written through (atomic_file)
+    if path.is_symlink() and not target.parent.is_dir():
+        raise OutputError(f"{option} {path}: a link to {os.readlink(path)}, whose folder does not exist")
     if path.is_dir():
         raise OutputError(f"{option} {path}: is a directory; give a file name")
     if not os.access(path.parent, os.W_OK | os.X_OK):

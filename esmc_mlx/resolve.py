@@ -7,6 +7,7 @@ and ``validate --reference`` all resolve through ``resolve``."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from .errors import ConvertError, HubError
@@ -103,6 +104,8 @@ def resolve(source: str, revision: str | None = None) -> Source:
         return Source(LOCAL_ALIASES[source], f"esmc-mlx/{source}")
     if repo_id is None and path.exists():
         return Source(path.resolve(), str(path.resolve()))
+    if repo_id is None and path.is_symlink():  # exists() follows the link: a dangling one reads as absent
+        raise ConvertError(f"{source}: a link to {os.readlink(path)}, which does not exist")
     looks_like_repo = (
         source.count("/") == 1
         and not source.startswith((".", "/", "~"))

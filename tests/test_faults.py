@@ -1246,6 +1246,22 @@ def test_score_writes_through_a_fifo_a_device_and_a_link(converted, tmp_path):
     assert debris(tmp_path) == []
 
 
+def test_a_dangling_link_is_named_as_one(converted, tmp_path, monkeypatch):
+    """A link to nothing read as 'already exists' (-o DIR), as a model alias that is not one
+    (a model given by a bare name), and as a path written to only after the work (-o FILE)."""
+    monkeypatch.chdir(tmp_path)
+    Path("gone").symlink_to(tmp_path / "nowhere" / "model")
+    Path("in.fa").write_text(f">a\n{SEQ}\n")
+    for result in (convert_cli("gone", "-o", "out", "--no-validate"), cli("embed", "./gone", "in.fa", "-o", "e")):
+        one_error_line(result, f"gone: a link to {tmp_path / 'nowhere' / 'model'}, which does not exist")
+    result = convert_cli(converted, "-o", "gone", "--q", "8", "--no-validate")
+    one_error_line(result, "gone is a link to", "which does not exist; remove the link or choose another output")
+    (tmp_path / "dms.csv").write_text("mutant\nM1A\n")
+    result = cli("score", converted, "--sequence", SEQ, "--mutations", "dms.csv", "-o", "gone")
+    one_error_line(result, "-o gone: a link to", "whose folder does not exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dms.csv", "gone", "in.fa"]
+
+
 def test_failed_runs_leave_no_folders_they_made(checkpoints, converted, tmp_path):
     result = convert_cli(tmp_path / "missing", "-o", tmp_path / "new" / "deeper" / "out")
     one_error_line(result, "no such file or directory")
@@ -1492,7 +1508,7 @@ def test_embed_keeps_what_a_shorter_fasta_lacks_unless_told(converted, tmp_path)
     assert cli("embed", converted, tmp_path / "all.fa", "-o", tmp_path / "e", "--no-progress").exit_code == 0
     before = snapshot(tmp_path / "e")
     result = cli("embed", converted, tmp_path / "one.fa", "-o", tmp_path / "e", "--no-progress")
-    one_error_line(result, "1 IDs that", "one.fa lacks ('b' ...)", "--drop-missing")
+    one_error_line(result, "1 ID that", "one.fa lacks ('b' ...)", "--drop-missing")
     assert snapshot(tmp_path / "e") == before
     result = cli("embed", converted, tmp_path / "one.fa", "-o", tmp_path / "e", "--drop-missing", "--no-progress")
-    assert result.exit_code == 0 and "Dropped 1 stored embeddings" in result.output, result.output
+    assert result.exit_code == 0 and "Dropped 1 stored embedding of IDs not in" in result.output, result.output

@@ -499,6 +499,16 @@ def test_cli_score_and_embed(converted, model, tmp_path):
     assert stored.ids == ["ok", "fine"] and stored.mean.dtype == np.float16
     np.testing.assert_allclose(stored.mean.astype(np.float32), model.embed(["MKV", "MKLV"], layer=1).mean, atol=2e-3)
 
+    # one of a thing is not "1 things" (before round 12: "Scored 1 mutants (...; 1 forward passes)")
+    (tmp_path / "one.csv").write_text(f"mutant\n{MUTANTS[0]}\n")
+    args = ["score", str(converted), "--sequence", WT, "--mutations", str(tmp_path / "one.csv"), "--no-progress"]
+    result = runner.invoke(cli, [*args, "--method", "wt-marginal"])
+    assert result.exit_code == 0 and "Scored 1 mutant (wt_marginal; 1 forward pass)" in result.output, result.output
+    fasta.write_text(">new\nMKVW\n>ok\nMKV\n>fine\nMKLV\n")
+    emb = ["embed", str(converted), str(fasta), "-o", str(tmp_path / "emb"), "--layer", "1", "--per-residue"]
+    result = runner.invoke(cli, [*emb, "--dtype", "float16", "--no-progress"])
+    assert "Embedded 1 sequence (2 already done" in result.output, result.output
+
 
 def test_errors_are_user_errors():
     for error in (FastaError, MutationError, JobError, ScoringError):

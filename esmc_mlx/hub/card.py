@@ -19,6 +19,7 @@ from ..artifact import (
     FP_MODES,
     REPORT_DIR,
     describe,
+    plural,
     precision_label,
     quantization_record,
     quantized_bits,
@@ -215,7 +216,7 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
         f"| Parameters | {info['parameters']} |",
         f"| Weights | {info['storage']} |",
         f"| Bits per weight | {info['bits per weight']} |",
-        f"| Size on disk | {info['size on disk']} in {info['shards']} shard{'s' if info['shards'] != 1 else ''} |",
+        f"| Size on disk | {info['size on disk']} in {plural(info['shards'], 'shard')} |",
         f"| Validation | {validation.headline()} |",
         f"| Converter | {converted_with} |",
         f"| License | {_license_text(license_, base, endpoint)} |",
@@ -331,12 +332,11 @@ def _quantization_section(config: dict, facts: dict, info: dict) -> list[str]:
                 + (f" {v['mode']}" if isinstance(v, dict) and v.get("mode") and v["mode"] != mode else "")
             )
             by_bits[key] = by_bits.get(key, 0) + 1
-        counts = ", ".join(f"{n} layers {k}" for k, n in sorted(by_bits.items()))
+        counts = ", ".join(f"{plural(n, 'layer')} {k}" for k, n in sorted(by_bits.items()))
         lines.append(f"- Per-layer overrides (mixed recipe): {counts}")
     lines += [
         f"- Bits per weight: **{info['bits per weight']}** (stored bytes x 8 / parameters; scales and biases included)",
-        f"- Size on disk: {info['size on disk']} ({info['shards']} safetensors "
-        f"shard{'s' if info['shards'] != 1 else ''})",
+        f"- Size on disk: {info['size on disk']} ({plural(info['shards'], 'safetensors shard')})",
     ]
     return lines
 

@@ -34,7 +34,7 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, Mo
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
 from .._version import __version__
-from ..artifact import REPORT_DIR, human_size, precision_label, weight_files
+from ..artifact import REPORT_DIR, human_size, plural, precision_label, weight_files
 from ..errors import ConvertError, HubError
 from ..outputs import locked
 from ..privacy import private_findings
@@ -76,7 +76,7 @@ class PushResult:
         return sum(size for _, size in self.files)
 
     def summary(self) -> str:
-        size = f"{len(self.files)} files, {human_size(self.total_bytes)}"
+        size = f"{plural(len(self.files), 'file')}, {human_size(self.total_bytes)}"
         where = self.repo_id + (f" (branch {self.revision})" if self.revision != "main" else "")
         if self.dry_run:
             lines = [f"Dry run: nothing was uploaded. A push would {'create' if self.created else 'update'} {where}:"]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..artifact import plural
 from ..errors import EsmcMlxError, JobError
 from ..outputs import atomic_file, check_file_target, locked, written_in_place
 from ..runtime.load import load
@@ -162,7 +163,7 @@ def embed_fasta(
                 )
             if missing and not drop_missing:  # computed embeddings are not thrown away unasked
                 raise JobError(
-                    f"{out} holds embeddings of {len(missing)} IDs that {fasta} lacks ({min(missing)!r} ...); "
+                    f"{out} holds embeddings of {plural(len(missing), 'ID')} that {fasta} lacks ({min(missing)!r} ...); "
                     "the merge would drop them: use another output directory, or --drop-missing"
                 )
             store.begin(settings)
