@@ -4,17 +4,24 @@ mxfp4, 16-1024 tokens; interleaved (rotated order), 8 independent calls per mx.e
 the rounds, microseconds a call. fused_2d: the two-dimensional warp tile (block 256 weight rows
 x 64 tokens, warps 8 x 1 of 32 rows x 64 tokens); fused_1d: the first version (a warp 16
 weight rows x all tokens); 2d128 / 2d32 the other two-dimensional tiles (7680x2560 only).
-python -m benchmarks.fused_qmm_ab2 OUT.json"""
+--tiles wg,2d128 adds those tiles on every shape (wg: Hopper's warpgroup MMA); --rows picks the
+token counts.
+python -m benchmarks.fused_qmm_ab2 OUT.json [--tiles T,T] [--rows 16,64,256,1024]"""
 
+import argparse
 import json
-import sys
 
 import mlx.core as mx
 
 from esmc_mlx.bench import time_interleaved
 from esmc_mlx.runtime import kernels
 
-out = sys.argv[1]
+p = argparse.ArgumentParser()
+p.add_argument("out")
+p.add_argument("--tiles", default="", help="more tiles timed on every shape, e.g. wg,2d128")
+p.add_argument("--rows", default="16,64,256,1024")
+a = p.parse_args()
+out, tiles, ROWS = a.out, [t for t in a.tiles.split(",") if t], [int(r) for r in a.rows.split(",")]
 CALLS = 8
 SHAPES = [(7680, 2560), (13824, 2560), (2560, 6912), (2560, 2560)]
 MODES = {"affine4": ("affine", 4, 64), "mxfp4": ("mxfp4", 4, 32)}
@@ -26,7 +33,7 @@ for n, k in SHAPES:
         wq, sc, *rest = mx.quantize(wf, group_size=gs, bits=bits, mode=mode)
         bi = rest[0] if rest else None
         mx.eval(wf, wq, sc, *rest)
-        for rows in (16, 64, 256, 1024):
+        for rows in ROWS:
             xs = [mx.random.normal((rows, k)).astype(mx.bfloat16) for _ in range(CALLS)]
             mx.eval(xs)
 
@@ -41,7 +48,9 @@ for n, k in SHAPES:
                 "fused_2d": fused("2d"),
                 "fused_1d": fused("1d"),
             }
-            if (n, k) == (7680, 2560):
+            for tile in tiles:
+                fns[f"fused_{tile}"] = fused(tile)
+            if (n, k) == (7680, 2560) and not tiles:
                 fns["fused_2d128"] = fused("2d128")
                 fns["fused_2d32"] = fused("2d32")
             t = time_interleaved(fns, warmup=2, budget_s=0.15, max_reps=10)

@@ -45,8 +45,16 @@ for name in exact_modes:
         for dtype in (mx.bfloat16, mx.float16):
             wq, sc, bi = quant(n, k, mode, bits, gs, dtype)
             deq = kernels.dequantize(wq, sc, bi, gs, bits, mode, dtype)
-            for fast, tile in ((True, None), (False, None), (True, "1d"), (True, "2d128"), (True, "2d32")):
-                if tile and (dtype != mx.bfloat16 or n != 7680):
+            for fast, tile in (
+                (True, None),
+                (False, None),
+                (True, "1d"),
+                (True, "2d128"),
+                (True, "2d32"),
+                (True, "wg"),
+                (False, "wg"),
+            ):
+                if tile and (dtype != mx.bfloat16 or n != 7680) and not tile.startswith("wg"):
                     continue
                 for rows in (k,):
                     x = mx.eye(k, dtype=dtype)[:rows]
@@ -63,6 +71,10 @@ for name in exact_modes:
                             f"NOT BIT-EXACT {name} {n}x{k} rows {rows} {dtype} fast={fast} tile={tile}: {diff} values differ",
                             flush=True,
                         )
+                        if bad <= 3:  # where: (token, weight row) -> kernel, dequantize
+                            ys, ds = y.astype(mx.float32), d.astype(mx.float32)
+                            for r_ in range(0, min(rows, 20)):
+                                print("  tok", r_, "y", ys[r_, :6].tolist(), "d", ds[r_, :6].tolist(), flush=True)
 print(f"bit-exact: {checked} cases, {bad} bad", flush=True)
 
 # 2. errors against fp32
@@ -100,8 +112,10 @@ for name in err_modes:
                 (1.0, 128, None),
                 (1.0, None, "2d128"),
                 (1.0, None, "2d32"),
+                (1.0, None, "wg"),
+                (4.0, None, "wg"),
             ):
-                if (mis or dtype != mx.bfloat16) and (bt or tile):
+                if (mis or dtype != mx.bfloat16) and (bt or tile) and not (tile or "").startswith("wg"):
                     continue
                 y = kernels.quantized_matmul(x, wq, sc, bi, gs, bits, mode, waves=waves, bt=bt, tile=tile)
                 s = mx.abs(ref).max().item()

@@ -710,7 +710,8 @@ def test_qmm_weights_bit_exact_on_cuda(name, dtype, fast):
     w, s, b, gs, bits, mode = qmm_weight(200, 192, name, FLOATS[dtype])
     assert kernels.quantized_matmul_supported(mx.zeros((1, 192), FLOATS[dtype]), w, s, b, gs, bits, mode)
     d = kernels.dequantize(w, s, b, gs, bits, mode, FLOATS[dtype]).T
-    for bt, tile in ((None, None), (16, None), (None, "2d128"), (None, "2d32")):  # 2d, 1d, 2d tiles
+    # 2d, 1d, 2d tiles, the warpgroup tile (4-bit weights with groups of 32 or more; others fall back)
+    for bt, tile in ((None, None), (16, None), (None, "2d128"), (None, "2d32"), (None, "wg")):
         x = mx.eye(192, dtype=FLOATS[dtype])
         y = kernels.quantized_matmul(x, w, s, b, gs, bits, mode, bt=bt, fast=fast, tile=tile)
         assert y.dtype == FLOATS[dtype] and y.shape == d.shape
@@ -729,7 +730,44 @@ def test_qmm_error_within_dequantize_matmul_on_cuda(name, rows):
     for x in (big[: rows * 640].reshape(1, rows, 640), big[1 : 1 + rows * 640].reshape(1, rows, 640)):
         ref = x.astype(mx.float32) @ d.astype(mx.float32).T
         e_dm = mx.abs(((x + 0) @ d.T).astype(mx.float32) - ref).max().item()
-        for waves, bt, tile in ((1.0, None, None), (4.0, 16, None), (1.0, None, "2d"), (4.0, None, "2d32")):
+        for waves, bt, tile in (
+            (1.0, None, None),
+            (4.0, 16, None),
+            (1.0, None, "2d"),
+            (4.0, None, "2d32"),
+            (1.0, None, "wg"),
+            (4.0, None, "wg"),
+        ):
             y = kernels.quantized_matmul(x, w, s, b, gs, bits, mode, waves=waves, bt=bt, tile=tile)
             assert y.shape == (1, rows, 520) and y.dtype == mx.bfloat16
             assert mx.abs(y.astype(mx.float32) - ref).max().item() <= 2 * e_dm + 1e-4 * mx.abs(ref).max().item()
+
+
+def test_fused_kernel_factories_fill_every_placeholder(monkeypatch):
+    """The three fused kernels (1d, 2d, wg tiles) as MLX receives them, checked on any machine
+    (mx.fast.cuda_kernel recorded, not built): every variant's scale and dequantize code is
+    spliced in, the shared setup and store are there once, affine kernels take biases, and the
+    warpgroup tile asks for its buffers plus the swizzle's 1024-byte alignment."""
+    made = {}
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.setdefault(kw["name"], kw))
+    for f in (kernels._qmm_kernel, kernels._qmm2_kernel, kernels._qmm_wg_kernel):
+        f.cache_clear()
+    try:
+        for variant in ("affine", "affine_fast", "fp", "fp_fast"):
+            for kernel in (
+                kernels._qmm_kernel(variant, 4, 64, 64),
+                kernels._qmm2_kernel(variant, 4, 64, "2d"),
+                kernels._qmm_wg_kernel(variant, 4, 64),
+            ):
+                kw = made[kernel.name]
+                for placeholder in ("SCALE_REGS", "LOAD_SCALES", "DEQUANT"):
+                    assert placeholder not in kw["source"], (kernel.name, placeholder)
+                assert kw["source"].count("auto issue = [&]") == 1 and kw["source"].count("if constexpr (SPLIT)") == 1
+                assert ("biases" in kw["input_names"]) == variant.startswith("affine")
+        wg = made[kernels._qmm_wg_kernel("affine_fast", 4, 64).name]
+        assert "wgmma_rs<128, __nv_bfloat16>" in wg["header"] and "wgmma.mma_async" in wg["header"]
+        buffers = kernels.QMM_STAGES * (128 * 64 * 2 + 128 * 64 * 4 // 8)
+        assert wg["shared_memory"] == max(buffers, 128 * (128 + 4) * 4) + 1024
+    finally:
+        for f in (kernels._qmm_kernel, kernels._qmm2_kernel, kernels._qmm_wg_kernel):
+            f.cache_clear()

@@ -140,3 +140,37 @@ def test_the_fingerprint_names_the_weights_not_their_runtime_layout(tiny_config)
     assert len(set(prints)) == len(prints)
     fused = bench.mlx_model(tiny_config, weights, fuse=True, quant=bench.QUANT_MODES["mxfp4"])
     assert fused.is_fused and fused.fingerprint() == prints[-1]
+
+
+def test_a_forced_warp_tile_gets_its_own_compiled_trace(tiny_config, weights, monkeypatch):
+    """A trace bakes in the fused kernel's warp tile (chosen in Python while tracing), so
+    ESMC_MLX_QMM_TILE keys the compiled forwards as the forced matmul path does: otherwise a
+    benchmark forcing another tile times the first tile's trace (the twelfth issue-16
+    session's first run read identical times for three tiles)."""
+    from esmc_mlx.runtime import kernels
+
+    model = bench.mlx_model(tiny_config, weights, fuse=True, compile=True)
+    ids = np.random.default_rng(1).integers(4, 24, size=(2, 9))
+    monkeypatch.delenv(kernels.QMM_TILE_ENV, raising=False)
+    for _ in range(2):  # eager, then traced
+        ref = np.array(model(ids).logits)
+    before = set(model._compiled)
+    monkeypatch.setenv(kernels.QMM_TILE_ENV, kernels.QMM_WG_TILE)
+    for _ in range(2):
+        out = np.array(model(ids).logits)
+    assert set(model._compiled) - before, "the forced tile reused the unforced trace"
+    assert rel(out, ref) <= 1e-6  # a float model: the tile changes nothing but the key
+
+
+def test_the_warp_tile_names_are_checked():
+    from esmc_mlx.runtime import kernels
+
+    assert kernels.qmm_tile(300, kernels.QMM_WG_TILE) == kernels.QMM_WG_TILE
+    assert kernels.qmm_tile(300) == "wg" and kernels.qmm_tile(100) == "2d" and kernels.qmm_tile(16) == "1d"
+    with pytest.raises(ValueError, match="wg"):
+        kernels.qmm_tile(300, "wg64")
+    assert kernels.wg_tile_supported(4, 32) and kernels.wg_tile_supported(4, 128)
+    assert not kernels.wg_tile_supported(8, 64) and not kernels.wg_tile_supported(4, 16)
+    # split K by qmm_plan's rule: 120 tiles of 128 x 128 fill less than half of 2 x 132 slots
+    assert kernels.qmm2_plan(256, 7680, 2560, kernels.QMM_WG_TILE) == 2
+    assert kernels.qmm2_plan(1024, 7680, 2560, kernels.QMM_WG_TILE) == 1

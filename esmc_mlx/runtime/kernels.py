@@ -400,19 +400,9 @@ __device__ __forceinline__ uint32_t e8m0_bf16(uint32_t e) {
 }
 """
 
-_QMM_SOURCE = """
-  // y (M x N) = x (M x K) @ dequantize(w).T; a block: 128 weight rows (8 warps x 16) x BT
-  // tokens x the steps s0..s1 of 64 columns of K (blockIdx.z: one split of K; SPLIT: y holds
-  // fp32 partial sums, one M x N slab per split).
-  constexpr int BK = 64, STAGES = 4, THREADS = 256, BW = 128;
-  constexpr int NT = BT / 8;  // n8 tiles of tokens (each warp computes all of them)
-  constexpr int WB = BK * BITS / 8;  // packed bytes of a weight row in a step
-  constexpr int XSTAGE = BT * BK;  // values of x in a stage
-  constexpr int WSTAGE = BW * WB;  // packed bytes of w in a stage
-  extern __shared__ __align__(16) uint8_t smem[];
-  O* xs = reinterpret_cast<O*>(smem);  // STAGES x BT rows x 64 values, 16-byte chunks swizzled
-  uint8_t* ws = smem + STAGES * XSTAGE * sizeof(O);  // STAGES x 128 rows x WB bytes
-
+# What the fused kernels share: the indices, the async copies of a step (x, swizzled; the packed
+# weight), and the store of y (fp32 slabs when K is split) from the fp32 tile in shared memory.
+_QMM_SETUP = """\
   const int M = x_shape[0], K = x_shape[1], N = w_shape[0];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -454,7 +444,45 @@ _QMM_SOURCE = """
     }
   };
 
-  // This thread's weight rows (within the block: warp * 16 + g and + 8) and their groups.
+"""
+
+_QMM_STORE = """\
+  if constexpr (SPLIT) {
+    float* out = reinterpret_cast<float*>(y) + size_t(blockIdx.z) * M * N;
+    for (int c = tid; c < BT * BW / 4; c += THREADS) {
+      const int r = c / (BW / 4), col = (c % (BW / 4)) * 4;
+      if (m0 + r < M && n0 + col < N)
+        *reinterpret_cast<float4*>(out + size_t(m0 + r) * N + n0 + col) = *reinterpret_cast<const float4*>(cs + r * CS + col);
+    }
+  } else {
+    for (int c = tid; c < BT * BW / 8; c += THREADS) {
+      const int r = c / (BW / 8), col = (c % (BW / 8)) * 8;
+      if (m0 + r < M && n0 + col < N) {
+        const float* v = cs + r * CS + col;
+        *reinterpret_cast<uint4*>(y + size_t(m0 + r) * N + n0 + col) = make_uint4(
+            pack2(O(v[0]), O(v[1])), pack2(O(v[2]), O(v[3])), pack2(O(v[4]), O(v[5])), pack2(O(v[6]), O(v[7])));
+      }
+    }
+  }
+"""
+
+_QMM_SOURCE = (
+    """
+  // y (M x N) = x (M x K) @ dequantize(w).T; a block: 128 weight rows (8 warps x 16) x BT
+  // tokens x the steps s0..s1 of 64 columns of K (blockIdx.z: one split of K; SPLIT: y holds
+  // fp32 partial sums, one M x N slab per split).
+  constexpr int BK = 64, STAGES = 4, THREADS = 256, BW = 128;
+  constexpr int NT = BT / 8;  // n8 tiles of tokens (each warp computes all of them)
+  constexpr int WB = BK * BITS / 8;  // packed bytes of a weight row in a step
+  constexpr int XSTAGE = BT * BK;  // values of x in a stage
+  constexpr int WSTAGE = BW * WB;  // packed bytes of w in a stage
+  extern __shared__ __align__(16) uint8_t smem[];
+  O* xs = reinterpret_cast<O*>(smem);  // STAGES x BT rows x 64 values, 16-byte chunks swizzled
+  uint8_t* ws = smem + STAGES * XSTAGE * sizeof(O);  // STAGES x 128 rows x WB bytes
+
+"""
+    + _QMM_SETUP
+    + """  // This thread's weight rows (within the block: warp * 16 + g and + 8) and their groups.
   const int wr = warp * 16 + g;
   const size_t ga = size_t(min(n0 + wr, N - 1)) * (K / GROUP), gb = size_t(min(n0 + wr + 8, N - 1)) * (K / GROUP);
   SCALE_REGS
@@ -539,24 +567,9 @@ _QMM_SOURCE = """
     cs[(r + 1) * CS + wr + 8] = acc[j][3];
   }
   __syncthreads();
-  if constexpr (SPLIT) {
-    float* out = reinterpret_cast<float*>(y) + size_t(blockIdx.z) * M * N;
-    for (int c = tid; c < BT * BW / 4; c += THREADS) {
-      const int r = c / (BW / 4), col = (c % (BW / 4)) * 4;
-      if (m0 + r < M && n0 + col < N)
-        *reinterpret_cast<float4*>(out + size_t(m0 + r) * N + n0 + col) = *reinterpret_cast<const float4*>(cs + r * CS + col);
-    }
-  } else {
-    for (int c = tid; c < BT * BW / 8; c += THREADS) {
-      const int r = c / (BW / 8), col = (c % (BW / 8)) * 8;
-      if (m0 + r < M && n0 + col < N) {
-        const float* v = cs + r * CS + col;
-        *reinterpret_cast<uint4*>(y + size_t(m0 + r) * N + n0 + col) = make_uint4(
-            pack2(O(v[0]), O(v[1])), pack2(O(v[2]), O(v[3])), pack2(O(v[4]), O(v[5])), pack2(O(v[6]), O(v[7])));
-      }
-    }
-  }
 """
+    + _QMM_STORE
+)
 
 _QMM_DEQUANT = {
     # (scale registers, their loads for group gi of rows a / b, the octet o's dequantize)
@@ -603,7 +616,8 @@ _QMM_DEQUANT = {
 }
 
 
-_QMM2_SOURCE = """
+_QMM2_SOURCE = (
+    """
   // The two-dimensional warp tile. y (M x N) = x (M x K) @ dequantize(w).T; a block: BW weight
   // rows x BT tokens x the steps s0..s1 of 64 columns of K. The 8 warps are WMW (along the
   // weight rows) x WN (along the tokens); a warp owns MI m16 tiles of weight rows (16 * MI
@@ -621,48 +635,9 @@ _QMM2_SOURCE = """
   O* xs = reinterpret_cast<O*>(smem);  // STAGES x BT rows x 64 values, 16-byte chunks swizzled
   uint8_t* ws = smem + STAGES * XSTAGE * sizeof(O);  // STAGES x BW rows x WB bytes
 
-  const int M = x_shape[0], K = x_shape[1], N = w_shape[0];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp % WMW, wn = warp / WMW;
-  const int g = lane >> 2, t = lane & 3;
-  const int n0 = blockIdx.x * BW, m0 = blockIdx.y * BT;
-  const int steps = K / BK, per = (steps + gridDim.z - 1) / gridDim.z;
-  const int s0 = blockIdx.z * per, s1 = min(steps, s0 + per);
-  const size_t row_bytes = size_t(K) * BITS / 8;
-  const uint8_t* packed = reinterpret_cast<const uint8_t*>(w);
-  const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
-  const bool w16 = (reinterpret_cast<uintptr_t>(packed) & 15) == 0;
-
-  auto issue = [&](int s, int stage) {
-    const int k0 = s * BK;
-    O* xd = xs + stage * XSTAGE;
-#pragma unroll
-    for (int c = tid; c < BT * 8; c += THREADS) {  // token r's 16-byte chunk j at j ^ (r & 7)
-      const int r = c >> 3, j = c & 7, m = m0 + r;
-      O* dst = xd + r * BK + ((j ^ (r & 7)) << 3);
-      const O* src = x + size_t(min(m, M - 1)) * K + k0 + j * 8;
-      if (x16) {
-        cp_async16(dst, src, m < M ? 16 : 0);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) dst[i] = m < M ? src[i] : O(0.0f);
-      }
-    }
-    uint8_t* wd = ws + stage * WSTAGE;
-#pragma unroll
-    for (int c = tid; c < BW * WB / 16; c += THREADS) {
-      const int r = c / (WB / 16), j = c % (WB / 16);
-      const uint8_t* src = packed + size_t(min(n0 + r, N - 1)) * row_bytes + size_t(k0) * BITS / 8 + j * 16;
-      uint8_t* dst = wd + r * WB + j * 16;
-      if (w16) {
-        cp_async16(dst, src, 16);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) cp_async4(dst + 4 * i, src + 4 * i);
-      }
-    }
-  };
-
+"""
+    + _QMM_SETUP
+    + """  const int wm = warp % WMW, wn = warp / WMW;
   // This thread's weight rows (within the block: wm * 16 * MI + 16 * i + g and + 8), their groups.
   const int wr0 = wm * 16 * MI + g;
   SCALE_REGS
@@ -772,24 +747,9 @@ _QMM2_SOURCE = """
       cs[(r + 1) * CS + c + 8] = acc[i][j][3];
     }
   __syncthreads();
-  if constexpr (SPLIT) {
-    float* out = reinterpret_cast<float*>(y) + size_t(blockIdx.z) * M * N;
-    for (int c = tid; c < BT * BW / 4; c += THREADS) {
-      const int r = c / (BW / 4), col = (c % (BW / 4)) * 4;
-      if (m0 + r < M && n0 + col < N)
-        *reinterpret_cast<float4*>(out + size_t(m0 + r) * N + n0 + col) = *reinterpret_cast<const float4*>(cs + r * CS + col);
-    }
-  } else {
-    for (int c = tid; c < BT * BW / 8; c += THREADS) {
-      const int r = c / (BW / 8), col = (c % (BW / 8)) * 8;
-      if (m0 + r < M && n0 + col < N) {
-        const float* v = cs + r * CS + col;
-        *reinterpret_cast<uint4*>(y + size_t(m0 + r) * N + n0 + col) = make_uint4(
-            pack2(O(v[0]), O(v[1])), pack2(O(v[2]), O(v[3])), pack2(O(v[4]), O(v[5])), pack2(O(v[6]), O(v[7])));
-      }
-    }
-  }
 """
+    + _QMM_STORE
+)
 
 
 def _qmm_source(variant: str, source: str = _QMM_SOURCE) -> str:
@@ -802,17 +762,23 @@ def _qmm_shared_bytes(bt: int, bits: int) -> int:
     return max(stages, bt * (QMM_BW + 4) * 4)
 
 
-@functools.cache
-def _qmm_kernel(variant: str, bits: int, group_size: int, bt: int) -> Kernel:
+def _fused_kernel(name: str, variant: str, source: str, header: str, shared_memory: int) -> Kernel:
+    """A fused quantized matmul kernel: x, the packed weight, its scales (and biases) -> y."""
     affine = variant.startswith("affine")
     return Kernel(
-        name=f"esmc_qmm_{variant}_{bits}_{group_size}_{bt}",
+        name=name,
         input_names=["x", "w", "scales", "biases"] if affine else ["x", "w", "scales"],
         output_names=["y"],
-        source=_qmm_source(variant),
-        header=_HEADER + _QMM_HEADER,
-        shared_memory=_qmm_shared_bytes(bt, bits),
+        source=_qmm_source(variant, source),
+        header=header,
+        shared_memory=shared_memory,
     )
+
+
+@functools.cache
+def _qmm_kernel(variant: str, bits: int, group_size: int, bt: int) -> Kernel:
+    name = f"esmc_qmm_{variant}_{bits}_{group_size}_{bt}"
+    return _fused_kernel(name, variant, _QMM_SOURCE, _HEADER + _QMM_HEADER, _qmm_shared_bytes(bt, bits))
 
 
 # The two-dimensional warp tiles: name -> (BT tokens, MI m16 tiles of a warp, WN warps along
@@ -849,31 +815,221 @@ def _qmm2_shared_bytes(tile: str, bits: int) -> int:
 
 @functools.cache
 def _qmm2_kernel(variant: str, bits: int, group_size: int, tile: str) -> Kernel:
-    affine = variant.startswith("affine")
-    return Kernel(
-        name=f"esmc_qmm2_{variant}_{bits}_{group_size}_{tile}",
-        input_names=["x", "w", "scales", "biases"] if affine else ["x", "w", "scales"],
-        output_names=["y"],
-        source=_qmm_source(variant, _QMM2_SOURCE),
-        header=_HEADER + _QMM_HEADER,
-        shared_memory=_qmm2_shared_bytes(tile, bits),
-    )
+    name = f"esmc_qmm2_{variant}_{bits}_{group_size}_{tile}"
+    return _fused_kernel(name, variant, _QMM2_SOURCE, _HEADER + _QMM_HEADER, _qmm2_shared_bytes(tile, bits))
+
+
+# Hopper's warpgroup MMA with the dequantized weight as the register A operand (the "wg" tile).
+def _wgmma_header(ns=(64, 128)) -> str:
+    """wgmma_rs<N, O>: d (64 weight rows x N tokens, fp32, a warpgroup) += a (64 x 16, the
+    dequantized weight, registers: each warp's 16 rows in mma.sync's A layout) @ the 16 x N
+    x tile that ``desc`` points at (K-major, 128-byte swizzle). Generated: the instruction
+    takes each accumulator as its own operand."""
+    out = [
+        '__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory"); }',
+        '__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory"); }',
+        "template <int N>",
+        '__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\\n" ::"n"(N) : "memory"); }',
+        "// cp.async's (generic proxy) writes to shared memory, made visible to wgmma (async proxy).",
+        '__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory"); }',
+        "// A K-major, 128-byte-swizzled shared-memory operand: rows of 64 values (128 bytes), 8-row",
+        "// groups 1024 bytes apart; addr must sit in a 1024-aligned swizzle atom (plus 32 * k16).",
+        "__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {",
+        "  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);",
+        "}",
+        "__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }",
+        "template <int N, typename O>",
+        "__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc);",
+    ]
+    for n in ns:
+        regs = n // 2
+        for o, ptx in (("__nv_bfloat16", "bf16"), ("__half", "f16")):
+            dl = ", ".join(f"%{i}" for i in range(regs))
+            cons = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+            out += [
+                "template <>",
+                f"__device__ __forceinline__ void wgmma_rs<{n}, {o}>(float (&d)[{regs}], const uint32_t (&a)[4], uint64_t desc) {{",
+                f'  asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "',
+                f'               "{{{dl}}}, {{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, 1, 1, 1, 0;\\n"',
+                f"               : {cons}",
+                '               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));',
+                "}",
+            ]
+    return "\n".join(out) + "\n"
+
+
+_QMM_WG_SOURCE = (
+    """
+  // Hopper's warpgroup MMA. y (M x N) = x (M x K) @ dequantize(w).T; a block: 2 warpgroups x 64
+  // weight rows (128) x BT tokens x the steps s0..s1 of 64 columns of K. Each warp dequantizes
+  // its 16 rows into registers in mma.sync's A layout, in K's own order (wgmma reads x from
+  // shared memory in that order): lane t's values of a step are bytes t, t + 4, ..., t + 28 of
+  // the row's 32 (4-bit pairs k, k + 1), gathered into two octets, one for each half of the step
+  // (the k16 slices 0-1 and 2-3; a group of 32 values or more covers a half). x arrives by
+  // cp.async in the 128-byte-swizzled K-major layout wgmma reads (the 1d tile's swizzle, on a
+  // 1024-byte-aligned base).
+  constexpr int BK = 64, STAGES = 4, THREADS = 256, BW = 128;
+  constexpr int WB = BK * BITS / 8;  // packed bytes of a weight row in a step (32)
+  constexpr int XSTAGE = BT * BK;  // values of x in a stage
+  constexpr int WSTAGE = BW * WB;  // packed bytes of w in a stage
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (static_cast<unsigned>(__cvta_generic_to_shared(smem_raw)) & 1023u)) & 1023u);
+  O* xs = reinterpret_cast<O*>(smem);  // STAGES x BT rows x 64 values (BT * 128 bytes: whole atoms)
+  uint8_t* ws = smem + STAGES * XSTAGE * sizeof(O);  // STAGES x BW rows x WB bytes
+
+"""
+    + _QMM_SETUP
+    + """  // This thread's weight rows (within the block: warp * 16 + g and + 8) and their groups.
+  const int wr = warp * 16 + g;
+  const size_t ga = size_t(min(n0 + wr, N - 1)) * (K / GROUP), gb = size_t(min(n0 + wr + 8, N - 1)) * (K / GROUP);
+  SCALE_REGS
+  auto load_scales = [&](int s, Sc (&dd)[2]) {
+#pragma unroll
+    for (int o = 0; o < 2; ++o) {
+      const int gi = (s * BK + 32 * o) / GROUP;  // half o of the step: one group
+      Sc& d = dd[o];
+      LOAD_SCALES
+    }
+  };
+
+  float acc[BT / 2];
+#pragma unroll
+  for (int j = 0; j < BT / 2; ++j) acc[j] = 0.0f;
+
+  // A step: the weight's half-steps dequantized into pa / pb, then the four k16 MMAs issued
+  // (asynchronous) and committed as one group.
+  const uint32_t sel = uint32_t(t) | (uint32_t(t + 4) << 4);  // byte t of two words
+  Sc cur_[2];
+  auto mma_step = [&](int stage, uint32_t (&pa)[8], uint32_t (&pb)[8]) {
+    const uint8_t* wt = ws + stage * WSTAGE + wr * WB;
+    const uint4 a0 = *reinterpret_cast<const uint4*>(wt), a1 = *reinterpret_cast<const uint4*>(wt + 16);
+    const uint4 b0 = *reinterpret_cast<const uint4*>(wt + 8 * WB), b1 = *reinterpret_cast<const uint4*>(wt + 8 * WB + 16);
+    const uint32_t xa = smem_u32(xs + stage * XSTAGE);
+#pragma unroll
+    for (int o = 0; o < 2; ++o) {
+      const uint4 qa4 = o == 0 ? a0 : a1, qb4 = o == 0 ? b0 : b1;
+      const uint64_t oa = __byte_perm(__byte_perm(qa4.x, qa4.y, sel), __byte_perm(qa4.z, qa4.w, sel), 0x5410);
+      const uint64_t ob = __byte_perm(__byte_perm(qb4.x, qb4.y, sel), __byte_perm(qb4.z, qb4.w, sel), 0x5410);
+      const Sc& cur = cur_[o];
+      DEQUANT
+      wgmma_fence();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int k4 = 2 * o + h;
+        const uint32_t a[4] = {pa[2 * k4], pb[2 * k4], pa[2 * k4 + 1], pb[2 * k4 + 1]};
+        wgmma_rs<BT, O>(acc, a, wgmma_desc(xa + 32 * k4));
+      }
+    }
+    wgmma_commit();
+  };
+  if (s0 < s1) load_scales(s0, cur_);
+
+  // Step s's dequantize runs while step s - 1's MMAs do (two register sets): copies run
+  // STAGES - 2 steps ahead, into the buffers of step s - 2, whose MMAs are waited for first.
+#pragma unroll
+  for (int p = 0; p < STAGES - 2; ++p) {
+    if (s0 + p < s1) issue(s0 + p, p);
+    cp_async_commit();
+  }
+  uint32_t pa0[8], pb0[8], pa1[8], pb1[8];
+  auto step = [&](int s, uint32_t (&pa)[8], uint32_t (&pb)[8]) {
+    const int stage = (s - s0) % STAGES;  // the prologue put step s0 in buffer 0
+    cp_async_wait<STAGES - 3>();  // step s has landed (this thread's copies)
+    fence_proxy_async();
+    wgmma_wait<1>();  // step s - 2's MMAs are done (s - 1's may run)
+    __syncthreads();  // everyone's copies of step s landed; step s - 2's buffers are free
+    {
+      const int sn = s + STAGES - 2;
+      if (sn < s1) issue(sn, (sn - s0) % STAGES);
+      cp_async_commit();
+    }
+    Sc nxt_[2];
+    if (s + 1 < s1) load_scales(s + 1, nxt_);
+    mma_step(stage, pa, pb);
+#pragma unroll
+    for (int o = 0; o < 2; ++o) cur_[o] = nxt_[o];
+  };
+  for (int s = s0; s < s1; s += 2) {
+    step(s, pa0, pb0);
+    if (s + 1 < s1) step(s + 1, pa1, pb1);
+  }
+  wgmma_wait<0>();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Through shared memory (fp32, BT x (BW + 4)), then coalesced rows of y. acc[4j + c]: weight
+  // row wr (+ 8 for c >= 2), token 8j + 2t (+ 1 for odd c).
+  constexpr int CS = BW + 4;
+  float* cs = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int j = 0; j < BT / 8; ++j) {
+    const int r = 8 * j + 2 * t;
+    cs[r * CS + wr] = acc[4 * j];
+    cs[(r + 1) * CS + wr] = acc[4 * j + 1];
+    cs[r * CS + wr + 8] = acc[4 * j + 2];
+    cs[(r + 1) * CS + wr + 8] = acc[4 * j + 3];
+  }
+  __syncthreads();
+"""
+    + _QMM_STORE
+)
+
+# Hopper's tile (sm_90a; kernel_cache and MLX compile for it), for 4-bit weights with groups of
+# 32 or more: a block 128 weight rows (two warpgroups of 64) x QMM_WG_TOKENS tokens, 4 stages of
+# buffers, 119-127 registers a thread (nvcc 13, no spills): 2 blocks an SM. Measured against
+# the other tiles on the H200 (benchmarks.fused_qmm_ab2 --tiles, twelfth issue-16 session):
+# 0.65-0.74x the "2d" tile's time at 1024 tokens (195-250 TFLOP/s on the 6B's large weights),
+# 0.71-1.07x at 256; its variants (64 tokens; no overlap of the dequantize with the MMAs; 6 or 8 stages; 4
+# warpgroups) were as fast or slower (branch experiment/qmm-wgmma).
+QMM_WG_TILE = "wg"
+QMM_WG_TOKENS = 128
+QMM_WG_RESIDENT = 2
+# From this many tokens the default tile is "wg" (where it runs: 4-bit, groups of 32 or more;
+# else "2d"). Whole 6B forwards on the H200 at 128 tokens: "2d" ahead for affine4 (23.5 against
+# 25.1 ms), "wg" for mxfp4 (19.3 against 21.0); at 256 "wg" ahead for both (affine4 25.5
+# against 27.5, mxfp4 22.1 against 28.0).
+QMM_WG_FROM = 129
+
+
+def _qmm_wg_shared_bytes(bits: int) -> int:
+    buffers = QMM_STAGES * (QMM_WG_TOKENS * QMM_BK * 2 + QMM_BW * QMM_BK * bits // 8)
+    return max(buffers, QMM_WG_TOKENS * (QMM_BW + 4) * 4) + 1024  # + the swizzle's 1024-byte alignment
+
+
+def _qmm_wg_header() -> str:
+    return _HEADER + _QMM_HEADER + _wgmma_header((QMM_WG_TOKENS,))
+
+
+@functools.cache
+def _qmm_wg_kernel(variant: str, bits: int, group_size: int) -> Kernel:
+    name = f"esmc_qmmwg_{variant}_{bits}_{group_size}"
+    return _fused_kernel(name, variant, _QMM_WG_SOURCE, _qmm_wg_header(), _qmm_wg_shared_bytes(bits))
 
 
 def qmm_tile(rows: int, tile: str | None = None) -> str:
     """The warp tile for ``rows`` tokens: ``tile``, else ESMC_MLX_QMM_TILE, else "1d" (a warp
-    16 weight rows x all tokens) below QMM_2D_FROM tokens and "2d" from there."""
-    tile = tile or os.environ.get(QMM_TILE_ENV, "") or ("2d" if rows >= QMM_2D_FROM else "1d")
-    if tile != "1d" and tile not in QMM_TILES:
-        raise ValueError(f"{QMM_TILE_ENV}: {tile!r} is not 1d or one of {', '.join(QMM_TILES)}")
+    16 weight rows x all tokens) below QMM_2D_FROM tokens, "2d" from there and "wg" (Hopper's
+    warpgroup MMA) from QMM_WG_FROM."""
+    default = QMM_WG_TILE if rows >= QMM_WG_FROM else "2d" if rows >= QMM_2D_FROM else "1d"
+    tile = tile or os.environ.get(QMM_TILE_ENV, "") or default
+    if tile != "1d" and tile != QMM_WG_TILE and tile not in QMM_TILES:
+        raise ValueError(f"{QMM_TILE_ENV}: {tile!r} is not 1d, {QMM_WG_TILE} or one of {', '.join(QMM_TILES)}")
     return tile
 
 
+def wg_tile_supported(bits: int, group_size: int) -> bool:
+    """The warpgroup tiles take 4-bit weights whose groups cover half a 64-column step."""
+    return bits == 4 and group_size >= 32
+
+
 def qmm2_plan(rows: int, n: int, k: int, tile: str, waves: float = 1.0) -> int:
-    """Splits of K for a two-dimensional tile, by qmm_plan's rule."""
-    bt, bw = QMM_TILES[tile][0], _qmm2_bw(tile)
+    """Splits of K for a two-dimensional or warpgroup tile, by qmm_plan's rule."""
+    if tile == QMM_WG_TILE:
+        bt, bw, resident = QMM_WG_TOKENS, QMM_BW, QMM_WG_RESIDENT
+    else:
+        bt, bw, resident = QMM_TILES[tile][0], _qmm2_bw(tile), QMM_TILE_RESIDENT[tile]
     tiles = -(-n // bw) * -(-rows // bt)
-    target = int(waves * QMM_SMS * QMM_TILE_RESIDENT[tile])
+    target = int(waves * QMM_SMS * resident)
     steps = k // QMM_BK
     splits = max(1, min(target // tiles, steps // 4)) if 2 * tiles <= target else 1
     per = -(-steps // splits)
@@ -945,8 +1101,13 @@ def quantized_matmul(
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
     tile = qmm_tile(rows, tile if bt is None else "1d")
+    if tile == QMM_WG_TILE and not wg_tile_supported(bits, group_size):
+        tile = qmm_tile(rows, "2d" if rows >= QMM_2D_FROM else "1d")
     variant = _qmm_variant(mode, bits, x.dtype, scales.dtype, fast)
-    if tile == "1d":
+    if tile == QMM_WG_TILE:
+        bt, splits = QMM_WG_TOKENS, qmm2_plan(rows, n, k, tile, waves)
+        kernel, bw, extra = _qmm_wg_kernel(variant, bits, group_size), QMM_BW, []
+    elif tile == "1d":
         bt, splits = qmm_plan(rows, n, k, waves, bt)
         kernel, bw, extra = _qmm_kernel(variant, bits, group_size, bt), QMM_BW, []
     else:

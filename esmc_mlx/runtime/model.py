@@ -41,9 +41,14 @@ def fused_norm_enabled() -> bool:
 
 
 def kernel_choices() -> tuple:
-    """What a compiled trace bakes in besides the shapes: the forced quantized-matmul path and
-    which custom kernels are on."""
-    return os.environ.get(QUANT_POLICY_ENV, "auto"), fused_qkv_enabled(), fused_norm_enabled()
+    """What a compiled trace bakes in besides the shapes: the forced quantized-matmul path, the
+    forced warp tile of the fused kernel, and which custom kernels are on."""
+    return (
+        os.environ.get(QUANT_POLICY_ENV, "auto"),
+        os.environ.get(kernels.QMM_TILE_ENV, ""),
+        fused_qkv_enabled(),
+        fused_norm_enabled(),
+    )
 
 
 def residual_norm(x: mx.array, h: mx.array, scale: float, norm: nn.LayerNorm) -> tuple[mx.array, mx.array]:

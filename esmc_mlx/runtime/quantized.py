@@ -75,8 +75,13 @@ CROSSOVER_TOKENS = {
 # 0.96 of dequantize + matmul at 256 alone; its mxfp4 was not reached. A third run, the
 # shipped policy against dequantize + matmul everywhere (--sides bf16,shipped,dequantize):
 # 0.90-0.91 at 32-128 tokens (affine4), 0.91 / 0.90 / 0.97 (mxfp4).
+# Twelfth issue-16 session: from 129 tokens the kernel runs Hopper's warpgroup MMA (kernels
+# "wg" tile). 6B forwards at 256 tokens, fused with it against dequantize + matmul: affine4 0.95
+# and 0.95 in two runs (crossover_forward --sides bf16,dequantize,fused_wg), mxfp4 1.08 and
+# 1.03; 512-1024 tokens 1.1-1.9 for both. So affine4's window reaches 256 (257 closes it:
+# 129-255 not measured), mxfp4's stays.
 FUSED_TOKENS = {
-    "cuda": {"affine4": (32, 129), "mxfp4": (32, 129)},
+    "cuda": {"affine4": (32, 257), "mxfp4": (32, 129)},
 }
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
 # fused where kernels.quantized_matmul runs, else the table); "auto" or unset uses the tables.
