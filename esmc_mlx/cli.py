@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
 import shlex
 import signal
 import sys
@@ -106,6 +107,16 @@ class OutputPath(click.Path):
             self.fail(
                 "'-' would be a file or folder named '-': esmc-mlx writes files, not stdout; name a path", param, ctx
             )
+        return super().convert(value, param, ctx)
+
+
+class InputPath(click.Path):
+    """An input that must exist. A link to nothing is named as one: click says only that the
+    path does not exist, while `ls` shows it there."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (str, os.PathLike)) and os.path.islink(value) and not os.path.exists(value):
+            self.fail(f"{os.fspath(value)} is a link to {os.readlink(value)}, which does not exist", param, ctx)
         return super().convert(value, param, ctx)
 
 
@@ -300,7 +311,7 @@ Examples:
 
 
 @main.command(help=QUANTIZE_HELP)
-@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("model_dir", type=InputPath(exists=True, file_okay=False, path_type=Path))
 @click.option("-o", "--output", "output", type=OutputPath(path_type=Path), required=True, help="Output directory.")
 @click.option("--q", "q", metavar="SPEC", required=True, multiple=True, help="Quantization spec (see above).")
 @group_size_option
@@ -331,7 +342,7 @@ def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size)
     help="Describe MODEL_DIR, an MLX model directory: architecture, parameters, dtype or "
     "quantization, bits per weight, size on disk.\n\n\b\nExample:\n  esmc-mlx info esmc-tiny-mlx"
 )
-@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("model_dir", type=InputPath(exists=True, file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def info(model_dir, as_json):
     facts = describe(model_dir)
@@ -375,7 +386,7 @@ def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
 
 
 @main.command(help=VALIDATE_HELP)
-@click.argument("mlx_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("mlx_dir", type=InputPath(exists=True, file_okay=False, path_type=Path))
 @click.option(
     "--reference",
     required=True,
@@ -384,7 +395,7 @@ def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
 )
 @click.option(
     "--sequences",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=InputPath(exists=True, dir_okay=False, path_type=Path),
     help="FASTA to use instead of the bundled panel (two-chain and <mask> inputs are derived from it).",
 )
 @click.option(
@@ -479,7 +490,7 @@ Examples:
 
 
 @main.command(help=PUSH_HELP)
-@click.argument("mlx_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("mlx_dir", type=InputPath(exists=True, file_okay=False, path_type=Path))
 @click.argument("repo_id", metavar="ORG/NAME")
 @click.option("--private", is_flag=True, help="Create the repo private (a repo that exists keeps its visibility).")
 @click.option("--revision", metavar="BRANCH", help="Commit to this branch (created from main if new).")
@@ -540,7 +551,7 @@ Examples:
 
 @main.command(help=EMBED_HELP + "\n" + MODEL_HELP)
 @click.argument("model")
-@click.argument("fasta", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("fasta", type=InputPath(exists=True, dir_okay=False, path_type=Path))
 @click.option(
     "-o",
     "--output",
@@ -681,7 +692,7 @@ window_option = click.option(
 @click.option(
     "--mutations",
     required=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=InputPath(exists=True, dir_okay=False, path_type=Path),
     help="CSV with a column of mutant strings.",
 )
 @click.option(
@@ -792,7 +803,7 @@ Examples:
 @click.option("--sequence", help="The protein (any length), or a FASTA file holding one record.")
 @click.option(
     "--fasta",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=InputPath(exists=True, dir_okay=False, path_type=Path),
     help="Scan every record of this FASTA file.",
 )
 @click.option(

@@ -1248,7 +1248,8 @@ def test_score_writes_through_a_fifo_a_device_and_a_link(converted, tmp_path):
 
 def test_a_dangling_link_is_named_as_one(converted, tmp_path, monkeypatch):
     """A link to nothing read as 'already exists' (-o DIR), as a model alias that is not one
-    (a model given by a bare name), and as a path written to only after the work (-o FILE)."""
+    (a model given by a bare name), as a path written to only after the work (-o FILE), and
+    as a path that 'does not exist' (inputs that click checks)."""
     monkeypatch.chdir(tmp_path)
     Path("gone").symlink_to(tmp_path / "nowhere" / "model")
     Path("in.fa").write_text(f">a\n{SEQ}\n")
@@ -1259,6 +1260,14 @@ def test_a_dangling_link_is_named_as_one(converted, tmp_path, monkeypatch):
     (tmp_path / "dms.csv").write_text("mutant\nM1A\n")
     result = cli("score", converted, "--sequence", SEQ, "--mutations", "dms.csv", "-o", "gone")
     one_error_line(result, "-o gone: a link to", "whose folder does not exist")
+    # an input that must exist (a model directory, a FASTA, a CSV): not only "does not exist"
+    for result in (
+        cli("info", "gone"),
+        cli("validate", "gone", "--reference", converted),
+        cli("embed", converted, "gone", "-o", "e"),
+        cli("score", converted, "--sequence", SEQ, "--mutations", "gone", "-o", "s.csv"),
+    ):
+        one_error_line(result, f"gone is a link to {tmp_path / 'nowhere' / 'model'}, which does not exist", code=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dms.csv", "gone", "in.fa"]
 
 

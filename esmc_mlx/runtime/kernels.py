@@ -980,7 +980,7 @@ _QMM_WG_SOURCE = (
 # the other tiles on the H200 (benchmarks.fused_qmm_ab2 --tiles, twelfth issue-16 session):
 # 0.65-0.74x the "2d" tile's time at 1024 tokens (195-250 TFLOP/s on the 6B's large weights),
 # 0.71-1.07x at 256; its variants (64 tokens; no overlap of the dequantize with the MMAs; 6 or 8 stages; 4
-# warpgroups) were as fast or slower (branch experiment/qmm-wgmma).
+# warpgroups) were as fast or slower: template switches of this source, dropped to keep one.
 QMM_WG_TILE = "wg"
 QMM_WG_TOKENS = 128
 QMM_WG_RESIDENT = 2
