@@ -752,7 +752,7 @@ _QMM2_SOURCE = (
 )
 
 
-def _qmm_source(variant: str, source: str = _QMM_SOURCE) -> str:
+def _qmm_source(variant: str, source: str) -> str:
     regs, load, octet = _QMM_DEQUANT[variant]
     return source.replace("SCALE_REGS", regs).replace("LOAD_SCALES", load).replace("DEQUANT", octet)
 
@@ -820,11 +820,11 @@ def _qmm2_kernel(variant: str, bits: int, group_size: int, tile: str) -> Kernel:
 
 
 # Hopper's warpgroup MMA with the dequantized weight as the register A operand (the "wg" tile).
-def _wgmma_header(ns=(64, 128)) -> str:
-    """wgmma_rs<N, O>: d (64 weight rows x N tokens, fp32, a warpgroup) += a (64 x 16, the
+def _wgmma_header(n: int) -> str:
+    """wgmma_rs<n, O>: d (64 weight rows x n tokens, fp32, a warpgroup) += a (64 x 16, the
     dequantized weight, registers: each warp's 16 rows in mma.sync's A layout) @ the 16 x N
-    x tile that ``desc`` points at (K-major, 128-byte swizzle). Generated: the instruction
-    takes each accumulator as its own operand."""
+    x tile that ``desc`` points at (K-major, 128-byte swizzle), for O bf16 and fp16. Generated:
+    the instruction takes each accumulator as its own operand."""
     out = [
         '__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory"); }',
         '__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory"); }',
@@ -841,20 +841,19 @@ def _wgmma_header(ns=(64, 128)) -> str:
         "template <int N, typename O>",
         "__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc);",
     ]
-    for n in ns:
-        regs = n // 2
-        for o, ptx in (("__nv_bfloat16", "bf16"), ("__half", "f16")):
-            dl = ", ".join(f"%{i}" for i in range(regs))
-            cons = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
-            out += [
-                "template <>",
-                f"__device__ __forceinline__ void wgmma_rs<{n}, {o}>(float (&d)[{regs}], const uint32_t (&a)[4], uint64_t desc) {{",
-                f'  asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "',
-                f'               "{{{dl}}}, {{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, 1, 1, 1, 0;\\n"',
-                f"               : {cons}",
-                '               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));',
-                "}",
-            ]
+    regs = n // 2
+    dl = ", ".join(f"%{i}" for i in range(regs))
+    cons = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    for o, ptx in (("__nv_bfloat16", "bf16"), ("__half", "f16")):
+        out += [
+            "template <>",
+            f"__device__ __forceinline__ void wgmma_rs<{n}, {o}>(float (&d)[{regs}], const uint32_t (&a)[4], uint64_t desc) {{",
+            f'  asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "',
+            f'               "{{{dl}}}, {{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, 1, 1, 1, 0;\\n"',
+            f"               : {cons}",
+            '               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));',
+            "}",
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -992,12 +991,12 @@ QMM_WG_FROM = 129
 
 
 def _qmm_wg_shared_bytes(bits: int) -> int:
-    buffers = QMM_STAGES * (QMM_WG_TOKENS * QMM_BK * 2 + QMM_BW * QMM_BK * bits // 8)
-    return max(buffers, QMM_WG_TOKENS * (QMM_BW + 4) * 4) + 1024  # + the swizzle's 1024-byte alignment
+    # the 1d tile's buffers at QMM_WG_TOKENS (the same 128 weight rows) + the swizzle's alignment
+    return _qmm_shared_bytes(QMM_WG_TOKENS, bits) + 1024
 
 
 def _qmm_wg_header() -> str:
-    return _HEADER + _QMM_HEADER + _wgmma_header((QMM_WG_TOKENS,))
+    return _HEADER + _QMM_HEADER + _wgmma_header(QMM_WG_TOKENS)
 
 
 @functools.cache
@@ -1018,7 +1017,7 @@ def qmm_tile(rows: int, tile: str | None = None) -> str:
 
 
 def wg_tile_supported(bits: int, group_size: int) -> bool:
-    """The warpgroup tiles take 4-bit weights whose groups cover half a 64-column step."""
+    """The warpgroup tile takes 4-bit weights whose groups cover half a 64-column step."""
     return bits == 4 and group_size >= 32
 
 
@@ -1102,7 +1101,7 @@ def quantized_matmul(
     rows = x.size // k
     tile = qmm_tile(rows, tile if bt is None else "1d")
     if tile == QMM_WG_TILE and not wg_tile_supported(bits, group_size):
-        tile = qmm_tile(rows, "2d" if rows >= QMM_2D_FROM else "1d")
+        tile = "2d" if rows >= QMM_2D_FROM else "1d"
     variant = _qmm_variant(mode, bits, x.dtype, scales.dtype, fast)
     if tile == QMM_WG_TILE:
         bt, splits = QMM_WG_TOKENS, qmm2_plan(rows, n, k, tile, waves)
