@@ -9,3 +9,18 @@ def save_json(path: str | None, result: dict) -> dict:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def with_attribute(owner, name: str, value, fn):
+    """``fn`` as a callable that runs with ``owner.name`` set to ``value`` and restores it after
+    (a compiled trace made inside keeps what the attribute chose)."""
+
+    def run():
+        saved = getattr(owner, name)
+        setattr(owner, name, value)
+        try:
+            return fn()
+        finally:
+            setattr(owner, name, saved)
+
+    return run

@@ -26,12 +26,12 @@ linears in part 2; ``--skip-dequantize`` / ``--skip-matmul`` run one part only.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import platform
 
 import mlx.core as mx
 
 from benchmarks import save_json
+from benchmarks.kernels_ab import load_kernels
 from esmc_mlx.bench import time_interleaved
 from esmc_mlx.runtime import kernels
 from esmc_mlx.runtime.quantized import mode_name
@@ -71,10 +71,9 @@ def bit_equal(a: mx.array, b: mx.array) -> bool:
 
 
 def load_against(path: str):
-    """Another kernels.py, imported under its own name, routing every size to its kernel."""
-    spec = importlib.util.spec_from_file_location("kernels_against", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """Another kernels.py (as kernels_ab loads it: its relative imports resolve), routing every
+    size to its kernel."""
+    module = load_kernels(path)
     module.MIN_VALUES = 0
     return module
 

@@ -16,7 +16,7 @@ import gc
 import mlx.core as mx
 import numpy as np
 
-from benchmarks import save_json
+from benchmarks import save_json, with_attribute
 from benchmarks.crossover_forward import RECORDS
 from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments, random_bf16
 from esmc_mlx.bench import forward_fns, machine, mlx_model, parse_shapes, time_interleaved
@@ -27,15 +27,7 @@ SHIPPED = kernels.MIN_VALUES
 
 def every_weight(fn):
     """``fn`` run with the kernel taking every weight (a trace made so keeps that choice)."""
-
-    def run():
-        kernels.MIN_VALUES = 0
-        try:
-            return fn()
-        finally:
-            kernels.MIN_VALUES = SHIPPED
-
-    return run
+    return with_attribute(kernels, "MIN_VALUES", 0, fn)
 
 
 def main(argv=None) -> dict:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from conftest import requires_torch
 
-from benchmarks import crossover_forward, min_values_ab, side_order
+from benchmarks import crossover_forward, host_overhead, kernels_ab, min_values_ab, side_order
 from benchmarks.crossover_forward import crossover
 from esmc_mlx import bench
 from esmc_mlx.cli import main
+from esmc_mlx.runtime import kernels, quantized
 
 
 @pytest.mark.slow  # two fresh interpreters, one importing torch
@@ -109,6 +111,75 @@ def test_min_values_ab_compares_the_gate_with_identical_logits(tmp_path):
     assert row == result["rows"][0] and row["logits_identical"]
     assert row["gated_ms"] > 0 < row["all_ms"] and row["bf16_ms"] > 0
     assert min_values_ab.kernels.MIN_VALUES == min_values_ab.SHIPPED  # restored after every call
+
+
+def test_kernels_ab_sees_whether_the_other_kernels_give_the_same_logits(tmp_path):
+    """A CPU smoke run: this checkout's kernels.py against an identical copy gives the same
+    logits, against one whose dequantize doubles the weights it does not; runtime/quantized.py
+    calls this checkout's kernels again afterwards."""
+    source = Path(kernels.__file__).read_text()
+    same, doubled = tmp_path / "same.py", tmp_path / "doubled.py"
+    same.write_text(source)
+    assert source.count("        return mx.dequantize(\n") == 1
+    doubled.write_text(source.replace("        return mx.dequantize(\n", "        return 2 * mx.dequantize(\n"))
+    argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--modes", "affine4", "--budget", "0.05"]
+    for path, expect in ((same, True), (doubled, False)):
+        out = tmp_path / f"{path.stem}.json"
+        result = kernels_ab.main([*argv, "--against", str(path), "--json", str(out)])
+        (row,) = json.loads(out.read_text())["rows"]
+        assert row == result["rows"][0] and row["same_logits"] is expect
+        assert row["this_ms"] > 0 < row["against_ms"] and row["bf16_ms"] > 0
+        assert quantized.kernels is kernels
+
+
+NCU_CSV = """==PROF== Connected to process 992 (/usr/bin/python3.12)
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","992","python3.12","127.0.0.1","mlx::custom_kernel_esmc_qmmwg_affine_fast_4_64_bfloat16_t(const __nv_bfloat16 *)","1","14","(256, 1, 1)","(60, 2, 2)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","41,664"
+"1","992","python3.12","127.0.0.1","void mlx::col_reduce_small<float, float, mlx::Sum, 4>(const T1 *)","1","14","(1024, 1, 1)","(1920, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","9,856"
+"2","992","python3.12","127.0.0.1","nvjet_sm90_tst_112x128_64x7_2x1_v_bz_TNN","1","14","(384, 1, 1)","(80, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","us","28.5"
+"3","992","python3.12","127.0.0.1","mlx::custom_kernel_esmc_dequantize_mxfp4_4_32_bfloat16_t_4_32_1(const unsigned int *)","1","14","(256, 1, 1)","(1056, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","us","72.0"
+"4","992","python3.12","127.0.0.1","cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_32","1","14","(384, 1, 1)","(80, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","7,392"
+"5","992","python3.12","127.0.0.1","mlx::custom_kernel_esmc_qkv_heads_bfloat16_t_40(const __nv_bfloat16 *)","1","14","(320, 1, 1)","(256, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","5,408"
+==PROF== Disconnected from process 992
+"""
+
+
+def test_host_overhead_groups_nsight_compute_kernel_times(tmp_path):
+    """Nsight Compute's CSV (its log lines around it, ns and us, thousands separators) grouped
+    by kernel kind, summed and ranked; a CPU smoke run of the wall/host measurement."""
+    csv = tmp_path / "k.csv"
+    csv.write_text(NCU_CSV)
+    table = host_overhead.main(["--kernels", str(csv), "--json", str(tmp_path / "k.json")])[str(csv)]
+    assert table["kernels"] == 6
+    assert table["total_ms"] == pytest.approx((41664 + 9856 + 28500 + 72000 + 7392 + 5408) * 1e-6)
+    ms = {k: round(v["ms"] * 1e6) for k, v in table["groups"].items()}
+    assert ms == {
+        "fused qmm": 41664,
+        "other": 9856,
+        "gemm": 28500,
+        "dequantize": 72000,
+        "attention": 7392,
+        "row kernels": 5408,
+    }
+    assert table["top"][0]["name"].startswith("mlx::custom_kernel_esmc_dequantize_mxfp4")
+    out = host_overhead.main(
+        [
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--modes",
+            "bf16,affine4",
+            "--shapes",
+            "1x16",
+            "--budget",
+            "0.05",
+            "--reps",
+            "2",
+        ]
+    )
+    assert [r["mode"] for r in out["rows"]] == ["bf16", "affine4"]
+    assert all(r["wall_ms"] > 0 < r["host_ms"] and r["build_ms"] <= r["host_ms"] for r in out["rows"])
 
 
 def test_time_interleaved_rotates_the_order_every_round():
