@@ -251,6 +251,38 @@ def test_kernel_bit_exact_on_cuda(mode, bits, group_size, sdt):
             )
 
 
+def every_code_and_scale(mode: str, sdt) -> tuple:
+    """Packed weights holding every 4-bit code in every group, one row per scale: mxfp4 rows
+    have every e8m0 exponent 0..255 (subnormal 2^-127 and NaN included), affine rows scales and
+    biases from a spread of signs and magnitudes (zero, tiny, huge)."""
+    codes = np.tile(np.concatenate([np.arange(16), np.arange(16)[::-1]]), 2).astype(np.uint32)  # 64 values
+    words = (codes.reshape(-1, 8) << (4 * np.arange(8, dtype=np.uint32))).sum(axis=1).astype(np.uint32)
+    if mode == "mxfp4":
+        w = np.tile(words, (256, 1))
+        scales = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 2, axis=1)  # groups of 32
+        return mx.array(w), mx.array(scales), None
+    rng = np.random.default_rng(0)
+    mags = np.concatenate([[0.0, 1e-8, 1e-3, 1.0, 7.5, 300.0, 6e4], rng.lognormal(0, 3, 57)])
+    s = (mags * rng.choice([-1, 1], mags.size)).astype(np.float32)[:, None]  # one group of 64 a row
+    b = rng.permutation(s[:, 0])[:, None] * 3
+    return mx.array(np.tile(words[:8], (s.shape[0], 1))), mx.array(s).astype(sdt), mx.array(b).astype(sdt)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.parametrize(("mode", "sdt"), [("mxfp4", None), ("affine", mx.bfloat16), ("affine", mx.float16)])
+def test_kernel_bit_exact_for_every_code_and_scale_on_cuda(mode, sdt):
+    """mxfp4 into bf16 (the two-at-a-time body) and 4-bit affine give mx.dequantize's bits for
+    every code, every e8m0 scale (scale and bias spreads for affine); NaN scales give NaN."""
+    w, s, b = every_code_and_scale(mode, sdt)
+    gs, odt = (32, mx.bfloat16) if mode == "mxfp4" else (64, sdt)
+    assert kernels.pairs_supported(mode, odt) == (mode == "mxfp4")
+    ref = as_bits(mx.dequantize(w, s, b, group_size=gs, bits=4, mode=mode, dtype=odt))
+    got = as_bits(kernels.dequantize(w, s, b, gs, 4, mode, odt))
+    nan = np.isnan(ref.view(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.view(np.float32)), nan)
+    np.testing.assert_array_equal(got[~nan], ref[~nan])
+
+
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
 def test_unsupported_cases_fall_back_on_cuda():
     w, s, b = quantized("affine", 4, 64, mx.bfloat16)
@@ -514,15 +546,16 @@ def test_kernel_sources_compile_with_nvcc_and_the_device_header_stand_in(tmp_pat
         (m, kernels.FP_MODES[m][0]) for m in kernels.FP_MODES
     ]:
         affine = mode == "affine"
-        body = kernels._LOOP.replace("BODY", kernels._AFFINE if affine else kernels._FP)
-        params = ["const uint32_t* w", f"{shape} w_shape"]
-        params += (
-            ["const __nv_bfloat16* scales", "const __nv_bfloat16* biases"] if affine else ["const uint8_t* scales"]
-        )
-        for O in ("__nv_bfloat16", "__half", "float"):
+        for O, mdt in (("__nv_bfloat16", mx.bfloat16), ("__half", mx.float16), ("float", mx.float32)):
+            pairs = kernels.pairs_supported(mode, mdt)
+            body = kernels._LOOP.replace("BODY", kernels._BODIES["affine" if affine else "fp_pairs" if pairs else "fp"])
+            params = ["const uint32_t* w", f"{shape} w_shape"]
+            params += (
+                ["const __nv_bfloat16* scales", "const __nv_bfloat16* biases"] if affine else ["const uint8_t* scales"]
+            )
             template = [("O", O), ("BITS", bits), ("GROUP", 64 if affine else kernels.FP_MODES[mode][1])]
             template.append(("T", "__nv_bfloat16") if affine else ("MX", int(mode != "nvfp4")))
-            name = f"dq_{mode}{bits}_{O.strip('_')}"
+            name = f"dq_{mode}{bits}_{O.strip('_')}{'_pairs' * pairs}"
             units.append((kernels._HEADER, _mlx_source(name, "", body, [*params, f"{O}* out"], template)))
     # One file per header (nvcc's start-up dominates): MLX's includes, the header, every kernel.
     by_header: dict[str, list[str]] = {}

@@ -15,7 +15,8 @@ on the 6B's weights (issue 16). Here a thread takes 8 values at a time (an octet
 packed bytes, one aligned load where the address allows), their one scale (and bias: an octet
 never straddles a group), and writes them with one 128-bit store from registers (two for
 fp32), so that a warp reads 32 x bits consecutive bytes and writes 512 consecutive bytes. A
-grid-stride loop over at most MAX_BLOCKS blocks.
+grid-stride loop over at most MAX_BLOCKS blocks. mxfp4 into bf16 builds the octet two values at
+a time (the fused matmul's exact pair arithmetic; ``_BODIES`` has the measurement).
 
 Measured on the H200 (``python -m benchmarks.dequant_kernels --models 6B,300M --against
 OLD_kernels.py --max-blocks 1056,0 --skip-matmul``, bf16 out, each weight timed in batches of
@@ -169,6 +170,27 @@ __device__ __forceinline__ void fp_octet(uint64_t q, uint8_t s, O (&v)[8]) {
     v[i] = static_cast<O>(scale * (BITS == 8 ? e4m3(d) : e2m1(d)));
   }
 }
+
+// Values 2p, 2p+1 of an mxfp4 octet in bf16: e2m1 exactly (its bits placed as a bf16 that is
+// the value times 2^-126, subnormals included, times 2^126), times the e8m0 scale in bf16.
+__device__ __forceinline__ void mxfp4_pairs_bf16(uint32_t q, uint32_t scale2, uint32_t* out) {
+  const uint32_t up = 0x7E807E80u;  // 2^126 twice
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const uint32_t t = q >> (8 * p);
+    const uint32_t word = ((t << 6) & 0x1C0u) | ((t << 12) & 0x8000u) | ((t << 18) & 0x1C00000u) | ((t << 24) & 0x80000000u);
+    const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&word),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&up));
+    const __nv_bfloat162 r = __hmul2(v, *reinterpret_cast<const __nv_bfloat162*>(&scale2));
+    out[p] = *reinterpret_cast<const uint32_t*>(&r);
+  }
+}
+
+// e8m0 as a bf16 (exact: bf16 has fp32's exponent range; 0 is the subnormal 2^-127).
+__device__ __forceinline__ uint32_t e8m0_bf16(uint32_t e) {
+  const uint32_t b = e == 255u ? 0x7FC0u : e == 0u ? 0x0040u : (e << 7);
+  return b | (b << 16);
+}
 """
 
 _LOOP = """
@@ -178,32 +200,53 @@ _LOOP = """
   for (size_t o = size_t(blockIdx.x) * blockDim.x + threadIdx.x; o < n_octets; o += step) {
     const uint64_t q = load_octet<BITS>(packed + o * BITS);
     const size_t g = o * 8 / GROUP;  // an octet never straddles a group (groups: 16, 32, 64, 128)
-    O v[8];
     BODY
-    store8<O>(out + o * 8, v);
   }
 """
 
-_AFFINE = """
+# The octet's 8 values (v), stored with one 128-bit store (two for fp32); or, for mxfp4 into
+# bf16 ("fp_pairs"), the same values built two at a time with the fused matmul's pair
+# arithmetic, bit for bit the same. H200, whole 6B forwards (python -m benchmarks.kernels_ab):
+# mxfp4 0.952x the octet body's time at 1x256 and 0.964x at 1x1024 (16x256: 1.006x, noise),
+# logits identical. The same for 4-bit affine (affine4_pairs) gained nothing (0.997-1.001x)
+# and ran 4-13% slower per weight, so affine keeps the octet body.
+_BODIES = {
+    "affine": """
+    O v[8];
     affine_octet<BITS, T, O>(q, scales[g], biases[g], v);
-"""
-
-_FP = """
+    store8<O>(out + o * 8, v);
+""",
+    "fp": """
+    O v[8];
     fp_octet<BITS, MX, O>(q, scales[g], v);
-"""
+    store8<O>(out + o * 8, v);
+""",
+    "fp_pairs": """
+    uint32_t v[4];
+    mxfp4_pairs_bf16(uint32_t(q), e8m0_bf16(scales[g]), v);
+    *reinterpret_cast<uint4*>(out + o * 8) = make_uint4(v[0], v[1], v[2], v[3]);
+""",
+}
 
 
 @functools.cache
-def _kernel(mode: str, bits: int, group_size: int) -> Kernel:
-    """The kernel for one (mode, bits, group size); dtypes are template arguments."""
+def _kernel(mode: str, bits: int, group_size: int, pairs: bool = False) -> Kernel:
+    """The kernel for one (mode, bits, group size), octet by octet or (``pairs``) two values at
+    a time; dtypes are template arguments."""
     affine = mode == "affine"
+    body = "affine" if affine else "fp_pairs" if pairs else "fp"
     return Kernel(
-        name=f"esmc_dequantize_{mode}_{bits}_{group_size}",
+        name=f"esmc_dequantize_{mode}_{bits}_{group_size}" + ("_pairs" if pairs else ""),
         input_names=["w", "scales", "biases"] if affine else ["w", "scales"],
         output_names=["out"],
-        source=_LOOP.replace("BODY", _AFFINE if affine else _FP),
+        source=_LOOP.replace("BODY", _BODIES[body]),
         header=_HEADER,
     )
+
+
+def pairs_supported(mode: str, dtype) -> bool:
+    """Whether the two-at-a-time body applies: mxfp4 into bf16."""
+    return mode == "mxfp4" and dtype == mx.bfloat16
 
 
 def on_cuda() -> bool:
@@ -274,7 +317,7 @@ def dequantize(
         template.append(("MX", int(mode != "nvfp4")))
     octets = w.size * 4 // bits
     threads = min(-(-octets // THREADS_PER_BLOCK), MAX_BLOCKS) * THREADS_PER_BLOCK
-    (out,) = _kernel(mode, bits, group_size)(
+    (out,) = _kernel(mode, bits, group_size, pairs_supported(mode, dtype))(
         inputs=inputs,
         template=template,
         grid=(threads, 1, 1),
@@ -376,27 +419,6 @@ __device__ __forceinline__ void affine4_pairs(uint32_t q, uint32_t scale2, uint3
       out[p] = *reinterpret_cast<const uint32_t*>(&r);
     }
   }
-}
-
-// Values 2p, 2p+1 of an mxfp4 octet in bf16: e2m1 exactly (its bits placed as a bf16 that is
-// the value times 2^-126, subnormals included, times 2^126), times the e8m0 scale in bf16.
-__device__ __forceinline__ void mxfp4_pairs_bf16(uint32_t q, uint32_t scale2, uint32_t* out) {
-  const uint32_t up = 0x7E807E80u;  // 2^126 twice
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    const uint32_t t = q >> (8 * p);
-    const uint32_t word = ((t << 6) & 0x1C0u) | ((t << 12) & 0x8000u) | ((t << 18) & 0x1C00000u) | ((t << 24) & 0x80000000u);
-    const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&word),
-                                     *reinterpret_cast<const __nv_bfloat162*>(&up));
-    const __nv_bfloat162 r = __hmul2(v, *reinterpret_cast<const __nv_bfloat162*>(&scale2));
-    out[p] = *reinterpret_cast<const uint32_t*>(&r);
-  }
-}
-
-// e8m0 as a bf16 (exact: bf16 has fp32's exponent range; 0 is the subnormal 2^-127).
-__device__ __forceinline__ uint32_t e8m0_bf16(uint32_t e) {
-  const uint32_t b = e == 255u ? 0x7FC0u : e == 0u ? 0x0040u : (e << 7);
-  return b | (b << 16);
 }
 """
 
