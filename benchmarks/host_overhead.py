@@ -16,9 +16,9 @@ every layer does the same work, so a few stand for all 80):
     the GPU is busy for, against the wall time above.
 
     python -m benchmarks.host_overhead --layers 16 --json $OUT/host.json
-    ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \\
-        --log-file $OUT/k_affine4_1x256.csv python -m benchmarks.host_overhead --layers 4 \\
-        --modes affine4 --shapes 1x256 --profile
+    ncu --profile-from-start off --clock-control none --cache-control none \\
+        --metrics gpu__time_duration.sum --csv --log-file $OUT/k_affine4_1x256.csv \\
+        python -m benchmarks.host_overhead --layers 4 --modes affine4 --shapes 1x256 --profile
     python -m benchmarks.host_overhead --kernels $OUT/k_affine4_1x256.csv
     python -m benchmarks.host_overhead --model tiny --device cpu --modes bf16,affine4 --shapes 1x16
 """
