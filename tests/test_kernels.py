@@ -275,7 +275,7 @@ def test_kernel_bit_exact_for_every_code_and_scale_on_cuda(mode, sdt):
     every code, every e8m0 scale (scale and bias spreads for affine); NaN scales give NaN."""
     w, s, b = every_code_and_scale(mode, sdt)
     gs, odt = (32, mx.bfloat16) if mode == "mxfp4" else (64, sdt)
-    assert kernels.pairs_supported(mode, odt) == (mode == "mxfp4")
+    assert kernels._body(mode, odt) == ("fp_pairs" if mode == "mxfp4" else "affine")
     ref = as_bits(mx.dequantize(w, s, b, group_size=gs, bits=4, mode=mode, dtype=odt))
     got = as_bits(kernels.dequantize(w, s, b, gs, 4, mode, odt))
     nan = np.isnan(ref.view(np.float32))
@@ -546,16 +546,16 @@ def test_kernel_sources_compile_with_nvcc_and_the_device_header_stand_in(tmp_pat
         (m, kernels.FP_MODES[m][0]) for m in kernels.FP_MODES
     ]:
         affine = mode == "affine"
+        params = ["const uint32_t* w", f"{shape} w_shape"]
+        params += (
+            ["const __nv_bfloat16* scales", "const __nv_bfloat16* biases"] if affine else ["const uint8_t* scales"]
+        )
         for O, mdt in (("__nv_bfloat16", mx.bfloat16), ("__half", mx.float16), ("float", mx.float32)):
-            pairs = kernels.pairs_supported(mode, mdt)
-            body = kernels._LOOP.replace("BODY", kernels._BODIES["affine" if affine else "fp_pairs" if pairs else "fp"])
-            params = ["const uint32_t* w", f"{shape} w_shape"]
-            params += (
-                ["const __nv_bfloat16* scales", "const __nv_bfloat16* biases"] if affine else ["const uint8_t* scales"]
-            )
+            entry = kernels._body(mode, mdt)
+            body = kernels._LOOP.replace("BODY", kernels._BODIES[entry])
             template = [("O", O), ("BITS", bits), ("GROUP", 64 if affine else kernels.FP_MODES[mode][1])]
             template.append(("T", "__nv_bfloat16") if affine else ("MX", int(mode != "nvfp4")))
-            name = f"dq_{mode}{bits}_{O.strip('_')}{'_pairs' * pairs}"
+            name = f"dq_{mode}{bits}_{O.strip('_')}_{entry}"
             units.append((kernels._HEADER, _mlx_source(name, "", body, [*params, f"{O}* out"], template)))
     # One file per header (nvcc's start-up dominates): MLX's includes, the header, every kernel.
     by_header: dict[str, list[str]] = {}

@@ -209,7 +209,7 @@ _LOOP = """
 # arithmetic, bit for bit the same. H200, whole 6B forwards (python -m benchmarks.kernels_ab):
 # mxfp4 0.952x the octet body's time at 1x256 and 0.964x at 1x1024 (16x256: 1.006x, noise),
 # logits identical. The same for 4-bit affine (affine4_pairs) gained nothing (0.997-1.001x)
-# and ran 4-13% slower per weight, so affine keeps the octet body.
+# and ran 7-13% slower per weight, so affine keeps the octet body.
 _BODIES = {
     "affine": """
     O v[8];
@@ -229,24 +229,25 @@ _BODIES = {
 }
 
 
+def _body(mode: str, dtype) -> str:
+    """The ``_BODIES`` entry for ``mode`` into ``dtype``: two values at a time for mxfp4 into bf16."""
+    if mode == "affine":
+        return "affine"
+    return "fp_pairs" if mode == "mxfp4" and dtype == mx.bfloat16 else "fp"
+
+
 @functools.cache
-def _kernel(mode: str, bits: int, group_size: int, pairs: bool = False) -> Kernel:
-    """The kernel for one (mode, bits, group size), octet by octet or (``pairs``) two values at
-    a time; dtypes are template arguments."""
+def _kernel(mode: str, bits: int, group_size: int, body: str) -> Kernel:
+    """The kernel for one (mode, bits, group size) and ``_BODIES`` entry; dtypes are template
+    arguments."""
     affine = mode == "affine"
-    body = "affine" if affine else "fp_pairs" if pairs else "fp"
     return Kernel(
-        name=f"esmc_dequantize_{mode}_{bits}_{group_size}" + ("_pairs" if pairs else ""),
+        name=f"esmc_dequantize_{mode}_{bits}_{group_size}" + ("_pairs" if body == "fp_pairs" else ""),
         input_names=["w", "scales", "biases"] if affine else ["w", "scales"],
         output_names=["out"],
         source=_LOOP.replace("BODY", _BODIES[body]),
         header=_HEADER,
     )
-
-
-def pairs_supported(mode: str, dtype) -> bool:
-    """Whether the two-at-a-time body applies: mxfp4 into bf16."""
-    return mode == "mxfp4" and dtype == mx.bfloat16
 
 
 def on_cuda() -> bool:
@@ -317,7 +318,7 @@ def dequantize(
         template.append(("MX", int(mode != "nvfp4")))
     octets = w.size * 4 // bits
     threads = min(-(-octets // THREADS_PER_BLOCK), MAX_BLOCKS) * THREADS_PER_BLOCK
-    (out,) = _kernel(mode, bits, group_size, pairs_supported(mode, dtype))(
+    (out,) = _kernel(mode, bits, group_size, _body(mode, dtype))(
         inputs=inputs,
         template=template,
         grid=(threads, 1, 1),
