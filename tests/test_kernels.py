@@ -557,6 +557,14 @@ def test_kernel_sources_compile_with_nvcc_and_the_device_header_stand_in(tmp_pat
             template.append(("T", "__nv_bfloat16") if affine else ("MX", int(mode != "nvfp4")))
             name = f"dq_{mode}{bits}_{O.strip('_')}_{entry}"
             units.append((kernels._HEADER, _mlx_source(name, "", body, [*params, f"{O}* out"], template)))
+    for O in ("__nv_bfloat16", "__half"):
+        params = ["const float* parts", f"{shape} parts_shape", f"{O}* y"]
+        units.append(
+            (
+                kernels._HEADER,
+                _mlx_source(f"split_sum_{O.strip('_')}", "", kernels._SPLIT_SUM_SOURCE, params, [("O", O)]),
+            )
+        )
     # One file per header (nvcc's start-up dominates): MLX's includes, the header, every kernel.
     by_header: dict[str, list[str]] = {}
     for header, source in units:
@@ -762,7 +770,11 @@ def test_qmm_error_within_dequantize_matmul_on_cuda(name, rows):
     big = mx.random.normal((rows * 640 + 8,)).astype(mx.bfloat16)
     for x in (big[: rows * 640].reshape(1, rows, 640), big[1 : 1 + rows * 640].reshape(1, rows, 640)):
         ref = x.astype(mx.float32) @ d.astype(mx.float32).T
-        e_dm = mx.abs(((x + 0) @ d.T).astype(mx.float32) - ref).max().item()
+        # dm and every y stay alive: a kernel that never ran would leave y holding a freed
+        # buffer of the same size, such as dm's, and pass
+        dm = (x + 0) @ d.T
+        e_dm = mx.abs(dm.astype(mx.float32) - ref).max().item()
+        ys = []
         for waves, bt, tile in (
             (1.0, None, None),
             (4.0, 16, None),
@@ -772,8 +784,30 @@ def test_qmm_error_within_dequantize_matmul_on_cuda(name, rows):
             (4.0, None, "wg"),
         ):
             y = kernels.quantized_matmul(x, w, s, b, gs, bits, mode, waves=waves, bt=bt, tile=tile)
+            ys.append(y)
             assert y.shape == (1, rows, 520) and y.dtype == mx.bfloat16
             assert mx.abs(y.astype(mx.float32) - ref).max().item() <= 2 * e_dm + 1e-4 * mx.abs(ref).max().item()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_split_sum_is_mlx_sum_then_cast_on_cuda(dtype):
+    """The split-K partials' sum: bit for bit MLX's sum over the slabs and cast for two slabs
+    (the 6B's split at 256 tokens), within one fp32 rounding a slab for more, at sizes that leave
+    a partial block."""
+    for splits, m, n in ((2, 256, 7680), (2, 3, 8), (5, 37, 2560)):
+        parts = mx.random.normal((splits, m, n)) * 30
+        got = kernels.split_sum(parts, FLOATS[dtype])
+        want = parts.sum(axis=0).astype(FLOATS[dtype])
+        assert got.shape == (m, n) and got.dtype == FLOATS[dtype]
+        if splits == 2:
+            assert mx.array_equal(got, want).item()
+        else:
+            exact = parts.astype(mx.float32).sum(axis=0)
+            assert (
+                mx.abs(got.astype(mx.float32) - exact).max().item()
+                <= 2 * mx.abs(want.astype(mx.float32) - exact).max().item() + 1e-3
+            )
 
 
 def test_fused_kernel_factories_fill_every_placeholder(monkeypatch):

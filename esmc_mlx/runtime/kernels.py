@@ -345,8 +345,8 @@ def dequantize(
 #   tokens, XOR-swizzled so that a warp's loads hit distinct banks). No repacking of the weight.
 # - x and the packed weight arrive by 16-byte cp.async, STAGES steps in flight; the scales by
 #   plain loads into registers one step ahead (each thread needs one group per row per step).
-# - a block: 128 weight rows x BT (16..128) tokens; K split (fp32 slabs summed by MLX, a
-#   deterministic reduction) until the grid fills the SMs at B=1.
+# - a block: 128 weight rows x BT (16..128) tokens; K split (fp32 slabs, summed in a fixed
+#   order by split_sum: deterministic) until the grid fills the SMs at B=1.
 # - the dequantized values are dequantize's, bit for bit: the same octet functions
 #   (affine_octet, fp_octet), or (FAST) the same arithmetic on pairs: affine 4-bit with the
 #   scales in x's dtype builds q exactly (magic-number exponent), then one fma per value
@@ -1003,6 +1003,11 @@ _QMM_WG_SOURCE = (
 # 0.65-0.74x the "2d" tile's time at 1024 tokens (195-250 TFLOP/s on the 6B's large weights),
 # 0.71-1.07x at 256; its variants (64 tokens; no overlap of the dequantize with the MMAs; 6 or 8 stages; 4
 # warpgroups) were as fast or slower: template switches of this source, dropped to keep one.
+# ptxas serializes its wgmma (warning C7513: the odd last step inside the loop rewrites, on
+# some path, registers that MMAs in flight read); moving that step out of the loop pipelines
+# them at 130-135 registers, one block an SM, 1.07-1.19x this tile's time per weight (0.98-1.05x
+# held to 128 registers by launch bounds, with spills): two resident blocks hide it already
+# (fourteenth issue-16 session, branch experiment/wg-pipelined).
 QMM_WG_TILE = "wg"
 QMM_WG_TOKENS = 128
 QMM_WG_RESIDENT = 2
@@ -1152,8 +1157,55 @@ def quantized_matmul(
         output_dtypes=[mx.float32 if splits > 1 else x.dtype],
     )
     if splits > 1:
-        y = y.sum(axis=0).astype(x.dtype)
+        y = split_sum(y, x.dtype)
     return y.reshape(*x.shape[:-1], n)
+
+
+# The fused matmul's split-K partials (S x M x N fp32) summed over S, in slab order, and rounded
+# once to the output dtype: what y.sum(axis=0).astype(O) gives (bit for bit for two slabs; the
+# 6B's logits came out identical at 64-256 tokens), in one launch instead of MLX's reduce and
+# cast (two launches and an M x N fp32 intermediate). Whole 6B forwards on the H200 against
+# the reduce and cast (benchmarks.kernels_ab, two runs, fourteenth issue-16 session): affine4
+# 0.93-0.96x at 1x64, 0.96x at 1x128, 0.96-0.98x at 1x256; mxfp4 0.92-0.94x at 1x64, 0.96x at
+# 1x128 (its 1x256 runs no fused matmul: 1.04-1.07x with the same code on both sides).
+# Splitting K across a thread-block cluster instead, the tiles summed in distributed shared
+# memory, is not open to mx.fast.cuda_kernel: a compile-time cluster shape put on MLX's
+# declaration gave wrong outputs once MLX updated its cached CUDA graphs in place (branch
+# experiment/qmm-cluster-splitk).
+_SPLIT_SUM_SOURCE = """
+  const size_t n8 = size_t(parts_shape[1]) / 8, i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n8) return;
+  const float4* p = reinterpret_cast<const float4*>(parts) + 2 * i;
+  float4 lo = p[0], hi = p[1];
+  for (int s = 1; s < parts_shape[0]; ++s) {
+    const float4 a = p[2 * n8 * s], b = p[2 * n8 * s + 1];
+    lo = make_float4(lo.x + a.x, lo.y + a.y, lo.z + a.z, lo.w + a.w);
+    hi = make_float4(hi.x + b.x, hi.y + b.y, hi.z + b.z, hi.w + b.w);
+  }
+  const O v[8] = {O(lo.x), O(lo.y), O(lo.z), O(lo.w), O(hi.x), O(hi.y), O(hi.z), O(hi.w)};
+  store8<O>(y + 8 * i, v);
+"""
+
+
+@functools.cache
+def _split_sum_kernel() -> Kernel:
+    return Kernel(
+        name="esmc_split_sum", input_names=["parts"], output_names=["y"], source=_SPLIT_SUM_SOURCE, header=_HEADER
+    )
+
+
+def split_sum(parts: mx.array, dtype: mx.Dtype) -> mx.array:
+    """``parts.sum(axis=0).astype(dtype)`` for fp32 partials (S, M, N), N a multiple of 8."""
+    s, m, n = parts.shape
+    (y,) = _split_sum_kernel()(
+        inputs=[parts.reshape(s, m * n)],
+        template=[("O", dtype)],
+        grid=(-(-m * n // 8 // THREADS_PER_BLOCK) * THREADS_PER_BLOCK, 1, 1),
+        threadgroup=(THREADS_PER_BLOCK, 1, 1),
+        output_shapes=[(m, n)],
+        output_dtypes=[dtype],
+    )
+    return y
 
 
 # ---- row kernels: one block per token row, MLX's layer_norm layout --------------------------
