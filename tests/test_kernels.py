@@ -21,9 +21,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
-from esmc_mlx import testing
+from esmc_mlx import bench, testing
 from esmc_mlx.runtime import kernel_cache, kernels
+from esmc_mlx.runtime import quantized as rq
 from esmc_mlx.runtime.model import FUSED_NORM_ENV, FUSED_QKV_ENV, Attention
 
 FLOATS = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -764,11 +766,13 @@ def test_qmm_weights_bit_exact_on_cuda(name, dtype, fast):
 @pytest.mark.parametrize("rows", [1, 37, 300])
 def test_qmm_error_within_dequantize_matmul_on_cuda(name, rows):
     """Against an fp32 reference each output's error is within twice dequantize + matmul's,
-    split K or not, with a 2-byte-misaligned x, and batch dims kept."""
-    w, s, b, gs, bits, mode = qmm_weight(520, 640, name, mx.bfloat16, seed=rows)
+    split K or not (waves 0: never), with a 2-byte-misaligned x, and batch dims kept. K is 640
+    (10 steps of 64) or, at 37 rows, the 300M's 960 (15: odd step counts in every split)."""
+    k = 960 if rows == 37 else 640
+    w, s, b, gs, bits, mode = qmm_weight(520, k, name, mx.bfloat16, seed=rows)
     d = kernels.dequantize(w, s, b, gs, bits, mode, mx.bfloat16)
-    big = mx.random.normal((rows * 640 + 8,)).astype(mx.bfloat16)
-    for x in (big[: rows * 640].reshape(1, rows, 640), big[1 : 1 + rows * 640].reshape(1, rows, 640)):
+    big = mx.random.normal((rows * k + 8,)).astype(mx.bfloat16)
+    for x in (big[: rows * k].reshape(1, rows, k), big[1 : 1 + rows * k].reshape(1, rows, k)):
         ref = x.astype(mx.float32) @ d.astype(mx.float32).T
         # dm and every y stay alive: a kernel that never ran would leave y holding a freed
         # buffer of the same size, such as dm's, and pass
@@ -782,11 +786,41 @@ def test_qmm_error_within_dequantize_matmul_on_cuda(name, rows):
             (4.0, None, "2d32"),
             (1.0, None, "wg"),
             (4.0, None, "wg"),
+            (0.0, None, "wg"),  # never split
+            (0.0, 16, None),
         ):
             y = kernels.quantized_matmul(x, w, s, b, gs, bits, mode, waves=waves, bt=bt, tile=tile)
             ys.append(y)
             assert y.shape == (1, rows, 520) and y.dtype == mx.bfloat16
             assert mx.abs(y.astype(mx.float32) - ref).max().item() <= 2 * e_dm + 1e-4 * mx.abs(ref).max().item()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.parametrize("name", ["affine4", "mxfp4", "affine8"])
+def test_quantized_forward_in_the_fused_window_on_cuda(name, monkeypatch):
+    """A quantized model whose weights are small (the 300M's table, "cuda-small") inside its
+    fused window runs every block weight through the fused kernel, and its logits are those of
+    dequantize + matmul up to the fp32 summation order."""
+    config = testing.tiny_config(hidden_size=256, num_attention_heads=4, num_hidden_layers=3)
+    weights = dict(tree_flatten(testing.random_mlx_model(config, mx.bfloat16).parameters()))
+    record = bench.QUANT_MODES[name]
+    model = bench.mlx_model(config, weights, fuse=True, quant=record)
+    lo, _ = rq.FUSED_TOKENS["cuda-small"][rq.mode_name(record["mode"], record["bits"])]
+    ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(1, max(lo, 64))))
+    calls = []  # the packed weights the fused kernel was called with
+    real = kernels.quantized_matmul
+    monkeypatch.setattr(kernels, "quantized_matmul", lambda x, w, *a, **k: calls.append(w) or real(x, w, *a, **k))
+    block_weights = {id(m.weight) for _, m in model.named_modules() if isinstance(m, rq.QuantizedLinear)}
+    assert len(block_weights) == 4 * config.num_hidden_layers  # qkv, o, gate/up, down of every block
+    monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
+    ref = model(ids).logits.astype(mx.float32)
+    mx.eval(ref)
+    assert not calls
+    monkeypatch.setenv(rq.POLICY_ENV, "auto")
+    got = model(ids).logits.astype(mx.float32)
+    mx.eval(got)
+    assert {id(w) for w in calls} == block_weights
+    assert (mx.sqrt(((got - ref) ** 2).sum() / (ref**2).sum())).item() < 3e-2
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")

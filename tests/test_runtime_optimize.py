@@ -174,3 +174,23 @@ def test_the_warp_tile_names_are_checked():
     # split K by qmm_plan's rule: 120 tiles of 128 x 128 fill less than half of 2 x 132 slots
     assert kernels.qmm2_plan(256, 7680, 2560, kernels.QMM_WG_TILE) == 2
     assert kernels.qmm2_plan(1024, 7680, 2560, kernels.QMM_WG_TILE) == 1
+
+
+def test_the_split_waves_are_read_checked_and_key_the_traces(monkeypatch):
+    """ESMC_MLX_QMM_WAVES sets the split rule's waves (0: K never split); anything but a
+    number >= 0 is refused naming the variable; a trace bakes the split in, so it keys them."""
+    from esmc_mlx.runtime import kernels
+    from esmc_mlx.runtime.model import kernel_choices
+
+    monkeypatch.delenv(kernels.QMM_WAVES_ENV, raising=False)
+    unset = kernel_choices()
+    assert kernels.qmm_waves() == 1.0
+    assert kernels.qmm2_plan(256, 7680, 2560, kernels.QMM_WG_TILE, kernels.qmm_waves()) == 2
+    monkeypatch.setenv(kernels.QMM_WAVES_ENV, "0")
+    assert kernels.qmm_waves() == 0.0 and kernel_choices() != unset
+    assert kernels.qmm2_plan(256, 7680, 2560, kernels.QMM_WG_TILE, kernels.qmm_waves()) == 1
+    assert kernels.qmm_plan(16, 2560, 6912, kernels.qmm_waves()) == (16, 1)
+    for bad in ("two", "-1", "nan", "inf"):
+        monkeypatch.setenv(kernels.QMM_WAVES_ENV, bad)
+        with pytest.raises(ValueError, match=f"ESMC_MLX_QMM_WAVES: '{bad}' is not a number"):
+            kernels.qmm_waves()

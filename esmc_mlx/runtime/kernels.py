@@ -823,6 +823,9 @@ QMM_TILE_RESIDENT = {"2d": 1, "2d128": 1, "2d64w": 1, "2d32": 2}
 # within 3% of "2d" at 256 tokens and 5% slower at 1024; "2d32" was slower at both.
 QMM_2D_FROM = 65
 QMM_TILE_ENV = "ESMC_MLX_QMM_TILE"  # 1d | 2d | 2d128 | 2d64w | 2d32: forces a tile (A/B runs)
+# The waves of resident blocks that K is split to fill (qmm_plan), when the caller gives none;
+# 0 never splits (one launch a call, no split_sum: A/B runs).
+QMM_WAVES_ENV = "ESMC_MLX_QMM_WAVES"
 
 
 def _qmm2_bw(tile: str) -> int:
@@ -1044,6 +1047,18 @@ def qmm_tile(rows: int, tile: str | None = None) -> str:
     return tile
 
 
+def qmm_waves() -> float:
+    """The split rule's waves: ESMC_MLX_QMM_WAVES (a number >= 0), else 1."""
+    raw = os.environ.get(QMM_WAVES_ENV, "")
+    try:
+        waves = float(raw or 1.0)
+    except ValueError:
+        waves = -1.0
+    if not waves >= 0 or math.isinf(waves):
+        raise ValueError(f"{QMM_WAVES_ENV}: {raw!r} is not a number >= 0")
+    return waves
+
+
 def wg_tile_supported(bits: int, group_size: int) -> bool:
     """The warpgroup tile takes 4-bit weights whose groups cover half a 64-column step."""
     return bits == 4 and group_size >= 32
@@ -1114,7 +1129,7 @@ def quantized_matmul(
     group_size: int = 64,
     bits: int = 4,
     mode: str = "affine",
-    waves: float = 1.0,
+    waves: float | None = None,
     bt: int | None = None,
     fast: bool = True,
     tile: str | None = None,
@@ -1127,6 +1142,8 @@ def quantized_matmul(
     that many tokens a block."""
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
+    if waves is None:
+        waves = qmm_waves()
     tile = qmm_tile(rows, tile if bt is None else "1d")
     if tile == QMM_WG_TILE and not wg_tile_supported(bits, group_size):
         tile = "2d" if rows >= QMM_2D_FROM else "1d"

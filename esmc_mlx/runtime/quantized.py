@@ -60,28 +60,31 @@ CROSSOVER_TOKENS = {
     # Not measured here: Metal's quantized kernels are what mlx-lm runs at every batch size.
     "metal": {"affine": math.inf, "mxfp8": math.inf, "mxfp4": math.inf, "nvfp4": math.inf},
 }
-# Token windows [lo, hi) in which kernels.quantized_matmul (the fused Marlin-style kernel that
-# reads the packed weight: no bf16 copy) replaces the table's path, per backend and mode, for
-# weights of kernels.MIN_VALUES values or more ("cuda": the 6B's, but o_proj). Measured on an
-# H200 in whole 6B forwards at B=1 with every supported block weight through each path,
-# interleaved (python -m benchmarks.crossover_forward --model 6B --modes affine4,mxfp4 --sides
-# bf16,quantized,dequantize,fused --tokens 32,64,128,256,512,1024 --budget 0.5; eleventh
-# issue-16 session, second round, docs/benchmarks.md; the one-dimensional warp tile up to 64 tokens, the
-# two-dimensional one from 65). Fused against the better of quantized_matmul and dequantize +
-# matmul: affine4 0.84 / 0.93 / 0.92 at 32 / 64 / 128 tokens, 1.25 at 256, 1.96 at 512;
-# mxfp4 0.71 / 0.81 / 0.95, then 1.38 / 2.23. The window is the measured wins, 32 to 128
-# (129 closes it: 129-255 not measured). Below 32 not measured in forwards. The 300M
-# ("cuda-small") gets none: its affine4 forwards had fused behind at 32-128 and 512-1024 and
-# 0.96 of dequantize + matmul at 256 alone; its mxfp4 was not reached. A third run, the
-# shipped policy against dequantize + matmul everywhere (--sides bf16,shipped,dequantize):
-# 0.90-0.91 at 32-128 tokens (affine4), 0.91 / 0.90 / 0.97 (mxfp4).
-# Twelfth issue-16 session: from 129 tokens the kernel runs Hopper's warpgroup MMA (kernels
-# "wg" tile). 6B forwards at 256 tokens, fused with it against dequantize + matmul: affine4 0.95
-# and 0.95 in two runs (crossover_forward --sides bf16,dequantize,fused_wg), mxfp4 1.08 and
-# 1.03; 512-1024 tokens 1.1-1.9 for both. So affine4's window reaches 256 (257 closes it:
-# 129-255 not measured), mxfp4's stays.
+# Token windows [lo, hi) in which kernels.quantized_matmul (the fused kernel that reads the
+# packed weight: no bf16 copy) replaces the table's path, per backend and mode: "cuda" for
+# weights of kernels.MIN_VALUES values or more (the 6B's, but o_proj), "cuda-small" for smaller
+# ones (the 300M's). Each window is the token counts at which whole forwards at B=1, every
+# supported block weight through each path and the sides interleaved, had the fused kernel
+# ahead of the path the tables give there (python -m benchmarks.crossover_forward --model 6B
+# / 300M --sides bf16,quantized,dequantize,fused --tokens ...; docs/benchmarks.md, fifteenth
+# issue-16 session; raw docs/bench/crossover_*_session15.json). Fused / that path, H200:
+# - 6B affine4: 0.71-0.76 at 8-16 tokens (against quantized_matmul), 0.75-0.80 at 32-192,
+#   0.81 and 0.97 at 256 (two runs); 0.95-1.14 at 320-384, 1.16-1.33 at 448-512.
+# - 6B mxfp4: 0.61 at 8 (quantized_matmul), 0.76-0.80 at 16-128, 0.82 at 192, 0.82-0.91 at
+#   256 (three runs); 1.06-1.36 at 320-512.
+# - 6B affine8: behind quantized_matmul at 8-16 (1.08-1.10); 0.76-0.81 at 32-64, 0.80-0.88 at
+#   128, 1.00 at 192, 1.05-1.11 at 256.
+# - 300M affine4: 0.78-0.98 at 32-256, 0.92-1.03 at 512, 0.94-0.95 at 1024, 1.24 at 2048;
+#   mxfp4 0.84-0.97 at 32-512, 0.82 and 1.03 at 1024, 1.25 at 2048; affine8 (quantized_matmul
+#   below 128 tokens, not timed against fused) 0.83-0.92 at 128-512, 1.02-1.03 at 1024. The
+#   300M at B=1 is host-bound (MLX encodes its ops slower than the GPU runs them): one launch a
+#   weight instead of a dequantize and a matmul is what it gains.
+# Below 8 tokens (6B) and 32 (300M) not measured against quantized_matmul. Never splitting K
+# (ESMC_MLX_QMM_WAVES=0: no split_sum launch) did not help the 300M: 0.92-1.31 of the split
+# kernel's time at 64-2048 tokens (one run).
 FUSED_TOKENS = {
-    "cuda": {"affine4": (32, 257), "mxfp4": (32, 129)},
+    "cuda": {"affine4": (8, 257), "mxfp4": (8, 257), "affine8": (32, 129)},
+    "cuda-small": {"affine4": (32, 1025), "mxfp4": (32, 1025), "affine8": (128, 513)},
 }
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
 # fused where kernels.quantized_matmul runs, else the table); "auto" or unset uses the tables.
