@@ -1051,10 +1051,10 @@ def qmm_waves() -> float:
     """The split rule's waves: ESMC_MLX_QMM_WAVES (a number >= 0), else 1."""
     raw = os.environ.get(QMM_WAVES_ENV, "")
     try:
-        waves = float(raw or 1.0)
+        waves = float(raw) if raw else 1.0
     except ValueError:
-        waves = -1.0
-    if not waves >= 0 or math.isinf(waves):
+        waves = math.nan
+    if not 0 <= waves < math.inf:
         raise ValueError(f"{QMM_WAVES_ENV}: {raw!r} is not a number >= 0")
     return waves
 
