@@ -13,6 +13,7 @@ CUDA GPU the kernel itself is compared with mx.dequantize (and with ``emulate(fu
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -519,15 +520,55 @@ def _mlx_source(name, header, body, params, template) -> str:
     return src + "\n" + body + "\n}\n\n} // namespace mlx::core::cu\n"
 
 
+def _device_headers(root: Path) -> None:
+    """MLX's device includes under ``root``: kernel_cache's stand-in and MAX_NDIM as MLX's
+    config.h has it."""
+    device = root / "mlx" / "backend" / "cuda" / "device"
+    device.mkdir(parents=True)
+    (device / "utils.cuh").write_text(kernel_cache.DEVICE_HEADER)
+    (device / "config.h").write_text("#pragma once\n#define MAX_NDIM 10\n#define WARP_SIZE 32\n")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_warpgroup_tile_fits_two_blocks_an_sm(tmp_path):
+    """The warpgroup tile, as MLX wraps it, for every weight it takes (4-bit pairs, 8-bit
+    octets, affine and mx; split K), compiles for sm_90a in at most 128 registers a thread with
+    no spills: what QMM_WG_RESIDENT's two blocks an SM (256 threads each) need."""
+    _device_headers(tmp_path)
+    shape = "const __grid_constant__ Shape"
+    files = []
+    for variant, bits, group in (("affine_fast", 4, 64), ("fp_fast", 4, 32), ("affine", 8, 64), ("fp", 8, 32)):
+        affine = variant.startswith("affine")
+        params = ["const __nv_bfloat16* x", f"{shape} x_shape", "const uint32_t* w", f"{shape} w_shape"]
+        params += (
+            ["const __nv_bfloat16* scales", "const __nv_bfloat16* biases"] if affine else ["const uint8_t* scales"]
+        )
+        template = [("O", "__nv_bfloat16"), ("BITS", bits), ("GROUP", group), ("BT", kernels.QMM_WG_TOKENS)]
+        template += [("SPLIT", 1), ("T", "__nv_bfloat16") if affine else ("MX", 1)]
+        source = kernels._qmm_source(variant, kernels._QMM_WG_SOURCE)
+        name = f"wg_{variant}_{bits}"
+        files.append(tmp_path / f"{name}.cu")
+        params.append("__nv_bfloat16* y")
+        files[-1].write_text(_mlx_source(name, kernels._qmm_wg_header(), source, params, template))
+    nvcc = ["nvcc", "-arch=sm_90a", "-I", str(tmp_path), "-cubin", "-Xptxas", "-v", "-odir", str(tmp_path)]
+    run = subprocess.run(
+        [*nvcc, *map(str, files)],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    registers = [int(n) for n in re.findall(r"Used (\d+) registers", run.stderr)]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill", run.stderr)]
+    assert len(registers) == len(files) and max(registers) <= 65536 // (kernels.QMM_WG_RESIDENT * 256), registers
+    assert spills and not any(spills), run.stderr[-3000:]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_kernel_sources_compile_with_nvcc_and_the_device_header_stand_in(tmp_path):
     """Every kernel of runtime/kernels.py, wrapped as MLX wraps it, compiles against
     kernel_cache.DEVICE_HEADER (nvcc for NVRTC, on a machine without a GPU; MAX_NDIM as MLX's
     config.h has it)."""
-    device = tmp_path / "mlx" / "backend" / "cuda" / "device"
-    device.mkdir(parents=True)
-    (device / "utils.cuh").write_text(kernel_cache.DEVICE_HEADER)
-    (device / "config.h").write_text("#pragma once\n#define MAX_NDIM 10\n#define WARP_SIZE 32\n")
+    _device_headers(tmp_path)
     shape = "const __grid_constant__ Shape"
     units = []
     for T in ("__nv_bfloat16", "__half", "float"):
@@ -723,6 +764,7 @@ QMM_MODES = {
     "affine4g32": ("affine", 4, 32),
     "mxfp4": ("mxfp4", 4, 32),
     "affine8": ("affine", 8, 64),
+    "mxfp8": ("mxfp8", 8, 32),
 }
 
 
@@ -753,7 +795,7 @@ def test_qmm_weights_bit_exact_on_cuda(name, dtype, fast):
     w, s, b, gs, bits, mode = qmm_weight(200, 192, name, FLOATS[dtype])
     assert kernels.quantized_matmul_supported(mx.zeros((1, 192), FLOATS[dtype]), w, s, b, gs, bits, mode)
     d = kernels.dequantize(w, s, b, gs, bits, mode, FLOATS[dtype]).T
-    # 2d, 1d, 2d tiles, the warpgroup tile (4-bit weights with groups of 32 or more; others fall back)
+    # 2d, 1d, 2d tiles, the warpgroup tile (4- and 8-bit weights with groups of 32 or more)
     for bt, tile in ((None, None), (16, None), (None, "2d128"), (None, "2d32"), (None, "wg")):
         x = mx.eye(192, dtype=FLOATS[dtype])
         y = kernels.quantized_matmul(x, w, s, b, gs, bits, mode, bt=bt, fast=fast, tile=tile)
@@ -863,10 +905,11 @@ def test_fused_kernel_factories_fill_every_placeholder(monkeypatch):
                     assert placeholder not in kw["source"], (kernel.name, placeholder)
                 assert kw["source"].count("auto issue = [&]") == 1 and kw["source"].count("if constexpr (SPLIT)") == 1
                 assert ("biases" in kw["input_names"]) == variant.startswith("affine")
-        wg = made[kernels._qmm_wg_kernel("affine_fast", 4, 64).name]
-        assert "wgmma_rs<128, __nv_bfloat16>" in wg["header"] and "wgmma.mma_async" in wg["header"]
-        buffers = kernels.QMM_STAGES * (128 * 64 * 2 + 128 * 64 * 4 // 8)
-        assert wg["shared_memory"] == max(buffers, 128 * (128 + 4) * 4) + 1024
+        for variant, bits in (("affine_fast", 4), ("affine", 8), ("fp", 8)):
+            wg = made[kernels._qmm_wg_kernel(variant, bits, 64).name]
+            assert "wgmma_rs<128, __nv_bfloat16>" in wg["header"] and "wgmma.mma_async" in wg["header"]
+            buffers = kernels.QMM_STAGES * (128 * 64 * 2 + 128 * 64 * bits // 8)
+            assert wg["shared_memory"] == max(buffers, 128 * (128 + 4) * 4) + 1024
     finally:
         for f in (kernels._qmm_kernel, kernels._qmm2_kernel, kernels._qmm_wg_kernel):
             f.cache_clear()

@@ -167,10 +167,16 @@ def test_the_warp_tile_names_are_checked():
 
     assert kernels.qmm_tile(300, kernels.QMM_WG_TILE) == kernels.QMM_WG_TILE
     assert kernels.qmm_tile(300) == "wg" and kernels.qmm_tile(100) == "2d" and kernels.qmm_tile(16) == "1d"
+    # 8-bit weights take "wg" by default only from QMM_WG_8BIT_VALUES values; forcing it still works
+    large, small = kernels.QMM_WG_8BIT_VALUES, kernels.QMM_WG_8BIT_VALUES - 1
+    assert kernels.qmm_tile(300, bits=8, values=large) == "wg" and kernels.qmm_tile(300, bits=8, values=small) == "2d"
+    assert kernels.qmm_tile(300, bits=4, values=small) == "wg" and kernels.qmm_tile(16, bits=8, values=large) == "1d"
+    assert kernels.qmm_tile(300, kernels.QMM_WG_TILE, bits=8, values=small) == kernels.QMM_WG_TILE
     with pytest.raises(ValueError, match="wg"):
         kernels.qmm_tile(300, "wg64")
     assert kernels.wg_tile_supported(4, 32) and kernels.wg_tile_supported(4, 128)
-    assert not kernels.wg_tile_supported(8, 64) and not kernels.wg_tile_supported(4, 16)
+    assert kernels.wg_tile_supported(8, 32) and kernels.wg_tile_supported(8, 64)
+    assert not kernels.wg_tile_supported(4, 16) and not kernels.wg_tile_supported(6, 64)
     # split K by qmm_plan's rule: 120 tiles of 128 x 128 fill less than half of 2 x 132 slots
     assert kernels.qmm2_plan(256, 7680, 2560, kernels.QMM_WG_TILE) == 2
     assert kernels.qmm2_plan(1024, 7680, 2560, kernels.QMM_WG_TILE) == 1

@@ -864,6 +864,13 @@ def _wgmma_header(n: int) -> str:
         "  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);",
         "}",
         "__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }",
+        "// An 8-bit octet in mma's k order from a k16 slice pair (lo, hi): bytes 2t, 2t + 1, 2t + 8,",
+        "// 2t + 9 of each (sel picks 2t, 2t + 1 of a word pair).",
+        "__device__ __forceinline__ uint64_t wg_octet8(uint4 lo, uint4 hi, uint32_t sel) {",
+        "  const uint32_t l = __byte_perm(__byte_perm(lo.x, lo.y, sel), __byte_perm(lo.z, lo.w, sel), 0x5410);",
+        "  const uint32_t h = __byte_perm(__byte_perm(hi.x, hi.y, sel), __byte_perm(hi.z, hi.w, sel), 0x5410);",
+        "  return uint64_t(l) | (uint64_t(h) << 32);",
+        "}",
         "template <int N, typename O>",
         "__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc);",
     ]
@@ -888,13 +895,14 @@ _QMM_WG_SOURCE = (
   // Hopper's warpgroup MMA. y (M x N) = x (M x K) @ dequantize(w).T; a block: 2 warpgroups x 64
   // weight rows (128) x BT tokens x the steps s0..s1 of 64 columns of K. Each warp dequantizes
   // its 16 rows into registers in mma.sync's A layout, in K's own order (wgmma reads x from
-  // shared memory in that order): lane t's values of a step are bytes t, t + 4, ..., t + 28 of
-  // the row's 32 (4-bit pairs k, k + 1), gathered into two octets, one for each half of the step
-  // (the k16 slices 0-1 and 2-3; a group of 32 values or more covers a half). x arrives by
-  // cp.async in the 128-byte-swizzled K-major layout wgmma reads (the 1d tile's swizzle, on a
-  // 1024-byte-aligned base).
+  // shared memory in that order): lane t needs columns 2t, 2t + 1, 2t + 8, 2t + 9 of each k16
+  // slice, gathered into two octets, one for each half of the step (the k16 slices 0-1 and
+  // 2-3; a group of 32 values or more covers a half). At 4 bits those are bytes t, t + 4, ...,
+  // t + 28 of the row's 32; at 8 bits the byte pairs 2t, 2t + 8 of each 16 of the row's 64.
+  // x arrives by cp.async in the 128-byte-swizzled K-major layout wgmma reads (the 1d tile's
+  // swizzle, on a 1024-byte-aligned base).
   constexpr int BK = 64, STAGES = 4, THREADS = 256, BW = 128;
-  constexpr int WB = BK * BITS / 8;  // packed bytes of a weight row in a step (32)
+  constexpr int WB = BK * BITS / 8;  // packed bytes of a weight row in a step (32 or 64)
   constexpr int XSTAGE = BT * BK;  // values of x in a stage
   constexpr int WSTAGE = BW * WB;  // packed bytes of w in a stage
   extern __shared__ __align__(16) uint8_t smem_raw[];
@@ -923,18 +931,31 @@ _QMM_WG_SOURCE = (
 
   // A step: the weight's half-steps dequantized into pa / pb, then the four k16 MMAs issued
   // (asynchronous) and committed as one group.
-  const uint32_t sel = uint32_t(t) | (uint32_t(t + 4) << 4);  // byte t of two words
+  // Lane t's octet of a half step: at 4 bits, byte t of each word of the half's 16 bytes; at 8
+  // bits, bytes 2t, 2t + 1 of each 8 of its 32 (columns 2t, 2t + 1, 2t + 8, 2t + 9 of each k16).
+  const uint32_t sel = uint32_t(BITS == 4 ? t : 2 * t) | (uint32_t(BITS == 4 ? t + 4 : 2 * t + 1) << 4);
   Sc cur_[2];
   auto mma_step = [&](int stage, uint32_t (&pa)[8], uint32_t (&pb)[8]) {
     const uint8_t* wt = ws + stage * WSTAGE + wr * WB;
     const uint4 a0 = *reinterpret_cast<const uint4*>(wt), a1 = *reinterpret_cast<const uint4*>(wt + 16);
     const uint4 b0 = *reinterpret_cast<const uint4*>(wt + 8 * WB), b1 = *reinterpret_cast<const uint4*>(wt + 8 * WB + 16);
+    uint4 a2, a3, b2, b3;  // 8 bits: the step's second half
+    if constexpr (BITS == 8) {
+      a2 = *reinterpret_cast<const uint4*>(wt + 32), a3 = *reinterpret_cast<const uint4*>(wt + 48);
+      b2 = *reinterpret_cast<const uint4*>(wt + 8 * WB + 32), b3 = *reinterpret_cast<const uint4*>(wt + 8 * WB + 48);
+    }
     const uint32_t xa = smem_u32(xs + stage * XSTAGE);
 #pragma unroll
     for (int o = 0; o < 2; ++o) {
-      const uint4 qa4 = o == 0 ? a0 : a1, qb4 = o == 0 ? b0 : b1;
-      const uint64_t oa = __byte_perm(__byte_perm(qa4.x, qa4.y, sel), __byte_perm(qa4.z, qa4.w, sel), 0x5410);
-      const uint64_t ob = __byte_perm(__byte_perm(qb4.x, qb4.y, sel), __byte_perm(qb4.z, qb4.w, sel), 0x5410);
+      uint64_t oa, ob;
+      if constexpr (BITS == 4) {
+        const uint4 qa4 = o == 0 ? a0 : a1, qb4 = o == 0 ? b0 : b1;
+        oa = __byte_perm(__byte_perm(qa4.x, qa4.y, sel), __byte_perm(qa4.z, qa4.w, sel), 0x5410);
+        ob = __byte_perm(__byte_perm(qb4.x, qb4.y, sel), __byte_perm(qb4.z, qb4.w, sel), 0x5410);
+      } else {
+        oa = wg_octet8(o == 0 ? a0 : a2, o == 0 ? a1 : a3, sel);
+        ob = wg_octet8(o == 0 ? b0 : b2, o == 0 ? b1 : b3, sel);
+      }
       const Sc& cur = cur_[o];
       DEQUANT
       wgmma_fence();
@@ -999,9 +1020,11 @@ _QMM_WG_SOURCE = (
     + _QMM_STORE
 )
 
-# Hopper's tile (sm_90a; kernel_cache and MLX compile for it), for 4-bit weights with groups of
-# 32 or more: a block 128 weight rows (two warpgroups of 64) x QMM_WG_TOKENS tokens, 4 stages of
-# buffers, 119-127 registers a thread (nvcc 13, no spills): 2 blocks an SM. Measured against
+# Hopper's tile (sm_90a; kernel_cache and MLX compile for it), for 4- and 8-bit weights with
+# groups of 32 or more: a block 128 weight rows (two warpgroups of 64) x QMM_WG_TOKENS tokens, 4
+# stages of buffers, 118-127 registers a thread (nvcc 13, no spills; 8 bits: 118 affine, 122
+# mxfp8, in 99 KB of shared memory): 2 blocks an SM (test_warpgroup_tile_fits_two_blocks_an_sm).
+# 8 bits since the sixteenth issue-16 session (bit-exact with dequantize on the H200). Measured against
 # the other tiles on the H200 (benchmarks.fused_qmm_ab2 --tiles, twelfth issue-16 session):
 # 0.65-0.74x the "2d" tile's time at 1024 tokens (195-250 TFLOP/s on the 6B's large weights),
 # 0.71-1.07x at 256; its variants (64 tokens; no overlap of the dequantize with the MMAs; 6 or 8 stages; 4
@@ -1014,11 +1037,17 @@ _QMM_WG_SOURCE = (
 QMM_WG_TILE = "wg"
 QMM_WG_TOKENS = 128
 QMM_WG_RESIDENT = 2
-# From this many tokens the default tile is "wg" (where it runs: 4-bit, groups of 32 or more;
-# else "2d"). Whole 6B forwards on the H200 at 128 tokens: "2d" ahead for affine4 (23.5 against
+# From this many tokens the default tile is "wg" (where it runs: 4- and 8-bit, groups of 32 or
+# more; else "2d"). Whole 6B forwards on the H200 at 128 tokens: "2d" ahead for affine4 (23.5 against
 # 25.1 ms), "wg" for mxfp4 (19.3 against 21.0); at 256 "wg" ahead for both (affine4 25.5
 # against 27.5, mxfp4 22.1 against 28.0).
 QMM_WG_FROM = 129
+# 8-bit weights take "wg" by default only from this many values (the 6B's; the 300M's are all
+# smaller). Whole forwards at B=1 on the H200, affine8, "wg" / "2d" time (benchmarks.
+# crossover_forward --sides fused_2d,fused, sixteenth issue-16 session): 6B 0.99 at 128 tokens
+# (both "2d" then), 0.84 at 192, 0.77 at 256, 0.71-0.73 at 320-384; 300M 0.99-1.02 at 160-192,
+# 1.01-1.04 at 256, 1.04-1.05 at 384, 1.02-1.04 at 512 (three runs).
+QMM_WG_8BIT_VALUES = MIN_VALUES
 
 
 def _qmm_wg_shared_bytes(bits: int) -> int:
@@ -1036,11 +1065,13 @@ def _qmm_wg_kernel(variant: str, bits: int, group_size: int) -> Kernel:
     return _fused_kernel(name, variant, _QMM_WG_SOURCE, _qmm_wg_header(), _qmm_wg_shared_bytes(bits))
 
 
-def qmm_tile(rows: int, tile: str | None = None) -> str:
-    """The warp tile for ``rows`` tokens: ``tile``, else ESMC_MLX_QMM_TILE, else "1d" (a warp
-    16 weight rows x all tokens) below QMM_2D_FROM tokens, "2d" from there and "wg" (Hopper's
-    warpgroup MMA) from QMM_WG_FROM."""
-    default = QMM_WG_TILE if rows >= QMM_WG_FROM else "2d" if rows >= QMM_2D_FROM else "1d"
+def qmm_tile(rows: int, tile: str | None = None, bits: int = 4, values: int = MIN_VALUES) -> str:
+    """The warp tile for ``rows`` tokens through a weight of ``values`` values at ``bits`` bits:
+    ``tile``, else ESMC_MLX_QMM_TILE, else "1d" (a warp 16 weight rows x all tokens) below
+    QMM_2D_FROM tokens, "2d" from there and "wg" (Hopper's warpgroup MMA) from QMM_WG_FROM, for
+    8-bit weights only from MIN_VALUES values (QMM_WG_8BIT_VALUES)."""
+    wg = rows >= QMM_WG_FROM and (bits != 8 or values >= QMM_WG_8BIT_VALUES)
+    default = QMM_WG_TILE if wg else "2d" if rows >= QMM_2D_FROM else "1d"
     tile = tile or os.environ.get(QMM_TILE_ENV, "") or default
     if tile != "1d" and tile != QMM_WG_TILE and tile not in QMM_TILES:
         raise ValueError(f"{QMM_TILE_ENV}: {tile!r} is not 1d, {QMM_WG_TILE} or one of {', '.join(QMM_TILES)}")
@@ -1060,8 +1091,8 @@ def qmm_waves() -> float:
 
 
 def wg_tile_supported(bits: int, group_size: int) -> bool:
-    """The warpgroup tile takes 4-bit weights whose groups cover half a 64-column step."""
-    return bits == 4 and group_size >= 32
+    """The warpgroup tile takes 4- and 8-bit weights whose groups cover half a 64-column step."""
+    return bits in QMM_BITS and group_size >= 32
 
 
 def qmm2_plan(rows: int, n: int, k: int, tile: str, waves: float = 1.0) -> int:
@@ -1144,7 +1175,7 @@ def quantized_matmul(
     rows = x.size // k
     if waves is None:
         waves = qmm_waves()
-    tile = qmm_tile(rows, tile if bt is None else "1d")
+    tile = qmm_tile(rows, tile if bt is None else "1d", bits, n * k)
     if tile == QMM_WG_TILE and not wg_tile_supported(bits, group_size):
         tile = "2d" if rows >= QMM_2D_FROM else "1d"
     variant = _qmm_variant(mode, bits, x.dtype, scales.dtype, fast)

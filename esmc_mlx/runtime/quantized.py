@@ -73,7 +73,11 @@ CROSSOVER_TOKENS = {
 # - 6B mxfp4: 0.61 at 8 (quantized_matmul), 0.76-0.80 at 16-128, 0.82 at 192, 0.82-0.91 at
 #   256 (three runs); 1.06-1.36 at 320-512.
 # - 6B affine8: behind quantized_matmul at 8-16 (1.08-1.10); 0.76-0.81 at 32-64, 0.80-0.88 at
-#   128, 1.00 at 192, 1.05-1.11 at 256.
+#   128. From 129 tokens the "wg" tile (8 bits since the sixteenth session; before: "2d", 1.00
+#   at 192 and 1.05-1.11 at 256): 0.88-0.90 at 192 and 0.89-0.91 at 256 in five of eight (run,
+#   count) pairs, 1.07-1.10 in three (three machines); 1.38 at 320, 1.13 at 384 (one run). Fused is
+#   GPU-bound there (22-25 ms), dequantize + matmul moves with the host (20-28 ms); in GPU time
+#   (Nsight Compute, 4 layers at 1x256) fused is 1.24x dequantize + matmul.
 # - 300M affine4: 0.78-0.98 at 32-256, 0.92-1.03 at 512, 0.94-0.95 at 1024, 1.24 at 2048;
 #   mxfp4 0.84-0.97 at 32-512, 0.82 and 1.03 at 1024, 1.25 at 2048; affine8 (quantized_matmul
 #   below 128 tokens, not timed against fused) 0.83-0.92 at 128-512, 1.02-1.03 at 1024. The
@@ -83,7 +87,7 @@ CROSSOVER_TOKENS = {
 # (ESMC_MLX_QMM_WAVES=0: no split_sum launch) did not help the 300M: 0.92-1.31 of the split
 # kernel's time at 64-2048 tokens (one run).
 FUSED_TOKENS = {
-    "cuda": {"affine4": (8, 257), "mxfp4": (8, 257), "affine8": (32, 129)},
+    "cuda": {"affine4": (8, 257), "mxfp4": (8, 257), "affine8": (32, 257)},
     "cuda-small": {"affine4": (32, 1025), "mxfp4": (32, 1025), "affine8": (128, 513)},
 }
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
