@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import requires_torch
 
-from benchmarks import crossover_forward, host_overhead, kernels_ab, min_values_ab, side_order
+from benchmarks import crossover_forward, host_overhead, kernels_ab, min_values_ab, side_order, twin_pairing
 from benchmarks.crossover_forward import crossover
 from esmc_mlx import bench
 from esmc_mlx.cli import main
@@ -98,6 +98,23 @@ def test_crossover_forward_times_the_bf16_model_beside_a_path(tmp_path):
     assert result["crossover_tokens"] == {}
     with pytest.raises(SystemExit):  # a misspelt side is refused, not timed under the default policy
         crossover_forward.main([*argv, "--sides", "bf16,dequantise"])
+
+
+def test_twin_pairing_times_bf16_alone_and_beside_each_partner_in_reversed_rounds(tmp_path):
+    """A CPU smoke run: every partner in every round (the second in reverse order), the bf16
+    side always timed, the partner's only when there is one, the JSON on disk."""
+    out = tmp_path / "pairing.json"
+    argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--partners", "none,affine4", "--budget", "0.05"]
+    result = twin_pairing.main([*argv, "--json", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert [(r["round"], r["partner"]) for r in result["rows"]] == [
+        (0, "none"),
+        (0, "affine4"),
+        (1, "affine4"),
+        (1, "none"),
+    ]
+    assert all(r["bf16_ms"] > 0 for r in result["rows"])
+    assert [r["partner_ms"] is None for r in result["rows"]] == [True, False, False, True]
 
 
 def test_min_values_ab_compares_the_gate_with_identical_logits(tmp_path):
