@@ -17,7 +17,7 @@ import click
 
 from ._version import __version__
 from .artifact import describe, plural
-from .bench import parse_shapes, run
+from .bench import FLOAT_SPREAD, parse_shapes, run
 from .convert import quantize_directory
 from .errors import EsmcMlxError, EsmcMlxWarning
 from .hub.push import push_artifact
@@ -914,7 +914,9 @@ Examples:
     "--quant",
     multiple=True,
     type=click.Choice(["affine8", "affine4", "mxfp4"]),
-    help="Also time a quantized twin against the float model.",
+    help="Also time a quantized twin against the float model, interleaved with it; prints quantized time / float "
+    f"time, and a note at shapes where the float model's own time moved by more than {FLOAT_SPREAD - 1:.0%} during the run "
+    "(host-bound shapes, such as batch 1 on a GPU: their ratios move with the machine).",
 )
 @click.option("--no-torch", is_flag=True, help="Time MLX only.")
 @click.option(

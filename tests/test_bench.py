@@ -41,6 +41,35 @@ def test_bench_without_torch_times_mlx_alone(tmp_path):
     assert [r["impl"] for r in results["forward"]] == ["mlx"] and results["agreement"] == {}
 
 
+def test_bench_says_when_the_float_model_moved_across_the_run(tmp_path, monkeypatch, capsys):
+    """Each quantized row carries the float model's lowest and highest median at its shape over
+    the whole run; past FLOAT_SPREAD the shape is named as one whose ratios move with the
+    machine, and within it nothing is said. Timings are stand-ins (float 10 ms in the forward
+    section; 13 ms (1x8) and 10.5 ms (2x8) beside the twin, which takes 14 ms)."""
+    calls = []
+
+    def timed(_t, models, _config, shapes, *_a, **_k):
+        calls.append(list(models))
+        twin = len(calls) > 1
+        rows = []
+        for batch, length in shapes:
+            for impl in models:
+                ms = 14.0 if impl == "affine4" else (13.0 if batch == 1 else 10.5) if twin else 10.0
+                rows.append({"batch": batch, "length": length, "impl": impl, "median_ms": ms})
+        return rows
+
+    monkeypatch.setattr(bench, "compare_forward", timed)
+    job = {"device": "cpu", "dtype": "float32", "model": "tiny", "dir": str(tmp_path), "variants": []}
+    out = bench._mlx_side({**job, "shapes": [(1, 8), (2, 8)], "quant": ["affine4"], "budget_s": 0.01})
+    assert calls == [["mlx"], ["mlx", "affine4"]]
+    rows = {(r["batch"], r["length"]): r for r in out["quantized"]}
+    assert rows[(1, 8)]["float_ms_range"] == [10.0, 13.0] and rows[(1, 8)]["vs_float"] == 14.0 / 13.0
+    assert rows[(2, 8)]["float_ms_range"] == [10.0, 10.5]
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note:" in line]
+    assert len(notes) == 1 and "1x8" in notes[0] and "10.00 to 13.00 ms" in notes[0], notes
+    assert bench.float_ranges([]) == {}
+
+
 def test_bench_into_an_impossible_folder_fails_before_timing(tmp_path, monkeypatch):
     (tmp_path / "notes.txt").write_text("mine")
     monkeypatch.setattr(bench, "_side", lambda *a, **k: pytest.fail("timed first"))
