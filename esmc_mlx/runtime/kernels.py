@@ -1045,8 +1045,8 @@ QMM_WG_FROM = 129
 # 8-bit weights take "wg" by default only from this many values (the 6B's; the 300M's are all
 # smaller). Whole forwards at B=1 on the H200, affine8, "wg" / "2d" time (benchmarks.
 # crossover_forward --sides fused_2d,fused, sixteenth issue-16 session): 6B 0.99 at 128 tokens
-# (both "2d" then), 0.84 at 192, 0.77 at 256, 0.71-0.73 at 320-384; 300M 0.99-1.02 at 160-192,
-# 1.01-1.04 at 256, 1.04-1.05 at 384, 1.02-1.04 at 512 (three runs).
+# (both "2d" then), 0.84 at 192, 0.77 at 256, 0.71-0.73 at 320-384 (one run); 300M 0.99-1.02 at
+# 160-192, 1.01-1.04 at 256, 1.04-1.05 at 384, 1.02-1.04 at 512 (four runs, two machines).
 QMM_WG_8BIT_VALUES = MIN_VALUES
 
 
