@@ -839,19 +839,24 @@ def test_qmm_error_within_dequantize_matmul_on_cuda(name, rows):
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
 @pytest.mark.parametrize("name", ["affine4", "mxfp4", "affine8"])
-def test_quantized_forward_in_the_fused_window_on_cuda(name, monkeypatch):
+@pytest.mark.parametrize("tile", [None, "wg"])
+def test_quantized_forward_in_the_fused_window_on_cuda(name, tile, monkeypatch):
     """A quantized model whose weights are small (the 300M's table, "cuda-small") inside its
     fused window runs every block weight through the fused kernel, and its logits are those of
-    dequantize + matmul up to the fp32 summation order."""
+    dequantize + matmul up to the fp32 summation order; also with the warpgroup tile forced at
+    160 tokens (8-bit weights this small take "2d" by default)."""
     config = testing.tiny_config(hidden_size=256, num_attention_heads=4, num_hidden_layers=3)
     weights = dict(tree_flatten(testing.random_mlx_model(config, mx.bfloat16).parameters()))
     record = bench.QUANT_MODES[name]
     model = bench.mlx_model(config, weights, fuse=True, quant=record)
     lo, _ = rq.FUSED_TOKENS["cuda-small"][rq.mode_name(record["mode"], record["bits"])]
-    ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(1, max(lo, 64))))
-    calls = []  # the packed weights the fused kernel was called with
-    real = kernels.quantized_matmul
+    ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(1, 160 if tile else max(lo, 64))))
+    calls, wg = [], []  # the packed weights the fused kernel was called with; the wg kernels built
+    real, real_wg = kernels.quantized_matmul, kernels._qmm_wg_kernel
     monkeypatch.setattr(kernels, "quantized_matmul", lambda x, w, *a, **k: calls.append(w) or real(x, w, *a, **k))
+    monkeypatch.setattr(kernels, "_qmm_wg_kernel", lambda *a: wg.append(a) or real_wg(*a))
+    if tile:
+        monkeypatch.setenv(kernels.QMM_TILE_ENV, tile)
     block_weights = {id(m.weight) for _, m in model.named_modules() if isinstance(m, rq.QuantizedLinear)}
     assert len(block_weights) == 4 * config.num_hidden_layers  # qkv, o, gate/up, down of every block
     monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
@@ -862,6 +867,7 @@ def test_quantized_forward_in_the_fused_window_on_cuda(name, monkeypatch):
     got = model(ids).logits.astype(mx.float32)
     mx.eval(got)
     assert {id(w) for w in calls} == block_weights
+    assert bool(wg) == bool(tile) and all(bits == record["bits"] for _, bits, _ in wg)
     assert (mx.sqrt(((got - ref) ** 2).sum() / (ref**2).sum())).item() < 3e-2
 
 
