@@ -699,7 +699,7 @@ window_option = click.option(
     "-o",
     "--output",
     type=OutputPath(dir_okay=False, path_type=Path),
-    help="Scored CSV (default: <mutations>.scored.csv beside the input).",
+    help="Scored CSV (default: <mutations>.scored.csv beside the input; needed when --mutations is a pipe).",
 )
 @click.option(
     "--method",
@@ -739,6 +739,12 @@ def score(
     dms_column,
     no_progress,
 ):
+    if output is None and not mutations.is_file():  # a pipe (<(...), /dev/stdin) has no folder to write beside
+        raise click.BadParameter(
+            f"{mutations} is not a regular file, so there is no folder beside it for <mutations>.scored.csv; "
+            "name the output with -o FILE",
+            param_hint="--mutations",
+        )
     output = output or mutations.with_name(mutations.name.removesuffix(".csv") + ".scored.csv")
     methods = [m.replace("-", "_") for m in methods] or ["masked_marginal", "wt_marginal"]
     s = score_csv(

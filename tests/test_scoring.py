@@ -4,6 +4,7 @@ transformers' EsmcForMaskedLM; batching, resumable embedding jobs and bad input.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 
@@ -443,6 +444,17 @@ def test_spearman_matches_scipy():
 
 
 @pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
+def test_cli_score_of_a_pipe_asks_for_an_output(tmp_path):
+    """--mutations <(...) (a pipe) has no folder for the default <mutations>.scored.csv: one Error
+    line naming the option and -o, before the model loads or the pipe is read."""
+    pipe = tmp_path / "mutations"
+    os.mkfifo(pipe)
+    result = CliRunner().invoke(cli, ["score", str(tmp_path / "no-model"), "--sequence", WT, "--mutations", str(pipe)])
+    assert result.exit_code == 2
+    assert "--mutations" in result.output and "not a regular file" in result.output and "-o FILE" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mutations"]
+
+
 def test_cli_score_and_embed(converted, model, tmp_path):
     csv_in = tmp_path / "dms.csv"
     csv_in.write_text("mutant,DMS_score\n" + "".join(f"{m},{i * 0.5}\n" for i, m in enumerate(MUTANTS)))
