@@ -38,6 +38,7 @@ from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
 from esmc_mlx.errors import ConvertError, EsmcMlxWarning, OutputError, SequenceError, ValidationError
 from esmc_mlx.tasks.fasta import read_fasta
+from esmc_mlx.tasks.jobs import resolve_sequence
 
 SEQ = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"
 
@@ -1369,6 +1370,44 @@ def test_fasta_from_common_tools(tmp_path, variant):
         ("sp|P69905|HBA_HUMAN", "MVLSPADKTNVKAAWGKVGA"),
         ("tr|A0A024R161|A0A024R161_HUMAN", "MKTAYIAKQR"),
     ]
+
+
+def pipe_path(data: bytes) -> tuple[str, int]:
+    """``data`` behind an anonymous pipe, named as `<(...)` names one (/dev/fd/N), and the fd to
+    close after: a second read of it finds nothing."""
+    r, w = os.pipe()
+    os.write(w, data)  # well under the pipe's buffer
+    os.close(w)
+    return f"/dev/fd/{r}", r
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_fasta_from_a_pipe_is_read_once(compressed):
+    """`--fasta <(zcat x.fa.gz)` / `<(cat x.fa)`: the gzip check peeks at the stream instead of
+    opening it a second time (which found it empty: 'no FASTA records'); --sequence takes a
+    pipe holding one record (it was refused as 'no such file')."""
+    data = FASTA_TEXT.encode()
+    path, fd = pipe_path(gzip.compress(data) if compressed else data)
+    try:
+        assert [r.id for r in read_fasta(path)] == ["sp|P69905|HBA_HUMAN", "tr|A0A024R161|A0A024R161_HUMAN"]
+    finally:
+        os.close(fd)
+    path, fd = pipe_path(b">wt\nMKTAYIAKQR\n")
+    try:
+        assert resolve_sequence(path) == "MKTAYIAKQR"
+    finally:
+        os.close(fd)
+
+
+def test_embed_of_a_pipe_is_one_error(converted, tmp_path):
+    """embed reads its FASTA twice (checked before the model loads, then embedded): a pipe is
+    refused in one line saying so, before anything is written."""
+    path, fd = pipe_path(FASTA_TEXT.encode())
+    try:
+        one_error_line(cli("embed", converted, path, "-o", tmp_path / "e"), path, "not a regular file", "twice")
+    finally:
+        os.close(fd)
+    assert not (tmp_path / "e").exists()
 
 
 def test_unreadable_fasta_is_one_error(converted, tmp_path):

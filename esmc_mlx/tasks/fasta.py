@@ -116,13 +116,13 @@ def iter_fasta(path: str | Path) -> Iterator[Record]:
     number), with or without a byte-order mark. Raises FastaError; a missing file too."""
     path = Path(path)
     try:
-        with open(path, "rb") as probe:
-            compressed = probe.read(2) == b"\x1f\x8b"  # .gz, .fa.gz, .fasta.gzip ...
-        f = gzip.open(path, "rb") if compressed else open(path, "rb")
+        raw = open(path, "rb")  # opened once and peeked at: a pipe (<(zcat ...)) can be read only once
     except OSError as e:
         raise FastaError(f"{path}: cannot read FASTA ({e})") from None
-    with f:
+    with raw:
         try:
+            compressed = raw.peek(2)[:2] == b"\x1f\x8b"  # .gz, .fa.gz, .fasta.gzip ...
+            f = gzip.GzipFile(fileobj=raw, mode="rb") if compressed else raw
             yield from _records(_text_lines(f, path), str(path))
         except (OSError, EOFError, zlib.error, gzip.BadGzipFile) as e:
             raise FastaError(f"{path}: cannot read FASTA ({e})") from None

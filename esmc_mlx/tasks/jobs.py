@@ -124,6 +124,12 @@ def embed_fasta(
         require_h5py()
     pools = resolve_pools(pools, per_residue)
     layers = pick_layers(layer, layers)
+    if Path(fasta).exists() and not Path(fasta).is_file():  # iter_fasta names a missing one
+        raise JobError(
+            f"{fasta}: not a regular file. embed reads its FASTA twice (every record checked before the model "
+            "loads, then embedded), and a pipe can be read only once: write it to a file first (a gzip-compressed "
+            "FASTA is read as it is)"
+        )
     # Compact per-record metadata (~70 bytes a record with IdIndex): ID, length, sha1.
     ids, lengths, hashes = IdList(), array("q"), bytearray()
     for r in iter_fasta(fasta):  # before loading a model: bad input fails fast
@@ -463,7 +469,7 @@ FASTA_SUFFIXES = (".fa", ".fasta", ".faa", ".fas", ".fna", ".fsa", ".seq", ".txt
 def resolve_sequence(text: str) -> str:
     """A wild-type sequence given literally or as a FASTA file with one record."""
     path = Path(text).expanduser()
-    if _is_file(path):
+    if _names_input(path):
         records = read_fasta(path)
         if len(records) != 1:
             raise JobError(f"{path}: holds {len(records)} records; the wild type must be a single sequence")
@@ -474,11 +480,12 @@ def resolve_sequence(text: str) -> str:
     return check_sequence(stripped, "--sequence", label="sequence")
 
 
-def _is_file(path: Path) -> bool:
-    """Whether ``path`` names a file; False for text no file system accepts as a name (a
-    protein of more than ~255 residues given literally raises OSError "File name too long")."""
+def _names_input(path: Path) -> bool:
+    """Whether ``path`` names something to read: a file, or a pipe (``<(zcat wt.fa.gz)``); False
+    for a directory, and for text no file system accepts as a name (a protein of more than ~255
+    residues given literally raises OSError "File name too long")."""
     try:
-        return path.is_file()
+        return path.exists() and not path.is_dir()
     except (OSError, ValueError):
         return False
 
@@ -518,7 +525,7 @@ def score_csv(
     if out is not None and world.is_root:
         # a missing or unwritable folder, or -o naming an input, fails now, not after the scoring
         wt_file = Path(sequence).expanduser()
-        check_file_target(out, sources=[mutations_csv, *([wt_file] if _is_file(wt_file) else [])])
+        check_file_target(out, sources=[mutations_csv, *([wt_file] if _names_input(wt_file) else [])])
     wt = resolve_sequence(sequence)
     columns, rows, where = read_mutants_csv(mutations_csv, mutant_column)
     mutants = [row[mutant_column] or "" for row in rows]
