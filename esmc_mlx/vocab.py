@@ -106,6 +106,14 @@ def as_sequences(sequences) -> list:
     return list(sequences)
 
 
+def item_names(sequences: list, names=None) -> list | None:
+    """What each sequence's errors call it: ``names`` when given, else its 1-based position
+    when there are several (a lone sequence needs no name)."""
+    if names is not None:
+        return list(names)
+    return [str(i + 1) for i in range(len(sequences))] if len(sequences) > 1 else None
+
+
 def check_sequence(sequence: str, name: str | None = None, where: str = "", label: str = "record") -> str:
     """``sequence`` upper-cased, or SequenceError naming ``name`` and each bad position."""
     if isinstance(sequence, str) and sequence.isascii():

@@ -7,6 +7,7 @@ from conftest import requires_torch
 
 from esmc_mlx import ESMCTokenizer, TokenizerError
 from esmc_mlx.errors import EsmcMlxError
+from esmc_mlx.tasks.scoring import encode
 from esmc_mlx.testing import random_sequences
 from esmc_mlx.vocab import TOKEN_TO_ID, check_sequence, split_tokens
 
@@ -93,6 +94,20 @@ def test_odd_inputs_are_tokenizer_errors():
         with pytest.raises(TokenizerError, match=message):
             call()
     assert tok.decode([0, 20, 2]) == "<cls>M<eos>"
+
+
+def test_a_bad_sequence_in_a_list_is_named_by_its_position():
+    """Without names, the bad item of several is named by its 1-based position (it was only
+    'sequence: empty sequence'); a lone sequence needs none; given names still win."""
+    tok = ESMCTokenizer()
+    with pytest.raises(TokenizerError, match=r"^sequence '3': invalid character '@' at position 2"):
+        tok(["MKT", "MK", "M@K"])
+    with pytest.raises(TokenizerError, match=r"^sequence '2': empty sequence"):
+        encode(["MKV", ""])
+    with pytest.raises(TokenizerError, match=r"^sequence: invalid character '@'"):
+        tok("M@K")
+    with pytest.raises(TokenizerError, match=r"^sequence 'b': empty sequence"):
+        tok(["MKV", ""], names=["a", "b"])
 
 
 def test_return_tensors_and_names_are_checked():

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import TokenizerError  # re-exported: the tokenizer's error
-from ..vocab import AMINO_ACIDS, TOKEN_TO_ID, VOCAB, as_sequences, split_tokens, write_tokenizer_files  # noqa: F401
+from ..vocab import AMINO_ACIDS, TOKEN_TO_ID, VOCAB, as_sequences, item_names, split_tokens, write_tokenizer_files  # noqa: F401
 
 # ASCII code -> id of the one-character token it reads as (lower case as upper case, as
 # split_tokens does), -1 for any other character and for "<" (which starts <mask> and the
@@ -85,6 +85,7 @@ class ESMCTokenizer:
         sequences = as_sequences(sequences)
         if names is not None and len(names) != len(sequences):
             raise TokenizerError(f"names: {len(names)} names for {len(sequences)} sequences")
+        names = item_names(sequences, names)
         encoded = [self.encode(s, name=names[i] if names else None) for i, s in enumerate(sequences)]
         return self.pad(encoded, return_tensors, return_sequence_id)
 

@@ -34,7 +34,7 @@ from ..errors import MutationError, ScoringError, SequenceError
 from ..runtime.model import ESMC
 from ..runtime.quantized import backend
 from ..runtime.tokenizer import ESMCTokenizer
-from ..vocab import as_sequences, check_sequence
+from ..vocab import as_sequences, check_sequence, item_names
 from .distributed import World
 from .mutations import Substitution, apply, parse_mutants
 
@@ -63,6 +63,7 @@ _TOKENIZER = ESMCTokenizer()
 
 def encode(sequences: Sequence[str], tokenizer=None, names: Sequence[str] | None = None) -> list[np.ndarray]:
     tok = tokenizer or _TOKENIZER
+    names = item_names(sequences, names)
     if hasattr(tok, "encode_array"):
         return [tok.encode_array(s, name=names[i] if names else None) for i, s in enumerate(sequences)]
     return [
