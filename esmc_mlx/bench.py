@@ -536,10 +536,10 @@ def _mlx_side(job: dict) -> dict:
                     f"{name:>6} {r['batch']:>3}x{r['length']:<5} {q} time / float time = {r['vs_float']:.2f}",
                     flush=True,
                 )
-    for (batch, length), (lo, hi) in float_ranges(floats).items():
-        for r in out["quantized"]:
-            if (r["batch"], r["length"]) == (batch, length):
-                r["float_ms_range"] = [lo, hi]
+    ranges = float_ranges(floats)
+    for r in out["quantized"]:
+        r["float_ms_range"] = list(ranges[(r["batch"], r["length"])])
+    for (batch, length), (lo, hi) in ranges.items():
         if hi > FLOAT_SPREAD * lo:
             print(
                 f"{name:>6} {batch:>3}x{length:<5} note: the float model took {lo:.2f} to {hi:.2f} ms in this run, so the "
