@@ -530,10 +530,11 @@ def _device_headers(root: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_warpgroup_tile_fits_two_blocks_an_sm(tmp_path):
+def test_warpgroup_tile_fits_its_resident_blocks(tmp_path):
     """The warpgroup tile, as MLX wraps it, for every weight it takes (4-bit pairs, 8-bit
-    octets, affine and mx; split K), compiles for sm_90a in at most 128 registers a thread with
-    no spills: what QMM_WG_RESIDENT's two blocks an SM (256 threads each) need."""
+    octets, affine and mx; split K), compiles for sm_90a with no spills, in the registers and
+    shared memory that QMM_WG_RESIDENT blocks an SM (256 threads each) need: 65,536 registers
+    and 227 KB between them."""
     _device_headers(tmp_path)
     shape = "const __grid_constant__ Shape"
     files = []
@@ -560,6 +561,7 @@ def test_warpgroup_tile_fits_two_blocks_an_sm(tmp_path):
     registers = [int(n) for n in re.findall(r"Used (\d+) registers", run.stderr)]
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill", run.stderr)]
     assert len(registers) == len(files) and max(registers) <= 65536 // (kernels.QMM_WG_RESIDENT * 256), registers
+    assert all(kernels.QMM_WG_RESIDENT * kernels._qmm_wg_shared_bytes(bits) <= 227 * 1024 for bits in (4, 8))
     assert spills and not any(spills), run.stderr[-3000:]
 
 
@@ -913,9 +915,9 @@ def test_fused_kernel_factories_fill_every_placeholder(monkeypatch):
                 assert ("biases" in kw["input_names"]) == variant.startswith("affine")
         for variant, bits in (("affine_fast", 4), ("affine", 8), ("fp", 8)):
             wg = made[kernels._qmm_wg_kernel(variant, bits, 64).name]
-            assert "wgmma_rs<128, __nv_bfloat16>" in wg["header"] and "wgmma.mma_async" in wg["header"]
-            buffers = kernels.QMM_STAGES * (128 * 64 * 2 + 128 * 64 * bits // 8)
-            assert wg["shared_memory"] == max(buffers, 128 * (128 + 4) * 4) + 1024
+            assert "wgmma_rs<256, __nv_bfloat16>" in wg["header"] and "wgmma.mma_async" in wg["header"]
+            buffers = kernels.QMM_STAGES * (256 * 64 * 2 + 128 * 64 * bits // 8)
+            assert wg["shared_memory"] == max(buffers, 256 * (128 + 4) * 4) + 1024
     finally:
         for f in (kernels._qmm_kernel, kernels._qmm2_kernel, kernels._qmm_wg_kernel):
             f.cache_clear()

@@ -177,9 +177,11 @@ def test_the_warp_tile_names_are_checked():
     assert kernels.wg_tile_supported(4, 32) and kernels.wg_tile_supported(4, 128)
     assert kernels.wg_tile_supported(8, 32) and kernels.wg_tile_supported(8, 64)
     assert not kernels.wg_tile_supported(4, 16) and not kernels.wg_tile_supported(6, 64)
-    # split K by qmm_plan's rule: 120 tiles of 128 x 128 fill less than half of 2 x 132 slots
+    # split K by qmm_plan's rule: 60 tiles of 128 x 256 fill less than half of 132 slots (one
+    # block an SM), 240 fill them
     assert kernels.qmm2_plan(256, 7680, 2560, kernels.QMM_WG_TILE) == 2
     assert kernels.qmm2_plan(1024, 7680, 2560, kernels.QMM_WG_TILE) == 1
+    assert kernels.qmm2_plan(256, 2560, 6912, kernels.QMM_WG_TILE) == 6  # 20 tiles, 108 steps
 
 
 def test_the_split_waves_are_read_checked_and_key_the_traces(monkeypatch):

@@ -1022,21 +1022,28 @@ _QMM_WG_SOURCE = (
 
 # Hopper's tile (sm_90a; kernel_cache and MLX compile for it), for 4- and 8-bit weights with
 # groups of 32 or more: a block 128 weight rows (two warpgroups of 64) x QMM_WG_TOKENS tokens, 4
-# stages of buffers, 118-127 registers a thread (nvcc 13, no spills; 8 bits: 118 affine, 122
-# mxfp8, in 99 KB of shared memory): 2 blocks an SM (test_warpgroup_tile_fits_two_blocks_an_sm).
-# 8 bits since the sixteenth issue-16 session (bit-exact with dequantize on the H200). Measured against
-# the other tiles on the H200 (benchmarks.fused_qmm_ab2 --tiles, twelfth issue-16 session):
-# 0.65-0.74x the "2d" tile's time at 1024 tokens (195-250 TFLOP/s on the 6B's large weights),
-# 0.71-1.07x at 256; its variants (64 tokens; no overlap of the dequantize with the MMAs; 6 or 8 stages; 4
-# warpgroups) were as fast or slower: template switches of this source, dropped to keep one.
+# stages of buffers. At 256 tokens (since the seventeenth issue-16 session; 128 before): 184-198
+# registers a thread (nvcc 13, no spills) and 145-161 KB of shared memory, so one block an SM
+# (test_warpgroup_tile_fits_its_resident_blocks), each weight value dequantized once per 256
+# tokens instead of twice and each wgmma m64n256k16. Against the 128-token tile (two blocks an
+# SM, 118-127 registers) on the H200: per weight (benchmarks.fused_qmm_ab2 --tiles) 0.87-0.98x
+# at 256 tokens and 0.87-1.01x at 1024 (6B shapes, affine4 / mxfp4; 15 of 16 ahead); whole
+# forwards with every supported weight fused (benchmarks.crossover_forward --sides
+# fused_wg,...; two machines) 6B 0.95-0.99x at 160-1024 tokens (15 of 15 rows), 300M
+# 0.96-1.00x at 256-1024 (8 of 9 ahead, one level). One warpgroup a block (64 rows x 256
+# tokens, 3 stages, two blocks an SM) took 1.10-1.22x the 128-token tile's time in 6B forwards
+# at 256 and 1024 tokens, 64 x 128 (two or three blocks an SM) 1.13-1.36x: both dropped.
+# Measured against the other tiles on the H200 (benchmarks.fused_qmm_ab2 --tiles, twelfth
+# issue-16 session, 128 tokens): 0.65-0.74x the "2d" tile's time at 1024 tokens (195-250
+# TFLOP/s on the 6B's large weights), 0.71-1.07x at 256; its variants then (64 tokens; no
+# overlap of the dequantize with the MMAs; 6 or 8 stages; 4 warpgroups) were as fast or slower.
 # ptxas serializes its wgmma (warning C7513: the odd last step inside the loop rewrites, on
-# some path, registers that MMAs in flight read); moving that step out of the loop pipelines
-# them at 130-135 registers, one block an SM, 1.07-1.19x this tile's time per weight (0.98-1.05x
-# held to 128 registers by launch bounds, with spills): two resident blocks hide it already
-# (fourteenth issue-16 session, branch experiment/wg-pipelined).
+# some path, registers that MMAs in flight read); moving that step out of the loop pipelined
+# them at 130-135 registers for the 128-token tile, 1.07-1.19x its time per weight at one
+# block an SM (fourteenth issue-16 session, branch experiment/wg-pipelined).
 QMM_WG_TILE = "wg"
-QMM_WG_TOKENS = 128
-QMM_WG_RESIDENT = 2
+QMM_WG_TOKENS = 256
+QMM_WG_RESIDENT = 1
 # From this many tokens the default tile is "wg" (where it runs: 4- and 8-bit, groups of 32 or
 # more; else "2d"). Whole 6B forwards on the H200 at 128 tokens: "2d" ahead for affine4 (23.5 against
 # 25.1 ms), "wg" for mxfp4 (19.3 against 21.0); at 256 "wg" ahead for both (affine4 25.5
