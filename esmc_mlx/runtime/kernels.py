@@ -995,11 +995,25 @@ _QMM_WG_SOURCE = (
 #pragma unroll
     for (int o = 0; o < 2; ++o) cur_[o] = nxt_[o];
   };
-  for (int s = s0; s < s1; s += 2) {
-    step(s, pa0, pb0);
-    if (s + 1 < s1) step(s + 1, pa1, pb1);
+  if constexpr (PIPELINED) {
+    // No path on which a register set is rewritten while MMAs reading it may run, so ptxas
+    // keeps the MMAs in flight (no warning C7513); else it waits for each wgmma.
+    if (s0 < s1) {
+      int s = s0;
+      for (; s + 1 < s1; s += 2) {
+        step(s, pa0, pb0);
+        step(s + 1, pa1, pb1);
+      }
+      if (s < s1) step(s, pa0, pb0);
+      wgmma_wait<0>();
+    }
+  } else {
+    for (int s = s0; s < s1; s += 2) {
+      step(s, pa0, pb0);
+      if (s + 1 < s1) step(s + 1, pa1, pb1);
+    }
+    wgmma_wait<0>();
   }
-  wgmma_wait<0>();
   cp_async_wait<0>();
   __syncthreads();
 
@@ -1044,6 +1058,13 @@ _QMM_WG_SOURCE = (
 QMM_WG_TILE = "wg"
 QMM_WG_TOKENS = 256
 QMM_WG_RESIDENT = 1
+# The same tile with its MMAs pipelined (template PIPELINED: the odd last step after the loop).
+# At 256 tokens that costs no occupancy: 204-214 registers (nvcc 13.0, no spills, no C7513), one
+# block an SM either way. Not measured on a GPU yet (the seventeenth issue-16 session's device
+# time ran out): forced by name only (ESMC_MLX_QMM_TILE=wgp), for the next A/B run
+# (benchmarks.crossover_forward --sides fused_wg,fused_wgp).
+QMM_WGP_TILE = "wgp"
+QMM_WG_TILES = (QMM_WG_TILE, QMM_WGP_TILE)
 # From this many tokens the default tile is "wg" (where it runs: 4- and 8-bit, groups of 32 or
 # more; else "2d"). Whole 6B forwards on the H200 at 128 tokens: "2d" ahead for affine4 (23.5 against
 # 25.1 ms), "wg" for mxfp4 (19.3 against 21.0); at 256 "wg" ahead for both (affine4 25.5
@@ -1080,8 +1101,8 @@ def qmm_tile(rows: int, tile: str | None = None, bits: int = 4, values: int = MI
     wg = rows >= QMM_WG_FROM and (bits != 8 or values >= QMM_WG_8BIT_VALUES)
     default = QMM_WG_TILE if wg else "2d" if rows >= QMM_2D_FROM else "1d"
     tile = tile or os.environ.get(QMM_TILE_ENV, "") or default
-    if tile != "1d" and tile != QMM_WG_TILE and tile not in QMM_TILES:
-        raise ValueError(f"{QMM_TILE_ENV}: {tile!r} is not 1d, {QMM_WG_TILE} or one of {', '.join(QMM_TILES)}")
+    if tile != "1d" and tile not in QMM_WG_TILES and tile not in QMM_TILES:
+        raise ValueError(f"{QMM_TILE_ENV}: {tile!r} is not 1d or one of {', '.join([*QMM_WG_TILES, *QMM_TILES])}")
     return tile
 
 
@@ -1104,7 +1125,7 @@ def wg_tile_supported(bits: int, group_size: int) -> bool:
 
 def qmm2_plan(rows: int, n: int, k: int, tile: str, waves: float = 1.0) -> int:
     """Splits of K for a two-dimensional or warpgroup tile, by qmm_plan's rule."""
-    if tile == QMM_WG_TILE:
+    if tile in QMM_WG_TILES:
         bt, bw, resident = QMM_WG_TOKENS, QMM_BW, QMM_WG_RESIDENT
     else:
         bt, bw, resident = QMM_TILES[tile][0], _qmm2_bw(tile), QMM_TILE_RESIDENT[tile]
@@ -1183,12 +1204,12 @@ def quantized_matmul(
     if waves is None:
         waves = qmm_waves()
     tile = qmm_tile(rows, tile if bt is None else "1d", bits, n * k)
-    if tile == QMM_WG_TILE and not wg_tile_supported(bits, group_size):
+    if tile in QMM_WG_TILES and not wg_tile_supported(bits, group_size):
         tile = "2d" if rows >= QMM_2D_FROM else "1d"
     variant = _qmm_variant(mode, bits, x.dtype, scales.dtype, fast)
-    if tile == QMM_WG_TILE:
+    if tile in QMM_WG_TILES:
         bt, splits = QMM_WG_TOKENS, qmm2_plan(rows, n, k, tile, waves)
-        kernel, bw, extra = _qmm_wg_kernel(variant, bits, group_size), QMM_BW, []
+        kernel, bw, extra = _qmm_wg_kernel(variant, bits, group_size), QMM_BW, [("PIPELINED", tile == QMM_WGP_TILE)]
     elif tile == "1d":
         bt, splits = qmm_plan(rows, n, k, waves, bt)
         kernel, bw, extra = _qmm_kernel(variant, bits, group_size, bt), QMM_BW, []
