@@ -822,7 +822,7 @@ QMM_TILE_RESIDENT = {"2d": 1, "2d128": 1, "2d64w": 1, "2d32": 2}
 # at 256 and 0.97-1.04x at 1024; both 1.0-1.23x at 16-64 tokens. On 7680x2560, "2d128" was
 # within 3% of "2d" at 256 tokens and 5% slower at 1024; "2d32" was slower at both.
 QMM_2D_FROM = 65
-QMM_TILE_ENV = "ESMC_MLX_QMM_TILE"  # 1d | 2d | 2d128 | 2d64w | 2d32: forces a tile (A/B runs)
+QMM_TILE_ENV = "ESMC_MLX_QMM_TILE"  # 1d | 2d | 2d128 | 2d64w | 2d32 | wg | wgp: forces a tile (A/B runs)
 # The waves of resident blocks that K is split to fill (qmm_plan), when the caller gives none;
 # 0 never splits (one launch a call, no split_sum: A/B runs).
 QMM_WAVES_ENV = "ESMC_MLX_QMM_WAVES"
