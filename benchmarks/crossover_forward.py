@@ -40,7 +40,7 @@ from benchmarks import save_json
 from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments
 from esmc_mlx.bench import config_for, forward_fns, machine, mlx_model, time_interleaved
 from esmc_mlx.quantize import AFFINE_BITS, DEFAULT_GROUP_SIZE, FIXED_MODES
-from esmc_mlx.runtime.kernels import QMM_TILE_ENV, QMM_TILES, QMM_WAVES_ENV, QMM_WG_TILES
+from esmc_mlx.runtime.kernels import QMM_TILE_ENV, QMM_TILES, QMM_WAVES_ENV, QMM_WG_TILE
 from esmc_mlx.runtime.quantized import POLICY_ENV, mode_name
 from esmc_mlx.testing import random_mlx_model
 
@@ -53,8 +53,8 @@ SIDES = {
     "quantized": {POLICY_ENV: "quantized"},
     "dequantize": {POLICY_ENV: "dequantize"},
     "fused": {POLICY_ENV: "fused"},  # kernels.quantized_matmul where it runs, else the table
-    # the same with one warp tile forced (kernels.QMM_TILES, QMM_WG_TILES)
-    **{f"fused_{t}": {POLICY_ENV: "fused", QMM_TILE_ENV: t} for t in ("1d", *QMM_TILES, *QMM_WG_TILES)},
+    # the same with one warp tile forced (kernels.QMM_TILES, QMM_WG_TILE)
+    **{f"fused_{t}": {POLICY_ENV: "fused", QMM_TILE_ENV: t} for t in ("1d", *QMM_TILES, QMM_WG_TILE)},
     "fused_nosplit": {POLICY_ENV: "fused", QMM_WAVES_ENV: "0"},  # K never split: one launch a call
     "shipped": {POLICY_ENV: "auto"},  # what users get: the tables' choice per weight and token count
     "bf16": {},

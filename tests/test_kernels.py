@@ -530,12 +530,11 @@ def _device_headers(root: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_warpgroup_tile_fits_its_resident_blocks(tmp_path, pipelined):
+def test_warpgroup_tile_fits_its_resident_blocks(tmp_path):
     """The warpgroup tile, as MLX wraps it, for every weight it takes (4-bit pairs, 8-bit
     octets, affine and mx; split K), compiles for sm_90a with no spills, in the registers and
     shared memory that QMM_WG_RESIDENT blocks an SM (256 threads each) need: 65,536 registers
-    and 227 KB between them; pipelined ("wgp"), without ptxas serializing its MMAs (C7513)."""
+    and 227 KB between them, without ptxas serializing its MMAs (warning C7513)."""
     _device_headers(tmp_path)
     shape = "const __grid_constant__ Shape"
     files = []
@@ -546,7 +545,7 @@ def test_warpgroup_tile_fits_its_resident_blocks(tmp_path, pipelined):
             ["const __nv_bfloat16* scales", "const __nv_bfloat16* biases"] if affine else ["const uint8_t* scales"]
         )
         template = [("O", "__nv_bfloat16"), ("BITS", bits), ("GROUP", group), ("BT", kernels.QMM_WG_TOKENS)]
-        template += [("SPLIT", 1), ("T", "__nv_bfloat16") if affine else ("MX", 1), ("PIPELINED", int(pipelined))]
+        template += [("SPLIT", 1), ("T", "__nv_bfloat16") if affine else ("MX", 1)]
         source = kernels._qmm_source(variant, kernels._QMM_WG_SOURCE)
         name = f"wg_{variant}_{bits}"
         files.append(tmp_path / f"{name}.cu")
@@ -563,7 +562,7 @@ def test_warpgroup_tile_fits_its_resident_blocks(tmp_path, pipelined):
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill", run.stderr)]
     assert len(registers) == len(files) and max(registers) <= 65536 // (kernels.QMM_WG_RESIDENT * 256), registers
     assert all(kernels.QMM_WG_RESIDENT * kernels._qmm_wg_shared_bytes(bits) <= 227 * 1024 for bits in (4, 8))
-    assert not pipelined or "C7513" not in run.stderr, run.stderr[-3000:]
+    assert "C7513" not in run.stderr, run.stderr[-3000:]
     assert spills and not any(spills), run.stderr[-3000:]
 
 
@@ -800,7 +799,7 @@ def test_qmm_weights_bit_exact_on_cuda(name, dtype, fast):
     assert kernels.quantized_matmul_supported(mx.zeros((1, 192), FLOATS[dtype]), w, s, b, gs, bits, mode)
     d = kernels.dequantize(w, s, b, gs, bits, mode, FLOATS[dtype]).T
     # 2d, 1d, 2d tiles, the warpgroup tile (4- and 8-bit weights with groups of 32 or more)
-    for bt, tile in ((None, None), (16, None), (None, "2d128"), (None, "2d32"), (None, "wg"), (None, "wgp")):
+    for bt, tile in ((None, None), (16, None), (None, "2d128"), (None, "2d32"), (None, "wg")):
         x = mx.eye(192, dtype=FLOATS[dtype])
         y = kernels.quantized_matmul(x, w, s, b, gs, bits, mode, bt=bt, fast=fast, tile=tile)
         assert y.dtype == FLOATS[dtype] and y.shape == d.shape
@@ -833,8 +832,6 @@ def test_qmm_error_within_dequantize_matmul_on_cuda(name, rows):
             (1.0, None, "wg"),
             (4.0, None, "wg"),
             (0.0, None, "wg"),  # never split
-            (1.0, None, "wgp"),
-            (0.0, None, "wgp"),
             (0.0, 16, None),
         ):
             y = kernels.quantized_matmul(x, w, s, b, gs, bits, mode, waves=waves, bt=bt, tile=tile)
@@ -845,7 +842,7 @@ def test_qmm_error_within_dequantize_matmul_on_cuda(name, rows):
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
 @pytest.mark.parametrize("name", ["affine4", "mxfp4", "affine8"])
-@pytest.mark.parametrize("tile", [None, "wg", "wgp"])
+@pytest.mark.parametrize("tile", [None, "wg"])
 def test_quantized_forward_in_the_fused_window_on_cuda(name, tile, monkeypatch):
     """A quantized model whose weights are small (the 300M's table, "cuda-small") inside its
     fused window runs every block weight through the fused kernel, and its logits are those of

@@ -182,7 +182,6 @@ def test_the_warp_tile_names_are_checked():
     assert kernels.qmm2_plan(256, 7680, 2560, kernels.QMM_WG_TILE) == 2
     assert kernels.qmm2_plan(1024, 7680, 2560, kernels.QMM_WG_TILE) == 1
     assert kernels.qmm2_plan(256, 2560, 6912, kernels.QMM_WG_TILE) == 6  # 20 tiles, 108 steps
-    assert kernels.qmm_tile(300, "wgp") == "wgp" and kernels.qmm2_plan(256, 2560, 6912, "wgp") == 6
 
 
 def test_the_split_waves_are_read_checked_and_key_the_traces(monkeypatch):

@@ -822,7 +822,7 @@ QMM_TILE_RESIDENT = {"2d": 1, "2d128": 1, "2d64w": 1, "2d32": 2}
 # at 256 and 0.97-1.04x at 1024; both 1.0-1.23x at 16-64 tokens. On 7680x2560, "2d128" was
 # within 3% of "2d" at 256 tokens and 5% slower at 1024; "2d32" was slower at both.
 QMM_2D_FROM = 65
-QMM_TILE_ENV = "ESMC_MLX_QMM_TILE"  # 1d | 2d | 2d128 | 2d64w | 2d32 | wg | wgp: forces a tile (A/B runs)
+QMM_TILE_ENV = "ESMC_MLX_QMM_TILE"  # 1d | 2d | 2d128 | 2d64w | 2d32 | wg: forces a tile (A/B runs)
 # The waves of resident blocks that K is split to fill (qmm_plan), when the caller gives none;
 # 0 never splits (one launch a call, no split_sum: A/B runs).
 QMM_WAVES_ENV = "ESMC_MLX_QMM_WAVES"
@@ -995,23 +995,16 @@ _QMM_WG_SOURCE = (
 #pragma unroll
     for (int o = 0; o < 2; ++o) cur_[o] = nxt_[o];
   };
-  if constexpr (PIPELINED) {
-    // No path on which a register set is rewritten while MMAs reading it may run, so ptxas
-    // keeps the MMAs in flight (no warning C7513); else it waits for each wgmma.
-    if (s0 < s1) {
-      int s = s0;
-      for (; s + 1 < s1; s += 2) {
-        step(s, pa0, pb0);
-        step(s + 1, pa1, pb1);
-      }
-      if (s < s1) step(s, pa0, pb0);
-      wgmma_wait<0>();
-    }
-  } else {
-    for (int s = s0; s < s1; s += 2) {
+  // The odd last step runs after the loop: no path then rewrites a register set that MMAs in
+  // flight may read, so ptxas keeps them in flight (with that step inside the loop it warned
+  // C7513 and waited for each wgmma: 0.84-0.97x the time per weight once removed).
+  if (s0 < s1) {
+    int s = s0;
+    for (; s + 1 < s1; s += 2) {
       step(s, pa0, pb0);
-      if (s + 1 < s1) step(s + 1, pa1, pb1);
+      step(s + 1, pa1, pb1);
     }
+    if (s < s1) step(s, pa0, pb0);
     wgmma_wait<0>();
   }
   cp_async_wait<0>();
@@ -1036,7 +1029,7 @@ _QMM_WG_SOURCE = (
 
 # Hopper's tile (sm_90a; kernel_cache and MLX compile for it), for 4- and 8-bit weights with
 # groups of 32 or more: a block 128 weight rows (two warpgroups of 64) x QMM_WG_TOKENS tokens, 4
-# stages of buffers. At 256 tokens (since the seventeenth issue-16 session; 128 before): 184-198
+# stages of buffers. At 256 tokens (since the seventeenth issue-16 session; 128 before): 204-214
 # registers a thread (nvcc 13, no spills) and 145-161 KB of shared memory, so one block an SM
 # (test_warpgroup_tile_fits_its_resident_blocks), each weight value dequantized once per 256
 # tokens instead of twice and each wgmma m64n256k16. Against the 128-token tile (two blocks an
@@ -1051,20 +1044,17 @@ _QMM_WG_SOURCE = (
 # issue-16 session, 128 tokens): 0.65-0.74x the "2d" tile's time at 1024 tokens (195-250
 # TFLOP/s on the 6B's large weights), 0.71-1.07x at 256; its variants then (64 tokens; no
 # overlap of the dequantize with the MMAs; 6 or 8 stages; 4 warpgroups) were as fast or slower.
-# ptxas serializes its wgmma (warning C7513: the odd last step inside the loop rewrites, on
-# some path, registers that MMAs in flight read); moving that step out of the loop pipelined
-# them at 130-135 registers for the 128-token tile, 1.07-1.19x its time per weight at one
-# block an SM (fourteenth issue-16 session, branch experiment/wg-pipelined).
+# Its MMAs are pipelined (the odd last step after the loop, so ptxas does not serialize the
+# wgmma: warning C7513): 204-214 registers (nvcc 13.0), one block an SM as before. Against the
+# serialized form on the H200 (eighteenth issue-16 session): per weight (benchmarks.
+# fused_qmm_ab2 --tiles) 0.84-0.97x at 256 and 1024 tokens (16 of 16 ahead; 6B shapes,
+# affine4 / mxfp4); 6B forwards with every supported weight fused (benchmarks.crossover_forward)
+# 0.85-0.94x at 512-1024 tokens, 0.95-1.03x at 160-256; 300M 0.95-1.08x at 256-1024 (host-bound). On the 128-token tile
+# (two blocks an SM) the same change cost the second block and ran 1.07-1.19x per weight
+# (fourteenth issue-16 session).
 QMM_WG_TILE = "wg"
 QMM_WG_TOKENS = 256
 QMM_WG_RESIDENT = 1
-# The same tile with its MMAs pipelined (template PIPELINED: the odd last step after the loop).
-# At 256 tokens that costs no occupancy: 204-214 registers (nvcc 13.0, no spills, no C7513), one
-# block an SM either way. Not measured on a GPU yet (the seventeenth issue-16 session's device
-# time ran out): forced by name only (ESMC_MLX_QMM_TILE=wgp), for the next A/B run
-# (benchmarks.crossover_forward --sides fused_wg,fused_wgp).
-QMM_WGP_TILE = "wgp"
-QMM_WG_TILES = (QMM_WG_TILE, QMM_WGP_TILE)
 # From this many tokens the default tile is "wg" (where it runs: 4- and 8-bit, groups of 32 or
 # more; else "2d"). Whole 6B forwards on the H200 at 128 tokens: "2d" ahead for affine4 (23.5 against
 # 25.1 ms), "wg" for mxfp4 (19.3 against 21.0); at 256 "wg" ahead for both (affine4 25.5
@@ -1101,8 +1091,8 @@ def qmm_tile(rows: int, tile: str | None = None, bits: int = 4, values: int = MI
     wg = rows >= QMM_WG_FROM and (bits != 8 or values >= QMM_WG_8BIT_VALUES)
     default = QMM_WG_TILE if wg else "2d" if rows >= QMM_2D_FROM else "1d"
     tile = tile or os.environ.get(QMM_TILE_ENV, "") or default
-    if tile != "1d" and tile not in QMM_WG_TILES and tile not in QMM_TILES:
-        raise ValueError(f"{QMM_TILE_ENV}: {tile!r} is not 1d or one of {', '.join([*QMM_WG_TILES, *QMM_TILES])}")
+    if tile != "1d" and tile != QMM_WG_TILE and tile not in QMM_TILES:
+        raise ValueError(f"{QMM_TILE_ENV}: {tile!r} is not 1d or one of {', '.join([QMM_WG_TILE, *QMM_TILES])}")
     return tile
 
 
@@ -1125,7 +1115,7 @@ def wg_tile_supported(bits: int, group_size: int) -> bool:
 
 def qmm2_plan(rows: int, n: int, k: int, tile: str, waves: float = 1.0) -> int:
     """Splits of K for a two-dimensional or warpgroup tile, by qmm_plan's rule."""
-    if tile in QMM_WG_TILES:
+    if tile == QMM_WG_TILE:
         bt, bw, resident = QMM_WG_TOKENS, QMM_BW, QMM_WG_RESIDENT
     else:
         bt, bw, resident = QMM_TILES[tile][0], _qmm2_bw(tile), QMM_TILE_RESIDENT[tile]
@@ -1204,12 +1194,12 @@ def quantized_matmul(
     if waves is None:
         waves = qmm_waves()
     tile = qmm_tile(rows, tile if bt is None else "1d", bits, n * k)
-    if tile in QMM_WG_TILES and not wg_tile_supported(bits, group_size):
+    if tile == QMM_WG_TILE and not wg_tile_supported(bits, group_size):
         tile = "2d" if rows >= QMM_2D_FROM else "1d"
     variant = _qmm_variant(mode, bits, x.dtype, scales.dtype, fast)
-    if tile in QMM_WG_TILES:
+    if tile == QMM_WG_TILE:
         bt, splits = QMM_WG_TOKENS, qmm2_plan(rows, n, k, tile, waves)
-        kernel, bw, extra = _qmm_wg_kernel(variant, bits, group_size), QMM_BW, [("PIPELINED", tile == QMM_WGP_TILE)]
+        kernel, bw, extra = _qmm_wg_kernel(variant, bits, group_size), QMM_BW, []
     elif tile == "1d":
         bt, splits = qmm_plan(rows, n, k, waves, bt)
         kernel, bw, extra = _qmm_kernel(variant, bits, group_size, bt), QMM_BW, []
