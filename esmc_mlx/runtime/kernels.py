@@ -366,14 +366,13 @@ QMM_BITS = (4, 8)  # whole octets of 4 / 8 bytes: 16-byte aligned rows of a step
 QMM_SMS = 132  # the H200's multiprocessors
 
 _QMM_HEADER = """
-// 16 (or, src_bytes = 0, zero) bytes from global to shared memory, asynchronously.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" ::"r"(d), "l"(src), "r"(src_bytes));
+// 16 (or, src_bytes = 0, zero) bytes from global memory to the shared-memory address dst,
+// asynchronously; and 4 bytes.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\\n" ::"r"(d), "l"(src));
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\\n" ::"r"(dst), "l"(src));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\\n" ::); }
 template <int N>
@@ -437,32 +436,64 @@ _QMM_SETUP = """\
   const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
   const bool w16 = (reinterpret_cast<uintptr_t>(packed) & 15) == 0;
 
+  // The copies of a step. x's chunk c = tid + THREADS * i is token row r = tid / 8 + XROWS * i,
+  // 16-byte chunk j = tid % 8 of the step's 64 columns, stored at j ^ (r & 7) (the swizzle): the
+  // same j ^ (r & 7) for every i, as XROWS is a multiple of 8. So each chunk's source row
+  // (clamped to M - 1; zero-filled past M) and destination are computed here once, and a step
+  // only adds its k0 and stage. The wg tile issued ~600 instructions a warp a step (ncu, 6B
+  // gate/up weight at 1024 tokens: 1.76 a cycle, tensor pipe 30% busy) and re-derived these
+  // addresses in each; done once, whole 6B forwards through it took 0.88-0.92x the time at
+  // 512-1024 tokens, 0.95-1.07x at 160-256, within the A/B's bias (benchmarks.kernels_ab both
+  // ways round, eighteenth issue-16 session). The weight's chunk c: row c / (WB / 16), byte
+  // 16 * (c % (WB / 16)).
+  constexpr int XROWS = THREADS / 8, XCHUNKS = (BT + XROWS - 1) / XROWS;
+  constexpr int WCHUNK = BW * WB / 16, WCHUNKS = (WCHUNK + THREADS - 1) / THREADS;
+  const int xr = tid >> 3, xj = tid & 7;
+  const uint32_t xdst = static_cast<uint32_t>(__cvta_generic_to_shared(xs + xr * BK + ((xj ^ (xr & 7)) << 3)));
+  const uint32_t wdst = static_cast<uint32_t>(__cvta_generic_to_shared(ws + 16 * tid));
+  const O* xsrc[XCHUNKS];
+  uint32_t xok = 0;  // bit i: chunk i's row is one of x's (m < M)
+#pragma unroll
+  for (int i = 0; i < XCHUNKS; ++i) {
+    const int m = m0 + xr + XROWS * i;
+    xsrc[i] = x + size_t(min(m, M - 1)) * K + xj * 8;
+    xok |= uint32_t(m < M) << i;
+  }
+  const uint8_t* wsrc[WCHUNKS];
+#pragma unroll
+  for (int i = 0; i < WCHUNKS; ++i) {
+    const int c = tid + THREADS * i;
+    wsrc[i] = packed + size_t(min(n0 + c / (WB / 16), N - 1)) * row_bytes + (c % (WB / 16)) * 16;
+  }
+
   auto issue = [&](int s, int stage) {
     const int k0 = s * BK;
-    O* xd = xs + stage * XSTAGE;
+    if (x16) {
 #pragma unroll
-    for (int c = tid; c < BT * 8; c += THREADS) {  // token r's 16-byte chunk j at j ^ (r & 7)
-      const int r = c >> 3, j = c & 7, m = m0 + r;
-      O* dst = xd + r * BK + ((j ^ (r & 7)) << 3);
-      const O* src = x + size_t(min(m, M - 1)) * K + k0 + j * 8;
-      if (x16) {
-        cp_async16(dst, src, m < M ? 16 : 0);
-      } else {
+      for (int i = 0; i < XCHUNKS; ++i)
+        if (XCHUNKS * XROWS <= BT || xr + XROWS * i < BT)
+          cp_async16(xdst + (stage * XSTAGE + XROWS * i * BK) * sizeof(O), xsrc[i] + k0, (xok >> i & 1u) * 16);
+    } else {
+      O* xd = xs + stage * XSTAGE;
+      for (int c = tid; c < BT * 8; c += THREADS) {
+        const int r = c >> 3, j = c & 7, m = m0 + r;
+        O* dst = xd + r * BK + ((j ^ (r & 7)) << 3);
+        const O* src = x + size_t(min(m, M - 1)) * K + k0 + j * 8;
 #pragma unroll
         for (int i = 0; i < 8; ++i) dst[i] = m < M ? src[i] : O(0.0f);
       }
     }
-    uint8_t* wd = ws + stage * WSTAGE;
 #pragma unroll
-    for (int c = tid; c < BW * WB / 16; c += THREADS) {
-      const int r = c / (WB / 16), j = c % (WB / 16);
-      const uint8_t* src = packed + size_t(min(n0 + r, N - 1)) * row_bytes + size_t(k0) * BITS / 8 + j * 16;
-      uint8_t* dst = wd + r * WB + j * 16;
-      if (w16) {
-        cp_async16(dst, src, 16);
-      } else {
+    for (int i = 0; i < WCHUNKS; ++i) {
+      if (WCHUNKS * THREADS <= WCHUNK || tid + THREADS * i < WCHUNK) {
+        const uint8_t* src = wsrc[i] + size_t(k0) * BITS / 8;
+        const uint32_t dst = wdst + stage * WSTAGE + 16 * THREADS * i;
+        if (w16) {
+          cp_async16(dst, src, 16);
+        } else {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) cp_async4(dst + 4 * i, src + 4 * i);
+          for (int q = 0; q < 4; ++q) cp_async4(dst + 4 * q, src + 4 * q);
+        }
       }
     }
   };
@@ -814,7 +845,8 @@ QMM_TILES = {
     "2d32": (32, 2, 1),  # 256 rows x 32 tokens, warps 8 x 1 of 32 x 32
 }
 # Resident blocks of a tile on an SM, from its registers (nvcc 13.0 for sm_90, no spills):
-# "2d" 174-188 a thread, "2d128" 174-186, "2d64w" 151-249, "2d32" 116-127.
+# "2d" 160-180 a thread, "2d128" 160-180, "2d64w" 196-250, "2d32" 121-147 (nvfp4's 147: one
+# block then; "2d32" runs only when forced).
 QMM_TILE_RESIDENT = {"2d": 1, "2d128": 1, "2d64w": 1, "2d32": 2}
 # From this many tokens the default tile is "2d"; below it the one-dimensional tile. H200, per
 # weight (benchmarks.fused_qmm_ab2, eleventh issue-16 session, second round), "2d" against "1d" on the 6B's
@@ -1029,7 +1061,7 @@ _QMM_WG_SOURCE = (
 
 # Hopper's tile (sm_90a; kernel_cache and MLX compile for it), for 4- and 8-bit weights with
 # groups of 32 or more: a block 128 weight rows (two warpgroups of 64) x QMM_WG_TOKENS tokens, 4
-# stages of buffers. At 256 tokens (since the seventeenth issue-16 session; 128 before): 204-214
+# stages of buffers. At 256 tokens (since the seventeenth issue-16 session; 128 before): 189-202
 # registers a thread (nvcc 13, no spills) and 145-161 KB of shared memory, so one block an SM
 # (test_warpgroup_tile_fits_its_resident_blocks), each weight value dequantized once per 256
 # tokens instead of twice and each wgmma m64n256k16. Against the 128-token tile (two blocks an
@@ -1045,7 +1077,7 @@ _QMM_WG_SOURCE = (
 # TFLOP/s on the 6B's large weights), 0.71-1.07x at 256; its variants then (64 tokens; no
 # overlap of the dequantize with the MMAs; 6 or 8 stages; 4 warpgroups) were as fast or slower.
 # Its MMAs are pipelined (the odd last step after the loop, so ptxas does not serialize the
-# wgmma: warning C7513): 204-214 registers (nvcc 13.0), one block an SM as before. Against the
+# wgmma: warning C7513): 204-214 registers then (nvcc 13.0), one block an SM as before. Against the
 # serialized form on the H200 (eighteenth issue-16 session): per weight (benchmarks.
 # fused_qmm_ab2 --tiles) 0.84-0.97x at 256 and 1024 tokens (16 of 16 ahead; 6B shapes,
 # affine4 / mxfp4); 6B forwards with every supported weight fused (benchmarks.crossover_forward)
@@ -1145,7 +1177,7 @@ def quantized_matmul_supported(x, w, scales, biases, group_size: int, bits: int,
     )
 
 
-# Blocks of each token tile an SM holds at once (registers: 62-68 / 80 / 106-110 / 142-152 a
+# Blocks of each token tile an SM holds at once (registers: 46-66 / 56-84 / 98-118 / 142-152 a
 # thread with nvcc 13.0 for sm_90; shared memory: 25-49 / 82 KB at 4 bits).
 QMM_RESIDENT = {16: 3, 32: 3, 64: 2, 128: 1}
 
