@@ -1077,13 +1077,13 @@ _QMM_WG_SOURCE = (
 # TFLOP/s on the 6B's large weights), 0.71-1.07x at 256; its variants then (64 tokens; no
 # overlap of the dequantize with the MMAs; 6 or 8 stages; 4 warpgroups) were as fast or slower.
 # Its MMAs are pipelined (the odd last step after the loop, so ptxas does not serialize the
-# wgmma: warning C7513): 204-214 registers then (nvcc 13.0), one block an SM as before. Against the
-# serialized form on the H200 (eighteenth issue-16 session): per weight (benchmarks.
-# fused_qmm_ab2 --tiles) 0.84-0.97x at 256 and 1024 tokens (16 of 16 ahead; 6B shapes,
-# affine4 / mxfp4); 6B forwards with every supported weight fused (benchmarks.crossover_forward)
-# 0.85-0.94x at 512-1024 tokens, 0.95-1.03x at 160-256; 300M 0.95-1.08x at 256-1024 (host-bound). On the 128-token tile
-# (two blocks an SM) the same change cost the second block and ran 1.07-1.19x per weight
-# (fourteenth issue-16 session).
+# wgmma: warning C7513): 204-214 registers then (nvcc 13.0), one block an SM as before.
+# Against the serialized form on the H200 (eighteenth issue-16 session): per weight
+# (benchmarks.fused_qmm_ab2 --tiles) 0.84-0.97x at 256 and 1024 tokens (16 of 16 ahead; 6B
+# shapes, affine4 / mxfp4); 6B forwards with every supported weight fused
+# (benchmarks.crossover_forward) 0.85-0.94x at 512-1024 tokens, 0.95-1.03x at 160-256; 300M
+# 0.95-1.08x at 256-1024 (host-bound). On the 128-token tile (two blocks an SM) the same
+# change cost the second block and ran 1.07-1.19x per weight (fourteenth issue-16 session).
 QMM_WG_TILE = "wg"
 QMM_WG_TOKENS = 256
 QMM_WG_RESIDENT = 1
