@@ -896,12 +896,15 @@ def _wgmma_header(n: int) -> str:
         "  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);",
         "}",
         "__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }",
+        "// The two bytes sel picks from each word pair of q (x, y then z, w), in one word: a lane's",
+        "// bytes of 16 packed bytes in mma's k order.",
+        "__device__ __forceinline__ uint32_t wg_gather(uint4 q, uint32_t sel) {",
+        "  return __byte_perm(__byte_perm(q.x, q.y, sel), __byte_perm(q.z, q.w, sel), 0x5410);",
+        "}",
         "// An 8-bit octet in mma's k order from a k16 slice pair (lo, hi): bytes 2t, 2t + 1, 2t + 8,",
         "// 2t + 9 of each (sel picks 2t, 2t + 1 of a word pair).",
         "__device__ __forceinline__ uint64_t wg_octet8(uint4 lo, uint4 hi, uint32_t sel) {",
-        "  const uint32_t l = __byte_perm(__byte_perm(lo.x, lo.y, sel), __byte_perm(lo.z, lo.w, sel), 0x5410);",
-        "  const uint32_t h = __byte_perm(__byte_perm(hi.x, hi.y, sel), __byte_perm(hi.z, hi.w, sel), 0x5410);",
-        "  return uint64_t(l) | (uint64_t(h) << 32);",
+        "  return uint64_t(wg_gather(lo, sel)) | (uint64_t(wg_gather(hi, sel)) << 32);",
         "}",
         "template <int N, typename O>",
         "__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc);",
@@ -981,9 +984,8 @@ _QMM_WG_SOURCE = (
     for (int o = 0; o < 2; ++o) {
       uint64_t oa, ob;
       if constexpr (BITS == 4) {
-        const uint4 qa4 = o == 0 ? a0 : a1, qb4 = o == 0 ? b0 : b1;
-        oa = __byte_perm(__byte_perm(qa4.x, qa4.y, sel), __byte_perm(qa4.z, qa4.w, sel), 0x5410);
-        ob = __byte_perm(__byte_perm(qb4.x, qb4.y, sel), __byte_perm(qb4.z, qb4.w, sel), 0x5410);
+        oa = wg_gather(o == 0 ? a0 : a1, sel);
+        ob = wg_gather(o == 0 ? b0 : b1, sel);
       } else {
         oa = wg_octet8(o == 0 ? a0 : a2, o == 0 ? a1 : a3, sel);
         ob = wg_octet8(o == 0 ? b0 : b2, o == 0 ? b1 : b3, sel);
