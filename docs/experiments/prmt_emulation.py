@@ -1,6 +1,8 @@
-"""Checks prmt-dequant.patch's selectors on the CPU: PTX prmt (sign-replicating selector msb
-included) emulated in Python, the patch's mxfp4 pairs against e2m1's values and signs, its
-affine4 words against the shifts they replace, on 20,000 random octets and the corner ones.
+"""Derives the byte-permute selectors of runtime/kernels.py's mxfp4_pairs_bf16 and
+affine4_pairs on the CPU: PTX prmt (sign-replicating selector msb included) emulated in Python,
+the mxfp4 pairs against e2m1's values and signs, the affine4 words against the shifts and masks
+they replaced, on 20,000 random octets and the corner ones. The kernels themselves are checked
+bit for bit against mx.dequantize by tests/test_kernels.py on a CUDA GPU.
 
     python docs/experiments/prmt_emulation.py
 """
@@ -31,7 +33,7 @@ def bf16(bits: int) -> float:
 
 
 def mxfp4_words(q: int) -> list[int]:
-    """The patch's mxfp4_pairs_bf16 before the scale: word p holds values 2p, 2p + 1."""
+    """mxfp4_pairs_bf16 before the scale: word p holds values 2p, 2p + 1."""
     m = q & 0x77777777
     lo03, hi03 = prmt(0xC0800000, 0xC0804000, m & 0xFFFF), prmt(0x3F3F3F00, 0x40404040, m & 0xFFFF)
     lo47, hi47 = prmt(0xC0800000, 0xC0804000, m >> 16), prmt(0x3F3F3F00, 0x40404040, m >> 16)
@@ -46,7 +48,7 @@ def mxfp4_words(q: int) -> list[int]:
 
 
 def affine4_words(q: int) -> tuple[list[int], list[int]]:
-    """The patch's affine4_pairs words and the ones it replaces."""
+    """affine4_pairs' words and the shifts-and-masks words they replaced."""
     new = [(prmt(q, q >> 4, p | (4 + p) << 8) & 0x000F000F) | 0x43004300 for p in range(4)]
     old = [(((q >> 8 * p) & 0xF) | (((q >> 8 * p) << 12) & 0xF0000) | 0x43004300) & M32 for p in range(4)]
     return new, old
@@ -61,4 +63,4 @@ for q in [random.getrandbits(32) for _ in range(20000)] + [0, M32, 0x88888888, 0
             assert bool(half & 0x8000) == bool(n & 8), (hex(q), v)  # -0 too
     new, old = affine4_words(q)
     assert new == old, hex(q)
-print("prmt-dequant.patch: mxfp4 pairs and affine4 words as specified")
+print("kernels.py's prmt selectors: mxfp4 pairs and affine4 words as specified")

@@ -171,17 +171,38 @@ __device__ __forceinline__ void fp_octet(uint64_t q, uint8_t s, O (&v)[8]) {
   }
 }
 
-// Values 2p, 2p+1 of an mxfp4 octet in bf16: e2m1 exactly (its bits placed as a bf16 that is
-// the value times 2^-126, subnormals included, times 2^126), times the e8m0 scale in bf16.
+// PTX prmt in its default mode, written out because a selector nibble's msb matters here: it
+// fills the result byte with bit 7 of the byte it picks. __byte_perm is documented to use only
+// each nibble's low 3 bits.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;\\n" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
+  return r;
+}
+
+// Values 2p, 2p+1 of an mxfp4 octet in bf16: e2m1 exactly, by byte permutes from tables of its
+// 8 magnitudes' bf16 bytes (low bytes 00 00 80 C0 00 40 80 C0, high bytes 00 3F 3F 3F 40 40 40
+// 40), the sign bits moved in by prmt's sign-replicating selectors (a selector nibble's msb
+// copies bit 7 of the byte it picks; q << 4 puts each low value's sign at bit 7), then times the
+// e8m0 scale in bf16. 23 PTX instructions an octet where the shifts and masks took ~44; whole
+// 6B forwards with every weight fused ran 0.98x (0.976-0.983) the shifts' time, bit for bit
+// the same (benchmarks.kernels_ab both ways round; docs/experiments/prmt_emulation.py derives
+// the selectors).
 __device__ __forceinline__ void mxfp4_pairs_bf16(uint32_t q, uint32_t scale2, uint32_t* out) {
-  const uint32_t up = 0x7E807E80u;  // 2^126 twice
+  const uint32_t m = q & 0x77777777u;  // magnitudes: selectors without their msb
+  const uint32_t lo03 = __byte_perm(0xC0800000u, 0xC0804000u, m), hi03 = __byte_perm(0x3F3F3F00u, 0x40404040u, m);
+  const uint32_t m47 = m >> 16;
+  const uint32_t lo47 = __byte_perm(0xC0800000u, 0xC0804000u, m47), hi47 = __byte_perm(0x3F3F3F00u, 0x40404040u, m47);
+  const uint32_t s = q << 4;
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
-    const uint32_t t = q >> (8 * p);
-    const uint32_t word = ((t << 6) & 0x1C0u) | ((t << 12) & 0x8000u) | ((t << 18) & 0x1C00000u) | ((t << 24) & 0x80000000u);
-    const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&word),
-                                     *reinterpret_cast<const __nv_bfloat162*>(&up));
-    const __nv_bfloat162 r = __hmul2(v, *reinterpret_cast<const __nv_bfloat162*>(&scale2));
+    const int a = 2 * (p & 1);  // the pair's first value among its four
+    const uint32_t word = __byte_perm(p < 2 ? lo03 : lo47, p < 2 ? hi03 : hi47,
+                                      a | ((4 + a) << 4) | ((a + 1) << 8) | ((5 + a) << 12));
+    const uint32_t sign = prmt(s, q, ((8 | p) << 4) | ((12 | p) << 12)) & 0x80008000u;
+    const uint32_t v = word | sign;
+    const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&scale2));
     out[p] = *reinterpret_cast<const uint32_t*>(&r);
   }
 }
@@ -208,7 +229,9 @@ _LOOP = """
 # bf16 ("fp_pairs"), the same values built two at a time with the fused matmul's pair
 # arithmetic, bit for bit the same. H200, whole 6B forwards (python -m benchmarks.kernels_ab):
 # mxfp4 0.952x the octet body's time at 1x256 and 0.964x at 1x1024 (16x256: 1.006x, noise),
-# logits identical. The same for 4-bit affine (affine4_pairs) gained nothing (0.997-1.001x)
+# logits identical; with the pairs built by byte permutes (nineteenth issue-16 session) the
+# dequantize's share of a 6B mxfp4 forward did not move (1.007-1.009x, within the A/B's
+# bias). The same for 4-bit affine (affine4_pairs) gained nothing (0.997-1.001x)
 # and ran 7-13% slower per weight, so affine keeps the octet body.
 _BODIES = {
     "affine": """
@@ -403,10 +426,12 @@ __device__ __forceinline__ uint32_t pack2(O lo, O hi) { return bits16(lo) | (bit
 template <typename O>
 __device__ __forceinline__ void affine4_pairs(uint32_t q, uint32_t scale2, uint32_t bias2, uint32_t* out) {
   constexpr uint32_t MAGIC = cuda::std::is_same_v<O, __nv_bfloat16> ? 0x43004300u : 0x64006400u;
+  const uint32_t q4 = q >> 4;
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
-    const uint32_t t = q >> (8 * p);
-    const uint32_t word = (t & 0xFu) | ((t << 12) & 0xF0000u) | MAGIC;
+    // byte p of q (values 2p, 2p + 1) and of q >> 4 into bytes 0 and 2, masked to the two
+    // nibbles: one prmt where shifts and masks took four (6B forwards, fused: 0.986-0.999x)
+    const uint32_t word = (__byte_perm(q, q4, p | ((4 + p) << 8)) & 0x000F000Fu) | MAGIC;
     if constexpr (cuda::std::is_same_v<O, __nv_bfloat16>) {
       const __nv_bfloat162 v = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&word),
                                        *reinterpret_cast<const __nv_bfloat162*>(&MAGIC));
