@@ -727,6 +727,134 @@ def test_seed_leaves_mlx_to_compile_when_it_cannot(monkeypatch, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def _kernel_args(name: str) -> dict:
+    """mx.fast.cuda_kernel's arguments for two of runtime/kernels.py's kernels: the warpgroup
+    tile for mxfp4 (the longest source) and the q/k/v row kernel (shape arguments used)."""
+    if name == "wg":
+        source = kernels._qmm_source("fp_fast", kernels._QMM_WG_SOURCE)
+        return dict(
+            name="wg",
+            input_names=["x", "w", "scales"],
+            output_names=["y"],
+            source=source,
+            header=kernels._qmm_wg_header(),
+        )
+    return dict(
+        name="qkv",
+        input_names=["qkv", "q_weight", "k_weight"],
+        output_names=["q", "k"],
+        source=kernels._QKV_SOURCE,
+        header=kernels._ROW_HEADER,
+    )
+
+
+def test_by_include_hands_mlx_short_includes_of_the_same_text(monkeypatch, tmp_path):
+    """Each kernel's header and body go to files named by their sha256 under
+    <MLX_PTX_CACHE_DIR>/esmc-include, and MLX gets two #include lines (what it hashes on every
+    call); the <input>_shape/_strides/_ndim names MLX looks for in the source stay visible; a
+    file that holds anything else is rewritten; other code gets other files."""
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    for name in ("wg", "qkv"):
+        args = _kernel_args(name)
+        got = kernel_cache.by_include(args)
+        assert len(got["header"]) + len(got["source"]) < 400 < len(args["header"]) + len(args["source"])
+        header, body = (
+            Path(re.fullmatch(r'#include "([^"]+)"\n(?:// .*\n)?', got[k]).group(1)) for k in ("header", "source")
+        )
+        assert header.parent == body.parent == tmp_path.resolve() / kernel_cache.INCLUDE_DIR
+        assert header.read_text() == args["header"] and body.read_text() == args["source"]
+        for n in args["input_names"]:
+            for k in ("shape", "strides", "ndim"):
+                assert (f"{n}_{k}" in got["source"]) == (f"{n}_{k}" in args["source"]), (name, n, k)
+        assert kernel_cache.by_include(args) == got  # the same files, found again
+        body.write_text(args["source"][:-1])  # spoilt: rewritten, same name
+        assert kernel_cache.by_include(args) == got and body.read_text() == args["source"]
+        changed = kernel_cache.by_include(args | {"source": args["source"] + "\n"})
+        assert changed["source"] != got["source"] and changed["header"] == got["header"]
+    assert "wg_shape" not in kernel_cache.by_include(_kernel_args("wg"))["source"]
+    assert "x_shape" in kernel_cache.by_include(_kernel_args("wg"))["source"]
+
+
+def test_by_include_keeps_the_text_when_it_cannot_write(monkeypatch, tmp_path):
+    """ESMC_MLX_KERNEL_CACHE=0, no cache directory (ESMC_MLX_CACHE=off), one that cannot be
+    made (a file in the way), one whose path an #include line cannot hold: the arguments as
+    they were, and nothing written."""
+    args = _kernel_args("qkv")
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(kernel_cache.ENV_VAR, "0")
+    assert kernel_cache.by_include(args) == args
+    monkeypatch.delenv(kernel_cache.ENV_VAR)
+    (tmp_path / "file").write_text("mine")
+    for directory in (tmp_path / "file", tmp_path / 'a"b', tmp_path / "a\nb"):
+        monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(directory))
+        assert kernel_cache.by_include(args) == args
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")
+    assert kernel_cache.by_include(args) == args
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] and (tmp_path / "file").read_text() == "mine"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_included_kernels_compile_to_the_same_code(monkeypatch, tmp_path):
+    """The warpgroup tile and the q/k/v kernel, wrapped as MLX wraps them, give the same PTX
+    with their text inline and through by_include's #include lines, but for the translation
+    unit's id in internal names."""
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "cache"))
+    _device_headers(tmp_path)
+    shape = "const __grid_constant__ Shape"
+    bf16 = "__nv_bfloat16"
+    params = {
+        "wg": [
+            f"const {bf16}* x",
+            f"{shape} x_shape",
+            "const uint32_t* w",
+            f"{shape} w_shape",
+            "const uint8_t* scales",
+            f"{bf16}* y",
+        ],
+        "qkv": [
+            f"const {bf16}* qkv",
+            f"{shape} qkv_shape",
+            f"const {bf16}* q_weight",
+            f"const {bf16}* k_weight",
+            f"{bf16}* q",
+            f"{bf16}* k",
+        ],
+    }
+    templates = {
+        "wg": [("O", bf16), ("BITS", 4), ("GROUP", 32), ("BT", kernels.QMM_WG_TOKENS), ("SPLIT", 0), ("MX", 1)],
+        "qkv": [
+            ("T", bf16),
+            ("HEADS", 40),
+            ("EPS_BITS", kernels._f32_bits(EPS)),
+            ("LOG2_BASE_BITS", kernels._f32_bits(kernels.rope_log2_base(THETA))),
+        ],
+    }
+    tu_id = re.compile(r"_(?:INTERNAL|GLOBAL__N_)_[0-9a-f]+_\d+_k_cu_[0-9a-f]+")
+    for name in ("wg", "qkv"):
+        ptx = []
+        for form, args in (("inline", _kernel_args(name)), ("included", kernel_cache.by_include(_kernel_args(name)))):
+            folder = tmp_path / form
+            folder.mkdir(exist_ok=True)
+            (folder / "k.cu").write_text(
+                _mlx_source(name, args["header"], args["source"], params[name], templates[name])
+            )
+            cmd = [
+                "nvcc",
+                "-arch=sm_90a",
+                "-I",
+                str(tmp_path),
+                "-ptx",
+                "-o",
+                str(folder / "k.ptx"),
+                str(folder / "k.cu"),
+            ]
+            run = subprocess.run(cmd, capture_output=True, text=True)
+            assert run.returncode == 0, run.stderr[-3000:]
+            text = (folder / "k.ptx").read_text()
+            ptx.append(tu_id.sub("TU", "\n".join(line for line in text.splitlines() if not line.startswith("//"))))
+        assert ptx[0] == ptx[1] and ".entry" in ptx[0], name
+
+
 SEEDED_RUN = """
 import os, sys, mlx.core as mx, numpy as np
 from esmc_mlx.runtime import kernels
@@ -734,7 +862,7 @@ kernels.MIN_VALUES = 0
 w, s = mx.quantize(mx.random.normal((64, 2560), key=mx.random.key(0)).astype(mx.bfloat16), group_size=32, bits=4, mode="mxfp4")[:2]
 got = kernels.dequantize(w, s, None, 32, 4, "mxfp4", mx.bfloat16)
 ref = mx.dequantize(w, s, group_size=32, bits=4, mode="mxfp4", dtype=mx.bfloat16)
-print("STATUS", list(kernels._kernel("mxfp4", 4, 32).seen.values()))
+print("STATUS", list(kernels._kernel("mxfp4", 4, 32, "fp_pairs").seen.values()))
 print("EQUAL", bool(mx.array_equal(got.view(mx.uint16), ref.view(mx.uint16))))
 """
 
@@ -893,13 +1021,13 @@ def test_split_sum_is_mlx_sum_then_cast_on_cuda(dtype):
             assert mx.abs(got.astype(mx.float32) - sums).max().item() <= 2 * rounding + 1e-3
 
 
-def test_fused_kernel_factories_fill_every_placeholder(monkeypatch):
-    """The three fused kernels (1d, 2d, wg tiles) as MLX receives them, checked on any machine
-    (mx.fast.cuda_kernel recorded, not built): every variant's scale and dequantize code is
+def test_fused_kernel_factories_fill_every_placeholder(monkeypatch, tmp_path):
+    """The three fused kernels' text (1d, 2d, wg tiles), checked on any machine
+    (mx.fast.cuda_kernel not built): every variant's scale and dequantize code is
     spliced in, the shared setup and store are there once, affine kernels take biases, and the
     warpgroup tile asks for its buffers plus the swizzle's 1024-byte alignment."""
-    made = {}
-    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.setdefault(kw["name"], kw))
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: None)
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))  # by_include's files
     for f in (kernels._qmm_kernel, kernels._qmm2_kernel, kernels._qmm_wg_kernel):
         f.cache_clear()
     try:
@@ -909,13 +1037,13 @@ def test_fused_kernel_factories_fill_every_placeholder(monkeypatch):
                 kernels._qmm2_kernel(variant, 4, 64, "2d"),
                 kernels._qmm_wg_kernel(variant, 4, 64),
             ):
-                kw = made[kernel.name]
+                kw = kernel.kernel_args
                 for placeholder in ("SCALE_REGS", "LOAD_SCALES", "DEQUANT"):
                     assert placeholder not in kw["source"], (kernel.name, placeholder)
                 assert kw["source"].count("auto issue = [&]") == 1 and kw["source"].count("if constexpr (SPLIT)") == 1
                 assert ("biases" in kw["input_names"]) == variant.startswith("affine")
         for variant, bits in (("affine_fast", 4), ("affine", 8), ("fp", 8)):
-            wg = made[kernels._qmm_wg_kernel(variant, bits, 64).name]
+            wg = kernels._qmm_wg_kernel(variant, bits, 64).kernel_args
             assert "wgmma_rs<256, __nv_bfloat16>" in wg["header"] and "wgmma.mma_async" in wg["header"]
             buffers = kernels.QMM_STAGES * (256 * 64 * 2 + 128 * 64 * bits // 8)
             assert wg["shared_memory"] == max(buffers, 256 * (128 + 4) * 4) + 1024
