@@ -463,27 +463,28 @@ _QMM_SETUP = """\
 
   // The copies of a step. x's chunk c = tid + THREADS * i is token row r = tid / 8 + XROWS * i,
   // 16-byte chunk j = tid % 8 of the step's 64 columns, stored at j ^ (r & 7) (the swizzle): the
-  // same j ^ (r & 7) for every i, as XROWS is a multiple of 8. So each chunk's source row
-  // (clamped to M - 1; zero-filled past M) and destination are computed here once, and a step
-  // only adds its k0 and stage. The wg tile issued ~600 instructions a warp a step (ncu, 6B
-  // gate/up weight at 1024 tokens: 1.76 a cycle, tensor pipe 30% busy) and re-derived these
-  // addresses in each; done once, whole 6B forwards through it took 0.88-0.92x the time at
-  // 512-1024 tokens, 0.95-1.07x at 160-256, within the A/B's bias (benchmarks.kernels_ab both
-  // ways round, eighteenth issue-16 session). The weight's chunk c: row c / (WB / 16), byte
-  // 16 * (c % (WB / 16)).
+  // same j ^ (r & 7) for every i, as XROWS is a multiple of 8, so a step adds only its k0 and
+  // stage to a destination computed once. The sources: in a tile whose rows are all x's (every
+  // tile but a call's last), chunk i is i * XROWS rows past chunk 0, whose address a thread
+  // keeps in shared memory (xbase) and loads once a step. Kept in registers (an array of
+  // XCHUNKS pointers, eighteenth issue-16 session), ptxas rematerialized every address from
+  // threadIdx in each step: ~117 instructions a step for the wg tile's 8 copies (mxfp4), ~45
+  // now (nvcc 13.0, nvdisasm of the sm_90a cubin; the step's dequantize and MMAs are ~215).
+  // Whole 6B forwards with every supported weight fused, against the register array
+  // (benchmarks.kernels_ab both ways round, twentieth issue-16 session; logits identical):
+  // 0.95-0.98x at 1x256, 0.89-0.90x at 1x512, 0.86-0.88x at 1x1024. A tile with rows past M
+  // (zero-filled) clamps each chunk's row as before. The weight's chunk c: row c / (WB / 16),
+  // byte 16 * (c % (WB / 16)).
   constexpr int XROWS = THREADS / 8, XCHUNKS = (BT + XROWS - 1) / XROWS;
   constexpr int WCHUNK = BW * WB / 16, WCHUNKS = (WCHUNK + THREADS - 1) / THREADS;
   const int xr = tid >> 3, xj = tid & 7;
   const uint32_t xdst = static_cast<uint32_t>(__cvta_generic_to_shared(xs + xr * BK + ((xj ^ (xr & 7)) << 3)));
   const uint32_t wdst = static_cast<uint32_t>(__cvta_generic_to_shared(ws + 16 * tid));
-  const O* xsrc[XCHUNKS];
-  uint32_t xok = 0;  // bit i: chunk i's row is one of x's (m < M)
-#pragma unroll
-  for (int i = 0; i < XCHUNKS; ++i) {
-    const int m = m0 + xr + XROWS * i;
-    xsrc[i] = x + size_t(min(m, M - 1)) * K + xj * 8;
-    xok |= uint32_t(m < M) << i;
-  }
+  const O* xsrc = x + size_t(min(m0 + xr, M - 1)) * K + xj * 8;  // chunk 0's row, clamped
+  const size_t xstride = size_t(XROWS) * K;  // chunk i's row is i * XROWS rows past chunk 0's
+  const int xrows = M - m0 - xr;  // chunk i is a row of x (else zero-filled) when XROWS * i < xrows
+  __shared__ const O* xbase[THREADS];
+  xbase[tid] = xsrc;
   const uint8_t* wsrc[WCHUNKS];
 #pragma unroll
   for (int i = 0; i < WCHUNKS; ++i) {
@@ -493,11 +494,23 @@ _QMM_SETUP = """\
 
   auto issue = [&](int s, int stage) {
     const int k0 = s * BK;
-    if (x16) {
+    if (x16 && m0 + BT <= M) {  // every row of the tile is x's (uniform)
+      const O* src = xbase[tid] + k0;
 #pragma unroll
-      for (int i = 0; i < XCHUNKS; ++i)
+      for (int i = 0; i < XCHUNKS; ++i) {
         if (XCHUNKS * XROWS <= BT || xr + XROWS * i < BT)
-          cp_async16(xdst + (stage * XSTAGE + XROWS * i * BK) * sizeof(O), xsrc[i] + k0, (xok >> i & 1u) * 16);
+          cp_async16(xdst + (stage * XSTAGE + XROWS * i * BK) * sizeof(O), src, 16);
+        src += xstride;
+      }
+    } else if (x16) {
+      const O* src = xsrc + k0;
+#pragma unroll
+      for (int i = 0; i < XCHUNKS; ++i) {
+        if (XCHUNKS * XROWS <= BT || xr + XROWS * i < BT) {
+          const bool ok = XROWS * i < xrows;
+          cp_async16(xdst + (stage * XSTAGE + XROWS * i * BK) * sizeof(O), ok ? src + i * xstride : src, ok ? 16 : 0);
+        }
+      }
     } else {
       O* xd = xs + stage * XSTAGE;
       for (int c = tid; c < BT * 8; c += THREADS) {
