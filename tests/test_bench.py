@@ -149,14 +149,18 @@ def test_twin_pairing_times_bf16_alone_and_beside_each_partner_in_reversed_round
 def test_min_values_ab_compares_the_gate_with_identical_logits(tmp_path):
     """A CPU smoke run: both quantized sides and the bf16 model timed, the logits of the two
     quantized sides identical (on the CPU both run mx.dequantize; on CUDA the kernel is
-    bit-exact), the JSON on disk."""
+    bit-exact), the JSON on disk; each gate restored after every call."""
+    gates = {name: (owner, getattr(owner, name)) for owner, name, _ in min_values_ab.GATES.values()}
     out = tmp_path / "ab.json"
     argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--modes", "affine4", "--budget", "0.05"]
     result = min_values_ab.main([*argv, "--json", str(out)])
     (row,) = json.loads(out.read_text())["rows"]
     assert row == result["rows"][0] and row["logits_identical"]
-    assert row["gated_ms"] > 0 < row["all_ms"] and row["bf16_ms"] > 0
-    assert min_values_ab.kernels.MIN_VALUES == min_values_ab.SHIPPED  # restored after every call
+    assert row["shipped_ms"] > 0 < row["other_ms"] and row["bf16_ms"] > 0
+    assert (result["gate"], result["other"]) == ("MIN_VALUES", 0)
+    result = min_values_ab.main([*argv, "--gate", "small-values", "--value", "7"])
+    assert (result["gate"], result["shipped"], result["other"]) == ("SMALL_VALUES", quantized.SMALL_VALUES, 7)
+    assert all(getattr(owner, name) == value for name, (owner, value) in gates.items())
 
 
 def test_kernels_ab_sees_whether_the_other_kernels_give_the_same_logits(tmp_path):

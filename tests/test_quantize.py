@@ -117,16 +117,29 @@ def test_policy_picks_path_by_token_count(quantized, monkeypatch):
     assert not rq.dequantize_first(10**6, "unknown-mode")
 
 
-def test_crossover_by_backend_mode_bits_and_weight_size(monkeypatch):
-    """CUDA keys the crossover by mode and bit width and by which dequantize runs (this
-    project's kernel from kernels.MIN_VALUES values, mx.dequantize below); the CPU's "affine"
-    entry covers every width."""
-    from esmc_mlx.runtime import kernels
+def test_the_tables_split_the_300m_from_the_6b(monkeypatch):
+    """SMALL_VALUES puts every weight of the 300M in "cuda-small" (its tables were measured on the
+    300M) and every weight of the 6B, o_proj included, in "cuda" (measured on the 6B)."""
+    from esmc_mlx.bench import config_for
 
+    monkeypatch.setattr(rq, "backend", lambda: "cuda")
+
+    def weights(name):  # (out, in) of a block's linears, q/k/v and gate/up fused as at load
+        c = config_for(name)
+        d, h = c.hidden_size, c.intermediate_size
+        return [(3 * d, d), (d, d), (2 * h, d), (d, h)]
+
+    assert {rq.table_name(o * i) for o, i in weights("300M")} == {"cuda-small"}
+    assert {rq.table_name(o * i) for o, i in weights("6B")} == {"cuda"}
+
+
+def test_crossover_by_backend_mode_bits_and_weight_size(monkeypatch):
+    """CUDA keys the crossover by mode and bit width and by the weight's size ("cuda-small"
+    under SMALL_VALUES values); the CPU's "affine" entry covers every width."""
     monkeypatch.setattr(rq, "backend", lambda: "cuda")
     table = {"cuda": {"affine8": 100, "affine4": 50}, "cuda-small": {"affine8": 300}, "cpu": {"affine": 8}}
     monkeypatch.setattr(rq, "CROSSOVER_TOKENS", table)
-    big, small = kernels.MIN_VALUES, kernels.MIN_VALUES - 1
+    big, small = rq.SMALL_VALUES, rq.SMALL_VALUES - 1
     assert rq.crossover("affine", 8, big) == 100 and rq.crossover("affine", 4, big) == 50
     assert rq.crossover("affine", 8, small) == 300
     assert rq.dequantize_first(100, "affine", 8, big) and not rq.dequantize_first(99, "affine", 8, big)
@@ -306,11 +319,9 @@ def test_quantize_refuses_several_specs(converted, tmp_path):
 def test_fused_window_by_backend_mode_and_weight_size(monkeypatch):
     """The fused kernel takes FUSED_TOKENS' window [lo, hi) for large weights on CUDA only; the
     environment switch forces it (fused) or keeps it off (quantized, dequantize)."""
-    from esmc_mlx.runtime import kernels
-
     monkeypatch.delenv(rq.POLICY_ENV, raising=False)
     monkeypatch.setattr(rq, "backend", lambda: "cuda")
-    big, small = kernels.MIN_VALUES, kernels.MIN_VALUES - 1
+    big, small = rq.SMALL_VALUES, rq.SMALL_VALUES - 1
     lo, hi = rq.FUSED_TOKENS["cuda"]["affine4"]
     assert rq.fused_first(lo, "affine", 4, big) and rq.fused_first(hi - 1, "affine", 4, big)
     assert not rq.fused_first(lo - 1, "affine", 4, big) and not rq.fused_first(hi, "affine", 4, big)

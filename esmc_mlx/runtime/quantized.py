@@ -40,9 +40,8 @@ CROSSOVER_TOKENS = {
     # weight through one path, then the other (python -m benchmarks.crossover_forward --model
     # 6B / 300M; the smallest of 32..4096 tokens from which dequantize + matmul took at most
     # 1.03x the time of quantized_matmul at every larger count; docs/quantization.md). Two
-    # tables, because the dequantize differs: "cuda" for weights of kernels.MIN_VALUES values
-    # or more (this project's kernel; the 6B's, measured on the 6B), "cuda-small" for smaller
-    # ones (mx.dequantize; measured on the 300M, all of whose weights are smaller). 32 is the
+    # tables (SMALL_VALUES below splits them): "cuda" for the 6B's weights, measured on the 6B,
+    # "cuda-small" for the 300M's, measured on the 300M. 32 is the
     # smallest count measured, except the 6B's mxfp4 at 16 (0.59 of quantized_matmul's time
     # there, ninth issue-16 session; ahead at 8 too in one tenth-session run) and affine4 at 16
     # (quantized_matmul ahead in two tenth-session runs: 32 stands). Timing one weight in
@@ -61,35 +60,41 @@ CROSSOVER_TOKENS = {
     "metal": {"affine": math.inf, "mxfp8": math.inf, "mxfp4": math.inf, "nvfp4": math.inf},
 }
 # Token windows [lo, hi) in which kernels.quantized_matmul (the fused kernel that reads the
-# packed weight: no bf16 copy) replaces the table's path, per backend and mode: "cuda" for
-# weights of kernels.MIN_VALUES values or more (the 6B's, but o_proj), "cuda-small" for smaller
-# ones (the 300M's). Each window is the token counts at which whole forwards at B=1, every
-# supported block weight through each path and the sides interleaved, had the fused kernel
-# ahead of the path the tables give there (python -m benchmarks.crossover_forward --model 6B
-# / 300M --sides bf16,quantized,dequantize,fused --tokens ...; docs/benchmarks.md, fifteenth
-# issue-16 session; raw docs/bench/crossover_*_session15.json). Fused / that path, H200:
-# - 6B affine4: 0.71-0.76 at 8-16 tokens (against quantized_matmul), 0.75-0.80 at 32-192,
-#   0.81 and 0.97 at 256 (two runs); 0.95-1.14 at 320-384, 1.16-1.33 at 448-512.
-# - 6B mxfp4: 0.61 at 8 (quantized_matmul), 0.76-0.80 at 16-128, 0.82 at 192, 0.82-0.91 at
-#   256 (three runs); 1.06-1.36 at 320-512.
-# - 6B affine8: behind quantized_matmul at 8-16 (1.08-1.10); 0.76-0.81 at 32-64, 0.80-0.88 at
-#   128. From 129 tokens the "wg" tile (8 bits since the sixteenth session; before: "2d", 1.00
-#   at 192 and 1.05-1.11 at 256): 0.88-0.90 at 192 and 0.89-0.91 at 256 in five of eight (run,
-#   count) pairs, 1.07-1.10 in three (three machines); 1.38 at 320, 1.13 at 384 (one run). Fused is
-#   GPU-bound there (22-25 ms), dequantize + matmul moves with the host (20-28 ms); in GPU time
-#   (Nsight Compute, 4 layers at 1x256) fused is 1.24x dequantize + matmul.
-# - 300M affine4: 0.78-0.98 at 32-256, 0.92-1.03 at 512, 0.94-0.95 at 1024, 1.24 at 2048;
-#   mxfp4 0.84-0.97 at 32-512, 0.82 and 1.03 at 1024, 1.25 at 2048; affine8 (quantized_matmul
-#   below 128 tokens, not timed against fused) 0.83-0.92 at 128-512, 1.02-1.03 at 1024. The
-#   300M at B=1 is host-bound (MLX encodes its ops slower than the GPU runs them): one launch a
+# packed weight: no bf16 copy) replaces the table's path, per table (SMALL_VALUES) and mode.
+# Each window is the token counts at which whole forwards at B=1, every supported block weight
+# through each path and the sides interleaved, had the fused kernel ahead of the path the
+# tables give there (python -m benchmarks.crossover_forward --model 6B / 300M --sides
+# bf16,shipped,fused --tokens ...; docs/benchmarks.md, fifteenth and twentieth issue-16
+# sessions; raw docs/bench/crossover_*_session15.json, crossover_*_session20.json). Fused /
+# that path, H200, since the fused kernels' x copies were cut to a pointer a thread (twentieth
+# session, one run each):
+# - 6B: affine4 0.96 / 0.85 at 384 / 512 tokens, mxfp4 0.76 / 0.72, affine8 0.89 / 0.86; from
+#   576 tokens (a third 256-token tile) 1.23-1.41 in every mode. At 8-256 tokens the fifteenth
+#   and sixteenth sessions' figures stand (affine4 0.71-0.97, mxfp4 0.61-0.91, affine8 behind
+#   quantized_matmul below 32 tokens and 0.76-0.91 at 32-256 in most runs).
+# - 300M: affine4 0.77 at 1536 tokens, 0.86 and 0.99 at 2048 (two runs), 1.08 at 4096; mxfp4
+#   0.85 at 1536, 1.00-1.01 at 2048 (a tie: kept), 1.05 at 4096; affine8 0.81 at 1024, 1.16 at
+#   1536, 1.34-1.61 at 2048-4096. At 1024 tokens, inside the affine4 / mxfp4 windows already,
+#   the same path on both sides read 0.98-1.01: the runs' noise. Before (fifteenth session):
+#   affine4 / mxfp4 0.78-1.03 at 32-1024, affine8 0.83-0.92 at 128-512. The 300M at B=1 is
+#   host-bound (MLX encodes its ops slower than the GPU runs them): one launch a
 #   weight instead of a dequantize and a matmul is what it gains.
 # Below 8 tokens (6B) and 32 (300M) not measured against quantized_matmul. Never splitting K
 # (ESMC_MLX_QMM_WAVES=0: no split_sum launch) did not help the 300M: 0.92-1.31 of the split
 # kernel's time at 64-2048 tokens (one run).
 FUSED_TOKENS = {
-    "cuda": {"affine4": (8, 257), "mxfp4": (8, 257), "affine8": (32, 257)},
-    "cuda-small": {"affine4": (32, 1025), "mxfp4": (32, 1025), "affine8": (128, 513)},
+    "cuda": {"affine4": (8, 513), "mxfp4": (8, 513), "affine8": (32, 513)},
+    "cuda-small": {"affine4": (32, 2049), "mxfp4": (32, 2049), "affine8": (128, 1025)},
 }
+# Weights of fewer values than this take the "cuda-small" tables: all of the 300M's (at most
+# 5120x960, 4.9M values), none of the 6B's (its smallest, o_proj, is 2560x2560, 6.6M). The
+# split was kernels.MIN_VALUES (8M, where this project's dequantize takes over) until the
+# 300M's affine8 window reached 1024 tokens: the 6B's o_proj then ran the fused kernel's "2d"
+# tile at 1x1024 and the affine8 forward took 1.40-1.43x bf16 against 1.25-1.26x. 6B forwards
+# with this split against that one (python -m benchmarks.min_values_ab --model 6B --gate
+# small-values, one run, H200; twentieth issue-16 session): affine8 0.90 at 1x1024, affine4
+# 0.97, mxfp4 1.00; 1.00-1.02 at 1x256, where the o_proj runs the fused kernel either way.
+SMALL_VALUES = 6 << 20
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
 # fused where kernels.quantized_matmul runs, else the table); "auto" or unset uses the tables.
 POLICY_ENV = "ESMC_MLX_QUANT_MATMUL"
@@ -107,12 +112,15 @@ def mode_name(mode: str, bits: int | None) -> str:
     return f"affine{bits}" if mode == "affine" else mode
 
 
+def table_name(values: int) -> str:
+    """The key of CROSSOVER_TOKENS and FUSED_TOKENS for a weight of ``values`` values here."""
+    name = backend()
+    return "cuda-small" if name == "cuda" and values < SMALL_VALUES else name
+
+
 def crossover(mode: str, bits: int | None = None, values: int = 0) -> float:
     """CROSSOVER_TOKENS' entry for a weight of ``values`` values quantized as (mode, bits)."""
-    name = backend()
-    if name == "cuda" and values < kernels.MIN_VALUES:
-        name = "cuda-small"
-    table = CROSSOVER_TOKENS[name]
+    table = CROSSOVER_TOKENS[table_name(values)]
     return table.get(mode_name(mode, bits), table.get(mode, math.inf))
 
 
@@ -131,10 +139,7 @@ def fused_first(tokens: int, mode: str, bits: int | None = None, values: int = 0
     forced = os.environ.get(POLICY_ENV, "auto").lower()
     if forced != "auto":
         return forced == "fused"
-    name = backend()
-    if name == "cuda" and values < kernels.MIN_VALUES:
-        name = "cuda-small"
-    lo, hi = FUSED_TOKENS.get(name, {}).get(mode_name(mode, bits), (0, 0))
+    lo, hi = FUSED_TOKENS.get(table_name(values), {}).get(mode_name(mode, bits), (0, 0))
     return lo <= tokens < hi
 
 
