@@ -1,15 +1,15 @@
 """A size gate of the quantized path in whole forwards (issue 16), the shipped value against
-another, beside the bf16 model; the shipped model (fused, compiled, random weights) in one
-quantization, interleaved in one process. ``--gate min-values`` (the default):
-``kernels.MIN_VALUES``, weights under 8M values through ``mx.dequantize`` and larger ones through
-this project's kernel, against the kernel for every weight (``--value 0``); the kernel is
-bit-exact, so the logits of the two quantized sides must be identical (checked).
-``--gate small-values``: ``quantized.SMALL_VALUES``, which weights take the "cuda-small" tables,
-against ``--value`` (default ``kernels.MIN_VALUES``, the split before the twentieth issue-16
-session); the paths differ, so the logits may too.
+another (``--value``, default 0: the gate off), beside the bf16 model; the shipped model
+(fused, compiled, random weights) in one quantization, interleaved in one process.
+``--gate min-values`` (the default): ``kernels.MIN_VALUES``, weights under 8M values through
+``mx.dequantize`` and larger ones through this project's kernel; at 0 the kernel takes every
+weight. The kernel is bit-exact, so the logits of the two quantized sides must be identical
+(checked). ``--gate small-width``: ``quantized.SMALL_WIDTH``, under which a weight's smaller
+dimension takes the "cuda-small" tables (the 300M's); at 0 every weight takes the "cuda" ones
+(the 6B's). The paths differ then, so the logits may too.
 
     python -m benchmarks.min_values_ab --model 300M --json $OUT/300m.json     # GPU
-    python -m benchmarks.min_values_ab --model 6B --gate small-values --modes affine8 --shapes 1x1024
+    python -m benchmarks.min_values_ab --model 300M --gate small-width --shapes 1x256,1x1024,16x256
     python -m benchmarks.min_values_ab --model tiny --shapes 1x64 --modes affine4 --device cpu
 """
 
@@ -27,21 +27,17 @@ from benchmarks.forward_args import add_forward_arguments, parse_forward_argumen
 from esmc_mlx.bench import forward_fns, machine, mlx_model, parse_shapes, time_interleaved
 from esmc_mlx.runtime import kernels, quantized
 
-# --gate: (module, attribute, the other side's default value)
-GATES = {
-    "min-values": (kernels, "MIN_VALUES", 0),
-    "small-values": (quantized, "SMALL_VALUES", kernels.MIN_VALUES),
-}
+GATES = {"min-values": (kernels, "MIN_VALUES"), "small-width": (quantized, "SMALL_WIDTH")}  # --gate
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gate", choices=list(GATES), default="min-values", help="which gate (see above)")
-    p.add_argument("--value", type=int, help="the other side's value (default: the gate's, above)")
+    p.add_argument("--value", type=int, default=0, help="the other side's value (default 0: the gate off)")
     add_forward_arguments(p, model="300M", modes="affine4,affine8,mxfp4", shapes="1x256,1x1024,16x256,64x512")
     a = parse_forward_arguments(p, argv)
-    owner, name, default = GATES[a.gate]
-    shipped, value = getattr(owner, name), default if a.value is None else a.value
+    owner, name = GATES[a.gate]
+    shipped, value = getattr(owner, name), a.value
 
     def other(fn):
         """``fn`` run with the gate at ``value`` (a trace made so keeps that choice)."""

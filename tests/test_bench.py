@@ -150,7 +150,7 @@ def test_min_values_ab_compares_the_gate_with_identical_logits(tmp_path):
     """A CPU smoke run: both quantized sides and the bf16 model timed, the logits of the two
     quantized sides identical (on the CPU both run mx.dequantize; on CUDA the kernel is
     bit-exact), the JSON on disk; each gate restored after every call."""
-    gates = {name: (owner, getattr(owner, name)) for owner, name, _ in min_values_ab.GATES.values()}
+    gates = {name: (owner, getattr(owner, name)) for owner, name in min_values_ab.GATES.values()}
     out = tmp_path / "ab.json"
     argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--modes", "affine4", "--budget", "0.05"]
     result = min_values_ab.main([*argv, "--json", str(out)])
@@ -158,8 +158,8 @@ def test_min_values_ab_compares_the_gate_with_identical_logits(tmp_path):
     assert row == result["rows"][0] and row["logits_identical"]
     assert row["shipped_ms"] > 0 < row["other_ms"] and row["bf16_ms"] > 0
     assert (result["gate"], result["other"]) == ("MIN_VALUES", 0)
-    result = min_values_ab.main([*argv, "--gate", "small-values", "--value", "7"])
-    assert (result["gate"], result["shipped"], result["other"]) == ("SMALL_VALUES", quantized.SMALL_VALUES, 7)
+    result = min_values_ab.main([*argv, "--gate", "small-width", "--value", "7"])
+    assert (result["gate"], result["shipped"], result["other"]) == ("SMALL_WIDTH", quantized.SMALL_WIDTH, 7)
     assert all(getattr(owner, name) == value for name, (owner, value) in gates.items())
 
 

@@ -117,29 +117,32 @@ def test_policy_picks_path_by_token_count(quantized, monkeypatch):
     assert not rq.dequantize_first(10**6, "unknown-mode")
 
 
-def test_the_tables_split_the_300m_from_the_6b(monkeypatch):
-    """SMALL_VALUES puts every weight of the 300M in "cuda-small" (its tables were measured on the
-    300M) and every weight of the 6B, o_proj included, in "cuda" (measured on the 6B)."""
+def test_the_tables_split_the_small_models_from_the_6b(monkeypatch):
+    """SMALL_WIDTH puts every block weight of the 300M and the 600M in "cuda-small" (its tables
+    were measured on the 300M) and every block weight of the 6B, o_proj included, in "cuda"
+    (measured on the 6B), as QuantizedLinear computes the width."""
     from esmc_mlx.bench import config_for
 
     monkeypatch.setattr(rq, "backend", lambda: "cuda")
 
-    def weights(name):  # (out, in) of a block's linears, q/k/v and gate/up fused as at load
+    def tables(name):  # a block's linears, q/k/v and gate/up fused as at load
         c = config_for(name)
         d, h = c.hidden_size, c.intermediate_size
-        return [(3 * d, d), (d, d), (2 * h, d), (d, h)]
+        shapes = [(3 * d, d), (d, d), (2 * h, d), (d, h)]
+        return {rq.table_name(min(out_dims, in_dims)) for out_dims, in_dims in shapes}
 
-    assert {rq.table_name(o * i) for o, i in weights("300M")} == {"cuda-small"}
-    assert {rq.table_name(o * i) for o, i in weights("6B")} == {"cuda"}
+    assert tables("300M") == tables("600M") == {"cuda-small"}
+    assert tables("6B") == {"cuda"}
 
 
 def test_crossover_by_backend_mode_bits_and_weight_size(monkeypatch):
     """CUDA keys the crossover by mode and bit width and by the weight's size ("cuda-small"
-    under SMALL_VALUES values); the CPU's "affine" entry covers every width."""
+    when its smaller dimension is under SMALL_WIDTH); the CPU's "affine" entry covers every
+    width."""
     monkeypatch.setattr(rq, "backend", lambda: "cuda")
     table = {"cuda": {"affine8": 100, "affine4": 50}, "cuda-small": {"affine8": 300}, "cpu": {"affine": 8}}
     monkeypatch.setattr(rq, "CROSSOVER_TOKENS", table)
-    big, small = rq.SMALL_VALUES, rq.SMALL_VALUES - 1
+    big, small = rq.SMALL_WIDTH, rq.SMALL_WIDTH - 1
     assert rq.crossover("affine", 8, big) == 100 and rq.crossover("affine", 4, big) == 50
     assert rq.crossover("affine", 8, small) == 300
     assert rq.dequantize_first(100, "affine", 8, big) and not rq.dequantize_first(99, "affine", 8, big)
@@ -321,7 +324,7 @@ def test_fused_window_by_backend_mode_and_weight_size(monkeypatch):
     environment switch forces it (fused) or keeps it off (quantized, dequantize)."""
     monkeypatch.delenv(rq.POLICY_ENV, raising=False)
     monkeypatch.setattr(rq, "backend", lambda: "cuda")
-    big, small = rq.SMALL_VALUES, rq.SMALL_VALUES - 1
+    big, small = rq.SMALL_WIDTH, rq.SMALL_WIDTH - 1
     lo, hi = rq.FUSED_TOKENS["cuda"]["affine4"]
     assert rq.fused_first(lo, "affine", 4, big) and rq.fused_first(hi - 1, "affine", 4, big)
     assert not rq.fused_first(lo - 1, "affine", 4, big) and not rq.fused_first(hi, "affine", 4, big)
@@ -351,3 +354,17 @@ def test_fused_window_falls_back_where_the_kernel_cannot_run(quantized, monkeypa
     expected = layer(x)
     monkeypatch.setattr(rq, "fused_first", lambda *a: True)
     assert mx.array_equal(layer(x), expected).item()
+
+
+@pytest.mark.parametrize("in_dims,out_dims", [(64, 192), (256, 64)])
+def test_quantized_linear_keys_the_tables_by_its_smaller_dimension(in_dims, out_dims, monkeypatch):
+    """QuantizedLinear hands the policy the weight's smaller dimension (the unpacked input width
+    or the output width), whichever it is, and its output does not change with that."""
+    layer = rq.QuantizedLinear(in_dims, out_dims, bias=False, group_size=64, bits=4)
+    x = mx.ones((1, 3, in_dims))
+    expected = layer(x)
+    seen = []
+    monkeypatch.setattr(rq, "fused_first", lambda tokens, mode, bits, width: seen.append(width) or False)
+    monkeypatch.setattr(rq, "dequantize_first", lambda tokens, mode, bits, width: seen.append(width) or False)
+    assert mx.array_equal(layer(x), expected).item()
+    assert seen == [min(in_dims, out_dims)] * 2

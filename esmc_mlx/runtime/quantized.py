@@ -40,7 +40,7 @@ CROSSOVER_TOKENS = {
     # weight through one path, then the other (python -m benchmarks.crossover_forward --model
     # 6B / 300M; the smallest of 32..4096 tokens from which dequantize + matmul took at most
     # 1.03x the time of quantized_matmul at every larger count; docs/quantization.md). Two
-    # tables (SMALL_VALUES below splits them): "cuda" for the 6B's weights, measured on the 6B,
+    # tables (SMALL_WIDTH below splits them): "cuda" for the 6B's weights, measured on the 6B,
     # "cuda-small" for the 300M's, measured on the 300M. 32 is the
     # smallest count measured, except the 6B's mxfp4 at 16 (0.59 of quantized_matmul's time
     # there, ninth issue-16 session; ahead at 8 too in one tenth-session run) and affine4 at 16
@@ -60,7 +60,7 @@ CROSSOVER_TOKENS = {
     "metal": {"affine": math.inf, "mxfp8": math.inf, "mxfp4": math.inf, "nvfp4": math.inf},
 }
 # Token windows [lo, hi) in which kernels.quantized_matmul (the fused kernel that reads the
-# packed weight: no bf16 copy) replaces the table's path, per table (SMALL_VALUES) and mode.
+# packed weight: no bf16 copy) replaces the table's path, per table (SMALL_WIDTH) and mode.
 # Each window is the token counts at which whole forwards at B=1, every supported block weight
 # through each path and the sides interleaved, had the fused kernel ahead of the path the
 # tables give there (python -m benchmarks.crossover_forward --model 6B / 300M --sides
@@ -86,15 +86,18 @@ FUSED_TOKENS = {
     "cuda": {"affine4": (8, 513), "mxfp4": (8, 513), "affine8": (32, 513)},
     "cuda-small": {"affine4": (32, 2049), "mxfp4": (32, 2049), "affine8": (128, 1025)},
 }
-# Weights of fewer values than this take the "cuda-small" tables: all of the 300M's (at most
-# 5120x960, 4.9M values), none of the 6B's (its smallest, o_proj, is 2560x2560, 6.6M). The
-# split was kernels.MIN_VALUES (8M, where this project's dequantize takes over) until the
-# 300M's affine8 window reached 1024 tokens: the 6B's o_proj then ran the fused kernel's "2d"
-# tile at 1x1024 and the affine8 forward took 1.40-1.43x bf16 against 1.25-1.26x. 6B forwards
-# with this split against that one (python -m benchmarks.min_values_ab --model 6B --gate
-# small-values, one run, H200; twentieth issue-16 session): affine8 0.90 at 1x1024, affine4
-# 0.97, mxfp4 1.00; 1.00-1.02 at 1x256, where the o_proj runs the fused kernel either way.
-SMALL_VALUES = 6 << 20
+# Weights whose smaller dimension is under this take the "cuda-small" tables. A block weight's
+# smaller dimension is its model's hidden size (q/k/v, o, gate/up and down alike): 960 for the
+# 300M and 1152 for the 600M (the 300M's tables), 2560 for the 6B (the 6B's). The split was
+# kernels.MIN_VALUES (8M values, where this project's dequantize takes over) until the 300M's
+# affine8 window reached 1024 tokens: the 6B's o_proj (2560x2560, 6.6M values) then ran the
+# fused kernel's "2d" tile at 1x1024 and the affine8 forward took 1.40-1.43x bf16 against
+# 1.25-1.26x. 6B forwards with the o_proj on the 6B's tables against the 300M's (one run, H200,
+# twentieth issue-16 session; docs/benchmarks.md): affine8 0.90 at 1x1024, affine4 0.97, mxfp4
+# 1.00; 1.00-1.02 at 1x256, where the o_proj runs the fused kernel either way. No split by
+# values keeps each model on one table: the 600M's gate/up (6144x1152, 7.1M) is larger than
+# the 6B's o_proj. (python -m benchmarks.min_values_ab --gate small-width times another split.)
+SMALL_WIDTH = 2048
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
 # fused where kernels.quantized_matmul runs, else the table); "auto" or unset uses the tables.
 POLICY_ENV = "ESMC_MLX_QUANT_MATMUL"
@@ -112,34 +115,35 @@ def mode_name(mode: str, bits: int | None) -> str:
     return f"affine{bits}" if mode == "affine" else mode
 
 
-def table_name(values: int) -> str:
-    """The key of CROSSOVER_TOKENS and FUSED_TOKENS for a weight of ``values`` values here."""
+def table_name(width: int) -> str:
+    """The key of CROSSOVER_TOKENS and FUSED_TOKENS here for a weight whose smaller dimension is
+    ``width``."""
     name = backend()
-    return "cuda-small" if name == "cuda" and values < SMALL_VALUES else name
+    return "cuda-small" if name == "cuda" and width < SMALL_WIDTH else name
 
 
-def crossover(mode: str, bits: int | None = None, values: int = 0) -> float:
-    """CROSSOVER_TOKENS' entry for a weight of ``values`` values quantized as (mode, bits)."""
-    table = CROSSOVER_TOKENS[table_name(values)]
+def crossover(mode: str, bits: int | None = None, width: int = 0) -> float:
+    """CROSSOVER_TOKENS' entry for a weight of smaller dimension ``width`` quantized as (mode, bits)."""
+    table = CROSSOVER_TOKENS[table_name(width)]
     return table.get(mode_name(mode, bits), table.get(mode, math.inf))
 
 
-def dequantize_first(tokens: int, mode: str, bits: int | None = None, values: int = 0) -> bool:
+def dequantize_first(tokens: int, mode: str, bits: int | None = None, width: int = 0) -> bool:
     """True when dequantize-then-matmul is the faster path for ``tokens`` rows through a weight
-    of ``values`` values quantized as (mode, bits)."""
+    of smaller dimension ``width`` quantized as (mode, bits)."""
     forced = os.environ.get(POLICY_ENV, "auto").lower()
     if forced in ("quantized", "dequantize"):
         return forced == "dequantize"
-    return tokens >= crossover(mode, bits, values)
+    return tokens >= crossover(mode, bits, width)
 
 
-def fused_first(tokens: int, mode: str, bits: int | None = None, values: int = 0) -> bool:
+def fused_first(tokens: int, mode: str, bits: int | None = None, width: int = 0) -> bool:
     """True when the fused kernel (kernels.quantized_matmul, where it runs) is the faster path
-    for ``tokens`` rows through a weight of ``values`` values quantized as (mode, bits)."""
+    for ``tokens`` rows through a weight of smaller dimension ``width`` quantized as (mode, bits)."""
     forced = os.environ.get(POLICY_ENV, "auto").lower()
     if forced != "auto":
         return forced == "fused"
-    lo, hi = FUSED_TOKENS.get(table_name(values), {}).get(mode_name(mode, bits), (0, 0))
+    lo, hi = FUSED_TOKENS.get(table_name(width), {}).get(mode_name(mode, bits), (0, 0))
     return lo <= tokens < hi
 
 
@@ -162,12 +166,12 @@ class QuantizedLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         tokens = x.size // x.shape[-1] if x.shape[-1] else 0
-        values = self.weight.size * 32 // self.bits
+        width = min(self.weight.shape[0], self.weight.shape[1] * 32 // self.bits)
         packed = (self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode)
-        if fused_first(tokens, self.mode, self.bits, values) and kernels.quantized_matmul_supported(x, *packed):
+        if fused_first(tokens, self.mode, self.bits, width) and kernels.quantized_matmul_supported(x, *packed):
             y = kernels.quantized_matmul(x, *packed)
             return y + self["bias"] if "bias" in self else y
-        if not dequantize_first(tokens, self.mode, self.bits, values):
+        if not dequantize_first(tokens, self.mode, self.bits, width):
             return super().__call__(x)
         w = dequantized_weight(self, x.dtype).T
         return mx.addmm(self["bias"], x, w) if "bias" in self else x @ w
