@@ -16,8 +16,10 @@ dequantized weight has left the 50 MB L2 cache when its GEMM reads it, where in 
 the GEMM follows its own dequantize; and the forward's graph hides launch costs that a burst
 of two kernels per call pays in full. Either way the forward is what users run.
 
-The 6B's block weights are all of kernels.MIN_VALUES values or more (our dequantize kernel:
-the "cuda" table) but o_proj; the 300M's are all smaller (mx.dequantize: "cuda-small").
+Each model's block weights take one table, by their smaller dimension (the model's hidden size
+against quantized.SMALL_WIDTH): the 6B's the "cuda" table, the 300M's "cuda-small". Which
+dequantize a weight runs is kernels.MIN_VALUES' choice: ours for the 6B's weights but o_proj,
+mx.dequantize for the 300M's.
 
     python -m benchmarks.crossover_forward --model 6B --json $OUT/6b.json       # GPU
     python -m benchmarks.crossover_forward --model 300M --modes nvfp4 --json $OUT/300m.json

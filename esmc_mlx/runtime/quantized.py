@@ -41,8 +41,8 @@ CROSSOVER_TOKENS = {
     # 6B / 300M; the smallest of 32..4096 tokens from which dequantize + matmul took at most
     # 1.03x the time of quantized_matmul at every larger count; docs/quantization.md). Two
     # tables (SMALL_WIDTH below splits them): "cuda" for the 6B's weights, measured on the 6B,
-    # "cuda-small" for the 300M's, measured on the 300M. 32 is the
-    # smallest count measured, except the 6B's mxfp4 at 16 (0.59 of quantized_matmul's time
+    # "cuda-small" for the 300M's, measured on the 300M. 32 is the smallest count measured,
+    # except the 6B's mxfp4 at 16 (0.59 of quantized_matmul's time
     # there, ninth issue-16 session; ahead at 8 too in one tenth-session run) and affine4 at 16
     # (quantized_matmul ahead in two tenth-session runs: 32 stands). Timing one weight in
     # bursts of calls (benchmarks.dequant_kernels) had put these at 64-1024 tokens: a 6B
