@@ -18,8 +18,9 @@ of two kernels per call pays in full. Either way the forward is what users run.
 
 Each model's block weights take one table, by their smaller dimension (the model's hidden size
 against quantized.SMALL_WIDTH): the 6B's the "cuda" table, the 300M's "cuda-small". Which
-dequantize a weight runs is kernels.MIN_VALUES' choice: ours for the 6B's weights but o_proj,
-mx.dequantize for the 300M's.
+dequantize a weight runs is kernels.DEQUANTIZE_MIN_WIDTH's choice: ours for the 6B's and the
+600M's weights, mx.dequantize for the 300M's (until the twenty-second issue-16 session, also for
+the 600M's and the 6B's o_proj).
 
     python -m benchmarks.crossover_forward --model 6B --json $OUT/6b.json       # GPU
     python -m benchmarks.crossover_forward --model 300M --modes nvfp4 --json $OUT/300m.json

@@ -5,8 +5,8 @@
    group 64, mxfp4, mxfp8 and nvfp4: median time per call, GB/s (packed bytes + scales/biases
    read, bf16 written), the speedup, and whether the two outputs are equal bit for bit.
 2. One quantized linear, bf16, at 16..4096 tokens: mx.quantized_matmul vs kernels.dequantize
-   + matmul (routed as the runtime routes it: weights under kernels.MIN_VALUES go to
-   mx.dequantize) vs mx.dequantize + matmul, and per mode, bit width and linear the crossover
+   + matmul (routed as the runtime routes it: weights narrower than kernels.DEQUANTIZE_MIN_WIDTH
+   go to mx.dequantize) vs mx.dequantize + matmul, and per mode, bit width and linear the crossover
    (the smallest token count from which dequantize + matmul beats quantized_matmul at every
    larger count). CROSSOVER_TOKENS no longer takes these: whole forwards disagreed with them
    (benchmarks/crossover_forward.py, which the table now comes from).
@@ -36,8 +36,8 @@ from esmc_mlx.bench import time_interleaved
 from esmc_mlx.runtime import kernels
 from esmc_mlx.runtime.quantized import mode_name
 
-SHIPPED_MIN_VALUES = kernels.MIN_VALUES
-kernels.MIN_VALUES = 0  # time the kernel at every size (dequantize() routes small weights to MLX)
+SHIPPED_MIN_WIDTH = kernels.DEQUANTIZE_MIN_WIDTH
+kernels.DEQUANTIZE_MIN_WIDTH = 0  # time the kernel at every size, whatever dequantize() routes to MLX
 
 MODES = [("affine", b, 64) for b in (2, 3, 4, 5, 6, 8)] + [(m, *kernels.FP_MODES[m]) for m in kernels.FP_MODES]
 # out x in of each model's quantized weights: fused gate/up, down, fused q/k/v, out
@@ -74,7 +74,8 @@ def load_against(path: str):
     """Another kernels.py (as kernels_ab loads it: its relative imports resolve), routing every
     size to its kernel."""
     module = load_kernels(path)
-    module.MIN_VALUES = 0
+    module.MIN_VALUES = 0  # a kernels.py from before DEQUANTIZE_MIN_WIDTH gated dequantize by it
+    module.DEQUANTIZE_MIN_WIDTH = 0
     return module
 
 
@@ -142,7 +143,7 @@ def dequant_rows(device: str, batch: int, reps: int, shapes, against=None, max_b
 
 def matmul_rows(device: str, batch: int, reps: int, linears, modes) -> tuple[list[dict], dict]:
     """Part 2, with kernels.dequantize as the runtime routes it (small weights to MLX)."""
-    kernels.MIN_VALUES = SHIPPED_MIN_VALUES
+    kernels.DEQUANTIZE_MIN_WIDTH = SHIPPED_MIN_WIDTH
     rows, crossover = [], {}
     for mode, bits, gs in modes:
         name = mode_name(mode, bits)

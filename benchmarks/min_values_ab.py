@@ -1,14 +1,16 @@
 """A size gate of the quantized path in whole forwards (issue 16), the shipped value against
 another (``--value``, default 0: the gate off), beside the bf16 model; the shipped model
 (fused, compiled, random weights) in one quantization, interleaved in one process.
-``--gate min-values`` (the default): ``kernels.MIN_VALUES``, weights under 8M values through
-``mx.dequantize`` and larger ones through this project's kernel; at 0 the kernel takes every
-weight. The kernel is bit-exact, so the logits of the two quantized sides must be identical
-(checked). ``--gate small-width``: ``quantized.SMALL_WIDTH``, under which a weight's smaller
+``--gate min-values`` (the default): ``kernels.MIN_VALUES``, under which add_layer_norm's
+inputs take MLX's ops. ``--gate dequantize``: ``kernels.DEQUANTIZE_MIN_WIDTH``, under which a
+weight's smaller dimension sends it to ``mx.dequantize`` instead of this project's kernel (0:
+every weight through the kernel; 4096: none). Those kernels are bit-exact, so the logits of
+the two quantized sides must be identical (checked). ``--gate small-width``: ``quantized.SMALL_WIDTH``, under which a weight's smaller
 dimension takes the "cuda-small" tables (the 300M's); at 0 every weight takes the "cuda" ones
 (the 6B's). The paths differ then, so the logits may too.
 
     python -m benchmarks.min_values_ab --model 300M --json $OUT/300m.json     # GPU
+    python -m benchmarks.min_values_ab --model 600M --gate dequantize --value 4096 --shapes 16x256
     python -m benchmarks.min_values_ab --model 300M --gate small-width --shapes 1x256,1x1024,16x256
     python -m benchmarks.min_values_ab --model tiny --shapes 1x64 --modes affine4 --device cpu
 """
@@ -27,7 +29,11 @@ from benchmarks.forward_args import add_forward_arguments, parse_forward_argumen
 from esmc_mlx.bench import forward_fns, machine, mlx_model, parse_shapes, time_interleaved
 from esmc_mlx.runtime import kernels, quantized
 
-GATES = {"min-values": (kernels, "MIN_VALUES"), "small-width": (quantized, "SMALL_WIDTH")}  # --gate
+GATES = {  # --gate
+    "min-values": (kernels, "MIN_VALUES"),
+    "dequantize": (kernels, "DEQUANTIZE_MIN_WIDTH"),
+    "small-width": (quantized, "SMALL_WIDTH"),
+}
 
 
 def main(argv=None) -> dict:

@@ -9,7 +9,15 @@ import pytest
 from click.testing import CliRunner
 from conftest import requires_torch
 
-from benchmarks import crossover_forward, host_overhead, kernels_ab, min_values_ab, side_order, twin_pairing
+from benchmarks import (
+    crossover_forward,
+    dequant_cost,
+    host_overhead,
+    kernels_ab,
+    min_values_ab,
+    side_order,
+    twin_pairing,
+)
 from benchmarks.crossover_forward import crossover
 from esmc_mlx import bench
 from esmc_mlx.cli import main
@@ -158,6 +166,13 @@ def test_min_values_ab_compares_the_gate_with_identical_logits(tmp_path):
     assert row == result["rows"][0] and row["logits_identical"]
     assert row["shipped_ms"] > 0 < row["other_ms"] and row["bf16_ms"] > 0
     assert (result["gate"], result["other"]) == ("MIN_VALUES", 0)
+    result = min_values_ab.main([*argv, "--gate", "dequantize", "--value", "4096"])
+    assert (result["gate"], result["shipped"], result["other"]) == (
+        "DEQUANTIZE_MIN_WIDTH",
+        kernels.DEQUANTIZE_MIN_WIDTH,
+        4096,
+    )
+    assert result["rows"][0]["logits_identical"]
     result = min_values_ab.main([*argv, "--gate", "small-width", "--value", "7"])
     assert (result["gate"], result["shipped"], result["other"]) == ("SMALL_WIDTH", quantized.SMALL_WIDTH, 7)
     assert all(getattr(owner, name) == value for name, (owner, value) in gates.items())
@@ -230,6 +245,48 @@ def test_host_overhead_groups_nsight_compute_kernel_times(tmp_path):
     )
     assert [r["mode"] for r in out["rows"]] == ["bf16", "affine4"]
     assert all(r["wall_ms"] > 0 < r["host_ms"] and r["build_ms"] <= r["host_ms"] for r in out["rows"])
+
+
+def test_dequant_cost_reads_gpu_time_by_side_and_times_the_host(tmp_path):
+    """The profile window's kernels (per weight and mode: reps x mx.dequantize, ours, fill, as
+    profile() issues them) read back by side in order, medians and TB/s; a CPU smoke run of
+    the host measurement, whose rows must add up (built <= launched <= done)."""
+    header = NCU_CSV.splitlines()[1]
+    names = {
+        "mlx": "void mlx::affine_dequantize<__nv_bfloat16, 64, 4>(const",
+        "ours": "mlx::custom_kernel_esmc_dequantize_affine_4_64",
+    }
+    names["fill"] = "void mlx::copy_s<__nv_bfloat16, __nv_bfloat16, unsigned int>"
+    labels = dequant_cost.labels("tiny", ["affine4"])
+    lines, reps, want = [header], 2, {}
+    for i, label in enumerate(labels):
+        for r in range(reps):
+            for j, side in enumerate(dequant_cost.GPU_SIDES):
+                us = 10 * i + 3 * j + r  # medians: 10i + 3j + 0.5
+                lines.append(
+                    f'"0","1","p","h","{names[side]}","1","14","(256, 1, 1)","(8, 1, 1)","0","9.0","s","gpu__time_duration.sum","us","{us}"'
+                )
+        want[label] = {side: 10 * i + 3 * j + 0.5 for j, side in enumerate(dequant_cost.GPU_SIDES)}
+    csv = tmp_path / "dq.csv"
+    csv.write_text("==PROF== Connected\n" + "\n".join(lines) + "\n")
+    argv = ["--model", "tiny", "--modes", "affine4", "--reps", str(reps), "--device", "cpu"]
+    rows = dequant_cost.main([*argv, "--kernels", str(csv)])["gpu"]
+    assert [r["weight"] for r in rows] == labels and len(labels) == 4
+    for row in rows:
+        assert {side: row[f"{side}_us"] for side in dequant_cost.GPU_SIDES} == want[row["weight"]]
+        n, k = map(int, row["weight"].split()[0].split("x"))
+        assert row["ours_tb_s"] == pytest.approx(n * k * 2 / row["ours_us"] / 1e6)
+    out = tmp_path / "host.json"
+    dequant_cost.main(
+        ["--model", "tiny", "--modes", "affine4,mxfp4", "--reps", "2", "--device", "cpu", "--json", str(out)]
+    )
+    host = json.loads(out.read_text())["host"]
+    assert [(r["mode"], r["side"]) for r in host] == [
+        (m, s) for m in ("affine4", "mxfp4") for s in ("mlx eager", "mlx compiled", "ours eager", "ours compiled")
+    ]
+    assert all(r["calls"] == 4 * 2 and 0 < r["built_ms"] <= r["launched_ms"] <= r["done_ms"] for r in host)
+    with pytest.raises(SystemExit):
+        dequant_cost.main([*argv, "--modes", "affine3"])
 
 
 def test_time_interleaved_rotates_the_order_every_round():

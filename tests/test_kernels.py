@@ -40,9 +40,10 @@ ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 
 @pytest.fixture(autouse=True)
 def kernel_at_every_size(monkeypatch):
-    """The tests' weights are small: let the kernel take them (kernels.MIN_VALUES routes small
-    weights to mx.dequantize, which is faster there)."""
+    """The tests' arrays are small: let the kernels take them (kernels.MIN_VALUES routes small
+    inputs of add_layer_norm to MLX's ops, DEQUANTIZE_MIN_WIDTH narrow weights to mx.dequantize)."""
     monkeypatch.setattr(kernels, "MIN_VALUES", 0)
+    monkeypatch.setattr(kernels, "DEQUANTIZE_MIN_WIDTH", 0)
 
 
 def round_to(x: np.ndarray, dtype) -> np.ndarray:
@@ -284,6 +285,24 @@ def test_kernel_bit_exact_for_every_code_and_scale_on_cuda(mode, sdt):
     nan = np.isnan(ref.view(np.float32))
     np.testing.assert_array_equal(np.isnan(got.view(np.float32)), nan)
     np.testing.assert_array_equal(got[~nan], ref[~nan])
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+def test_dequantize_takes_weights_from_min_width_on_cuda(monkeypatch):
+    """The kernel runs for weights whose smaller dimension is DEQUANTIZE_MIN_WIDTH or more (the
+    600M's and the 6B's), mx.dequantize for narrower ones (the 300M's); same values either way."""
+    monkeypatch.setattr(kernels, "DEQUANTIZE_MIN_WIDTH", 1024)
+    built, real = [], kernels._kernel
+    monkeypatch.setattr(kernels, "_kernel", lambda *key: built.append(key) or real(*key))
+    cases = ((2880, 960, False), (960, 2560, False), (1024, 1024, True), (6144, 1152, True))
+    for out_dims, in_dims, ours in cases:
+        x = mx.random.normal((out_dims, in_dims), key=mx.random.key(out_dims)).astype(mx.bfloat16)
+        w, s, b = mx.quantize(x, group_size=64, bits=4)
+        got = kernels.dequantize(w, s, b, 64, 4, "affine", mx.bfloat16)
+        ref = mx.dequantize(w, s, b, group_size=64, bits=4, dtype=mx.bfloat16)
+        np.testing.assert_array_equal(as_bits(got), as_bits(ref))
+        assert bool(built) == ours, (out_dims, in_dims)
+        built.clear()
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
@@ -860,7 +879,7 @@ def test_included_kernels_compile_to_the_same_code(monkeypatch, tmp_path):
 SEEDED_RUN = """
 import os, sys, mlx.core as mx, numpy as np
 from esmc_mlx.runtime import kernels
-kernels.MIN_VALUES = 0
+kernels.DEQUANTIZE_MIN_WIDTH = 0
 w, s = mx.quantize(mx.random.normal((64, 2560), key=mx.random.key(0)).astype(mx.bfloat16), group_size=32, bits=4, mode="mxfp4")[:2]
 got = kernels.dequantize(w, s, None, 32, 4, "mxfp4", mx.bfloat16)
 ref = mx.dequantize(w, s, group_size=32, bits=4, mode="mxfp4", dtype=mx.bfloat16)

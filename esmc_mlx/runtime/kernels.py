@@ -24,11 +24,13 @@ OLD_kernels.py --max-blocks 1056,0 --skip-matmul``, bf16 out, each weight timed 
 weights of 8M values or more (13824x2560 fused gate/up, 6912x2560, 2560x6912, 7680x2560),
 29.5-67.3 us, 1.08-3.15x less time than mx.dequantize and 1.08-1.65x less than this module's
 previous kernel (32 values a thread), bit-exact for every mode, bit width and shape timed. That
-is 860-1690 GB/s, a third of the card's bandwidth: each call also carries 15-20 us of launch
-and dispatch (a 960x960 weight takes 16-20 us here against 9-16 us with mx.dequantize, the
-fixed costs of a custom kernel), which is why smaller weights, fewer than MIN_VALUES values,
-stay with mx.dequantize (faster in 36 of 45 such cases). The grid cap changed nothing beyond
-the noise (1,056 blocks, 4,224, or one thread per octet).
+is 860-1690 GB/s in those bursts, which also carry each call's 15-20 us of launch and
+dispatch. Timed on the GPU alone (benchmarks.dequant_cost under Nsight Compute) it writes
+the 6B's weights at 2.3-2.8 TB/s, in 1.05-1.5x the time MLX takes to fill the same bf16 array
+with a constant, and the 300M's at 0.8-2.1 TB/s, in less time than that fill; 1.3-5.0x less
+time than ``mx.dequantize``. It runs for the weights of models 1024 wide or wider
+(``DEQUANTIZE_MIN_WIDTH`` has why). The grid cap changed nothing beyond the noise (1,056
+blocks, 4,224, or one thread per octet).
 
 The arithmetic is MLX's CUDA arithmetic (mlx/backend/cuda/quantized/affine_quantize.cu,
 fp_quantize.cuh), written as the same expressions so the same compiler makes the same
@@ -63,13 +65,30 @@ from .kernel_cache import Kernel
 
 # Blocks of the grid-stride loop: four waves of the H200's 132 SMs x 8 resident blocks of 256.
 MAX_BLOCKS = 132 * 8 * 4
-# Below this many values (of the weight, or of add_layer_norm's input) MLX's own ops are as
-# fast or faster: a custom kernel call carries 15-20 us of launch and dispatch. H200, bf16:
-# weights of 0.9-6.6M values took 9-48 us with mx.dequantize and 16-38 us with this kernel,
-# while 6912x2560 and larger took 1.08-3.15x less time here; whole forwards with
+# Below this many values of add_layer_norm's input MLX's own ops are as fast or faster (a
+# custom kernel call carries 15-20 us of launch and dispatch): whole forwards with
 # add_layer_norm at every size were 5-11% slower at 3.9M values or fewer per call (6B at 1x256,
-# 1x1024; 300M up to 16x256) and 4-7% faster from 10M (6B 16x256, 64x512; 300M 64x512).
+# 1x1024; 300M up to 16x256) and 4-7% faster from 10M (6B 16x256, 64x512; 300M 64x512). The
+# 300M's forward at 16x256 spends 1.35-1.40 ms of GPU time in it against 0.74 ms in MLX's
+# LayerNorm and ~0.46 ms in its add (Nsight Compute, twenty-second issue-16 session).
 MIN_VALUES = 8 << 20
+# Weights whose smaller dimension (their model's hidden size) is under this go to
+# mx.dequantize: the 300M's (960); the 600M's (1152) and the 6B's (2560) come here. Until the
+# twenty-second issue-16 session the gate was MIN_VALUES (8M values: the 6B's weights but its
+# o_proj), from bursts of calls that time the host's dispatch as much as the kernel. H200,
+# bf16 out (python -m benchmarks.dequant_cost): on the GPU alone (Nsight Compute) this kernel
+# takes 1.3-3.7x less time than mx.dequantize on every 300M weight (2.2-4.8 against 3.1-17.1
+# us) and 2.7-5.0x less on the 6B's; but its host dispatch costs more: 12-15 us a call
+# against 8-9 us in a compiled graph (27-33 against 9-11 us eager; the 300M's 120 weights).
+# Whole forwards, every weight here against the 8M-values gate (benchmarks.min_values_ab, one
+# process, logits identical; docs/benchmarks.md, twenty-second session):
+# - 600M: 0.95 / 0.90 / 0.90 at 16x256 (affine4 / mxfp4 / affine8), affine8 0.87
+#   at 1x2048;
+# - 6B (its o_proj): 0.96-0.99 at 1x1024, 0.98-1.00 at 16x256;
+# - 300M, host-bound (its kernels take 5.7-8.9 ms of GPU time in 8-11 ms forwards): 0.92-1.09
+#   at 16x256 over two runs, affine8 1.11-1.14 at 2048 tokens (three rows), where the GPU time
+#   it saves (0.8 ms of 6.5 at 1x2048) is hidden and the host time it adds is not.
+DEQUANTIZE_MIN_WIDTH = 1024
 THREADS_PER_BLOCK = 256
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUPS = (32, 64, 128)
@@ -319,7 +338,7 @@ def dequantize(
     group_size = group_size or defaults[1]
     if dtype is None:
         dtype = scales.dtype if mode == "affine" else mx.bfloat16
-    small = w.size * 32 // bits < MIN_VALUES
+    small = min(w.shape[-2], w.shape[-1] * 32 // bits) < DEQUANTIZE_MIN_WIDTH
     if small or not supported(w, scales, biases, group_size, bits, mode, dtype, global_scale):
         return mx.dequantize(
             w,
