@@ -5,9 +5,10 @@ another (``--value``, default 0: the gate off), beside the bf16 model; the shipp
 inputs take MLX's ops. ``--gate dequantize``: ``kernels.DEQUANTIZE_MIN_WIDTH``, under which a
 weight's smaller dimension sends it to ``mx.dequantize`` instead of this project's kernel (0:
 every weight through the kernel; 4096: none). Those kernels are bit-exact, so the logits of
-the two quantized sides must be identical (checked). ``--gate small-width``: ``quantized.SMALL_WIDTH``, under which a weight's smaller
-dimension takes the "cuda-small" tables (the 300M's); at 0 every weight takes the "cuda" ones
-(the 6B's). The paths differ then, so the logits may too.
+the two quantized sides must be identical (checked). ``--gate small-width``:
+``quantized.SMALL_WIDTH``, under which a weight's smaller dimension takes the "cuda-small"
+tables (the 300M's); at 0 every weight takes the "cuda" ones (the 6B's). The paths differ then,
+so the logits may too.
 
     python -m benchmarks.min_values_ab --model 300M --json $OUT/300m.json     # GPU
     python -m benchmarks.min_values_ab --model 600M --gate dequantize --value 4096 --shapes 16x256

@@ -292,6 +292,12 @@ def _kernel(mode: str, bits: int, group_size: int, body: str) -> Kernel:
     )
 
 
+def weight_width(w: mx.array, bits: int) -> int:
+    """A packed weight's smaller dimension, its rows or its unpacked columns: for a block
+    weight, its model's hidden size (what DEQUANTIZE_MIN_WIDTH and quantized.SMALL_WIDTH gate)."""
+    return min(w.shape[-2], w.shape[-1] * 32 // bits)
+
+
 def on_cuda() -> bool:
     """True when MLX's default device is a CUDA GPU: where every kernel here can run."""
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
@@ -338,7 +344,7 @@ def dequantize(
     group_size = group_size or defaults[1]
     if dtype is None:
         dtype = scales.dtype if mode == "affine" else mx.bfloat16
-    small = min(w.shape[-2], w.shape[-1] * 32 // bits) < DEQUANTIZE_MIN_WIDTH
+    small = weight_width(w, bits) < DEQUANTIZE_MIN_WIDTH
     if small or not supported(w, scales, biases, group_size, bits, mode, dtype, global_scale):
         return mx.dequantize(
             w,

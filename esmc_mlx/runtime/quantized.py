@@ -166,7 +166,7 @@ class QuantizedLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         tokens = x.size // x.shape[-1] if x.shape[-1] else 0
-        width = min(self.weight.shape[0], self.weight.shape[1] * 32 // self.bits)
+        width = kernels.weight_width(self["weight"], self.bits)
         packed = (self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode)
         if fused_first(tokens, self.mode, self.bits, width) and kernels.quantized_matmul_supported(x, *packed):
             y = kernels.quantized_matmul(x, *packed)
