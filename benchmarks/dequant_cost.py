@@ -13,7 +13,8 @@ into microseconds per call and TB/s written:
     python -m benchmarks.dequant_cost --model 300M --kernels $OUT/dq.csv
 
 Host time (no profiler): every block weight of ``--layers`` layers dequantized in one graph,
-eager and as one compiled function, each side timed until the graph is built, until
+one call a weight (``mx.dequantize``, this project's kernel) or, on CUDA, one a block
+(``kernels.dequantize_together``), eager and as one compiled function, each side timed until the graph is built, until
 ``mx.async_eval`` returns (every kernel encoded and launched: the host's share) and until done;
 the sides interleave, medians of ``--reps`` rounds:
 
@@ -148,6 +149,15 @@ def host(model: str, modes: list[str], layers: int, reps: int) -> list[dict]:
             fns[f"{side} eager"] = lambda f=f: [f(*t) for t in weights]
             compiled = mx.compile(lambda *arrays, f=f: [f(*t) for t in regroup(arrays)])
             fns[f"{side} compiled"] = lambda c=compiled: c(*flat)
+        if kernels.on_cuda():  # a block's four weights in one launch (kernels.dequantize_together)
+
+            def together(triples, args=(*MODES[mode][::-1][:2], MODES[mode][0])):  # group, bits, mode
+                blocks = (triples[i : i + 4] for i in range(0, len(triples), 4))
+                return [y for b in blocks for y in kernels.dequantize_together(b, *args, mx.bfloat16)]
+
+            fns["together eager"] = lambda: together(weights)
+            compiled = mx.compile(lambda *arrays: together(regroup(arrays)))
+            fns["together compiled"] = lambda c=compiled: c(*flat)
         samples: dict[str, list[tuple]] = {name: [] for name in fns}
         for r in range(reps + 2):  # two rounds of warm-up (traces, compiled kernels)
             for name, fn in fns.items():

@@ -8,11 +8,14 @@ every weight through the kernel; 4096: none). Those kernels are bit-exact, so th
 the two quantized sides must be identical (checked). ``--gate small-width``:
 ``quantized.SMALL_WIDTH``, under which a weight's smaller dimension takes the "cuda-small"
 tables (the 300M's); at 0 every weight takes the "cuda" ones (the 6B's). The paths differ then,
-so the logits may too.
+so the logits may too. ``--gate together``: ``kernels.TOGETHER_MIN_WEIGHTS``, the fewest of a
+block's dequantizes that go in one launch (``--value 5``: never, each weight on its own; the
+logits must be identical).
 
     python -m benchmarks.min_values_ab --model 300M --json $OUT/300m.json     # GPU
     python -m benchmarks.min_values_ab --model 600M --gate dequantize --value 4096 --shapes 16x256
     python -m benchmarks.min_values_ab --model 300M --gate small-width --shapes 1x256,1x1024,16x256
+    python -m benchmarks.min_values_ab --model 300M --gate together --value 5 --shapes 16x256,1x2048
     python -m benchmarks.min_values_ab --model tiny --shapes 1x64 --modes affine4 --device cpu
 """
 
@@ -34,6 +37,7 @@ GATES = {  # --gate
     "min-values": (kernels, "MIN_VALUES"),
     "dequantize": (kernels, "DEQUANTIZE_MIN_WIDTH"),
     "small-width": (quantized, "SMALL_WIDTH"),
+    "together": (kernels, "TOGETHER_MIN_WEIGHTS"),
 }
 
 

@@ -306,6 +306,58 @@ def test_dequantize_takes_weights_from_min_width_on_cuda(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.parametrize(
+    ("mode", "bits", "group_size", "sdt"),
+    [("affine", b, 64, "bfloat16") for b in kernels.AFFINE_BITS]
+    + [("affine", 4, 32, "float32"), ("affine", 8, 128, "float16")]
+    + [c for c in GPU_CASES if c[0] != "affine"],
+)
+def test_dequantize_together_bit_exact_on_cuda(mode, bits, group_size, sdt):
+    """Weights of a block's shapes (q/k/v, o, gate/up, down; one sliced off a row: scalar
+    loads) dequantized by one launch give mx.dequantize's bits, each; None where it cannot.
+    Every bit width and mode (the octet bodies are dequantize's, tested at every group size
+    and scale dtype above)."""
+    shapes = [(3 * 96, 256 + group_size), (96, 256 + group_size), (2 * 160, 256 + group_size), (96, 512)]
+    parts = [quantized(mode, bits, group_size, FLOATS[sdt], rows=r, cols=c) for r, c in shapes]
+    w, sc, b = parts[1]
+    parts[1] = (w[1:], sc[1:], None if b is None else b[1:])
+    for odt in FLOATS.values():
+        got = kernels.dequantize_together(parts, group_size, bits, mode, odt)
+        assert len(got) == len(parts)
+        for (w, sc, b), y in zip(parts, got, strict=True):
+            ref = mx.dequantize(w, sc, b, group_size=group_size, bits=bits, mode=mode, dtype=odt)
+            assert y.dtype == ref.dtype and y.shape == ref.shape
+            np.testing.assert_array_equal(as_bits(y), as_bits(ref), err_msg=f"{mode} {bits} {group_size} -> {odt}")
+    assert kernels.dequantize_together(parts[:1], group_size, bits, mode, mx.bfloat16) is None  # one weight
+    if mode == "affine":
+        w, sc, b = parts[0]
+        other = mx.float32 if sc.dtype != mx.float32 else mx.float16
+        mixed = [(w, sc.astype(other), b.astype(other)), parts[1]]  # scales of two dtypes
+        assert kernels.dequantize_together(mixed, group_size, bits, mode, mx.bfloat16) is None
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.parametrize("name", ["affine4", "mxfp4", "affine8"])
+def test_forward_with_and_without_dequantize_together_on_cuda(name, monkeypatch):
+    """A quantized model taking dequantize + matmul gives the same logits, bit for bit, with its
+    blocks' four weights dequantized in one launch (one call a block) or one by one."""
+    config = testing.tiny_config(hidden_size=256, num_attention_heads=4, num_hidden_layers=3)
+    weights = dict(tree_flatten(testing.random_mlx_model(config, mx.bfloat16).parameters()))
+    ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(2, 96)))
+    monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
+    calls, real = [], kernels.dequantize_together
+    monkeypatch.setattr(kernels, "dequantize_together", lambda parts, *a: calls.append(len(parts)) or real(parts, *a))
+    logits = {}
+    for together in (2, 5):  # 5: more than a block has, never together
+        monkeypatch.setattr(kernels, "TOGETHER_MIN_WEIGHTS", together)
+        model = bench.mlx_model(config, weights, fuse=True, compile=True, quant=bench.QUANT_MODES[name])
+        logits[together] = model(ids).logits
+        mx.eval(logits[together])
+    assert calls == [4] * config.num_hidden_layers * 2  # both sides asked; only the first side's ran
+    assert mx.array_equal(logits[2], logits[5]).item()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
 def test_unsupported_cases_fall_back_on_cuda():
     w, s, b = quantized("affine", 4, 64, mx.bfloat16)
     w2, s2, _ = quantized("nvfp4", 4, 16, mx.float32)
@@ -623,7 +675,17 @@ def test_kernel_sources_compile_with_nvcc_and_the_device_header_stand_in(tmp_pat
             template = [("O", O), ("BITS", bits), ("GROUP", 64 if affine else kernels.FP_MODES[mode][1])]
             template.append(("T", "__nv_bfloat16") if affine else ("MX", int(mode != "nvfp4")))
             name = f"dq_{mode}{bits}_{O.strip('_')}_{entry}"
-            units.append((kernels._HEADER, _mlx_source(name, "", body, [*params, f"{O}* out"], template)))
+            one = [*params[:2], "const int w_ndim", *params[2:], f"{O}* out"]  # dequantize reads w_ndim
+            units.append((kernels._HEADER, _mlx_source(name, "", body, one, template)))
+            # the same octets, four weights in one launch (dequantize_together)
+            parts = [
+                p.replace(" w", f" w{k}").replace("scales", f"scales{k}").replace("biases", f"biases{k}")
+                for k in range(4)
+                for p in params
+            ]
+            body = kernels._together_source(4, affine, entry)
+            parts += [f"{O}* out{k}" for k in range(4)]
+            units.append((kernels._HEADER, _mlx_source(name + "_together", "", body, parts, template)))
     for O in ("__nv_bfloat16", "__half"):
         params = ["const float* parts", f"{shape} parts_shape", f"{O}* y"]
         units.append(

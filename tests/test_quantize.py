@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -354,6 +355,38 @@ def test_fused_window_falls_back_where_the_kernel_cannot_run(quantized, monkeypa
     expected = layer(x)
     monkeypatch.setattr(rq, "fused_first", lambda *a: True)
     assert mx.array_equal(layer(x), expected).item()
+
+
+@pytest.mark.parametrize("spec", ["4", "mixed_4_6"])
+def test_a_blocks_dequantizes_go_in_one_call(spec, quantized, monkeypatch):
+    """Where a block's quantized linears take dequantize + matmul, their weights come from one
+    kernels.dequantize_together call per block and setting (the kernel runs on CUDA only: here
+    a stand-in returns mx.dequantize's weights), and the layers multiply by exactly those."""
+    monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
+    model, _ = load(quantized[spec])
+    expected = logits(model)
+    calls = []
+
+    def stand_in(parts, group_size, bits, mode, dtype, scale=1.0):
+        calls.append((bits, len(parts)))
+        ws = [mx.dequantize(w, s, b, group_size=group_size, bits=bits, mode=mode, dtype=dtype) for w, s, b in parts]
+        return [w * scale for w in ws]
+
+    monkeypatch.setattr(rq.kernels, "dequantize_together", stand_in)
+    np.testing.assert_array_equal(logits(model), expected)
+    expected_calls = Counter()  # per block: one call per bit width, with that width's linears
+    for layer in model.esmc.layers:
+        widths = Counter(m.bits for _, m in layer.named_modules() if isinstance(m, rq.QuantizedLinear))
+        expected_calls.update(widths.items())
+    assert Counter(calls) == expected_calls and len({b for b, _ in calls}) == (1 if spec == "4" else 2)
+    linears = [m for _, m in model.named_modules() if isinstance(m, rq.QuantizedLinear)]
+    assert all(m.given_weight is None for m in linears)  # only while the block runs
+    monkeypatch.setattr(rq.kernels, "dequantize_together", lambda *a: stand_in(*a, scale=0.0))
+    assert not np.array_equal(logits(model), expected)  # the given weights are what they multiply
+    monkeypatch.setenv(rq.POLICY_ENV, "quantized")
+    calls.clear()
+    logits(model)
+    assert not calls
 
 
 @pytest.mark.parametrize("in_dims,out_dims", [(64, 192), (256, 64)])

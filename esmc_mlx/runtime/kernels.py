@@ -29,7 +29,8 @@ dispatch. Timed on the GPU alone (benchmarks.dequant_cost under Nsight Compute) 
 the 6B's weights at 2.3-2.8 TB/s, in 1.05-1.5x the time MLX takes to fill the same bf16 array
 with a constant, and the 300M's at 0.8-2.1 TB/s, in less time than that fill; 1.3-5.0x less
 time than ``mx.dequantize``. It runs for the weights of models 1024 wide or wider
-(``DEQUANTIZE_MIN_WIDTH`` has why). The grid cap changed nothing beyond the noise (1,056
+(``DEQUANTIZE_MIN_WIDTH`` has why), and ``dequantize_together`` runs its octets for a block's
+weights, any width, in one launch. The grid cap changed nothing beyond the noise (1,056
 blocks, 4,224, or one thread per octet).
 
 The arithmetic is MLX's CUDA arithmetic (mlx/backend/cuda/quantized/affine_quantize.cu,
@@ -79,7 +80,10 @@ MIN_VALUES = 8 << 20
 # bf16 out (python -m benchmarks.dequant_cost): on the GPU alone (Nsight Compute) this kernel
 # takes 1.3-3.7x less time than mx.dequantize on every 300M weight (2.2-4.8 against 3.1-17.1
 # us) and 2.7-5.0x less on the 6B's; but its host dispatch costs more: 12-15 us a call
-# against 8-9 us in a compiled graph (27-33 against 9-11 us eager; the 300M's 120 weights).
+# against 8-9 us in a compiled graph (27-33 against 9-11 us eager; the 300M's 120 weights;
+# 10-12.5 against 9-10.5 compiled since the twenty-third session handed the kernel its arrays
+# without reshapes). Inside a block, the weights that take dequantize + matmul go through
+# dequantize_together below whatever their width; this gate decides for the rest.
 # Whole forwards, every weight here against the 8M-values gate (benchmarks.min_values_ab, one
 # process, logits identical; docs/benchmarks.md, twenty-second session):
 # - 600M: 0.95 / 0.90 / 0.90 at 16x256 (affine4 / mxfp4 / affine8), affine8 0.87
@@ -234,7 +238,9 @@ __device__ __forceinline__ uint32_t e8m0_bf16(uint32_t e) {
 """
 
 _LOOP = """
-  const size_t n_octets = size_t(w_shape[0]) * 4 / BITS;  // 8 values = BITS bytes
+  size_t words = 1;  // w as MLX holds it (no reshape: each would be one more graph node to encode)
+  for (int d = 0; d < w_ndim; ++d) words *= w_shape[d];
+  const size_t n_octets = words * 4 / BITS;  // 8 values = BITS bytes
   const size_t step = size_t(gridDim.x) * blockDim.x;
   const uint8_t* packed = reinterpret_cast<const uint8_t*>(w);
   for (size_t o = size_t(blockIdx.x) * blockDim.x + threadIdx.x; o < n_octets; o += step) {
@@ -357,10 +363,10 @@ def dequantize(
             **({} if global_scale is None else {"global_scale": global_scale}),
         )
     out_shape = (*w.shape[:-1], w.shape[-1] * 32 // bits)
-    inputs = [w.reshape(-1), scales.reshape(-1)]
+    inputs = [w, scales]
     template = [("O", dtype), ("BITS", bits), ("GROUP", group_size)]
     if mode == "affine":
-        inputs.append(biases.reshape(-1))
+        inputs.append(biases)
         template.append(("T", scales.dtype))
     else:
         template.append(("MX", int(mode != "nvfp4")))
@@ -375,6 +381,105 @@ def dequantize(
         output_dtypes=[dtype],
     )
     return out
+
+
+# ---- several weights in one launch ----------------------------------------------------------
+#
+# A block of ESMC has four weight matmuls (fused q/k/v, o, fused gate/up, down); at token counts
+# where each takes dequantize + matmul, their four dequantizes are one launch
+# (quantized.dequantized_together): the octets of the four weights in one grid-stride loop, each
+# octet written by the same body as ``dequantize``'s. H200, twenty-third issue-16 session
+# (docs/benchmarks.md):
+# - GPU time, the 300M's affine8 forward at 16x256 (Nsight Compute, benchmarks.host_overhead
+#   --profile): its dequantizes 0.32 ms in 30 launches against 1.39 ms in 120 mx.dequantize
+#   calls, all its kernels 7.76 against 8.83 ms (the bf16 forward's: 7.55);
+# - host time, the 300M's 120 weights (benchmarks.dequant_cost, compiled): 0.85-1.04 ms to
+#   encode and launch in 30 calls against 1.06-1.25 ms in 120 mx.dequantize calls. A call's
+#   arrays cost MLX more than the call itself, so four calls in one save little host time;
+# - whole forwards, together / one by one (benchmarks.min_values_ab --gate together, logits
+#   identical): 300M 16x256 0.98 / 1.00 / 1.00 and 0.98 / 0.94 / 0.98 in two runs (affine4 /
+#   affine8 / mxfp4), 600M 16x256 0.99 / 0.99 / 0.98.
+# Fewest weights of a block that go in one launch (4 + 1: never).
+TOGETHER_MIN_WEIGHTS = 2
+
+_TOGETHER_PART = """\
+    if (i < end%K) {  // weight %K
+      const size_t o = i - end%J;
+      const uint8_t* packed = reinterpret_cast<const uint8_t*>(w%K);
+      const auto* scales = scales%K;
+      const auto* biases = biases%K;
+      auto* out = out%K;
+      const uint64_t q = load_octet<BITS>(packed + o * BITS);
+      const size_t g = o * 8 / GROUP;
+BODY
+      continue;
+    }
+"""
+
+
+def _together_source(n: int, affine: bool, body: str) -> str:
+    """``_LOOP`` over ``n`` weights' octets, weight k's after weight k-1's (``endk``: where its
+    octets end), each octet through ``_BODIES[body]`` as ``dequantize`` writes it."""
+    source = "  const size_t end_ = 0;  // where the first weight's octets start\n"
+    for k in range(n):
+        words = f"size_t(w{k}_shape[0]) * w{k}_shape[1]"  # 2-D: a linear's weight
+        source += f"  const size_t end{k} = end{k - 1 if k else '_'} + {words} * 4 / BITS;\n"
+    source += "  const size_t step = size_t(gridDim.x) * blockDim.x;\n"
+    source += f"  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < end{n - 1}; i += step) {{\n"
+    for k in range(n):
+        part = _TOGETHER_PART.replace("%K", str(k)).replace("%J", str(k - 1) if k else "_")
+        if not affine:
+            part = part.replace(f"      const auto* biases = biases{k};\n", "")
+        source += part.replace("BODY", _BODIES[body])
+    return source + "  }\n"
+
+
+@functools.cache
+def _together_kernel(n: int, mode: str, bits: int, group_size: int, body: str) -> Kernel:
+    """``_kernel``'s loop over ``n`` weights (inputs w0, scales0[, biases0], w1, ...; outputs
+    out0, out1, ...)."""
+    affine = mode == "affine"
+    names = ["w", "scales", "biases"] if affine else ["w", "scales"]
+    return Kernel(
+        name=f"esmc_dequantize{n}_{mode}_{bits}_{group_size}" + ("_pairs" if body == "fp_pairs" else ""),
+        input_names=[f"{name}{k}" for k in range(n) for name in names],
+        output_names=[f"out{k}" for k in range(n)],
+        source=_together_source(n, affine, body),
+        header=_HEADER,
+    )
+
+
+def dequantize_together(
+    weights: list[tuple[mx.array, mx.array, mx.array | None]],
+    group_size: int,
+    bits: int,
+    mode: str,
+    dtype: mx.Dtype,
+) -> list[mx.array] | None:
+    """The (w, scales, biases) of ``weights``, all quantized alike, dequantized into ``dtype``
+    by one kernel launch: each output bit for bit ``mx.dequantize``'s (``dequantize``'s octet
+    bodies). None where it does not run (not a CUDA GPU, fewer than TOGETHER_MIN_WEIGHTS, a
+    weight ``supported`` refuses, the scales' dtypes differ): then each weight is dequantized
+    on its own."""
+    if len(weights) < max(TOGETHER_MIN_WEIGHTS, 1) or len({s.dtype for _, s, _ in weights}) != 1:
+        return None
+    if not all(w.ndim == 2 and supported(w, s, b, group_size, bits, mode, dtype) for w, s, b in weights):
+        return None
+    inputs, template = [], [("O", dtype), ("BITS", bits), ("GROUP", group_size)]
+    for w, scales, biases in weights:
+        inputs += [w, scales] + ([biases] if mode == "affine" else [])  # as they are: no reshape nodes
+    template.append(("T", weights[0][1].dtype) if mode == "affine" else ("MX", int(mode != "nvfp4")))
+    octets = sum(w.size * 4 // bits for w, _, _ in weights)
+    threads = min(-(-octets // THREADS_PER_BLOCK), MAX_BLOCKS) * THREADS_PER_BLOCK
+    kernel = _together_kernel(len(weights), mode, bits, group_size, _body(mode, dtype))
+    return kernel(
+        inputs=inputs,
+        template=template,
+        grid=(threads, 1, 1),
+        threadgroup=(THREADS_PER_BLOCK, 1, 1),
+        output_shapes=[(*w.shape[:-1], w.shape[-1] * 32 // bits) for w, _, _ in weights],
+        output_dtypes=[dtype] * len(weights),
+    )
 
 
 # ---- quantized matmul, Marlin-style: packed weight dequantized into tensor-core fragments ----

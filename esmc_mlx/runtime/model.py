@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from ..config import TRAINED_LENGTH, TRAINED_TOKENS, ESMCConfig
 from ..errors import EsmcMlxWarning, ScoringError, SequenceError
-from . import kernels
+from . import kernels, quantized
 from .quantized import POLICY_ENV as QUANT_POLICY_ENV
 
 # Set to 0 to run the QK LayerNorm, RoPE and head layout as separate MLX ops on a CUDA GPU
@@ -225,9 +225,11 @@ class Layer(nn.Module):
         new stream, ``next_norm`` of it (the next block's input LayerNorm or the final one,
         computed with the residual add; None when ``next_norm`` is None) and the attention
         weights. ESMC's residual adds are scaled: ``x + h / residual_scale``."""
-        attn, weights = self.self_attn(normed, mask, return_weights)
-        x, y = residual_norm(x, attn, self.residual_scale, self.post_attention_layernorm)
-        h = self.mlp(y)
+        tokens = normed.size // normed.shape[-1] if normed.shape[-1] else 0
+        with quantized.dequantized_together(self, tokens, normed.dtype):
+            attn, weights = self.self_attn(normed, mask, return_weights)
+            x, y = residual_norm(x, attn, self.residual_scale, self.post_attention_layernorm)
+            h = self.mlp(y)
         if next_norm is None:
             return x + h / self.residual_scale, None, weights
         x, normed = residual_norm(x, h, self.residual_scale, next_norm)

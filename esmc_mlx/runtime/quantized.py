@@ -19,6 +19,7 @@ the dequantized weights in place).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -79,12 +80,20 @@ CROSSOVER_TOKENS = {
 #   affine4 / mxfp4 0.78-1.03 at 32-1024, affine8 0.83-0.92 at 128-512. The 300M at B=1 is
 #   host-bound (MLX encodes its ops slower than the GPU runs them): one launch a
 #   weight instead of a dequantize and a matmul is what it gains.
+# Twenty-third session, with a block's dequantizes in one launch (kernels.dequantize_together,
+# which made dequantize + matmul faster on the 300M's and the 600M's weights), fused / that
+# path, two runs on the 300M and one on the 600M (crossover_forward --sides
+# bf16,shipped,dequantize; raw docs/bench/crossover_*_session23.json): at 2048 tokens affine4
+# 1.19 / 1.18 / 1.17 and mxfp4 1.21 / 1.13 / 1.10, so those windows end at 2048; affine8 at 1024
+# 1.06 / 1.06 / 1.10, so its window ends at 1024; fused ahead or tied below that (affine4 0.81
+# at 1536, 0.86-0.96 at 1024; mxfp4 1.02 at 1536, 0.84-1.04 at 1024; affine8 0.97 at 768). The
+# same path on both sides (affine8 at 1536-2048) read 0.98-1.02.
 # Below 8 tokens (6B) and 32 (300M) not measured against quantized_matmul. Never splitting K
 # (ESMC_MLX_QMM_WAVES=0: no split_sum launch) did not help the 300M: 0.92-1.31 of the split
 # kernel's time at 64-2048 tokens (one run).
 FUSED_TOKENS = {
     "cuda": {"affine4": (8, 513), "mxfp4": (8, 513), "affine8": (32, 513)},
-    "cuda-small": {"affine4": (32, 2049), "mxfp4": (32, 2049), "affine8": (128, 1025)},
+    "cuda-small": {"affine4": (32, 2048), "mxfp4": (32, 2048), "affine8": (128, 1024)},
 }
 # Weights whose smaller dimension is under this take the "cuda-small" tables. A block weight's
 # smaller dimension is its model's hidden size (q/k/v, o, gate/up and down alike): 960 for the
@@ -164,6 +173,19 @@ def dequantized_weight(module: nn.Module, dtype: mx.Dtype) -> mx.array:
 class QuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` (same parameters, same files) that picks the faster matmul."""
 
+    # The weight dequantized with its block's others while ``dequantized_together`` runs (set
+    # with object.__setattr__: an array set as a module attribute would become a parameter).
+    given_weight: mx.array | None = None
+
+    def takes_dequantize(self, tokens: int) -> bool:
+        """True when ``tokens`` rows through this layer go by dequantize + matmul: the tables
+        say so and the count is outside the fused window. (Inside it, a call the fused kernel
+        cannot take falls back to the tables in ``__call__`` and dequantizes its own weight.)"""
+        width = kernels.weight_width(self["weight"], self.bits)
+        return not fused_first(tokens, self.mode, self.bits, width) and dequantize_first(
+            tokens, self.mode, self.bits, width
+        )
+
     def __call__(self, x: mx.array) -> mx.array:
         tokens = x.size // x.shape[-1] if x.shape[-1] else 0
         width = kernels.weight_width(self["weight"], self.bits)
@@ -173,8 +195,38 @@ class QuantizedLinear(nn.QuantizedLinear):
             return y + self["bias"] if "bias" in self else y
         if not dequantize_first(tokens, self.mode, self.bits, width):
             return super().__call__(x)
-        w = dequantized_weight(self, x.dtype).T
-        return mx.addmm(self["bias"], x, w) if "bias" in self else x @ w
+        w = self.given_weight
+        if w is None or w.dtype != x.dtype:
+            w = dequantized_weight(self, x.dtype)
+        return mx.addmm(self["bias"], x, w.T) if "bias" in self else x @ w.T
+
+
+@contextlib.contextmanager
+def dequantized_together(module: nn.Module, tokens: int, dtype: mx.Dtype):
+    """While it runs, ``module``'s quantized linears that take dequantize + matmul for
+    ``tokens`` rows (``takes_dequantize``) use weights dequantized by one launch
+    (``kernels.dequantize_together``) instead of one each: a block's four in one call, bit for
+    bit the same values (the 300M's forward at 16x256 spends 0.32 ms of GPU time in them
+    instead of 1.39; the kernel's section has the measurements). Those quantized alike go
+    together; where the kernel does not run, each layer dequantizes its own as before."""
+    linears = [m for _, m in module.named_modules() if isinstance(m, QuantizedLinear) and m.takes_dequantize(tokens)]
+    groups: dict[tuple, list[QuantizedLinear]] = {}
+    for m in linears:
+        groups.setdefault((m.mode, m.bits, m.group_size, m["scales"].dtype), []).append(m)
+    given = []
+    for (mode, bits, group_size, _), group in groups.items():
+        packed = [(m["weight"], m["scales"], m.get("biases")) for m in group]
+        weights = kernels.dequantize_together(packed, group_size, bits, mode, dtype)
+        if weights is None:
+            continue
+        for m, w in zip(group, weights, strict=True):
+            object.__setattr__(m, "given_weight", w)
+            given.append(m)
+    try:
+        yield
+    finally:
+        for m in given:
+            object.__setattr__(m, "given_weight", None)
 
 
 def quantize_modules(model: nn.Module, record: dict, is_quantized) -> None:
