@@ -398,7 +398,8 @@ def dequantize(
 #   arrays cost MLX more than the call itself, so four calls in one save little host time;
 # - whole forwards, together / one by one (benchmarks.min_values_ab --gate together, logits
 #   identical): 300M 16x256 0.98 / 1.00 / 1.00 and 0.98 / 0.94 / 0.98 in two runs (affine4 /
-#   affine8 / mxfp4), 600M 16x256 0.99 / 0.99 / 0.98.
+#   affine8 / mxfp4), 600M 16x256 0.99 / 0.99 / 0.98, 6B 1x1024 1.01 / - / 1.00 and 16x256
+#   - / 1.00 / - (GPU-bound; its weights took this project's kernel one by one before).
 # Fewest weights of a block that go in one launch (4 + 1: never).
 TOGETHER_MIN_WEIGHTS = 2
 
