@@ -362,25 +362,32 @@ def dequantize(
             dtype=dtype,
             **({} if global_scale is None else {"global_scale": global_scale}),
         )
-    out_shape = (*w.shape[:-1], w.shape[-1] * 32 // bits)
-    inputs = [w, scales]
-    template = [("O", dtype), ("BITS", bits), ("GROUP", group_size)]
-    if mode == "affine":
-        inputs.append(biases)
-        template.append(("T", scales.dtype))
-    else:
-        template.append(("MX", int(mode != "nvfp4")))
-    octets = w.size * 4 // bits
+    kernel = _kernel(mode, bits, group_size, _body(mode, dtype))
+    return _launch(kernel, [(w, scales, biases)], group_size, bits, mode, dtype)[0]
+
+
+def _scales_template(mode: str, scales_dtype: mx.Dtype) -> tuple:
+    """The template argument that tells a kernel its scales' format: their dtype T (affine), or
+    MX (1: e8m0 scales, mxfp4/mxfp8; 0: e4m3, nvfp4)."""
+    return ("T", scales_dtype) if mode == "affine" else ("MX", int(mode != "nvfp4"))
+
+
+def _launch(kernel: Kernel, weights: list[tuple], group_size: int, bits: int, mode: str, dtype: mx.Dtype) -> list:
+    """One launch of a dequantize kernel (``_kernel``'s or ``_together_kernel``'s) over the
+    octets of ``weights`` (w, scales, biases), handed as MLX holds them: no reshape, each would
+    be one more graph node to encode. One output of ``dtype`` a weight."""
+    inputs = [a for w, s, b in weights for a in ((w, s, b) if mode == "affine" else (w, s))]
+    template = [("O", dtype), ("BITS", bits), ("GROUP", group_size), _scales_template(mode, weights[0][1].dtype)]
+    octets = sum(w.size * 4 // bits for w, _, _ in weights)
     threads = min(-(-octets // THREADS_PER_BLOCK), MAX_BLOCKS) * THREADS_PER_BLOCK
-    (out,) = _kernel(mode, bits, group_size, _body(mode, dtype))(
+    return kernel(
         inputs=inputs,
         template=template,
         grid=(threads, 1, 1),
         threadgroup=(THREADS_PER_BLOCK, 1, 1),
-        output_shapes=[out_shape],
-        output_dtypes=[dtype],
+        output_shapes=[(*w.shape[:-1], w.shape[-1] * 32 // bits) for w, _, _ in weights],
+        output_dtypes=[dtype] * len(weights),
     )
-    return out
 
 
 # ---- several weights in one launch ----------------------------------------------------------
@@ -466,21 +473,8 @@ def dequantize_together(
         return None
     if not all(w.ndim == 2 and supported(w, s, b, group_size, bits, mode, dtype) for w, s, b in weights):
         return None
-    inputs, template = [], [("O", dtype), ("BITS", bits), ("GROUP", group_size)]
-    for w, scales, biases in weights:
-        inputs += [w, scales] + ([biases] if mode == "affine" else [])  # as they are: no reshape nodes
-    template.append(("T", weights[0][1].dtype) if mode == "affine" else ("MX", int(mode != "nvfp4")))
-    octets = sum(w.size * 4 // bits for w, _, _ in weights)
-    threads = min(-(-octets // THREADS_PER_BLOCK), MAX_BLOCKS) * THREADS_PER_BLOCK
     kernel = _together_kernel(len(weights), mode, bits, group_size, _body(mode, dtype))
-    return kernel(
-        inputs=inputs,
-        template=template,
-        grid=(threads, 1, 1),
-        threadgroup=(THREADS_PER_BLOCK, 1, 1),
-        output_shapes=[(*w.shape[:-1], w.shape[-1] * 32 // bits) for w, _, _ in weights],
-        output_dtypes=[dtype] * len(weights),
-    )
+    return _launch(kernel, weights, group_size, bits, mode, dtype)
 
 
 # ---- quantized matmul, Marlin-style: packed weight dequantized into tensor-core fragments ----
@@ -1412,11 +1406,9 @@ def quantized_matmul(
         kernel, bw, extra = _qmm2_kernel(variant, bits, group_size, tile), _qmm2_bw(tile), [("MI", mi), ("WN", wn)]
     inputs = [x.reshape(rows, k), w, scales.reshape(n, -1)]
     template = [("O", x.dtype), ("BITS", bits), ("GROUP", group_size), ("BT", bt), ("SPLIT", splits > 1), *extra]
+    template.append(_scales_template(mode, scales.dtype))
     if mode == "affine":
         inputs.append(biases.reshape(n, -1))
-        template.append(("T", scales.dtype))
-    else:
-        template.append(("MX", int(mode != "nvfp4")))
     (y,) = kernel(
         inputs=inputs,
         template=template,
