@@ -151,9 +151,10 @@ def host(model: str, modes: list[str], layers: int, reps: int) -> list[dict]:
             fns[f"{side} compiled"] = lambda c=compiled: c(*flat)
         if kernels.on_cuda():  # a block's four weights in one launch (kernels.dequantize_together)
 
-            def together(triples, args=(*MODES[mode][::-1][:2], MODES[mode][0])):  # group, bits, mode
+            def together(triples, quantization=MODES[mode]):  # bound now: the loop moves on
+                name, bits, group = quantization
                 blocks = (triples[i : i + 4] for i in range(0, len(triples), 4))
-                return [y for b in blocks for y in kernels.dequantize_together(b, *args, mx.bfloat16)]
+                return [y for b in blocks for y in kernels.dequantize_together(b, group, bits, name, mx.bfloat16)]
 
             fns["together eager"] = lambda: together(weights)
             compiled = mx.compile(lambda *arrays: together(regroup(arrays)))

@@ -225,8 +225,7 @@ class Layer(nn.Module):
         new stream, ``next_norm`` of it (the next block's input LayerNorm or the final one,
         computed with the residual add; None when ``next_norm`` is None) and the attention
         weights. ESMC's residual adds are scaled: ``x + h / residual_scale``."""
-        tokens = normed.size // normed.shape[-1] if normed.shape[-1] else 0
-        with quantized.dequantized_together(self, tokens, normed.dtype):
+        with quantized.dequantized_together(self, normed):
             attn, weights = self.self_attn(normed, mask, return_weights)
             x, y = residual_norm(x, attn, self.residual_scale, self.post_attention_layernorm)
             h = self.mlp(y)
