@@ -361,7 +361,8 @@ def test_fused_window_falls_back_where_the_kernel_cannot_run(quantized, monkeypa
 def test_a_blocks_dequantizes_go_in_one_call(spec, quantized, monkeypatch):
     """Where a block's quantized linears take dequantize + matmul, their weights come from one
     kernels.dequantize_together call per block and setting (the kernel runs on CUDA only: here
-    a stand-in returns mx.dequantize's weights), and the layers multiply by exactly those."""
+    a stand-in returns mx.dequantize's weights, with the backend said to be CUDA), and the
+    layers multiply by exactly those; off CUDA nothing is asked."""
     monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
     model, _ = load(quantized[spec])
     expected = logits(model)
@@ -373,6 +374,9 @@ def test_a_blocks_dequantizes_go_in_one_call(spec, quantized, monkeypatch):
         return [w * scale for w in ws]
 
     monkeypatch.setattr(rq.kernels, "dequantize_together", stand_in)
+    logits(model)
+    assert not calls  # not on CUDA: nothing asked
+    monkeypatch.setattr(rq, "backend", lambda: "cuda")  # the policy is forced: the tables do not matter
     np.testing.assert_array_equal(logits(model), expected)
     expected_calls = Counter()  # per block: one call per bit width, with that width's linears
     for layer in model.esmc.layers:

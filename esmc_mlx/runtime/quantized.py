@@ -214,6 +214,9 @@ def dequantized_together(module: nn.Module, x: mx.array):
     bit the same values (the 300M's forward at 16x256 spends 0.32 ms of GPU time in them
     instead of 1.39; the kernel's section has the measurements). Those quantized alike go
     together; where the kernel does not run, each layer dequantizes its own as before."""
+    if backend() != "cuda":  # the kernel runs on CUDA only; spare the uncompiled forwards the walk
+        yield
+        return
     tokens = token_count(x)
     linears = [m for _, m in module.named_modules() if isinstance(m, QuantizedLinear) and m.takes_dequantize(tokens)]
     groups: dict[tuple, list[QuantizedLinear]] = {}
