@@ -16,9 +16,11 @@ Host time (no profiler): every block weight of ``--layers`` layers dequantized i
 one call a weight (``mx.dequantize``, this project's kernel) or, on CUDA, one a block
 (``kernels.dequantize_together``), eager and as one compiled function, each side timed until the graph is built, until
 ``mx.async_eval`` returns (every kernel encoded and launched: the host's share) and until done;
-the sides interleave, medians of ``--reps`` rounds:
+the sides interleave, medians of ``--reps`` rounds. ``--call-arrays`` (CUDA) times custom
+kernel calls that do no work by how many arrays they take and give, to split that host time:
 
     python -m benchmarks.dequant_cost --model 300M --json $OUT/host.json
+    python -m benchmarks.dequant_cost --model 300M --call-arrays --reps 30
     python -m benchmarks.dequant_cost --model tiny --device cpu --reps 3      # a smoke run
 """
 
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from benchmarks import save_json, with_attribute
 from benchmarks.host_overhead import UNITS
@@ -130,6 +133,25 @@ def kernel_table(path: Path, model: str, modes: list[str], reps: int) -> list[di
     return rows
 
 
+def host_times(fns: dict, reps: int) -> dict[str, tuple[float, float, float]]:
+    """Each side of ``fns`` (() -> arrays) interleaved: median ms until its graph is built,
+    until ``mx.async_eval`` returns (every kernel encoded and launched) and until done."""
+    samples: dict[str, list[tuple]] = {name: [] for name in fns}
+    for r in range(reps + 2):  # two rounds of warm-up (traces, compiled kernels)
+        for name, fn in fns.items():
+            mx.synchronize()
+            t0 = time.perf_counter()
+            outs = fn()
+            t1 = time.perf_counter()
+            mx.async_eval(outs)
+            t2 = time.perf_counter()
+            mx.eval(outs)
+            t3 = time.perf_counter()
+            if r >= 2:
+                samples[name].append((t1 - t0, t2 - t0, t3 - t0))
+    return {name: tuple(statistics.median(s[i] for s in v) * 1e3 for i in range(3)) for name, v in samples.items()}
+
+
 def host(model: str, modes: list[str], layers: int, reps: int) -> list[dict]:
     """Every block weight of ``layers`` layers dequantized in one graph, per side (eager and
     compiled): median ms until built, launched (async_eval returned) and done."""
@@ -159,21 +181,7 @@ def host(model: str, modes: list[str], layers: int, reps: int) -> list[dict]:
             fns["together eager"] = lambda: together(weights)
             compiled = mx.compile(lambda *arrays: together(regroup(arrays)))
             fns["together compiled"] = lambda c=compiled: c(*flat)
-        samples: dict[str, list[tuple]] = {name: [] for name in fns}
-        for r in range(reps + 2):  # two rounds of warm-up (traces, compiled kernels)
-            for name, fn in fns.items():
-                mx.synchronize()
-                t0 = time.perf_counter()
-                outs = fn()
-                t1 = time.perf_counter()
-                mx.async_eval(outs)
-                t2 = time.perf_counter()
-                mx.eval(outs)
-                t3 = time.perf_counter()
-                if r >= 2:
-                    samples[name].append((t1 - t0, t2 - t0, t3 - t0))
-        for name, v in samples.items():
-            built, launched, done = (statistics.median(s[i] for s in v) * 1e3 for i in range(3))
+        for name, (built, launched, done) in host_times(fns, reps).items():
             row = {"mode": mode, "side": name, "calls": len(weights), "built_ms": built, "launched_ms": launched}
             row |= {"done_ms": done, "host_us_per_call": launched / len(weights) * 1e3}
             rows.append(row)
@@ -182,6 +190,76 @@ def host(model: str, modes: list[str], layers: int, reps: int) -> list[dict]:
                 f"done {done:6.2f} ms ({row['host_us_per_call']:.1f} us of host a call)",
                 flush=True,
             )
+    return rows
+
+
+# A custom kernel that does no work (one thread copies one element): what MLX's host side costs
+# per call, per input and per output, apart from what the kernel does.
+_NO_WORK = "if (blockIdx.x == 0 && threadIdx.x == 0) { out0[0] = in0[0]; }"
+
+
+def call_arrays(model: str, layers: int, reps: int) -> list[dict]:
+    """Host cost of ``mx.fast.cuda_kernel`` calls by how many arrays they take and give: one
+    compiled graph of ``layers`` calls (one a block, as dequantize_together), each with the
+    block's affine 8-bit weights as inputs (4 x w, scales, biases: 12; or the first weight's
+    3) and their bf16 copies' shapes as outputs (4, or 1), against the real one-a-block
+    dequantize. A least-squares fit splits the no-work calls' host time into a part per call,
+    per input and per output."""
+    blocks = [
+        [quantized(shape, "affine8", seed) for seed, shape in enumerate(block_shapes(model))] for _ in range(layers)
+    ]
+    mx.eval(blocks)
+    variants = [(12, 4), (6, 4), (3, 4), (3, 2), (12, 1), (3, 1), (1, 1)]  # (inputs, outputs)
+    fns = {}
+    for n_in, n_out in variants:
+        kernel = mx.fast.cuda_kernel(
+            name=f"esmc_no_work_{n_in}_{n_out}",
+            input_names=[f"in{i}" for i in range(n_in)],
+            output_names=[f"out{j}" for j in range(n_out)],
+            source=_NO_WORK,
+        )
+
+        def calls(*flat, kernel=kernel, n_in=n_in, n_out=n_out):
+            outs = []
+            for b in range(layers):
+                arrays = flat[b * 12 : b * 12 + n_in]
+                shapes = [(w.shape[0], w.shape[1] * 4) for w, _, _ in blocks[b][:n_out]]
+                outs += kernel(
+                    inputs=list(arrays),
+                    grid=(32, 1, 1),
+                    threadgroup=(32, 1, 1),
+                    output_shapes=shapes,
+                    output_dtypes=[mx.bfloat16] * n_out,
+                )
+            return outs
+
+        flat = [a for block in blocks for triple in block for a in triple]
+        compiled = mx.compile(calls)
+        fns[f"{n_in} in, {n_out} out"] = lambda c=compiled, flat=flat: c(*flat)
+
+    def together(*flat):
+        triples = [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)]
+        return [
+            y
+            for b in range(layers)
+            for y in kernels.dequantize_together(triples[4 * b : 4 * b + 4], 64, 8, "affine", mx.bfloat16)
+        ]
+
+    compiled = mx.compile(together)
+    fns["dequantize_together (12 in, 4 out)"] = lambda: compiled(*flat)
+    rows = []
+    for name, (_, launched, _) in host_times(fns, reps).items():
+        row = {"side": name, "calls": layers, "launched_ms": launched, "host_us_per_call": launched / layers * 1e3}
+        rows.append(row)
+        print(
+            f"{name:36s} {layers} calls: launched {launched:6.2f} ms ({row['host_us_per_call']:.1f} us a call)",
+            flush=True,
+        )
+    fit = [(n_in, n_out, r["host_us_per_call"]) for (n_in, n_out), r in zip(variants, rows, strict=False)]
+    a = np.array([[1.0, i, o] for i, o, _ in fit])
+    per_call, per_input, per_output = np.linalg.lstsq(a, np.array([t for _, _, t in fit]), rcond=None)[0]
+    print(f"fit: {per_call:.1f} us a call + {per_input:.2f} us an input + {per_output:.2f} us an output")
+    rows.append({"fit_us": {"call": per_call, "input": per_input, "output": per_output}})
     return rows
 
 
@@ -194,6 +272,7 @@ def main(argv=None) -> dict:
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     p.add_argument("--profile", action="store_true", help="run the calls for Nsight Compute's window")
     p.add_argument("--kernels", type=Path, help="read Nsight Compute's CSV of a --profile run")
+    p.add_argument("--call-arrays", action="store_true", help="host: no-work kernel calls by their arrays")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
@@ -207,6 +286,8 @@ def main(argv=None) -> dict:
         return result
     if a.kernels:
         result["gpu"] = kernel_table(a.kernels, a.model, modes, a.reps)
+    elif a.call_arrays:
+        result["call_arrays"] = call_arrays(a.model, a.layers or config_for(a.model).num_hidden_layers, a.reps)
     else:
         result["host"] = host(a.model, modes, a.layers or config_for(a.model).num_hidden_layers, a.reps)
     return save_json(a.json, result)

@@ -671,21 +671,20 @@ def test_kernel_sources_compile_with_nvcc_and_the_device_header_stand_in(tmp_pat
         )
         for O, mdt in (("__nv_bfloat16", mx.bfloat16), ("__half", mx.float16), ("float", mx.float32)):
             entry = kernels._body(mode, mdt)
-            body = kernels._LOOP.replace("BODY", kernels._BODIES[entry])
             template = [("O", O), ("BITS", bits), ("GROUP", 64 if affine else kernels.FP_MODES[mode][1])]
             template.append(("T", "__nv_bfloat16") if affine else ("MX", int(mode != "nvfp4")))
-            name = f"dq_{mode}{bits}_{O.strip('_')}_{entry}"
-            one = [*params[:2], "const int w_ndim", *params[2:], f"{O}* out"]  # dequantize reads w_ndim
-            units.append((kernels._HEADER, _mlx_source(name, "", body, one, template)))
-            # the same octets, four weights in one launch (dequantize_together)
-            parts = [
-                p.replace(" w", f" w{k}").replace("scales", f"scales{k}").replace("biases", f"biases{k}")
-                for k in range(4)
-                for p in params
-            ]
-            body = kernels._together_source(4, affine, entry)
-            parts += [f"{O}* out{k}" for k in range(4)]
-            units.append((kernels._HEADER, _mlx_source(name + "_together", "", body, parts, template)))
+            for n in (1, 4):  # dequantize's one weight, dequantize_together's block of four
+                one = [*params[:2], "const int w_ndim", *params[2:]]  # the kernel reads w_ndim
+                parts = [
+                    p.replace(" w", f" w{k}").replace("scales", f"scales{k}").replace("biases", f"biases{k}")
+                    for k in range(n)
+                    for p in one
+                ]
+                parts += [f"{O}* out{k}" for k in range(n)]
+                name = f"dq{n}_{mode}{bits}_{O.strip('_')}_{entry}"
+                units.append(
+                    (kernels._HEADER, _mlx_source(name, "", kernels._source(n, affine, entry), parts, template))
+                )
     for O in ("__nv_bfloat16", "__half"):
         params = ["const float* parts", f"{shape} parts_shape", f"{O}* y"]
         units.append(
@@ -945,7 +944,7 @@ kernels.DEQUANTIZE_MIN_WIDTH = 0
 w, s = mx.quantize(mx.random.normal((64, 2560), key=mx.random.key(0)).astype(mx.bfloat16), group_size=32, bits=4, mode="mxfp4")[:2]
 got = kernels.dequantize(w, s, None, 32, 4, "mxfp4", mx.bfloat16)
 ref = mx.dequantize(w, s, group_size=32, bits=4, mode="mxfp4", dtype=mx.bfloat16)
-print("STATUS", list(kernels._kernel("mxfp4", 4, 32, "fp_pairs").seen.values()))
+print("STATUS", list(kernels._kernel(1, "mxfp4", 4, 32, "fp_pairs").seen.values()))
 print("EQUAL", bool(mx.array_equal(got.view(mx.uint16), ref.view(mx.uint16))))
 """
 
@@ -964,7 +963,7 @@ def test_mlx_runs_the_seeded_kernel_on_cuda(tmp_path):
     assert "STATUS ['seeded']" in first.stdout and "EQUAL True" in first.stdout, first.stdout + first.stderr
     second = run()
     assert "STATUS ['cached']" in second.stdout and "EQUAL True" in second.stdout, second.stdout + second.stderr
-    (txt,) = tmp_path.glob("custom_kernel_esmc_dequantize_mxfp4*.txt")
+    (txt,) = tmp_path.glob("custom_kernel_esmc_dequantize1_mxfp4*.txt")
     name, _ = txt.read_text().split("\t")
     txt.write_text(f"{name}\t_Z_not_there\n")
     spoilt = run()

@@ -237,19 +237,6 @@ __device__ __forceinline__ uint32_t e8m0_bf16(uint32_t e) {
 }
 """
 
-_LOOP = """
-  size_t words = 1;  // w as MLX holds it (no reshape: each would be one more graph node to encode)
-  for (int d = 0; d < w_ndim; ++d) words *= w_shape[d];
-  const size_t n_octets = words * 4 / BITS;  // 8 values = BITS bytes
-  const size_t step = size_t(gridDim.x) * blockDim.x;
-  const uint8_t* packed = reinterpret_cast<const uint8_t*>(w);
-  for (size_t o = size_t(blockIdx.x) * blockDim.x + threadIdx.x; o < n_octets; o += step) {
-    const uint64_t q = load_octet<BITS>(packed + o * BITS);
-    const size_t g = o * 8 / GROUP;  // an octet never straddles a group (groups: 16, 32, 64, 128)
-    BODY
-  }
-"""
-
 # The octet's 8 values (v), stored with one 128-bit store (two for fp32); or, for mxfp4 into
 # bf16 ("fp_pairs"), the same values built two at a time with the fused matmul's pair
 # arithmetic, bit for bit the same. H200, whole 6B forwards (python -m benchmarks.kernels_ab):
@@ -284,16 +271,56 @@ def _body(mode: str, dtype) -> str:
     return "fp_pairs" if mode == "mxfp4" and dtype == mx.bfloat16 else "fp"
 
 
+# One weight's octets in the grid-stride loop: index i runs over every weight's octets, weight
+# k's after weight k-1's (endk: where its octets end). Each w is handed as MLX holds it (no
+# reshape: each would be one more graph node to encode), so its size comes from its shape.
+_WEIGHT_OCTETS = """\
+    if (i < end%K) {  // weight %K
+      const size_t o = i - end%J;
+      const uint8_t* packed = reinterpret_cast<const uint8_t*>(w%K);
+      const auto* scales = scales%K;
+      const auto* biases = biases%K;
+      auto* out = out%K;
+      const uint64_t q = load_octet<BITS>(packed + o * BITS);
+      const size_t g = o * 8 / GROUP;  // an octet never straddles a group (groups: 16-128)
+BODY
+      continue;
+    }
+"""
+
+
+def _source(n: int, affine: bool, body: str) -> str:
+    """The grid-stride loop over the octets of ``n`` weights, each octet through
+    ``_BODIES[body]`` (``n`` = 1: ``dequantize``; more: ``dequantize_together``). For one
+    weight nvcc 13 (sm_90a) makes the same PTX of it as of the one-weight loop it replaced
+    (twenty-fourth issue-16 session): the branch on ``end0`` is the loop's own condition."""
+    ends = ", ".join(f"end{k} = 0" for k in range(n))
+    source = f"  size_t end_ = 0, {ends};  // where each weight's octets end (end_: the first's start)\n"
+    for k in range(n):
+        source += f"  {{\n    size_t words = 1;\n    for (int d = 0; d < w{k}_ndim; ++d) words *= w{k}_shape[d];\n"
+        source += f"    end{k} = end{k - 1 if k else '_'} + words * 4 / BITS;  // 8 values = BITS bytes\n  }}\n"
+    source += "  const size_t step = size_t(gridDim.x) * blockDim.x;\n"
+    source += f"  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < end{n - 1}; i += step) {{\n"
+    for k in range(n):
+        part = _WEIGHT_OCTETS.replace("%K", str(k)).replace("%J", str(k - 1) if k else "_")
+        if not affine:
+            part = part.replace(f"      const auto* biases = biases{k};\n", "")
+        source += part.replace("BODY", _BODIES[body])
+    return source + "  }\n"
+
+
 @functools.cache
-def _kernel(mode: str, bits: int, group_size: int, body: str) -> Kernel:
-    """The kernel for one (mode, bits, group size) and ``_BODIES`` entry; dtypes are template
-    arguments."""
+def _kernel(n: int, mode: str, bits: int, group_size: int, body: str) -> Kernel:
+    """The kernel that dequantizes ``n`` weights of one (mode, bits, group size) through one
+    ``_BODIES`` entry (inputs w0, scales0[, biases0], w1, ...; outputs out0, out1, ...); dtypes
+    are template arguments."""
     affine = mode == "affine"
+    names = ["w", "scales", "biases"] if affine else ["w", "scales"]
     return Kernel(
-        name=f"esmc_dequantize_{mode}_{bits}_{group_size}" + ("_pairs" if body == "fp_pairs" else ""),
-        input_names=["w", "scales", "biases"] if affine else ["w", "scales"],
-        output_names=["out"],
-        source=_LOOP.replace("BODY", _BODIES[body]),
+        name=f"esmc_dequantize{n}_{mode}_{bits}_{group_size}" + ("_pairs" if body == "fp_pairs" else ""),
+        input_names=[f"{name}{k}" for k in range(n) for name in names],
+        output_names=[f"out{k}" for k in range(n)],
+        source=_source(n, affine, body),
         header=_HEADER,
     )
 
@@ -362,7 +389,7 @@ def dequantize(
             dtype=dtype,
             **({} if global_scale is None else {"global_scale": global_scale}),
         )
-    kernel = _kernel(mode, bits, group_size, _body(mode, dtype))
+    kernel = _kernel(1, mode, bits, group_size, _body(mode, dtype))
     return _launch(kernel, [(w, scales, biases)], group_size, bits, mode, dtype)[0]
 
 
@@ -373,9 +400,9 @@ def _scales_template(mode: str, scales_dtype: mx.Dtype) -> tuple:
 
 
 def _launch(kernel: Kernel, weights: list[tuple], group_size: int, bits: int, mode: str, dtype: mx.Dtype) -> list:
-    """One launch of a dequantize kernel (``_kernel``'s or ``_together_kernel``'s) over the
-    octets of ``weights`` (w, scales, biases), handed as MLX holds them: no reshape, each would
-    be one more graph node to encode. One output of ``dtype`` a weight."""
+    """One launch of ``kernel`` (``_kernel``'s, for ``len(weights)``) over the octets of
+    ``weights`` (w, scales, biases), handed as MLX holds them: no reshape, each would be one
+    more graph node to encode. One output of ``dtype`` a weight."""
     inputs = [a for w, s, b in weights for a in ((w, s, b) if mode == "affine" else (w, s))]
     template = [("O", dtype), ("BITS", bits), ("GROUP", group_size), _scales_template(mode, weights[0][1].dtype)]
     octets = sum(w.size * 4 // bits for w, _, _ in weights)
@@ -410,52 +437,6 @@ def _launch(kernel: Kernel, weights: list[tuple], group_size: int, bits: int, mo
 # Fewest weights of a block that go in one launch (4 + 1: never).
 TOGETHER_MIN_WEIGHTS = 2
 
-_TOGETHER_PART = """\
-    if (i < end%K) {  // weight %K
-      const size_t o = i - end%J;
-      const uint8_t* packed = reinterpret_cast<const uint8_t*>(w%K);
-      const auto* scales = scales%K;
-      const auto* biases = biases%K;
-      auto* out = out%K;
-      const uint64_t q = load_octet<BITS>(packed + o * BITS);
-      const size_t g = o * 8 / GROUP;
-BODY
-      continue;
-    }
-"""
-
-
-def _together_source(n: int, affine: bool, body: str) -> str:
-    """``_LOOP`` over ``n`` weights' octets, weight k's after weight k-1's (``endk``: where its
-    octets end), each octet through ``_BODIES[body]`` as ``dequantize`` writes it."""
-    source = "  const size_t end_ = 0;  // where the first weight's octets start\n"
-    for k in range(n):
-        words = f"size_t(w{k}_shape[0]) * w{k}_shape[1]"  # 2-D: a linear's weight
-        source += f"  const size_t end{k} = end{k - 1 if k else '_'} + {words} * 4 / BITS;\n"
-    source += "  const size_t step = size_t(gridDim.x) * blockDim.x;\n"
-    source += f"  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < end{n - 1}; i += step) {{\n"
-    for k in range(n):
-        part = _TOGETHER_PART.replace("%K", str(k)).replace("%J", str(k - 1) if k else "_")
-        if not affine:
-            part = part.replace(f"      const auto* biases = biases{k};\n", "")
-        source += part.replace("BODY", _BODIES[body])
-    return source + "  }\n"
-
-
-@functools.cache
-def _together_kernel(n: int, mode: str, bits: int, group_size: int, body: str) -> Kernel:
-    """``_kernel``'s loop over ``n`` weights (inputs w0, scales0[, biases0], w1, ...; outputs
-    out0, out1, ...)."""
-    affine = mode == "affine"
-    names = ["w", "scales", "biases"] if affine else ["w", "scales"]
-    return Kernel(
-        name=f"esmc_dequantize{n}_{mode}_{bits}_{group_size}" + ("_pairs" if body == "fp_pairs" else ""),
-        input_names=[f"{name}{k}" for k in range(n) for name in names],
-        output_names=[f"out{k}" for k in range(n)],
-        source=_together_source(n, affine, body),
-        header=_HEADER,
-    )
-
 
 def dequantize_together(
     weights: list[tuple[mx.array, mx.array, mx.array | None]],
@@ -471,9 +452,9 @@ def dequantize_together(
     on its own."""
     if len(weights) < max(TOGETHER_MIN_WEIGHTS, 1) or len({s.dtype for _, s, _ in weights}) != 1:
         return None
-    if not all(w.ndim == 2 and supported(w, s, b, group_size, bits, mode, dtype) for w, s, b in weights):
+    if not all(supported(w, s, b, group_size, bits, mode, dtype) for w, s, b in weights):
         return None
-    kernel = _together_kernel(len(weights), mode, bits, group_size, _body(mode, dtype))
+    kernel = _kernel(len(weights), mode, bits, group_size, _body(mode, dtype))
     return _launch(kernel, weights, group_size, bits, mode, dtype)
 
 
