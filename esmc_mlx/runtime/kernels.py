@@ -429,7 +429,10 @@ def _launch(kernel: Kernel, weights: list[tuple], group_size: int, bits: int, mo
 #   calls, all its kernels 7.76 against 8.83 ms (the bf16 forward's: 7.55);
 # - host time, the 300M's 120 weights (benchmarks.dequant_cost, compiled): 0.85-1.04 ms to
 #   encode and launch in 30 calls against 1.06-1.25 ms in 120 mx.dequantize calls. A call's
-#   arrays cost MLX more than the call itself, so four calls in one save little host time;
+#   arrays cost MLX more than the call itself, so four calls in one save little host time
+#   (twenty-fourth session, benchmarks.dequant_cost --call-arrays: 9-12 us a call, 0.8 an input,
+#   3.7-4.1 an output; one output sliced into the four weights costs the same, a slice being
+#   one more array too);
 # - whole forwards, together / one by one (benchmarks.min_values_ab --gate together, logits
 #   identical): 300M 16x256 0.98 / 1.00 / 1.00 and 0.98 / 0.94 / 0.98 in two runs (affine4 /
 #   affine8 / mxfp4), 600M 16x256 0.99 / 0.99 / 0.98, 6B 1x1024 1.01 / - / 1.00 and 16x256
