@@ -312,15 +312,23 @@ def test_dequantize_takes_weights_from_min_width_on_cuda(monkeypatch):
     + [("affine", 4, 32, "float32"), ("affine", 8, 128, "float16")]
     + [c for c in GPU_CASES if c[0] != "affine"],
 )
-def test_dequantize_together_bit_exact_on_cuda(mode, bits, group_size, sdt):
+def test_dequantize_together_bit_exact_on_cuda(mode, bits, group_size, sdt, monkeypatch):
     """Weights of a block's shapes (q/k/v, o, gate/up, down; one sliced off a row: scalar
-    loads) dequantized by one launch give mx.dequantize's bits, each; None where it cannot.
-    Every bit width and mode (the octet bodies are dequantize's, tested at every group size
-    and scale dtype above)."""
+    loads; one of three dimensions) dequantized by one launch give mx.dequantize's bits, each;
+    None where it cannot. Every bit width and mode (the octet bodies are dequantize's, tested
+    at every group size and scale dtype above). The same kernel for one weight (dequantize)
+    takes the three-dimensional one too."""
     shapes = [(3 * 96, 256 + group_size), (96, 256 + group_size), (2 * 160, 256 + group_size), (96, 512)]
     parts = [quantized(mode, bits, group_size, FLOATS[sdt], rows=r, cols=c) for r, c in shapes]
     w, sc, b = parts[1]
     parts[1] = (w[1:], sc[1:], None if b is None else b[1:])
+    parts.append(tuple(None if a is None else a.reshape(2, 48, -1) for a in parts[3]))  # the kernel reads the rank
+    monkeypatch.setattr(kernels, "DEQUANTIZE_MIN_WIDTH", 0)
+    w, sc, b = parts[-1]
+    one = kernels.dequantize(w, sc, b, group_size, bits, mode, mx.bfloat16)
+    ref = mx.dequantize(w, sc, b, group_size=group_size, bits=bits, mode=mode, dtype=mx.bfloat16)
+    assert one.shape == (2, 48, 512)
+    np.testing.assert_array_equal(as_bits(one), as_bits(ref))
     for odt in FLOATS.values():
         got = kernels.dequantize_together(parts, group_size, bits, mode, odt)
         assert len(got) == len(parts)
