@@ -152,6 +152,21 @@ def host_times(fns: dict, reps: int) -> dict[str, tuple[float, float, float]]:
     return {name: tuple(statistics.median(s[i] for s in v) * 1e3 for i in range(3)) for name, v in samples.items()}
 
 
+def regroup(arrays: list, biased: bool) -> list[tuple]:
+    """Flat (w, scales[, biases], w, ...) back into (w, scales, biases) triples (biases None
+    where the mode has none): what a compiled function receives as its flat inputs."""
+    step = 3 if biased else 2
+    return [(*arrays[i : i + 2], arrays[i + 2] if biased else None) for i in range(0, len(arrays), step)]
+
+
+def together(triples: list[tuple], mode: str) -> list[mx.array]:
+    """Every four consecutive weights (a block's) dequantized into bf16 by one launch
+    (kernels.dequantize_together)."""
+    name, bits, group = MODES[mode]
+    blocks = (triples[i : i + 4] for i in range(0, len(triples), 4))
+    return [y for b in blocks for y in kernels.dequantize_together(b, group, bits, name, mx.bfloat16)]
+
+
 def host(model: str, modes: list[str], layers: int, reps: int) -> list[dict]:
     """Every block weight of ``layers`` layers dequantized in one graph, per side (eager and
     compiled): median ms until built, launched (async_eval returned) and done."""
@@ -161,25 +176,14 @@ def host(model: str, modes: list[str], layers: int, reps: int) -> list[dict]:
         mx.eval(weights)
         flat = [a for triple in weights for a in triple if a is not None]
         biased = weights[0][2] is not None
-
-        def regroup(arrays):
-            step = 3 if biased else 2
-            return [(*arrays[i : i + 2], arrays[i + 2] if biased else None) for i in range(0, len(arrays), step)]
-
         fns = {}
         for side, f in dequantizers(mode).items():
             fns[f"{side} eager"] = lambda f=f: [f(*t) for t in weights]
-            compiled = mx.compile(lambda *arrays, f=f: [f(*t) for t in regroup(arrays)])
+            compiled = mx.compile(lambda *arrays, f=f: [f(*t) for t in regroup(arrays, biased)])
             fns[f"{side} compiled"] = lambda c=compiled: c(*flat)
         if kernels.on_cuda():  # a block's four weights in one launch (kernels.dequantize_together)
-
-            def together(triples, quantization=MODES[mode]):  # bound now: the loop moves on
-                name, bits, group = quantization
-                blocks = (triples[i : i + 4] for i in range(0, len(triples), 4))
-                return [y for b in blocks for y in kernels.dequantize_together(b, group, bits, name, mx.bfloat16)]
-
-            fns["together eager"] = lambda: together(weights)
-            compiled = mx.compile(lambda *arrays: together(regroup(arrays)))
+            fns["together eager"] = lambda mode=mode: together(weights, mode)
+            compiled = mx.compile(lambda *arrays, mode=mode: together(regroup(arrays, biased), mode))
             fns["together compiled"] = lambda c=compiled: c(*flat)
         for name, (built, launched, done) in host_times(fns, reps).items():
             row = {"mode": mode, "side": name, "calls": len(weights), "built_ms": built, "launched_ms": launched}
@@ -209,6 +213,7 @@ def call_arrays(model: str, layers: int, reps: int) -> list[dict]:
         [quantized(shape, "affine8", seed) for seed, shape in enumerate(block_shapes(model))] for _ in range(layers)
     ]
     mx.eval(blocks)
+    flat = [a for block in blocks for triple in block for a in triple]
     variants = [(12, 4), (6, 4), (3, 4), (3, 2), (12, 1), (3, 1), (1, 1)]  # (inputs, outputs)
     fns = {}
     for n_in, n_out in variants:
@@ -233,19 +238,9 @@ def call_arrays(model: str, layers: int, reps: int) -> list[dict]:
                 )
             return outs
 
-        flat = [a for block in blocks for triple in block for a in triple]
         compiled = mx.compile(calls)
-        fns[f"{n_in} in, {n_out} out"] = lambda c=compiled, flat=flat: c(*flat)
-
-    def together(*flat):
-        triples = [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)]
-        return [
-            y
-            for b in range(layers)
-            for y in kernels.dequantize_together(triples[4 * b : 4 * b + 4], 64, 8, "affine", mx.bfloat16)
-        ]
-
-    compiled = mx.compile(together)
+        fns[f"{n_in} in, {n_out} out"] = lambda c=compiled: c(*flat)
+    compiled = mx.compile(lambda *arrays: together(regroup(arrays, biased=True), "affine8"))
     fns["dequantize_together (12 in, 4 out)"] = lambda: compiled(*flat)
     rows = []
     for name, (_, launched, _) in host_times(fns, reps).items():
@@ -255,7 +250,9 @@ def call_arrays(model: str, layers: int, reps: int) -> list[dict]:
             f"{name:36s} {layers} calls: launched {launched:6.2f} ms ({row['host_us_per_call']:.1f} us a call)",
             flush=True,
         )
-    fit = [(n_in, n_out, r["host_us_per_call"]) for (n_in, n_out), r in zip(variants, rows, strict=False)]
+    fit = [
+        (n_in, n_out, r["host_us_per_call"]) for (n_in, n_out), r in zip(variants, rows[: len(variants)], strict=True)
+    ]
     a = np.array([[1.0, i, o] for i, o, _ in fit])
     per_call, per_input, per_output = np.linalg.lstsq(a, np.array([t for _, _, t in fit]), rcond=None)[0]
     print(f"fit: {per_call:.1f} us a call + {per_input:.2f} us an input + {per_output:.2f} us an output")
