@@ -254,7 +254,7 @@ def test_dequant_cost_reads_gpu_time_by_side_and_times_the_host(tmp_path):
     header = NCU_CSV.splitlines()[1]
     names = {
         "mlx": "void mlx::affine_dequantize<__nv_bfloat16, 64, 4>(const",
-        "ours": "mlx::custom_kernel_esmc_dequantize_affine_4_64",
+        "ours": "mlx::custom_kernel_esmc_dequantize1_affine_4_64",
     }
     names["fill"] = "void mlx::copy_s<__nv_bfloat16, __nv_bfloat16, unsigned int>"
     labels = dequant_cost.labels("tiny", ["affine4"])
