@@ -98,8 +98,8 @@ FUSED_TOKENS = {
 # Weights whose smaller dimension is under this take the "cuda-small" tables. A block weight's
 # smaller dimension is its model's hidden size (q/k/v, o, gate/up and down alike): 960 for the
 # 300M and 1152 for the 600M (the 300M's tables), 2560 for the 6B (the 6B's). The split was
-# kernels.MIN_VALUES (8M values, where this project's dequantize takes over) until the 300M's
-# affine8 window reached 1024 tokens: the 6B's o_proj (2560x2560, 6.6M values) then ran the
+# kernels.MIN_VALUES (8M values, then also where this project's dequantize took over) until
+# the 300M's affine8 window reached 1024 tokens: the 6B's o_proj (2560x2560, 6.6M values) then ran the
 # fused kernel's "2d" tile at 1x1024 and the affine8 forward took 1.40-1.43x bf16 against
 # 1.25-1.26x. 6B forwards with the o_proj on the 6B's tables against the 300M's (one run, H200,
 # twentieth issue-16 session; docs/benchmarks.md): affine8 0.90 at 1x1024, affine4 0.97, mxfp4
