@@ -498,6 +498,27 @@ QMM_BITS = (4, 8)  # whole octets of 4 / 8 bytes: 16-byte aligned rows of a step
 QMM_SMS = 132  # the H200's multiprocessors
 
 _QMM_HEADER = """
+// A thread's two octets of a step in two weight rows ``row_b`` bytes apart (rows a and b of its
+// A fragments), from shared memory: one 8-byte (4 bits) or 16-byte (8 bits) load a row, as
+// words; step_octet puts octet o of a row together.
+template <int BITS>
+__device__ __forceinline__ void load_step_octets(
+    const uint8_t* wt, int row_b, uint32_t (&qa)[2 * BITS / 4], uint32_t (&qb)[2 * BITS / 4]) {
+  if constexpr (BITS == 4) {
+    const uint2 ua = *reinterpret_cast<const uint2*>(wt), ub = *reinterpret_cast<const uint2*>(wt + row_b);
+    qa[0] = ua.x; qa[1] = ua.y; qb[0] = ub.x; qb[1] = ub.y;
+  } else {
+    const uint4 ua = *reinterpret_cast<const uint4*>(wt), ub = *reinterpret_cast<const uint4*>(wt + row_b);
+    qa[0] = ua.x; qa[1] = ua.y; qa[2] = ua.z; qa[3] = ua.w;
+    qb[0] = ub.x; qb[1] = ub.y; qb[2] = ub.z; qb[3] = ub.w;
+  }
+}
+
+template <int BITS>
+__device__ __forceinline__ uint64_t step_octet(const uint32_t (&q)[2 * BITS / 4], int o) {
+  return BITS == 4 ? uint64_t(q[o]) : (uint64_t(q[2 * o]) | (uint64_t(q[2 * o + 1]) << 32));
+}
+
 // 16 (or, src_bytes = 0, zero) bytes from global memory to the shared-memory address dst,
 // asynchronously; and 4 bytes.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
@@ -721,19 +742,11 @@ _QMM_SOURCE = (
     // Dequantize the thread's 2 rows x 16 values into A-fragment pairs: pa[p] = values 2p, 2p+1.
     const uint8_t* wt = ws + stage * WSTAGE + wr * WB + t * 2 * BITS;
     uint32_t qa[2 * BITS / 4], qb[2 * BITS / 4];  // the two octets of each row
-    if constexpr (BITS == 4) {
-      const uint2 ua = *reinterpret_cast<const uint2*>(wt), ub = *reinterpret_cast<const uint2*>(wt + 8 * WB);
-      qa[0] = ua.x; qa[1] = ua.y; qb[0] = ub.x; qb[1] = ub.y;
-    } else {
-      const uint4 ua = *reinterpret_cast<const uint4*>(wt), ub = *reinterpret_cast<const uint4*>(wt + 8 * WB);
-      qa[0] = ua.x; qa[1] = ua.y; qa[2] = ua.z; qa[3] = ua.w;
-      qb[0] = ub.x; qb[1] = ub.y; qb[2] = ub.z; qb[3] = ub.w;
-    }
+    load_step_octets<BITS>(wt, 8 * WB, qa, qb);
     uint32_t pa[8], pb[8];
 #pragma unroll
     for (int o = 0; o < 2; ++o) {
-      const uint64_t oa = BITS == 4 ? uint64_t(qa[o]) : (uint64_t(qa[2 * o]) | (uint64_t(qa[2 * o + 1]) << 32));
-      const uint64_t ob = BITS == 4 ? uint64_t(qb[o]) : (uint64_t(qb[2 * o]) | (uint64_t(qb[2 * o + 1]) << 32));
+      const uint64_t oa = step_octet<BITS>(qa, o), ob = step_octet<BITS>(qb, o);
       DEQUANT
     }
 
@@ -893,21 +906,13 @@ _QMM2_SOURCE = (
     for (int i = 0; i < MI; ++i) {
       const uint8_t* wt = ws + stage * WSTAGE + (wr0 + 16 * i) * WB + t * 2 * BITS;
       uint32_t qa[2 * BITS / 4], qb[2 * BITS / 4];  // the two octets of each row
-      if constexpr (BITS == 4) {
-        const uint2 ua = *reinterpret_cast<const uint2*>(wt), ub = *reinterpret_cast<const uint2*>(wt + 8 * WB);
-        qa[0] = ua.x; qa[1] = ua.y; qb[0] = ub.x; qb[1] = ub.y;
-      } else {
-        const uint4 ua = *reinterpret_cast<const uint4*>(wt), ub = *reinterpret_cast<const uint4*>(wt + 8 * WB);
-        qa[0] = ua.x; qa[1] = ua.y; qa[2] = ua.z; qa[3] = ua.w;
-        qb[0] = ub.x; qb[1] = ub.y; qb[2] = ub.z; qb[3] = ub.w;
-      }
+      load_step_octets<BITS>(wt, 8 * WB, qa, qb);
       const Sc& cur = cur_[i];
       uint32_t* pa = pas[i];
       uint32_t* pb = pbs[i];
 #pragma unroll
       for (int o = 0; o < 2; ++o) {
-        const uint64_t oa = BITS == 4 ? uint64_t(qa[o]) : (uint64_t(qa[2 * o]) | (uint64_t(qa[2 * o + 1]) << 32));
-        const uint64_t ob = BITS == 4 ? uint64_t(qb[o]) : (uint64_t(qb[2 * o]) | (uint64_t(qb[2 * o + 1]) << 32));
+        const uint64_t oa = step_octet<BITS>(qa, o), ob = step_octet<BITS>(qb, o);
         DEQUANT
       }
     }
