@@ -10,7 +10,8 @@ the two quantized sides must be identical (checked). ``--gate small-width``:
 tables (the 300M's); at 0 every weight takes the "cuda" ones (the 6B's). The paths differ then,
 so the logits may too. ``--gate together``: ``kernels.TOGETHER_MIN_WEIGHTS``, the fewest of a
 block's dequantizes that go in one launch (``--value 5``: never, each weight on its own; the
-logits must be identical).
+logits must be identical). Each row also gives the two quantized sides' logits' relative L2
+distance (0 where identical; the small-width gate's paths differ by a bf16 matmul's rounding).
 
     python -m benchmarks.min_values_ab --model 300M --json $OUT/300m.json     # GPU
     python -m benchmarks.min_values_ab --model 600M --gate dequantize --value 4096 --shapes 16x256
@@ -30,7 +31,7 @@ import numpy as np
 from benchmarks import save_json, with_attribute
 from benchmarks.crossover_forward import RECORDS
 from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments, random_bf16
-from esmc_mlx.bench import forward_fns, machine, mlx_model, parse_shapes, time_interleaved
+from esmc_mlx.bench import forward_fns, machine, mlx_model, parse_shapes, rel_l2, time_interleaved
 from esmc_mlx.runtime import kernels, quantized
 
 GATES = {  # --gate
@@ -68,7 +69,9 @@ def main(argv=None) -> dict:
             t = time_interleaved(fns, warmup=3, budget_s=a.budget)
             ids = mx.array(np.random.default_rng(1).integers(4, 24, size=(batch, length)))
             other_logits = other(lambda model=quant["other"], ids=ids: model(ids).logits)()
-            same = mx.array_equal(other_logits, quant["shipped"](ids).logits)
+            shipped_logits = quant["shipped"](ids).logits
+            same = mx.array_equal(other_logits, shipped_logits)
+            f32 = [np.array(y.astype(mx.float32)) for y in (other_logits, shipped_logits)]
             row = {"mode": mode, "batch": batch, "length": length, **{f"{k}_ms": v["median_ms"] for k, v in t.items()}}
             row |= {
                 "shipped_over_bf16": row["shipped_ms"] / row["bf16_ms"],
@@ -76,12 +79,13 @@ def main(argv=None) -> dict:
                 "shipped_over_other": row["shipped_ms"] / row["other_ms"],
             }
             row["logits_identical"] = bool(same.item())
+            row["logits_rel_l2"] = rel_l2(*f32)
             result["rows"].append(row)
             print(
                 f"{a.model} {mode} {batch}x{length}: bf16 {row['bf16_ms']:.2f} ms, {name} = {shipped} "
                 f"{row['shipped_ms']:.2f} ({row['shipped_over_bf16']:.3f}), = {value} {row['other_ms']:.2f} "
                 f"({row['other_over_bf16']:.3f}); {row['shipped_over_other']:.3f}, "
-                f"logits identical: {row['logits_identical']}",
+                f"logits identical: {row['logits_identical']} (rel. L2 {row['logits_rel_l2']:.1e})",
                 flush=True,
             )
         del quant
