@@ -67,8 +67,8 @@ from .kernel_cache import Kernel
 # Blocks of the grid-stride loop: four waves of the H200's 132 SMs x 8 resident blocks of 256.
 # Fewer, to leave SMs to GEMMs the dequantize might run beside, is slower: the 6B at 1x1024
 # took 1.04-1.05x this grid's time with 132 blocks and 1.40-1.41x with 33 (mxfp4, affine8;
-# benchmarks.min_values_ab --gate max-blocks, twenty-fifth issue-16 session): a block's
-# dequantize does not overlap the GEMMs before it in MLX's CUDA graph, it adds its own time.
+# benchmarks.min_values_ab --gate max-blocks, twenty-fifth issue-16 session): whatever overlap
+# MLX's CUDA graph allows (a dequantize depends on no earlier node) does not hide its time.
 MAX_BLOCKS = 132 * 8 * 4
 # Below this many values of add_layer_norm's input MLX's own ops are as fast or faster (a
 # custom kernel call carries 15-20 us of launch and dispatch): whole forwards with
