@@ -13,13 +13,13 @@ block's dequantizes that go in one launch (``--value 5``: never, each weight on 
 logits must be identical). Each row also gives the two quantized sides' logits' relative L2
 distance (0 where identical; the small-width gate's paths differ by a bf16 matmul's rounding).
 ``--gate max-blocks``: ``kernels.MAX_BLOCKS``, the grid of this project's dequantize (a
-grid-stride loop): fewer blocks leave SMs to the GEMMs it may run beside (logits identical).
+grid-stride loop; fewer blocks would leave SMs to GEMMs it could run beside; logits identical).
 
     python -m benchmarks.min_values_ab --model 300M --json $OUT/300m.json     # GPU
     python -m benchmarks.min_values_ab --model 600M --gate dequantize --value 4096 --shapes 16x256
     python -m benchmarks.min_values_ab --model 300M --gate small-width --shapes 1x256,1x1024,16x256
     python -m benchmarks.min_values_ab --model 300M --gate together --value 5 --shapes 16x256,1x2048
-    python -m benchmarks.min_values_ab --model 6B --gate max-blocks --value 66 --shapes 1x1024
+    python -m benchmarks.min_values_ab --model 6B --gate max-blocks --value 132 --shapes 1x1024
     python -m benchmarks.min_values_ab --model tiny --shapes 1x64 --modes affine4 --device cpu
 """
 
