@@ -40,6 +40,7 @@ from benchmarks import save_json, with_attribute
 from benchmarks.host_overhead import UNITS
 from esmc_mlx.bench import config_for, machine
 from esmc_mlx.runtime import kernels
+from esmc_mlx.runtime import quantized as quantized_path
 
 MODES = {"affine4": ("affine", 4, 64), "mxfp4": ("mxfp4", 4, 32), "affine8": ("affine", 8, 64)}
 GPU_SIDES = ("mlx", "ours", "fill")
@@ -161,10 +162,10 @@ def regroup(arrays: list, biased: bool) -> list[tuple]:
 
 def together(triples: list[tuple], mode: str) -> list[mx.array]:
     """Every four consecutive weights (a block's) dequantized into bf16 by one launch
-    (kernels.dequantize_together)."""
+    (kernels.dequantize_together: one output a block)."""
     name, bits, group = MODES[mode]
     blocks = (triples[i : i + 4] for i in range(0, len(triples), 4))
-    return [y for b in blocks for y in kernels.dequantize_together(b, group, bits, name, mx.bfloat16)]
+    return [kernels.dequantize_together(b, group, bits, name, mx.bfloat16) for b in blocks]
 
 
 def host(model: str, modes: list[str], layers: int, reps: int) -> list[dict]:
@@ -207,8 +208,9 @@ def call_arrays(model: str, layers: int, reps: int) -> list[dict]:
     compiled graph of ``layers`` calls (one a block, as dequantize_together), each with the
     block's affine 8-bit weights as inputs (4 x w, scales, biases: 12; or the first weight's
     3) and their bf16 copies' shapes as outputs (4, or 1), against the real one-a-block
-    dequantize. A least-squares fit splits the no-work calls' host time into a part per call,
-    per input and per output."""
+    dequantize (one output), alone and with the block's four matmuls by views of it. A
+    least-squares fit splits the no-work calls' host time into a part per call, per input and
+    per output."""
     blocks = [
         [quantized(shape, "affine8", seed) for seed, shape in enumerate(block_shapes(model))] for _ in range(layers)
     ]
@@ -241,7 +243,21 @@ def call_arrays(model: str, layers: int, reps: int) -> list[dict]:
         compiled = mx.compile(calls)
         fns[f"{n_in} in, {n_out} out"] = lambda c=compiled: c(*flat)
     compiled = mx.compile(lambda *arrays: together(regroup(arrays, biased=True), "affine8"))
-    fns["dequantize_together (12 in, 4 out)"] = lambda: compiled(*flat)
+    fns["dequantize_together (12 in, 1 out)"] = lambda: compiled(*flat)
+    c = config_for(model)
+    xs = [mx.zeros((16, n), mx.bfloat16) for n in (c.hidden_size,) * 3 + (c.intermediate_size,)]
+
+    def block_matmuls(*arrays):
+        """Each block's dequantize, then its four matmuls by w.T views, as Layer.step has them."""
+        triples, ys = regroup(arrays, biased=True), []
+        for b in range(0, len(triples), 4):
+            values = kernels.dequantize_together(triples[b : b + 4], 64, 8, "affine", mx.bfloat16)
+            shapes = [(w.shape[0], w.shape[1] * 4) for w, _, _ in triples[b : b + 4]]
+            ys += [x @ wt for x, wt in zip(xs, quantized_path.transposed_views(values, shapes), strict=True)]
+        return ys
+
+    compiled_block = mx.compile(block_matmuls)
+    fns["dequantize_together, 4 w.T views, 4 matmuls"] = lambda: compiled_block(*flat)
     rows = []
     for name, (_, launched, _) in host_times(fns, reps).items():
         row = {"side": name, "calls": layers, "launched_ms": launched, "host_us_per_call": launched / layers * 1e3}

@@ -330,11 +330,12 @@ def test_dequantize_together_bit_exact_on_cuda(mode, bits, group_size, sdt):
     np.testing.assert_array_equal(as_bits(one), as_bits(ref))
     for odt in FLOATS.values():
         got = kernels.dequantize_together(parts, group_size, bits, mode, odt)
-        assert len(got) == len(parts)
-        for (w, sc, b), y in zip(parts, got, strict=True):
-            ref = mx.dequantize(w, sc, b, group_size=group_size, bits=bits, mode=mode, dtype=odt)
-            assert y.dtype == ref.dtype and y.shape == ref.shape
-            np.testing.assert_array_equal(as_bits(y), as_bits(ref), err_msg=f"{mode} {bits} {group_size} -> {odt}")
+        refs = [mx.dequantize(w, sc, b, group_size=group_size, bits=bits, mode=mode, dtype=odt) for w, sc, b in parts]
+        assert got.dtype == odt and got.shape == (sum(r.size for r in refs),)
+        ref = mx.concatenate([r.reshape(-1) for r in refs])
+        np.testing.assert_array_equal(as_bits(got), as_bits(ref), err_msg=f"{mode} {bits} {group_size} -> {odt}")
+        views = rq.transposed_views(got, [r.shape for r in refs])  # what the layers multiply by
+        assert all(mx.array_equal(v, r.T).item() for v, r in zip(views, refs, strict=True))
     assert kernels.dequantize_together(parts[:1], group_size, bits, mode, mx.bfloat16) is None  # one weight
     if mode == "affine":
         w, sc, b = parts[0]
@@ -687,11 +688,10 @@ def test_kernel_sources_compile_with_nvcc_and_the_device_header_stand_in(tmp_pat
                     for k in range(n)
                     for p in one
                 ]
-                parts += [f"{O}* out{k}" for k in range(n)]
+                parts.append(f"{O}* values")
                 name = f"dq{n}_{mode}{bits}_{O.strip('_')}_{entry}"
-                units.append(
-                    (kernels._HEADER, _mlx_source(name, "", kernels._source(n, affine, entry), parts, template))
-                )
+                source = kernels._source(n, affine, entry)
+                units.append((kernels._HEADER, _mlx_source(name, "", source, parts, template)))
     for O in ("__nv_bfloat16", "__half"):
         params = ["const float* parts", f"{shape} parts_shape", f"{O}* y"]
         units.append(

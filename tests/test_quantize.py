@@ -371,7 +371,7 @@ def test_a_blocks_dequantizes_go_in_one_call(spec, quantized, monkeypatch):
     def stand_in(parts, group_size, bits, mode, dtype, scale=1.0):
         calls.append((bits, len(parts)))
         ws = [mx.dequantize(w, s, b, group_size=group_size, bits=bits, mode=mode, dtype=dtype) for w, s, b in parts]
-        return [w * scale for w in ws]
+        return mx.concatenate([w.reshape(-1) for w in ws]) * scale
 
     monkeypatch.setattr(rq.kernels, "dequantize_together", stand_in)
     logits(model)
@@ -384,7 +384,7 @@ def test_a_blocks_dequantizes_go_in_one_call(spec, quantized, monkeypatch):
         expected_calls.update(widths.items())
     assert Counter(calls) == expected_calls and len({b for b, _ in calls}) == (1 if spec == "4" else 2)
     linears = [m for _, m in model.named_modules() if isinstance(m, rq.QuantizedLinear)]
-    assert all(m.given_weight is None for m in linears)  # only while the block runs
+    assert all(m.given_transposed is None for m in linears)  # only while the block runs
     monkeypatch.setattr(rq.kernels, "dequantize_together", lambda *a: stand_in(*a, scale=0.0))
     assert not np.array_equal(logits(model), expected)  # the given weights are what they multiply
     monkeypatch.setenv(rq.POLICY_ENV, "quantized")

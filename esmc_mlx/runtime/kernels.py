@@ -276,15 +276,16 @@ def _body(mode: str, dtype) -> str:
 
 
 # One weight's octets in the grid-stride loop: index i runs over every weight's octets, weight
-# k's after weight k-1's (endk: where its octets end). Each w is handed as MLX holds it (no
-# reshape: each would be one more graph node to encode), so its size comes from its shape.
+# k's after weight k-1's (endk: where its octets end), and its values go to the one output at
+# 8 * i. Each w is handed as MLX holds it (no reshape: each would be one more graph node to
+# encode), so its size comes from its shape.
 _WEIGHT_OCTETS = """\
     if (i < end%K) {  // weight %K
       const size_t o = i - end%J;
       const uint8_t* packed = reinterpret_cast<const uint8_t*>(w%K);
       const auto* scales = scales%K;
       const auto* biases = biases%K;
-      auto* out = out%K;
+      auto* out = values + end%J * 8;  // the output holds every weight's values, in order
       const uint64_t q = load_octet<BITS>(packed + o * BITS);
       const size_t g = o * 8 / GROUP;  // an octet never straddles a group (groups: 16-128)
 BODY
@@ -316,14 +317,14 @@ def _source(n: int, affine: bool, body: str) -> str:
 @functools.cache
 def _kernel(n: int, mode: str, bits: int, group_size: int, body: str) -> Kernel:
     """The kernel that dequantizes ``n`` weights of one (mode, bits, group size) through one
-    ``_BODIES`` entry (inputs w0, scales0[, biases0], w1, ...; outputs out0, out1, ...); dtypes
-    are template arguments."""
+    ``_BODIES`` entry (inputs w0, scales0[, biases0], w1, ...; one output, values: each
+    weight's values after the last one's); dtypes are template arguments."""
     affine = mode == "affine"
     names = ["w", "scales", "biases"] if affine else ["w", "scales"]
     return Kernel(
         name=f"esmc_dequantize{n}_{mode}_{bits}_{group_size}" + ("_pairs" if body == "fp_pairs" else ""),
         input_names=[f"{name}{k}" for k in range(n) for name in names],
-        output_names=[f"out{k}" for k in range(n)],
+        output_names=["values"],
         source=_source(n, affine, body),
         header=_HEADER,
     )
@@ -333,6 +334,11 @@ def weight_width(w: mx.array, bits: int) -> int:
     """A packed weight's smaller dimension, its rows or its unpacked columns: for a block
     weight, its model's hidden size (what DEQUANTIZE_MIN_WIDTH and quantized.SMALL_WIDTH gate)."""
     return min(w.shape[-2], w.shape[-1] * 32 // bits)
+
+
+def dequantized_shape(w: mx.array, bits: int) -> tuple:
+    """The shape of packed weight ``w`` unpacked: its last dimension times 32 / ``bits``."""
+    return (*w.shape[:-1], w.shape[-1] * 32 // bits)
 
 
 def on_cuda() -> bool:
@@ -394,7 +400,7 @@ def dequantize(
             **({} if global_scale is None else {"global_scale": global_scale}),
         )
     kernel = _kernel(1, mode, bits, group_size, _body(mode, dtype))
-    return _launch(kernel, [(w, scales, biases)], group_size, bits, mode, dtype)[0]
+    return _launch(kernel, [(w, scales, biases)], group_size, bits, mode, dtype, dequantized_shape(w, bits))
 
 
 def _scales_template(mode: str, scales_dtype: mx.Dtype) -> tuple:
@@ -403,10 +409,13 @@ def _scales_template(mode: str, scales_dtype: mx.Dtype) -> tuple:
     return ("T", scales_dtype) if mode == "affine" else ("MX", int(mode != "nvfp4"))
 
 
-def _launch(kernel: Kernel, weights: list[tuple], group_size: int, bits: int, mode: str, dtype: mx.Dtype) -> list:
+def _launch(
+    kernel: Kernel, weights: list[tuple], group_size: int, bits: int, mode: str, dtype: mx.Dtype, shape: tuple
+) -> mx.array:
     """One launch of ``kernel`` (``_kernel``'s, for ``len(weights)``) over the octets of
     ``weights`` (w, scales, biases), handed as MLX holds them: no reshape, each would be one
-    more graph node to encode. One output of ``dtype`` a weight."""
+    more graph node to encode. Its one output, of ``dtype`` and ``shape``, holds every weight's
+    values, one weight after another."""
     inputs = [a for w, s, b in weights for a in ((w, s, b) if mode == "affine" else (w, s))]
     template = [("O", dtype), ("BITS", bits), ("GROUP", group_size), _scales_template(mode, weights[0][1].dtype)]
     octets = sum(w.size * 4 // bits for w, _, _ in weights)
@@ -416,9 +425,9 @@ def _launch(kernel: Kernel, weights: list[tuple], group_size: int, bits: int, mo
         template=template,
         grid=(threads, 1, 1),
         threadgroup=(THREADS_PER_BLOCK, 1, 1),
-        output_shapes=[(*w.shape[:-1], w.shape[-1] * 32 // bits) for w, _, _ in weights],
-        output_dtypes=[dtype] * len(weights),
-    )
+        output_shapes=[shape],
+        output_dtypes=[dtype],
+    )[0]
 
 
 # ---- several weights in one launch ----------------------------------------------------------
@@ -441,6 +450,13 @@ def _launch(kernel: Kernel, weights: list[tuple], group_size: int, bits: int, mo
 #   identical): 300M 16x256 0.98 / 1.00 / 1.00 and 0.98 / 0.94 / 0.98 in two runs (affine4 /
 #   affine8 / mxfp4), 600M 16x256 0.99 / 0.99 / 0.98, 6B 1x1024 1.01 / - / 1.00 and 16x256
 #   - / 1.00 / - (GPU-bound; its weights took this project's kernel one by one before).
+# - one output a block, not one a weight (twenty-sixth session): each layer multiplies by a
+#   strided view of it (quantized.transposed_views: one node a weight where an output and a
+#   transpose were two). Host time of a block's dequantize and four matmuls, 30 blocks
+#   compiled (benchmarks.dequant_cost --call-arrays, two processes): 126.3 / 140.4 us against
+#   136.8 / 153.2. Whole forwards, one output / four (min_values_ab on the branch
+#   experiment/dequant-views, both ways round, seven processes; logits identical): 300M affine8
+#   1x1024 0.93-0.99, 16x256 0.94-1.01 (every mode); 600M 0.97-1.00; 6B 1.00-1.02 (GPU-bound).
 # Fewest weights of a block that go in one launch (4 + 1: never).
 TOGETHER_MIN_WEIGHTS = 2
 
@@ -451,18 +467,21 @@ def dequantize_together(
     bits: int,
     mode: str,
     dtype: mx.Dtype,
-) -> list[mx.array] | None:
+) -> mx.array | None:
     """The (w, scales, biases) of ``weights``, all quantized alike, dequantized into ``dtype``
-    by one kernel launch: each output bit for bit ``mx.dequantize``'s (``dequantize``'s octet
-    bodies). None where it does not run (not a CUDA GPU, fewer than TOGETHER_MIN_WEIGHTS, a
-    weight ``supported`` refuses, the scales' dtypes differ): then each weight is dequantized
-    on its own."""
+    by one kernel launch into one flat output, each weight's values after the last one's: each
+    bit for bit ``mx.dequantize``'s, flattened (``dequantize``'s octet bodies). One output, not
+    one a weight: each costs MLX's host as much as a graph node does, and the layers take views
+    of it (``quantized.transposed_views``). None where it does not run (not a CUDA GPU, fewer
+    than TOGETHER_MIN_WEIGHTS, a weight ``supported`` refuses, the scales' dtypes differ): then
+    each weight is dequantized on its own."""
     if len(weights) < max(TOGETHER_MIN_WEIGHTS, 1) or len({s.dtype for _, s, _ in weights}) != 1:
         return None
     if not all(supported(w, s, b, group_size, bits, mode, dtype) for w, s, b in weights):
         return None
     kernel = _kernel(len(weights), mode, bits, group_size, _body(mode, dtype))
-    return _launch(kernel, weights, group_size, bits, mode, dtype)
+    values = sum(w.size * 32 // bits for w, _, _ in weights)
+    return _launch(kernel, weights, group_size, bits, mode, dtype, (values,))
 
 
 # ---- quantized matmul, Marlin-style: packed weight dequantized into tensor-core fragments ----

@@ -178,32 +178,48 @@ def token_count(x: mx.array) -> int:
 class QuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` (same parameters, same files) that picks the faster matmul."""
 
-    # The weight dequantized with its block's others while ``dequantized_together`` runs (set
-    # with object.__setattr__: an array set as a module attribute would become a parameter).
-    given_weight: mx.array | None = None
+    # The weight, transposed (``w.T``), dequantized with its block's others while
+    # ``dequantized_together`` runs (set with object.__setattr__: an array set as a module
+    # attribute would become a parameter).
+    given_transposed: mx.array | None = None
+
+    def policy(self, tokens: int) -> tuple[bool, bool]:
+        """(fused, dequantize) for ``tokens`` rows through this layer: whether they lie in the
+        fused kernel's window, and whether the tables send them by dequantize + matmul (the
+        path outside the window, and inside it for a call the fused kernel cannot take)."""
+        width = kernels.weight_width(self["weight"], self.bits)
+        return fused_first(tokens, self.mode, self.bits, width), dequantize_first(tokens, self.mode, self.bits, width)
 
     def takes_dequantize(self, tokens: int) -> bool:
-        """True when ``tokens`` rows through this layer go by dequantize + matmul: the tables
-        say so and the count is outside the fused window. (Inside it, a call the fused kernel
-        cannot take falls back to the tables in ``__call__`` and dequantizes its own weight.)"""
-        width = kernels.weight_width(self["weight"], self.bits)
-        return not fused_first(tokens, self.mode, self.bits, width) and dequantize_first(
-            tokens, self.mode, self.bits, width
-        )
+        """True when ``tokens`` rows through this layer go by dequantize + matmul, outside the
+        fused window. (Inside it, a call the fused kernel cannot take falls back in
+        ``__call__`` and dequantizes its own weight.)"""
+        fused, dequantize = self.policy(tokens)
+        return dequantize and not fused
 
     def __call__(self, x: mx.array) -> mx.array:
-        tokens = token_count(x)
-        width = kernels.weight_width(self["weight"], self.bits)
+        fused, dequantize = self.policy(token_count(x))
         packed = (self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode)
-        if fused_first(tokens, self.mode, self.bits, width) and kernels.quantized_matmul_supported(x, *packed):
+        if fused and kernels.quantized_matmul_supported(x, *packed):
             y = kernels.quantized_matmul(x, *packed)
             return y + self["bias"] if "bias" in self else y
-        if not dequantize_first(tokens, self.mode, self.bits, width):
+        if not dequantize:
             return super().__call__(x)
-        w = self.given_weight
-        if w is None or w.dtype != x.dtype:
-            w = dequantized_weight(self, x.dtype)
-        return mx.addmm(self["bias"], x, w.T) if "bias" in self else x @ w.T
+        wt = self.given_transposed
+        if wt is None or wt.dtype != x.dtype:
+            wt = dequantized_weight(self, x.dtype).T
+        return mx.addmm(self["bias"], x, wt) if "bias" in self else x @ wt
+
+
+def transposed_views(values: mx.array, shapes: list[tuple]) -> list[mx.array]:
+    """``w.T`` of each weight of ``shapes`` whose values lie in ``values`` (1-D) one weight after
+    another, row-major: strided views, no copy (one graph node each)."""
+    views, offset = [], 0
+    for shape in shapes:
+        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+        views.append(mx.as_strided(values, shape[::-1], strides[::-1], offset))
+        offset += math.prod(shape)
+    return views
 
 
 @contextlib.contextmanager
@@ -212,8 +228,9 @@ def dequantized_together(module: nn.Module, x: mx.array):
     of ``x`` (``takes_dequantize``) use weights, in x's dtype, dequantized by one launch
     (``kernels.dequantize_together``) instead of one each: a block's four in one call, bit for
     bit the same values (the 300M's forward at 16x256 spends 0.32 ms of GPU time in them
-    instead of 1.39; the kernel's section has the measurements). Those quantized alike go
-    together; where the kernel does not run, each layer dequantizes its own as before."""
+    instead of 1.39; the kernel's section has the measurements), each layer's ``w.T`` a view
+    of the call's one output. Those quantized alike go together; where the kernel does not
+    run, each layer dequantizes its own as before."""
     if backend() != "cuda":  # the kernel runs on CUDA only; spare the uncompiled forwards the walk
         yield
         return
@@ -225,17 +242,18 @@ def dequantized_together(module: nn.Module, x: mx.array):
     given = []
     for (mode, bits, group_size, _), group in groups.items():
         packed = [(m["weight"], m["scales"], m.get("biases")) for m in group]
-        weights = kernels.dequantize_together(packed, group_size, bits, mode, x.dtype)
-        if weights is None:
+        values = kernels.dequantize_together(packed, group_size, bits, mode, x.dtype)
+        if values is None:
             continue
-        for m, w in zip(group, weights, strict=True):
-            object.__setattr__(m, "given_weight", w)
+        shapes = [kernels.dequantized_shape(w, bits) for w, _, _ in packed]
+        for m, wt in zip(group, transposed_views(values, shapes), strict=True):
+            object.__setattr__(m, "given_transposed", wt)
             given.append(m)
     try:
         yield
     finally:
         for m in given:
-            object.__setattr__(m, "given_weight", None)
+            object.__setattr__(m, "given_transposed", None)
 
 
 def quantize_modules(model: nn.Module, record: dict, is_quantized) -> None:
