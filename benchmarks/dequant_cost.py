@@ -252,7 +252,7 @@ def call_arrays(model: str, layers: int, reps: int) -> list[dict]:
         triples, ys = regroup(arrays, biased=True), []
         for b in range(0, len(triples), 4):
             values = kernels.dequantize_together(triples[b : b + 4], 64, 8, "affine", mx.bfloat16)
-            shapes = [(w.shape[0], w.shape[1] * 4) for w, _, _ in triples[b : b + 4]]
+            shapes = [kernels.dequantized_shape(w, 8) for w, _, _ in triples[b : b + 4]]
             ys += [x @ wt for x, wt in zip(xs, quantized_path.transposed_views(values, shapes), strict=True)]
         return ys
 

@@ -410,12 +410,12 @@ def _scales_template(mode: str, scales_dtype: mx.Dtype) -> tuple:
 
 
 def _launch(
-    kernel: Kernel, weights: list[tuple], group_size: int, bits: int, mode: str, dtype: mx.Dtype, shape: tuple
+    kernel: Kernel, weights: list[tuple], group_size: int, bits: int, mode: str, dtype: mx.Dtype, shape=None
 ) -> mx.array:
     """One launch of ``kernel`` (``_kernel``'s, for ``len(weights)``) over the octets of
     ``weights`` (w, scales, biases), handed as MLX holds them: no reshape, each would be one
-    more graph node to encode. Its one output, of ``dtype`` and ``shape``, holds every weight's
-    values, one weight after another."""
+    more graph node to encode. Its one output, of ``dtype`` and ``shape`` (default flat), holds
+    every weight's values, one weight after another."""
     inputs = [a for w, s, b in weights for a in ((w, s, b) if mode == "affine" else (w, s))]
     template = [("O", dtype), ("BITS", bits), ("GROUP", group_size), _scales_template(mode, weights[0][1].dtype)]
     octets = sum(w.size * 4 // bits for w, _, _ in weights)
@@ -425,7 +425,7 @@ def _launch(
         template=template,
         grid=(threads, 1, 1),
         threadgroup=(THREADS_PER_BLOCK, 1, 1),
-        output_shapes=[shape],
+        output_shapes=[shape or (octets * 8,)],
         output_dtypes=[dtype],
     )[0]
 
@@ -480,8 +480,7 @@ def dequantize_together(
     if not all(supported(w, s, b, group_size, bits, mode, dtype) for w, s, b in weights):
         return None
     kernel = _kernel(len(weights), mode, bits, group_size, _body(mode, dtype))
-    values = sum(w.size * 32 // bits for w, _, _ in weights)
-    return _launch(kernel, weights, group_size, bits, mode, dtype, (values,))
+    return _launch(kernel, weights, group_size, bits, mode, dtype)
 
 
 # ---- quantized matmul, Marlin-style: packed weight dequantized into tensor-core fragments ----

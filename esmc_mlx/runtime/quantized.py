@@ -289,7 +289,7 @@ def dequantize_model(model: nn.Module, dtype: mx.Dtype | None = None) -> nn.Modu
     swaps = []
     for path, m in model.named_modules():
         if isinstance(m, nn.QuantizedLinear):
-            out_dims, in_dims = m.weight.shape[0], m.weight.shape[1] * 32 // m.bits
+            out_dims, in_dims = kernels.dequantized_shape(m.weight, m.bits)
             layer = nn.Linear(in_dims, out_dims, bias="bias" in m)
             layer.weight = dequantized_weight(m, dtype)
             if "bias" in m:
