@@ -88,12 +88,30 @@ CROSSOVER_TOKENS = {
 # 1.06 / 1.06 / 1.10, so its window ends at 1024; fused ahead or tied below that (affine4 0.81
 # at 1536, 0.86-0.96 at 1024; mxfp4 1.02 at 1536, 0.84-1.04 at 1024; affine8 0.97 at 768). The
 # same path on both sides (affine8 at 1536-2048) read 0.98-1.02.
+# Twenty-seventh session: dequantize + matmul had come to take a third less time on the 6B at
+# 384-512 tokens since the twentieth (one launch a block, views, this project's dequantize for
+# the o_proj): mxfp4 and affine8 20.0-22.7 ms against 30.1-33.7, the fused kernel 23.3-27.6
+# against 24.2-27.9. Fused / dequantize + matmul, three runs (crossover_forward --sides
+# dequantize,fused; raw docs/bench/crossover_*_session27*.json):
+# - 6B: 0.86-0.99 at 192-256 tokens; 1.10-1.39 at 264-320 (a second 256-token tile); 1.07-1.30
+#   at 384-512, but for affine4 in one run (0.99, 0.90): the 6B's windows end at 256.
+# - 300M and 600M (their table), on two machines, which disagreed. On the second (300M bf16
+#   at 1x256 in 3.4-3.9 ms), dequantize + matmul won from 96 tokens in every mode: fused / it
+#   1.00-1.12 at 96, 1.01-1.35 at 128-512 (48 of 48 cells), 0.84-1.00 at 32-64. On the first,
+#   the fused kernel won affine8 at 128-256 in 18 of 32 cells (0.84-0.99; the rest 1.00-1.12).
+#   Moved only where both agree: affine8's window is 32-383 (it took 0.68-0.96 of
+#   quantized_matmul's time, the table's path below 128, at 32-96 tokens in 16 of 18 cells;
+#   at 384-768, 1.00-1.46 of dequantize + matmul's in 24 of 28 cells), and the 4-bit windows
+#   end at 1024 (there 1.07-1.16 in 12 of 12 cells on the second machine, 0.83-1.13 in 12 on
+#   the first, 0.96 in the twenty-sixth session's; 1.02-1.28 at 1280-1536 in both sessions but
+#   one cell, 0.87).
+#   Inside the windows the choice is left to a measurement on more machines.
 # Below 8 tokens (6B) and 32 (300M) not measured against quantized_matmul. Never splitting K
 # (ESMC_MLX_QMM_WAVES=0: no split_sum launch) did not help the 300M: 0.92-1.31 of the split
 # kernel's time at 64-2048 tokens (one run).
 FUSED_TOKENS = {
-    "cuda": {"affine4": (8, 513), "mxfp4": (8, 513), "affine8": (32, 513)},
-    "cuda-small": {"affine4": (32, 2048), "mxfp4": (32, 2048), "affine8": (128, 1024)},
+    "cuda": {"affine4": (8, 257), "mxfp4": (8, 257), "affine8": (32, 257)},
+    "cuda-small": {"affine4": (32, 1024), "mxfp4": (32, 1024), "affine8": (32, 384)},
 }
 # Weights whose smaller dimension is under this take the "cuda-small" tables. A block weight's
 # smaller dimension is its model's hidden size (q/k/v, o, gate/up and down alike): 960 for the
