@@ -95,20 +95,22 @@ CROSSOVER_TOKENS = {
 # dequantize,fused; raw docs/bench/crossover_*_session27*.json):
 # - 6B: 0.86-0.99 at 192-256 tokens; 1.10-1.39 at 264-320 (a second 256-token tile); 1.07-1.30
 #   at 384-512, but for affine4 in one run (0.99, 0.90): the 6B's windows end at 256.
-# - 300M and 600M (their table), on two machines, which disagreed. On the second (300M bf16
+# - 300M and 600M (their table), on three machines, which disagreed. On the second (300M bf16
 #   at 1x256 in 3.4-3.9 ms), dequantize + matmul won from 96 tokens in every mode: fused / it
 #   1.00-1.12 at 96, 1.01-1.35 at 128-512 (48 of 48 cells), 0.84-1.00 at 32-64. On the first,
 #   the fused kernel won affine8 at 128-256 in 18 of 32 cells (0.84-0.99; the rest 1.00-1.12);
 #   on a third, slower (300M bf16 at 1x128 in 6.8 ms), it won at 128-512 in every mode measured,
 #   0.80-0.90 in 13 of 13 cells.
-#   Moved only where both agree: affine8's window is 32-383 (it took 0.68-0.96 of
+#   Moved only where the first two agree: affine8's window is 32-383 (it took 0.68-0.96 of
 #   quantized_matmul's time, the table's path below 128, at 32-96 tokens in 16 of 18 cells;
 #   at 384-768, 1.00-1.46 of dequantize + matmul's in 24 of 28 cells), and the 4-bit windows
 #   end at 1024 (there 1.07-1.16 in 12 of 12 cells on the second machine, 0.83-1.13 in 12 on
 #   the first, 0.96 in the twenty-sixth session's; 1.02-1.28 at 1280-1536 in both sessions but
 #   one cell, 0.87).
 #   Inside the windows the better path follows the host's speed (a slow host favours the
-#   fused kernel's one launch a weight), so they stay as they were.
+#   fused kernel's one launch a weight), so they stay as they were. The new ends favour fast
+#   hosts: the third machine had the fused kernel ahead at 512 too, and was not timed at 384
+#   or 1024.
 # Below 8 tokens (6B) and 32 (300M) not measured against quantized_matmul. Never splitting K
 # (ESMC_MLX_QMM_WAVES=0: no split_sum launch) did not help the 300M: 0.92-1.31 of the split
 # kernel's time at 64-2048 tokens (one run).
