@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from esmc_mlx.tasks.store import read_embeddings
-from esmc_mlx.testing import SHAPES, tiny_config, write_random_artifact
+from esmc_mlx.testing import SHAPES, child_env, tiny_config, write_random_artifact
 
 REPO = Path(__file__).resolve().parents[1]
 NCCL_HELP = (
@@ -113,7 +113,7 @@ def main() -> None:
         config = tiny_config(num_hidden_layers=6) if args.shape == "tiny" else SHAPES[args.shape]
         write_random_artifact(model, config, getattr(mx, args.dtype))
 
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env()
     if args.backend == "nccl":
         extra = [d for d in nccl_library_dirs() if d not in env.get("LD_LIBRARY_PATH", "")]
         if extra:

@@ -8,6 +8,7 @@ Nothing here is used by the runtime. Small checkpoints come from transformers'
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,6 +28,15 @@ SHAPES = {  # published ESMC sizes: hidden, heads, layers
     "600M": ESMCConfig(1152, 18, 36, 3072),
     "6B": ESMCConfig(2560, 40, 80, 6912),
 }
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """``os.environ`` for a child Python process that must import this copy of esmc_mlx: its
+    folder first on PYTHONPATH, the caller's PYTHONPATH kept behind it (a host whose MLX was
+    installed with ``pip install --target`` finds it only there), then ``extra``."""
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def tiny_config(**overrides) -> ESMCConfig:

@@ -29,6 +29,19 @@ def requires_torch():
     pytest.importorskip("transformers", reason=TORCH_REASON)
 
 
+@pytest.fixture(autouse=True)
+def default_device_kept():
+    """A test that moves MLX's default device (bench._mlx_side does, as the process of its own
+    it is written for) moves it back: the tests after it compare this process's numbers with a
+    child process's, on the GPU machine too (test_distributed and test_hub's offline test read
+    1e-6 apart, CPU against GPU, after test_bench had left the CPU in place)."""
+    import mlx.core as mx
+
+    device = mx.default_device()
+    yield
+    mx.set_default_device(device)
+
+
 @pytest.fixture(scope="session")
 def tiny_config():
     return testing.tiny_config()

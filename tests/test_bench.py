@@ -12,6 +12,7 @@ from conftest import requires_torch
 from benchmarks import (
     crossover_forward,
     dequant_cost,
+    gemm_values,
     host_overhead,
     kernels_ab,
     min_values_ab,
@@ -315,3 +316,23 @@ def test_side_order_times_two_identical_models_in_both_orders_and_in_blocks(tmp_
     for key in ("bf16,qa,qb", "qb,qa,bf16"):
         assert set(row[key]) == {"bf16", "qa", "qb"} and min(row[key].values()) > 0
     assert set(row["blocked"]) == {"bf16", "qa"} and min(row["blocked"].values()) > 0
+
+
+def test_gemm_values_weights_differ_only_in_their_values(tmp_path, monkeypatch):
+    """The weights gemm_values times side by side: one shape; mxfp4's values and the cleared
+    normal keep at most bf16's top mantissa bit (what the power-limit reading rests on), the
+    normal weight more; each variant is timed and written."""
+    import mlx.core as mx
+    import numpy as np
+
+    monkeypatch.setattr(gemm_values, "N", 64)
+    monkeypatch.setattr(gemm_values, "K", 128)
+    ws = gemm_values.weights()
+    low_bits = {name: np.array(w.view(mx.uint16)) & 0x3F for name, w in ws.items()}  # mantissa bits 2-7
+    assert {w.shape for w in ws.values()} == {(64, 128)}
+    assert not low_bits["mxfp4"].any() and not low_bits["normal_m1"].any()
+    assert low_bits["normal"].any() and low_bits["affine8"].any()
+    out = gemm_values.main(["--tokens", "16", "--gemms", "10", "--rounds", "2", "--json", str(tmp_path / "g.json")])
+    assert [r["weight"] for r in out["rows"]] == ["normal", "mxfp4", "affine4", "affine8", "normal_m1"]
+    assert out["rows"][0]["vs_normal"] == 1.0 and all(r["ms"] > 0 for r in out["rows"])
+    assert json.loads((tmp_path / "g.json").read_text())["rows"] == out["rows"]

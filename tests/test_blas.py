@@ -15,14 +15,17 @@ from pathlib import Path
 import pytest
 from conftest import requires_torch
 
+from esmc_mlx.testing import child_env
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the BLAS binding is Linux-only")
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
-    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=child_env(**(env or {})), capture_output=True, text=True, timeout=300
+    )
 
 
 def report(code: str, env: dict | None = None) -> dict:
@@ -76,7 +79,7 @@ sys.exit(1)
 def test_exit_with_gemms_still_queued_does_not_hang():
     """Without the atexit wait, OpenBLAS's finalizer stopped its threads under a GEMM still being
     handed out from MLX's thread and hung in 12 of 12 runs of this script (5 of 20 terminated scans)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = child_env()
     for _ in range(3):
         try:
             out = subprocess.run(

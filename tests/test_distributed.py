@@ -3,7 +3,6 @@ backend) give what one process gives."""
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -17,7 +16,7 @@ import pytest
 from esmc_mlx import load
 from esmc_mlx.tasks.jobs import GATHER_ROUNDS, embed_fasta, gather_every, score_csv
 from esmc_mlx.tasks.store import read_embeddings
-from esmc_mlx.testing import random_sequences
+from esmc_mlx.testing import child_env, random_sequences
 
 pytestmark = pytest.mark.skipif(not mx.distributed.is_available(), reason="MLX built without distributed support")
 REPO = Path(__file__).resolve().parents[1]
@@ -66,10 +65,9 @@ def launch(args: list[str], cwd: Path, timeout: int = 150, ok: bool = True) -> s
         *args,
         "--no-progress",
     ]
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
         done = subprocess.run(
-            command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
+            command, cwd=cwd, env=child_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"mlx.launch timed out after {timeout} s: {e.stdout}\n{e.stderr}")

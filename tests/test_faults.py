@@ -355,7 +355,7 @@ def locked_by_other_process(tmp_path):
             [sys.executable, "-c", HOLD_LOCK, str(target)],
             stdout=subprocess.PIPE,
             text=True,
-            env=dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1])),
+            env=testing.child_env(),
         )
         assert proc.stdout.readline().strip() == "locked"
         procs.append(proc)
@@ -383,7 +383,7 @@ def test_two_real_conversions_to_one_output(tmp_path):
     (the lock's, or "already exists" when the first finished before it got there); never two
     "Wrote" lines for one directory."""
     src = testing.write_random_checkpoint(tmp_path / "src", testing.tiny_config(**KILL_CONFIG), dtype="float32")
-    env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
+    env = testing.child_env()
     command = [
         shutil.which("esmc-convert") or "esmc-convert",
         str(src),
@@ -608,7 +608,7 @@ KILL_CONFIG = dict(hidden_size=512, num_attention_heads=8, num_hidden_layers=8, 
 def test_a_killed_conversion_is_cleaned_up_and_named_by_the_next_run(tmp_path):
     src = testing.write_random_checkpoint(tmp_path / "src", testing.tiny_config(**KILL_CONFIG), dtype="float32")
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
+    env = testing.child_env()
     command = [
         shutil.which("esmc-convert") or "esmc-convert",
         str(src),
@@ -643,7 +643,7 @@ def test_a_killed_conversion_is_cleaned_up_and_named_by_the_next_run(tmp_path):
 def test_a_terminated_conversion_cleans_up_itself(tmp_path):
     """SIGTERM (a scheduler's time limit) unwinds like Ctrl-C: the run removes its own staging."""
     src = testing.write_random_checkpoint(tmp_path / "src", testing.tiny_config(**KILL_CONFIG), dtype="float32")
-    env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
+    env = testing.child_env()
     command = [
         shutil.which("esmc-convert") or "esmc-convert",
         str(src),
@@ -883,7 +883,7 @@ def test_a_disk_that_fills_during_the_embed_merge(small_disk, tmp_path):
     fasta.write_text("".join(f">s{i}\n{SEQ}{SEQ[:16]}\n" for i in range(11)))  # 11 x 49 residues x 256 x 4 B
     tiny = Path(esmc_mlx.__file__).parent / "data" / "esmc-tiny"
     command = [shutil.which("esmc-mlx") or "esmc-mlx", "embed", str(tiny), str(fasta), "-o", str(small_disk / "emb")]
-    env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
+    env = testing.child_env()
     run = lambda: subprocess.run([*command, "--per-residue", "--no-progress"], env=env, capture_output=True, text=True)  # noqa: E731
     first = run()
     assert first.returncode == 1, (first.returncode, first.stderr)  # not -7 (SIGBUS)
@@ -1537,7 +1537,7 @@ def test_an_absent_reference_device_fails_before_the_conversion(checkpoints, tmp
 
 def test_a_closed_stdout_ends_quietly(converted):
     """`esmc-mlx info X | head`: the reader going away printed `Error: Broken pipe`."""
-    env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
+    env = testing.child_env()
     p = subprocess.Popen(
         [sys.executable, "-m", "esmc_mlx.cli", "info", str(converted)],
         stdout=subprocess.PIPE,

@@ -26,7 +26,7 @@ from esmc_mlx.errors import HubError
 from esmc_mlx.hub import push as push_module
 from esmc_mlx.hub.card import MARKER, read_validation, render_card
 from esmc_mlx.hub.push import push_artifact
-from esmc_mlx.testing import random_sequences
+from esmc_mlx.testing import child_env, random_sequences
 
 # huggingface_hub's own LFS upload passes a file as `data=`, which its HTTP client deprecates
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
@@ -681,14 +681,12 @@ def test_push_sends_nothing_while_another_run_writes_the_artifact(hub, checkpoin
     import subprocess
     import sys
 
-    import esmc_mlx
-
     artifact = make_artifact(str(checkpoints["published"]), tmp_path / "a")
     hold = (
         "import sys, time\nfrom esmc_mlx.outputs import output_lock\n"
         "with output_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(60)\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(Path(esmc_mlx.__file__).parents[1]))
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-c", hold, str(artifact)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().strip() == "locked"
