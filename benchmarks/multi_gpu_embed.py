@@ -36,7 +36,6 @@ import numpy as np
 from esmc_mlx.tasks.store import read_embeddings
 from esmc_mlx.testing import SHAPES, child_env, tiny_config, write_random_artifact
 
-REPO = Path(__file__).resolve().parents[1]
 NCCL_HELP = (
     "NCCL did not start. MLX's nccl backend loads libnccl.so.2: install it (pip install "
     "nvidia-nccl-cu13, or torch's CUDA wheels bring it under site-packages/nvidia/nccl/lib) and "

@@ -19,7 +19,6 @@ from esmc_mlx.tasks.store import read_embeddings
 from esmc_mlx.testing import child_env, random_sequences
 
 pytestmark = pytest.mark.skipif(not mx.distributed.is_available(), reason="MLX built without distributed support")
-REPO = Path(__file__).resolve().parents[1]
 WT = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"
 
 
