@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
+import tomllib
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,6 +40,19 @@ def child_env(**extra: str) -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def console_command(name: str) -> list[str]:
+    """The command line of the console script ``name`` (pyproject.toml's [project.scripts]) for a
+    child process: the installed script, else its entry point run by this Python (a checkout
+    whose package is on PYTHONPATH but not installed, as on the GPU machine)."""
+    installed = shutil.which(name)
+    if installed:
+        return [installed]
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    module, function = tomllib.loads(pyproject.read_text())["project"]["scripts"][name].split(":")
+    run = f"import sys; sys.argv[0] = {name!r}; from {module} import {function}; sys.exit({function}())"
+    return [sys.executable, "-c", run]  # argv[0]: click's usage and messages name the script
 
 
 def tiny_config(**overrides) -> ESMCConfig:

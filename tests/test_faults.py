@@ -385,7 +385,7 @@ def test_two_real_conversions_to_one_output(tmp_path):
     src = testing.write_random_checkpoint(tmp_path / "src", testing.tiny_config(**KILL_CONFIG), dtype="float32")
     env = testing.child_env()
     command = [
-        shutil.which("esmc-convert") or "esmc-convert",
+        *testing.console_command("esmc-convert"),
         str(src),
         "-o",
         str(tmp_path / "out"),
@@ -610,7 +610,7 @@ def test_a_killed_conversion_is_cleaned_up_and_named_by_the_next_run(tmp_path):
     out = tmp_path / "out"
     env = testing.child_env()
     command = [
-        shutil.which("esmc-convert") or "esmc-convert",
+        *testing.console_command("esmc-convert"),
         str(src),
         "-o",
         str(out),
@@ -645,7 +645,7 @@ def test_a_terminated_conversion_cleans_up_itself(tmp_path):
     src = testing.write_random_checkpoint(tmp_path / "src", testing.tiny_config(**KILL_CONFIG), dtype="float32")
     env = testing.child_env()
     command = [
-        shutil.which("esmc-convert") or "esmc-convert",
+        *testing.console_command("esmc-convert"),
         str(src),
         "-o",
         str(tmp_path / "out"),
@@ -664,6 +664,16 @@ def test_a_terminated_conversion_cleans_up_itself(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "Aborted" in err and "Traceback" not in err, err
     assert debris(tmp_path) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_console_command_runs_the_script_without_an_install(monkeypatch, tmp_path):
+    """A checkout run without `pip install` (the GPU machine's) has no console scripts on PATH:
+    the tests above then start the same entry point with this Python, under the script's name."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    command = testing.console_command("esmc-mlx")
+    assert command[0] == sys.executable
+    done = subprocess.run([*command, "--version"], env=testing.child_env(), capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("esmc-mlx, version"), done.stderr
 
 
 def test_leftovers_of_older_versions_and_a_half_swapped_output(old_output, checkpoints, tmp_path):
@@ -882,7 +892,7 @@ def test_a_disk_that_fills_during_the_embed_merge(small_disk, tmp_path):
     fasta = tmp_path / "in.fasta"
     fasta.write_text("".join(f">s{i}\n{SEQ}{SEQ[:16]}\n" for i in range(11)))  # 11 x 49 residues x 256 x 4 B
     tiny = Path(esmc_mlx.__file__).parent / "data" / "esmc-tiny"
-    command = [shutil.which("esmc-mlx") or "esmc-mlx", "embed", str(tiny), str(fasta), "-o", str(small_disk / "emb")]
+    command = [*testing.console_command("esmc-mlx"), "embed", str(tiny), str(fasta), "-o", str(small_disk / "emb")]
     env = testing.child_env()
     run = lambda: subprocess.run([*command, "--per-residue", "--no-progress"], env=env, capture_output=True, text=True)  # noqa: E731
     first = run()
