@@ -33,12 +33,15 @@ SHAPES = {  # published ESMC sizes: hidden, heads, layers
 }
 
 
+# The folder holding the esmc_mlx package: a checkout's root, where pyproject.toml lives.
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """``os.environ`` for a child Python process that must import this copy of esmc_mlx: its
     folder first on PYTHONPATH, the caller's PYTHONPATH kept behind it (a host whose MLX was
     installed with ``pip install --target`` finds it only there), then ``extra``."""
-    root = str(Path(__file__).resolve().parents[1])
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (str(CHECKOUT), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
@@ -49,8 +52,7 @@ def console_command(name: str) -> list[str]:
     installed = shutil.which(name)
     if installed:
         return [installed]
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-    module, function = tomllib.loads(pyproject.read_text())["project"]["scripts"][name].split(":")
+    module, function = tomllib.loads((CHECKOUT / "pyproject.toml").read_text())["project"]["scripts"][name].split(":")
     run = f"import sys; sys.argv[0] = {name!r}; from {module} import {function}; sys.exit({function}())"
     return [sys.executable, "-c", run]  # argv[0]: click's usage and messages name the script
 
