@@ -42,6 +42,16 @@ def default_device_kept():
     mx.set_default_device(device)
 
 
+@pytest.fixture
+def on_cpu():
+    """MLX's default device set to the CPU for one test (``default_device_kept`` puts it back):
+    for tests of CPU behaviour (its tables, its unfused layout, no CUDA kernel), which the GPU
+    machine runs too."""
+    import mlx.core as mx
+
+    mx.set_default_device(mx.cpu)
+
+
 @pytest.fixture(scope="session")
 def tiny_config():
     return testing.tiny_config()
