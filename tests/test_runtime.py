@@ -84,11 +84,9 @@ def test_bfloat16_within_2e2(tiny_config, tmp_path):
     assert err <= 1.25 * rel_l2(torch_bf16[valid], ref[valid])
 
 
-def test_cpu_backend_computes_in_float32(checkpoints, tmp_path):
+def test_cpu_backend_computes_in_float32(checkpoints, tmp_path, on_cpu):
     out_dir = convert(str(checkpoints["published"]), tmp_path / "bf16", dtype="bfloat16", progress=False)
-    with mx.stream(mx.cpu):
-        mx.set_default_device(mx.cpu)
-        model, _ = load(out_dir)
+    model, _ = load(out_dir)
     assert model.dtype == mx.float32
 
 
