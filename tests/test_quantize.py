@@ -401,7 +401,7 @@ def test_quantized_linear_keys_the_tables_by_its_smaller_dimension(in_dims, out_
     """QuantizedLinear hands the policy the weight's smaller dimension (the unpacked input width
     or the output width), whichever it is, and its output does not change with that. (On the
     CPU: on the H200 the 64-192 case read two different outputs for the same call, twenty-ninth
-    issue-16 session; test_kernels' test_quantized_matmul_at_small_widths_on_cuda checks that.)"""
+    issue-16 session, MLX's quantized_matmul failing at one group's width: see the test below.)"""
     layer = rq.QuantizedLinear(in_dims, out_dims, bias=False, group_size=64, bits=4)
     x = mx.ones((1, 3, in_dims))
     expected = layer(x)
@@ -410,3 +410,25 @@ def test_quantized_linear_keys_the_tables_by_its_smaller_dimension(in_dims, out_
     monkeypatch.setattr(rq, "dequantize_first", lambda tokens, mode, bits, width: seen.append(width) or False)
     assert mx.array_equal(layer(x), expected).item()
     assert seen == [min(in_dims, out_dims)] * 2
+
+
+@pytest.mark.parametrize(
+    "in_dims,group_size,narrow", [(64, 64, True), (128, 128, True), (128, 64, False), (256, 128, False)]
+)
+def test_weights_one_group_wide_never_take_mlx_quantized_matmul_on_cuda(
+    in_dims, group_size, narrow, monkeypatch, on_cpu
+):
+    """On CUDA a weight no wider than one group goes by dequantize + matmul at every token
+    count, even with quantized_matmul forced: MLX 0.32.4's quantized_matmul gave changing
+    outputs there on the H200, or never returned (rq.mlx_quantized_matmul_fails). Wider weights,
+    and every weight on the CPU, keep the tables' path. The CUDA backend is stood in for here
+    (its path then runs on the CPU, against dequantize + matmul); test_kernels'
+    test_narrow_quantized_linears_match_dequantize_on_cuda runs it on the GPU."""
+    monkeypatch.setenv(rq.POLICY_ENV, "quantized")
+    layer = rq.QuantizedLinear(in_dims, 192, bias=False, group_size=group_size, bits=4)
+    assert [layer.policy(rows) for rows in (1, 3, 16, 4096)] == [(False, False)] * 4
+    monkeypatch.setattr(rq, "backend", lambda: "cuda")
+    assert [layer.policy(rows) for rows in (1, 3, 16, 4096)] == [(False, narrow)] * 4
+    x = mx.random.normal((1, 3, in_dims), key=mx.random.key(0))
+    ref = x @ mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=group_size, bits=4).T
+    np.testing.assert_allclose(np.array(layer(x)), np.array(ref), rtol=1e-5, atol=1e-5)

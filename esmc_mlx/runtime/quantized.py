@@ -179,6 +179,19 @@ def fused_first(tokens: int, mode: str, bits: int | None = None, width: int = 0)
     return lo <= tokens < hi
 
 
+def mlx_quantized_matmul_fails(in_dims: int, group_size: int) -> bool:
+    """True where ``mx.quantized_matmul`` must not run: on CUDA, for a weight whose input width
+    is no more than one group. Measured on the H200 with mlx 0.32.4 (thirtieth issue-16
+    session, benchmarks/qmm_widths_probe.py; docs/benchmarks.md): for affine 4- and 8-bit
+    weights with k <= group_size (k = 64, 128) and more than one row of x, it returned outputs
+    that changed from call to call (NaN in some), in float32, bfloat16 and float16 alike, and
+    at k = 128 it never returned; at one row, and for k > group_size, it agreed with dequantize
+    + matmul. Read from MLX's source: those are the calls its Hopper kernel (qmm_sm90) takes.
+    No ESMC weight is that narrow (960 wide and up); small test models and custom configs are.
+    Every mode is kept off it: such a weight's dequantize costs next to nothing."""
+    return backend() == "cuda" and in_dims <= group_size
+
+
 def dequantized_weight(module: nn.Module, dtype: mx.Dtype) -> mx.array:
     """The float weight of a quantized linear or embedding (kernels.dequantize: MLX's own
     dequantize, or on CUDA a faster kernel with the same output)."""
@@ -209,9 +222,15 @@ class QuantizedLinear(nn.QuantizedLinear):
     def policy(self, tokens: int) -> tuple[bool, bool]:
         """(fused, dequantize) for ``tokens`` rows through this layer: whether they lie in the
         fused kernel's window, and whether the tables send them by dequantize + matmul (the
-        path outside the window, and inside it for a call the fused kernel cannot take)."""
+        path outside the window, and inside it for a call the fused kernel cannot take; and
+        always where MLX's quantized_matmul fails, whatever the tables or POLICY_ENV say)."""
         width = kernels.weight_width(self["weight"], self.bits)
-        return fused_first(tokens, self.mode, self.bits, width), dequantize_first(tokens, self.mode, self.bits, width)
+        in_dims = kernels.dequantized_shape(self["weight"], self.bits)[-1]
+        dequantize = dequantize_first(tokens, self.mode, self.bits, width)
+        return (
+            fused_first(tokens, self.mode, self.bits, width),
+            dequantize or mlx_quantized_matmul_fails(in_dims, self.group_size),
+        )
 
     def takes_dequantize(self, tokens: int) -> bool:
         """True when ``tokens`` rows through this layer go by dequantize + matmul, outside the
