@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from ..config import TRAINED_LENGTH, TRAINED_TOKENS, ESMCConfig
 from ..errors import EsmcMlxWarning, ScoringError, SequenceError
-from . import kernels, quantized
+from . import cutlass_qmm, kernels, quantized
 
 # Set to 0 to run the QK LayerNorm, RoPE and head layout as separate MLX ops on a CUDA GPU
 # instead of kernels.qkv_heads (one kernel reading the fused q/k/v projection once).
@@ -44,6 +44,7 @@ def kernel_choices() -> tuple:
     forced warp tile and split waves of the fused kernel, and which custom kernels are on."""
     return (
         os.environ.get(quantized.POLICY_ENV, "auto"),
+        os.environ.get(cutlass_qmm.ENV, ""),
         os.environ.get(kernels.QMM_TILE_ENV, ""),
         os.environ.get(kernels.QMM_WAVES_ENV, ""),
         fused_qkv_enabled(),

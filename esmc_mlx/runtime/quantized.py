@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path, tree_unflatten
 
-from . import kernels
+from . import cutlass_qmm, kernels
 
 # Token count (rows of x, all batch dims flattened) from which dequantize-then-matmul is used
 # instead of quantized_matmul, per backend and mode ("affine4": affine at 4 bits; "affine":
@@ -232,12 +232,18 @@ class QuantizedLinear(nn.QuantizedLinear):
             dequantize or mlx_quantized_matmul_fails(in_dims, self.group_size),
         )
 
+    def takes_cutlass(self) -> bool:
+        """True when this layer's dequantize + matmul calls go to CUTLASS's mixed-input GEMM
+        instead, for bfloat16 inputs (cutlass_qmm: opt-in, CUDA, built on the machine)."""
+        return backend() == "cuda" and cutlass_qmm.enabled() and cutlass_qmm.eligible(self)
+
     def takes_dequantize(self, tokens: int) -> bool:
         """True when ``tokens`` rows through this layer go by dequantize + matmul, outside the
         fused window. (Inside it, a call the fused kernel cannot take falls back in
-        ``__call__`` and dequantizes its own weight.)"""
+        ``__call__`` and dequantizes its own weight, as does a layer CUTLASS takes when its
+        input is not bfloat16.)"""
         fused, dequantize = self.policy(tokens)
-        return dequantize and not fused
+        return dequantize and not fused and not self.takes_cutlass()
 
     def __call__(self, x: mx.array) -> mx.array:
         fused, dequantize = self.policy(token_count(x))
@@ -247,6 +253,8 @@ class QuantizedLinear(nn.QuantizedLinear):
             return y + self["bias"] if "bias" in self else y
         if not dequantize:
             return super().__call__(x)
+        if x.dtype == mx.bfloat16 and self.takes_cutlass():
+            return cutlass_qmm.matmul(self, x)
         wt = self.given_transposed
         if wt is None or wt.dtype != x.dtype:
             wt = dequantized_weight(self, x.dtype).T

@@ -1,0 +1,185 @@
+"""runtime/cutlass_qmm: CUTLASS's mixed-input GEMM as an opt-in MLX extension.
+
+On the CPU the compiled extension is stood in for by a function with its contract (transposed
+scales and biases in, x @ dequantize(w).T out), to check which layers and calls reach it and
+what they hand it. The GPU tests run the real one where it has been built
+(``python -m esmc_mlx.runtime.cutlass_qmm``) on a CUDA GPU.
+"""
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from esmc_mlx.runtime import cutlass_qmm
+from esmc_mlx.runtime import quantized as rq
+
+
+class StandIn:
+    """The extension's contract on any device: scales and biases come as [K / group, N]."""
+
+    def __init__(self):
+        self.calls = []
+
+    def quantized_matmul(self, x, q, scales_t, biases_t, bits, group_size, tile_n):
+        self.calls.append((x.shape, bits, group_size, tile_n))
+        w = mx.dequantize(q, scales_t.T, biases_t.T, group_size=group_size, bits=bits)
+        return x @ w.T
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    fake = StandIn()
+    monkeypatch.setattr(cutlass_qmm, "_extension", lambda: fake)
+    monkeypatch.setattr(rq, "backend", lambda: "cuda")
+    monkeypatch.setenv(rq.POLICY_ENV, "dequantize")  # every call by dequantize + matmul: no CUDA kernel runs
+    return fake
+
+
+def layer(bits=4, group_size=64, mode="affine", in_dims=128, out_dims=64, bias=False, dtype=mx.bfloat16):
+    m = rq.QuantizedLinear(in_dims, out_dims, bias=bias, group_size=group_size, bits=bits, mode=mode)
+    m.set_dtype(dtype)  # scales, biases and bias, as in a converted bf16 model
+    return m
+
+
+def reference(m, x):
+    w = mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=m.group_size, bits=m.bits, mode=m.mode)
+    y = x @ w.T
+    return y + m.bias if "bias" in m else y
+
+
+@pytest.mark.parametrize("bits,group_size,bias", [(4, 64, False), (8, 128, True), (4, 128, True)])
+def test_bfloat16_calls_go_to_the_extension_with_transposed_scales(
+    bits, group_size, bias, stand_in, monkeypatch, on_cpu
+):
+    m = layer(bits, group_size, bias=bias)
+    x = mx.random.normal((2, 5, 128), key=mx.random.key(1)).astype(mx.bfloat16)
+    monkeypatch.delenv(cutlass_qmm.ENV, raising=False)
+    assert not m.takes_cutlass() and m.takes_dequantize(10)
+    off = m(x)
+    assert stand_in.calls == []
+    monkeypatch.setenv(cutlass_qmm.ENV, "1")
+    assert m.takes_cutlass() and not m.takes_dequantize(10)  # no block dequantize made for it
+    on = m(x)
+    assert stand_in.calls == [((2, 5, 128), bits, group_size, cutlass_qmm.TILE_TOKENS)]  # the C++ side flattens
+    assert on.shape == (2, 5, 64)
+    np.testing.assert_array_equal(np.array(on.astype(mx.float32)), np.array(reference(m, x).astype(mx.float32)))
+    np.testing.assert_allclose(np.array(on.astype(mx.float32)), np.array(off.astype(mx.float32)), rtol=2e-2, atol=2e-2)
+    m(x)
+    assert len(stand_in.calls) == 2 and m.cutlass_scales[0].shape == (128 // group_size, 64)  # kept, not redone
+
+
+def test_other_inputs_and_weights_keep_their_path(stand_in, monkeypatch, on_cpu):
+    monkeypatch.setenv(cutlass_qmm.ENV, "1")
+    x32 = mx.random.normal((1, 7, 128), key=mx.random.key(2))
+    m = layer()
+    np.testing.assert_allclose(np.array(m(x32)), np.array(reference(m, x32)), rtol=1e-5, atol=1e-5)  # float32 x
+    xb = x32.astype(mx.bfloat16)
+    for other in (
+        layer(mode="mxfp4", group_size=32),  # not affine
+        layer(bits=2),  # the kernel has 4 and 8 bits
+        layer(group_size=32),  # groups smaller than CUTLASS's K tile
+        layer(out_dims=60),  # rows of y not 16 bytes
+        layer(dtype=mx.float32),  # float32 scales
+    ):
+        assert not other.takes_cutlass()
+        np.testing.assert_allclose(
+            np.array(other(xb).astype(mx.float32)),
+            np.array(reference(other, xb).astype(mx.float32)),
+            rtol=2e-2,
+            atol=2e-2,
+        )
+    assert stand_in.calls == []
+    monkeypatch.setattr(rq, "backend", lambda: "cpu")
+    assert not m.takes_cutlass()
+
+
+def test_off_unless_asked_for_and_built(monkeypatch, tmp_path):
+    monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path))
+    cutlass_qmm._extension.cache_clear()
+    try:
+        monkeypatch.setenv(cutlass_qmm.ENV, "1")
+        assert cutlass_qmm.build_dir() == tmp_path / "cutlass_qmm" / f"mlx-{mx.__version__}"
+        assert cutlass_qmm._extension() is None and not cutlass_qmm.enabled()  # nothing built there
+        monkeypatch.setenv("ESMC_MLX_CACHE", "off")
+        assert cutlass_qmm.build_dir() is None
+        with pytest.raises(cutlass_qmm.BuildError, match="cache is off"):
+            cutlass_qmm.build()
+    finally:
+        cutlass_qmm._extension.cache_clear()
+
+
+def test_a_build_that_does_not_load_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path))
+    broken = cutlass_qmm.build_dir() / (cutlass_qmm.MODULE + cutlass_qmm.importlib.machinery.EXTENSION_SUFFIXES[0])
+    broken.parent.mkdir(parents=True)
+    broken.write_bytes(b"not a shared library")
+    cutlass_qmm._extension.cache_clear()
+    try:
+        with pytest.raises(cutlass_qmm.BuildError, match=f"{broken} does not load .*rebuild it"):
+            cutlass_qmm._extension()
+    finally:
+        cutlass_qmm._extension.cache_clear()
+
+
+def test_build_names_what_is_missing(monkeypatch, tmp_path, capsys):
+    out = tmp_path / "x.so"
+    with pytest.raises(cutlass_qmm.BuildError, match="no-such-nvcc not found"):
+        cutlass_qmm.build_command(out, nvcc="no-such-nvcc")
+    monkeypatch.setattr(cutlass_qmm.shutil, "which", lambda name: "/usr/bin/" + name)
+    cuda_mlx = tmp_path / "mlx"  # the layout of MLX's CUDA wheel
+    (cuda_mlx / "include" / "cutlass").mkdir(parents=True)
+    (cuda_mlx / "lib").mkdir()
+    monkeypatch.setattr(cutlass_qmm.mx, "__file__", str(cuda_mlx / "__init__.py"))
+    monkeypatch.setitem(sys.modules, "nanobind", None)  # not installed
+    with pytest.raises(cutlass_qmm.BuildError, match="nanobind not found"):
+        cutlass_qmm.build_command(out)
+
+    class OldNanobind:
+        __version__ = "2.9.2"
+
+    monkeypatch.setitem(sys.modules, "nanobind", OldNanobind)
+    with pytest.raises(cutlass_qmm.BuildError, match="nanobind 2.9.2 does not share"):
+        cutlass_qmm.build_command(out)
+    monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path))
+    monkeypatch.setattr(cutlass_qmm, "build", lambda: (_ for _ in ()).throw(cutlass_qmm.BuildError("nvcc failed: x")))
+    assert cutlass_qmm.main() == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["Error: nvcc failed: x"]
+
+
+def test_build_command_reads_mlx_s_cutlass_headers(monkeypatch, tmp_path):
+    """A CPU build of MLX has no CUTLASS headers: the build says so, naming the folder."""
+    monkeypatch.setattr(cutlass_qmm.shutil, "which", lambda name: "/usr/bin/" + name)
+    fake_mlx = tmp_path / "mlx"
+    fake_mlx.mkdir()
+    monkeypatch.setattr(cutlass_qmm.mx, "__file__", str(fake_mlx / "__init__.py"))
+    with pytest.raises(cutlass_qmm.BuildError, match=f"{fake_mlx} has no CUTLASS headers"):
+        cutlass_qmm.build_command(tmp_path / "x.so")
+
+
+ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
+BUILT = ON_CUDA and cutlass_qmm._extension() is not None
+
+
+@pytest.mark.skipif(
+    not BUILT, reason="needs MLX on a CUDA GPU and the extension built (python -m esmc_mlx.runtime.cutlass_qmm)"
+)
+@pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 64), (4, 128)])
+@pytest.mark.parametrize("rows", [1, 3, 300, 1024])
+def test_extension_matches_dequantize_and_matmul_on_cuda(bits, group_size, rows, monkeypatch):
+    """The real kernel against x @ dequantize(w).T in float32, at most the bf16 matmul's own
+    error from it (measured equal to the bit on the 6B's shapes in the thirty-first session)."""
+    monkeypatch.setenv(cutlass_qmm.ENV, "1")
+    monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
+    m = layer(bits, group_size, in_dims=2560, out_dims=1024, bias=True)
+    x = mx.random.normal((1, rows, 2560), key=mx.random.key(rows)).astype(mx.bfloat16)
+    assert m.takes_cutlass()
+    got = m(x)
+    assert mx.array_equal(got, m(x)).item()
+    exact = reference(m, x.astype(mx.float32))
+    bf16 = reference(m, x)
+    err = float(mx.abs(got.astype(mx.float32) - exact).max())
+    bf16_err = float(mx.abs(bf16.astype(mx.float32) - exact).max())
+    assert err <= 2 * bf16_err + 1e-3
