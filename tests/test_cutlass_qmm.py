@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from esmc_mlx import testing
 from esmc_mlx.runtime import cutlass_qmm
 from esmc_mlx.runtime import quantized as rq
 
@@ -93,6 +94,20 @@ def test_other_inputs_and_weights_keep_their_path(stand_in, monkeypatch, on_cpu)
     assert stand_in.calls == []
     monkeypatch.setattr(rq, "backend", lambda: "cpu")
     assert not m.takes_cutlass()
+
+
+def test_turning_it_on_makes_a_shape_run_eagerly_once_more(monkeypatch):
+    """A compiled model runs a shape compiled from its second call; with new kernel choices
+    (the switch among them) the next call is a first again, so matmul prepares its scales
+    outside any trace."""
+    from esmc_mlx.runtime.model import ESMC
+
+    model = ESMC(testing.tiny_config()).compile()
+    ids = mx.zeros((1, 12), dtype=mx.int32)
+    monkeypatch.delenv(cutlass_qmm.ENV, raising=False)
+    assert [model._use_compiled(ids, None) for _ in range(2)] == [False, True]
+    monkeypatch.setenv(cutlass_qmm.ENV, "1")
+    assert [model._use_compiled(ids, None) for _ in range(2)] == [False, True]
 
 
 def test_off_unless_asked_for_and_built(monkeypatch, tmp_path):

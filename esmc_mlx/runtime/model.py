@@ -396,7 +396,9 @@ class ESMC(nn.Module):
     def _use_compiled(self, input_ids: mx.array, mask: mx.array | None) -> bool:
         if self._compiled is None:
             return False
-        key = (tuple(input_ids.shape), None if mask is None else tuple(mask.shape))
+        # New kernel choices make a new trace: its first call runs eagerly too (cutlass_qmm
+        # prepares its layers' scales on an eager call).
+        key = (tuple(input_ids.shape), None if mask is None else tuple(mask.shape), *kernel_choices())
         if key in self._seen_shapes:
             return True
         if len(self._seen_shapes) > 4096:  # unbounded shape streams: forget, do not grow
