@@ -6,7 +6,9 @@
 //
 // y[M, N] = x[M, K] @ (scales * q + biases)[N, K]^T: x bfloat16, q MLX's packed weight (4 or 8
 // bits, K contiguous), scales and biases bfloat16 and transposed to [K / group, N] (CUTLASS wants
-// them N-major), groups of 64 or 128.
+// them N-major), groups of 64 or 128. The caller hands in scales and biases already row-contiguous
+// (cutlass_qmm.matmul makes them so once per layer): a contiguous() here would add two graph nodes
+// to every call; eval_gpu refuses any input that is not.
 #include <nanobind/nanobind.h>
 
 #include "mlx/array.h"
@@ -148,7 +150,7 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& q, const mx::arr
   int m = x2.shape(0);
   auto y = mx::array({m, n}, mx::bfloat16,
                      std::make_shared<CutlassQuantizedMatmul>(mx::default_stream(mx::Device::gpu), bits, group_size, tile_n),
-                     {x2, q, mx::contiguous(scales_t), mx::contiguous(biases_t)});
+                     {x2, q, scales_t, biases_t});
   return mx::reshape(y, lead);
 }
 
