@@ -2,6 +2,8 @@
 
 import json
 
+import mlx.core as mx
+
 
 def save_json(path: str | None, result: dict) -> dict:
     """Write ``result`` to ``path`` as indented JSON when a path is given (``--json``); return it."""
@@ -22,5 +24,16 @@ def with_attribute(owner, name: str, value, fn):
             return fn()
         finally:
             setattr(owner, name, saved)
+
+    return run
+
+
+def batched(fn, batch: int):
+    """``fn`` as a callable that evaluates ``batch`` of its calls together and waits for them:
+    a kernel timed GPU-bound, its launches queued back to back (per call: divide by ``batch``)."""
+
+    def run():
+        mx.eval([fn() for _ in range(batch)])
+        mx.synchronize()
 
     return run

@@ -3,8 +3,8 @@ shipped quantized path, beside the bf16 model (issue 16): whole forwards of the 
 (fused, compiled, random weights), the three interleaved in one process, and the two quantized
 sides' logits compared (they differ by a bf16 matmul's rounding: CUTLASS sums in its own order).
 ``--weights`` first times each of the model's four block weights alone at 256, 1024 and 4096
-tokens: bf16 ``x @ w.T``, the shipped dequantize + matmul, CUTLASS (loops of 50 calls in one
-evaluation, best of 3).
+tokens: bf16 ``x @ w.T``, the shipped dequantize + matmul, CUTLASS (50 calls evaluated
+together, the three interleaved, median of 5).
 
 Needs the extension built on the GPU machine: ``python -m esmc_mlx.runtime.cutlass_qmm``.
 
@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import time
 
 import mlx.core as mx
 import numpy as np
 
-from benchmarks import save_json
+from benchmarks import batched, save_json
 from benchmarks.crossover_forward import RECORDS
 from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments, random_bf16
 from esmc_mlx.bench import forward_fns, machine, mlx_model, parse_shapes, rel_l2, time_interleaved
@@ -30,17 +29,7 @@ from esmc_mlx.runtime import cutlass_qmm, kernels
 from esmc_mlx.runtime import quantized as rq
 
 ON = {cutlass_qmm.ENV: "1"}
-
-
-def best_of_3(fn, reps: int = 50) -> float:
-    """Microseconds a call, ``reps`` calls evaluated together (GPU-bound), best of three."""
-    mx.eval(fn())
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        mx.eval([fn() for _ in range(reps)])
-        best = min(best, (time.perf_counter() - start) / reps * 1e6)
-    return best
+CALLS = 50  # a weight's calls evaluated together (benchmarks.batched): GPU-bound
 
 
 def time_weights(model, record: dict) -> list[dict]:
@@ -57,12 +46,14 @@ def time_weights(model, record: dict) -> list[dict]:
         ext = cutlass_qmm._extension()
         for tokens in (256, 1024, 4096):
             x = mx.random.normal((tokens, k)).astype(mx.bfloat16)
+            contenders = {
+                "bf16": lambda: x @ w.T,
+                "dequantize": lambda: x @ kernels.dequantize(q, s, b, m.group_size, m.bits).T,
+                "cutlass": lambda: ext.quantized_matmul(x, q, st, bt, m.bits, m.group_size, cutlass_qmm.TILE_TOKENS),
+            }
+            t = time_interleaved({k_: batched(fn, CALLS) for k_, fn in contenders.items()}, warmup=1, reps=5)
             row = {"weight": name, "n": n, "k": k, "tokens": tokens, "bits": m.bits}
-            row["bf16_us"] = best_of_3(lambda: x @ w.T)
-            row["dequantize_us"] = best_of_3(lambda: x @ kernels.dequantize(q, s, b, m.group_size, m.bits).T)
-            row["cutlass_us"] = best_of_3(
-                lambda: ext.quantized_matmul(x, q, st, bt, m.bits, m.group_size, cutlass_qmm.TILE_TOKENS)
-            )
+            row |= {f"{side}_us": t[side]["median_ms"] / CALLS * 1e3 for side in contenders}
             rows.append(row)
             print(
                 f"{record['bits']}-bit {name} ({n}x{k}) at {tokens}: bf16 {row['bf16_us']:.1f} us, "

@@ -30,7 +30,7 @@ import platform
 
 import mlx.core as mx
 
-from benchmarks import save_json
+from benchmarks import batched, save_json
 from benchmarks.kernels_ab import load_kernels
 from esmc_mlx.bench import time_interleaved
 from esmc_mlx.runtime import kernels
@@ -56,14 +56,6 @@ def quantized_weight(shape, mode, bits, group_size):
     parts = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
     mx.eval(parts)
     return parts[0], parts[1], parts[2] if mode == "affine" else None
-
-
-def batched(fn, batch: int):
-    def run():
-        mx.eval([fn() for _ in range(batch)])
-        mx.synchronize()
-
-    return run
 
 
 def bit_equal(a: mx.array, b: mx.array) -> bool:
