@@ -1,7 +1,10 @@
-"""CUTLASS's mixed-input GEMM (runtime/cutlass_qmm, ``ESMC_MLX_CUTLASS_QMM=1``) against the
-shipped quantized path, beside the bf16 model (issue 16): whole forwards of the shipped model
-(fused, compiled, random weights), the three interleaved in one process, and the two quantized
-sides' logits compared (they differ by a bf16 matmul's rounding: CUTLASS sums in its own order).
+"""CUTLASS's mixed-input GEMM (runtime/cutlass_qmm) against dequantize + matmul, beside the bf16
+model (issue 16): whole forwards of the shipped model (fused, compiled, random weights) with
+every call the tables give to dequantize + matmul sent to CUTLASS (``ESMC_MLX_CUTLASS_QMM=1``,
+whatever quantized.CUTLASS_TOKENS says) and with none (``=0``), the three interleaved in one
+process, and the two quantized sides' logits compared (equal to the bit in the thirty-second
+session's runs; they could differ by a bf16 matmul's rounding). Where the second side wins is
+what CUTLASS_TOKENS should hold.
 ``--weights`` first times each of the model's four block weights alone at 256, 1024 and 4096
 tokens: bf16 ``x @ w.T``, the shipped dequantize + matmul, CUTLASS (50 calls evaluated
 together, the three interleaved, median of 5).
@@ -28,7 +31,7 @@ from esmc_mlx.bench import forward_fns, machine, mlx_model, parse_shapes, rel_l2
 from esmc_mlx.runtime import cutlass_qmm, kernels
 from esmc_mlx.runtime import quantized as rq
 
-ON = {cutlass_qmm.ENV: "1"}
+SIDES = {"dequantize": {cutlass_qmm.ENV: "0"}, "cutlass": {cutlass_qmm.ENV: "1"}}
 CALLS = 50  # a weight's calls evaluated together (benchmarks.batched): GPU-bound
 
 
@@ -64,11 +67,11 @@ def time_weights(model, record: dict) -> list[dict]:
     return rows
 
 
-def cutlass_on(fn):
-    """``fn()`` with the extension on, as forward_fns' ``env`` runs the timed side."""
-    os.environ.update(ON)
+def logits(model, ids, side: str) -> np.ndarray:
+    """``model``'s logits with ``side``'s setting, as forward_fns' ``env`` runs the timed side."""
+    os.environ.update(SIDES[side])
     try:
-        return fn()
+        return np.array(model(ids).logits.astype(mx.float32))
     finally:
         os.environ.pop(cutlass_qmm.ENV, None)
 
@@ -76,15 +79,13 @@ def cutlass_on(fn):
 def forward_row(bf16, quant: dict, mode: str, batch: int, length: int, budget: float) -> dict:
     """Whole forwards at one shape, the three models interleaved, and the two quantized sides'
     logits compared; printed and returned."""
-    fns = forward_fns(None, {"bf16": bf16, **quant}, batch, length, env={"cutlass": ON})
+    fns = forward_fns(None, {"bf16": bf16, **quant}, batch, length, env=SIDES)
     t = {k: v["median_ms"] for k, v in time_interleaved(fns, warmup=3, budget_s=budget).items()}
     ids = mx.array(np.random.default_rng(1).integers(4, 24, size=(batch, length)))
-    shipped = np.array(quant["shipped"](ids).logits.astype(mx.float32))
-    cutlass = cutlass_on(lambda: np.array(quant["cutlass"](ids).logits.astype(mx.float32)))
     row = {"mode": mode, "batch": batch, "length": length, **{f"{k}_ms": v for k, v in t.items()}}
-    row |= {side + "_over_bf16": t[side] / t["bf16"] for side in ("shipped", "cutlass")}
-    row["logits_rel_l2"] = rel_l2(cutlass, shipped)
-    ratios = ", ".join(f"{side} {t[side]:.2f} ms ({row[side + '_over_bf16']:.3f})" for side in ("shipped", "cutlass"))
+    row |= {side + "_over_bf16": t[side] / t["bf16"] for side in SIDES}
+    row["logits_rel_l2"] = rel_l2(*(logits(quant[side], ids, side) for side in ("cutlass", "dequantize")))
+    ratios = ", ".join(f"{side} {t[side]:.2f} ms ({row[side + '_over_bf16']:.3f})" for side in SIDES)
     print(
         f"{mode} {batch}x{length}: bf16 {t['bf16']:.2f} ms, {ratios}; logits rel. L2 {row['logits_rel_l2']:.1e}",
         flush=True,
@@ -93,13 +94,10 @@ def forward_row(bf16, quant: dict, mode: str, batch: int, length: int, budget: f
 
 
 def run_mode(config, weights, bf16, mode: str, a, result: dict) -> None:
-    """One quantization: the shipped model and its CUTLASS twin, each shape's row into ``result``."""
-    quant = {
-        side: mlx_model(config, weights, fuse=True, compile=True, quant=RECORDS[mode])
-        for side in ("shipped", "cutlass")
-    }
+    """One quantization: the model without CUTLASS and its twin with it, each shape's row into ``result``."""
+    quant = {side: mlx_model(config, weights, fuse=True, compile=True, quant=RECORDS[mode]) for side in SIDES}
     if a.weights:
-        result["weights"] += time_weights(quant["shipped"], RECORDS[mode])
+        result["weights"] += time_weights(quant["dequantize"], RECORDS[mode])
     result["rows"] += [
         forward_row(bf16, quant, mode, batch, length, a.budget) for batch, length in parse_shapes(a.shapes)
     ]

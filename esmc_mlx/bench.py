@@ -35,6 +35,7 @@ from .convert.sources import torch_to_mlx
 from .errors import EsmcMlxError
 from .outputs import atomic_file, ensure_parent
 from .quantize import BLOCK_LINEAR  # what `esmc-convert --q` quantizes by default
+from .runtime import cutlass_qmm
 from .runtime.model import ESMC, RUNTIME_DEFAULTS
 from .runtime.quantized import quantize_modules
 from .testing import SHAPES, tiny_config
@@ -284,6 +285,8 @@ def machine(with_torch: bool = True) -> dict:
         "device": str(mx.default_device()),
         "cpu_count": os.cpu_count(),
         "date": datetime.date.today().isoformat(),
+        # whether quantized layers may take CUTLASS's mixed-input GEMM here (built, Hopper, not off)
+        "cutlass_qmm": cutlass_qmm.enabled(),
     }
     try:
         info["device_info"] = {k: str(v) for k, v in mx.device_info().items()}
@@ -411,7 +414,10 @@ def run(
         "quantized": [],
         "isolation": "each side in its own process",
     }
-    log(f"backend {device}, {dtype}, mlx {mx.__version__}; torch {'in its own process' if with_torch else 'absent'}")
+    cutlass = "; CUTLASS mixed-input GEMM built (quantized layers use it)" if results["machine"]["cutlass_qmm"] else ""
+    log(
+        f"backend {device}, {dtype}, mlx {mx.__version__}; torch {'in its own process' if with_torch else 'absent'}{cutlass}"
+    )
     with tempfile.TemporaryDirectory(prefix="esmc-bench-") as tmp:
         for name in models:
             job = {

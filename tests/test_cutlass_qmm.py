@@ -1,4 +1,4 @@
-"""runtime/cutlass_qmm: CUTLASS's mixed-input GEMM as an opt-in MLX extension.
+"""runtime/cutlass_qmm: CUTLASS's mixed-input GEMM as an MLX extension, used where it is built.
 
 On the CPU the compiled extension is stood in for by a function with its contract (transposed
 scales and biases in, x @ dequantize(w).T out), to check which layers and calls reach it and
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from esmc_mlx import testing
-from esmc_mlx.runtime import cutlass_qmm
+from esmc_mlx.runtime import cutlass_qmm, kernels
 from esmc_mlx.runtime import quantized as rq
 
 
@@ -34,7 +34,9 @@ def stand_in(monkeypatch):
     fake = StandIn()
     monkeypatch.setattr(cutlass_qmm, "_extension", lambda: fake)
     monkeypatch.setattr(rq, "backend", lambda: "cuda")
+    monkeypatch.setattr(cutlass_qmm.kernel_cache, "device_arch", lambda: "sm_90a")  # a Hopper GPU
     monkeypatch.setenv(rq.POLICY_ENV, "dequantize")  # every call by dequantize + matmul: no CUDA kernel runs
+    monkeypatch.delenv(cutlass_qmm.ENV, raising=False)
     return fake
 
 
@@ -56,12 +58,12 @@ def test_bfloat16_calls_go_to_the_extension_with_transposed_scales(
 ):
     m = layer(bits, group_size, bias=bias)
     x = mx.random.normal((2, 5, 128), key=mx.random.key(1)).astype(mx.bfloat16)
-    monkeypatch.delenv(cutlass_qmm.ENV, raising=False)
-    assert not m.takes_cutlass() and m.takes_dequantize(10)
+    monkeypatch.setenv(cutlass_qmm.ENV, "0")  # turned off
+    assert not m.takes_cutlass(10) and m.takes_dequantize(10)
     off = m(x)
     assert stand_in.calls == []
-    monkeypatch.setenv(cutlass_qmm.ENV, "1")
-    assert m.takes_cutlass() and not m.takes_dequantize(10)  # no block dequantize made for it
+    monkeypatch.delenv(cutlass_qmm.ENV)  # on by default where built
+    assert m.takes_cutlass(10) and not m.takes_dequantize(10)  # no block dequantize made for it
     on = m(x)
     assert stand_in.calls == [((2, 5, 128), bits, group_size, cutlass_qmm.TILE_TOKENS)]  # the C++ side flattens
     assert on.shape == (2, 5, 64)
@@ -71,8 +73,33 @@ def test_bfloat16_calls_go_to_the_extension_with_transposed_scales(
     assert len(stand_in.calls) == 2 and m.cutlass_scales[0].shape == (128 // group_size, 64)  # kept, not redone
 
 
-def test_other_inputs_and_weights_keep_their_path(stand_in, monkeypatch, on_cpu):
+@pytest.mark.parametrize("out_dims,table", [(64, "cuda-small"), (4096, "cuda")])
+def test_it_takes_calls_up_to_its_table_s_token_count(out_dims, table, stand_in, monkeypatch):
+    """CUTLASS_TOKENS per table (the weight's smaller dimension picks it, as for the other
+    tables); ESMC_MLX_CUTLASS_QMM=1 sends every count, =0 none."""
+    m = layer(in_dims=64 if table == "cuda-small" else 2048, out_dims=out_dims)
+    assert rq.table_name(kernels.weight_width(m["weight"], m.bits)) == table
+    last = rq.CUTLASS_TOKENS[table]
+    assert m.takes_cutlass(last) and not m.takes_cutlass(last + 1)
+    assert m.takes_dequantize(last + 1) and not m.takes_dequantize(last)
     monkeypatch.setenv(cutlass_qmm.ENV, "1")
+    assert m.takes_cutlass(last + 1) and m.takes_cutlass(64 * 512)
+    monkeypatch.setenv(cutlass_qmm.ENV, "0")
+    assert not m.takes_cutlass(1)
+
+
+def test_not_on_other_gpus(stand_in, monkeypatch, tmp_path):
+    """The build targets sm_90a: on any other device the extension is neither used nor built."""
+    m = layer()
+    monkeypatch.setattr(cutlass_qmm.kernel_cache, "device_arch", lambda: "sm_80")
+    assert not cutlass_qmm.enabled() and not m.takes_cutlass(10)
+    monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path))
+    with pytest.raises(cutlass_qmm.BuildError, match=r"compute capability 9.0 GPU only \(this device: sm_80\)"):
+        cutlass_qmm.build()
+    assert not (tmp_path / "cutlass_qmm").exists()
+
+
+def test_other_inputs_and_weights_keep_their_path(stand_in, monkeypatch, on_cpu):
     x32 = mx.random.normal((1, 7, 128), key=mx.random.key(2))
     m = layer()
     np.testing.assert_allclose(np.array(m(x32)), np.array(reference(m, x32)), rtol=1e-5, atol=1e-5)  # float32 x
@@ -84,7 +111,7 @@ def test_other_inputs_and_weights_keep_their_path(stand_in, monkeypatch, on_cpu)
         layer(out_dims=60),  # rows of y not 16 bytes
         layer(dtype=mx.float32),  # float32 scales
     ):
-        assert not other.takes_cutlass()
+        assert not other.takes_cutlass(7)
         np.testing.assert_allclose(
             np.array(other(xb).astype(mx.float32)),
             np.array(reference(other, xb).astype(mx.float32)),
@@ -93,7 +120,7 @@ def test_other_inputs_and_weights_keep_their_path(stand_in, monkeypatch, on_cpu)
         )
     assert stand_in.calls == []
     monkeypatch.setattr(rq, "backend", lambda: "cpu")
-    assert not m.takes_cutlass()
+    assert not m.takes_cutlass(7)
 
 
 def test_turning_it_on_makes_a_shape_run_eagerly_once_more(monkeypatch):
@@ -110,8 +137,9 @@ def test_turning_it_on_makes_a_shape_run_eagerly_once_more(monkeypatch):
     assert [model._use_compiled(ids, None) for _ in range(2)] == [False, True]
 
 
-def test_off_unless_asked_for_and_built(monkeypatch, tmp_path):
+def test_off_unless_built(monkeypatch, tmp_path):
     monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path))
+    monkeypatch.setattr(cutlass_qmm.kernel_cache, "device_arch", lambda: "sm_90a")
     cutlass_qmm._extension.cache_clear()
     try:
         monkeypatch.setenv(cutlass_qmm.ENV, "1")
@@ -190,7 +218,7 @@ def test_extension_matches_dequantize_and_matmul_on_cuda(bits, group_size, rows,
     monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
     m = layer(bits, group_size, in_dims=2560, out_dims=1024, bias=True)
     x = mx.random.normal((1, rows, 2560), key=mx.random.key(rows)).astype(mx.bfloat16)
-    assert m.takes_cutlass()
+    assert m.takes_cutlass(rows)
     got = m(x)
     assert mx.array_equal(got, m(x)).item()
     exact = reference(m, x.astype(mx.float32))

@@ -792,7 +792,7 @@ def test_seed_writes_the_module_where_mlx_reads_it(monkeypatch, tmp_path):
     """<MLX_PTX_CACHE_DIR>/<name>_<hex std::hash>.ptx holds the cubin, .txt the kernel's name and
     its mangled name; a second process finds them; other sources get other files."""
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernel_cache, "_device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(kernel_cache, "device_arch", lambda: "sm_90a")
     compiled = []
 
     def fake_compile(source, kernel, arch):
@@ -814,7 +814,7 @@ def test_seed_leaves_mlx_to_compile_when_it_cannot(monkeypatch, tmp_path):
     """Turned off, nothing printed, a compile error, no stdout, no GPU, no cache directory: no
     file at all (MLX compiles the kernel itself, as it always did)."""
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernel_cache, "_device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(kernel_cache, "device_arch", lambda: "sm_90a")
     monkeypatch.setenv(kernel_cache.ENV_VAR, "0")
     assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "off"
     monkeypatch.setenv(kernel_cache.ENV_VAR, "1")
@@ -832,9 +832,9 @@ def test_seed_leaves_mlx_to_compile_when_it_cannot(monkeypatch, tmp_path):
     with monkeypatch.context() as m:  # no stdout to borrow: the kernel call still goes ahead
         m.setattr(kernel_cache.os, "dup", no_fd)
         assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)).startswith("MLX's source not readable")
-    monkeypatch.setattr(kernel_cache, "_device_arch", lambda: None)
+    monkeypatch.setattr(kernel_cache, "device_arch", lambda: None)
     assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "no CUDA device"
-    monkeypatch.setattr(kernel_cache, "_device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(kernel_cache, "device_arch", lambda: "sm_90a")
     monkeypatch.delenv("MLX_PTX_CACHE_DIR")  # ESMC_MLX_CACHE=off: esmc_mlx did not set it
     assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "no cache directory"
     assert not list(tmp_path.iterdir())

@@ -1,32 +1,36 @@
 """CUTLASS's Hopper mixed-input GEMM for affine 4- and 8-bit weights: an MLX C++ primitive,
-built on the machine, off unless ``ESMC_MLX_CUTLASS_QMM=1`` (issue 16, thirty-first session).
+built on the machine, used wherever it is built unless ``ESMC_MLX_CUTLASS_QMM=0`` (issue 16,
+thirty-first and thirty-second sessions).
 
 Why it exists: past the fused kernel's token window, a quantized layer on CUDA dequantizes its
 weight to a bf16 copy and runs cuBLAS on it. At 1024 tokens on the 6B that copy's bytes are a
-floor no dequantize kernel gets under (docs/benchmarks.md, "Misses"): whole forwards stay at
-1.15-1.20x the bf16 twin. CUTLASS's mixed-input GEMM reads the packed weight itself and
-dequantizes it in registers on its way to the tensor cores. On the H200 (mlx 0.32.4), per 6B
-weight at 1024 tokens, inside MLX's graph: 0.84-1.06x MLX's bf16 matmul (a block's four
-together: 0.97x in 4-bit, 0.98x in 8-bit), where the shipped dequantize + matmul took
-1.31-1.59x; at 4096 tokens 1.00-1.12x against 1.14-1.26x; outputs within the bf16 matmul's own
-error of x @ dequantize(w).T (exp runs of the thirty-first session, docs/benchmarks.md). Whole
-forwards with it are not measured yet, so it is off by default.
+floor no dequantize kernel gets under (docs/benchmarks.md, "Misses"). CUTLASS's mixed-input GEMM
+reads the packed weight itself and dequantizes it in registers on its way to the tensor cores.
+Whole forwards on the H200 (mlx 0.32.4, quantized / bf16 time, dequantize + matmul -> CUTLASS;
+thirty-second session, docs/benchmarks.md): the 300M at 1x1024 1.07-1.14 -> 0.86-0.91, at 16x256
+1.08-1.09 -> 0.97-1.00; the 6B at 1x512 1.19-1.22 -> 1.02-1.03, at 1x1024 1.18-1.23 ->
+1.15-1.19. Where it lost (the 6B from 2048 tokens, the 300M at 32768) the tables keep
+dequantize + matmul: quantized.CUTLASS_TOKENS. Its outputs equalled dequantize + matmul's to
+the bit in every whole forward compared.
 
 Why C++: ``mx.fast.cuda_kernel`` cannot launch it. CUTLASS's Hopper kernels take TMA
 descriptors that the host encodes from the arrays' addresses, and a launch bound; a custom
 kernel sees neither. An MLX extension's ``eval_gpu`` has the addresses and adds the kernel to
 MLX's CUDA graph as MLX does with its own (cutlass_qmm.cu). CUTLASS's headers come with MLX's
 CUDA wheel; the build needs nvcc, nanobind 3.0 or 3.1 (MLX 0.32's binding ABI, internals v22)
-and fmt's headers (MLX's headers include them; torch ships a copy).
+and fmt's headers (MLX's headers include them; torch ships a copy). mxfp4 and mxfp8 cannot take
+it: its K tile must divide the group and be at least 64 (a static assert, "Consider increasing
+TileShapeK"), and their groups are 32.
 
     pip install 'esmc-mlx[cutlass]'           # nanobind
     python -m esmc_mlx.runtime.cutlass_qmm    # build it into <cache>/cutlass_qmm/mlx-<version>/
-    ESMC_MLX_CUTLASS_QMM=1 esmc-mlx ...        # then use it
+    esmc-mlx ...                               # used from then on (ESMC_MLX_CUTLASS_QMM=0: not)
 
 A layer takes it where the tables send its calls by dequantize + matmul (QuantizedLinear.policy)
-and its weight qualifies (``eligible``); it keeps a copy of its scales and biases transposed to
-[K / group, N], as CUTLASS wants them (1/16 of a byte a weight at groups of 64: 0.4 GB
-for the 6B).
+at token counts up to its table's CUTLASS_TOKENS (``ESMC_MLX_CUTLASS_QMM=1``: at every count,
+for benchmarks) and its weight qualifies (``eligible``); it keeps a copy of its scales and
+biases transposed to [K / group, N], as CUTLASS wants them (1/16 of a byte a weight at groups
+of 64: 0.4 GB for the 6B).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..hashes import cache_root
+from . import kernel_cache
 
 ENV = "ESMC_MLX_CUTLASS_QMM"
 SOURCE = Path(__file__).with_name("cutlass_qmm.cu")
@@ -53,6 +58,7 @@ MODULE = "_cutlass_qmm"
 # CUTLASS's tile: 128 weight rows by 256 tokens by 64 of K. At 1024 and 4096 tokens it beat the
 # 128 x 128 tile on every 6B weight (0.71-0.94x its time, standalone); the C++ side also has 128.
 TILE_TOKENS = 256
+HOPPER = "sm_90a"  # what the build targets (-arch); the kernel runs on nothing else
 
 
 class BuildError(RuntimeError):
@@ -87,9 +93,20 @@ def _extension():
     return None
 
 
+def runs_here() -> bool:
+    """Whether the default device runs the extension's code: sm_90a, Hopper only."""
+    return kernel_cache.device_arch() == HOPPER
+
+
 def enabled() -> bool:
-    """``ESMC_MLX_CUTLASS_QMM=1`` and the extension built for this MLX and Python."""
-    return os.environ.get(ENV) == "1" and _extension() is not None
+    """Built for this MLX and Python, on a Hopper GPU, and not turned off (``ESMC_MLX_CUTLASS_QMM=0``)."""
+    return os.environ.get(ENV) != "0" and runs_here() and _extension() is not None
+
+
+def forced() -> bool:
+    """``ESMC_MLX_CUTLASS_QMM=1``: every call the tables give to dequantize + matmul, whatever
+    its token count (benchmarks.cutlass_qmm_ab's side)."""
+    return os.environ.get(ENV) == "1"
 
 
 def eligible(layer: nn.Module) -> bool:
@@ -156,7 +173,7 @@ def build_command(output: Path, nvcc: str = "nvcc") -> list[str]:
         "-DNDEBUG",  # CUTLASS's device asserts are calls that serialize the wgmma pipeline
         "-DFMT_HEADER_ONLY",
         "-DNB_DOMAIN=mlx",  # mlx.core's nanobind domain: our functions take its arrays
-        "-arch=sm_90a",  # wgmma and TMA: Hopper only
+        f"-arch={HOPPER}",  # wgmma and TMA: Hopper only
         "--expt-relaxed-constexpr",
         "--diag-suppress=997,2908",
         "-Xcompiler",
@@ -185,6 +202,10 @@ def build(nvcc: str = "nvcc", log=print) -> Path:
     if folder is None:
         raise BuildError("the esmc-mlx cache is off (ESMC_MLX_CACHE=off): the extension is kept there")
     target = folder / (MODULE + sysconfig.get_config_var("EXT_SUFFIX"))
+    if not runs_here():
+        raise BuildError(
+            f"CUTLASS's Hopper kernel runs on a compute capability 9.0 GPU only (this device: {kernel_cache.device_arch() or 'none'})"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as work:
         partial = Path(work) / target.name
@@ -205,7 +226,7 @@ def main() -> int:
     except BuildError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 1
-    print(f"Built {path}. Turn it on with {ENV}=1.")
+    print(f"Built {path}. Quantized models use it from now on ({ENV}=0 turns it off).")
     return 0
 
 

@@ -102,7 +102,7 @@ def mlx_cache_dir() -> Path | None:
 
 
 @functools.cache
-def _device_arch() -> str | None:
+def device_arch() -> str | None:
     """NVRTC's --gpu-architecture for the default GPU, as MLX picks it (sm_XY, with the
     arch-specific 'a' from compute capability 9 on)."""
     info = mx.device_info()
@@ -224,7 +224,7 @@ def seed(make) -> str:
     "seeded", or why not."""
     if os.environ.get(ENV_VAR, "1") == "0":
         return "off"
-    arch, directory = _device_arch(), mlx_cache_dir()
+    arch, directory = device_arch(), mlx_cache_dir()
     if arch is None:
         return "no CUDA device"
     if directory is None:

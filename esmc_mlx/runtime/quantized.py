@@ -130,6 +130,20 @@ FUSED_TOKENS = {
 # values keeps each model on one table: the 600M's gate/up (6144x1152, 7.1M) is larger than
 # the 6B's o_proj. (python -m benchmarks.min_values_ab --gate small-width times another split.)
 SMALL_WIDTH = 2048
+# The most tokens at which a call the tables give to dequantize + matmul goes to CUTLASS's
+# mixed-input GEMM instead (runtime/cutlass_qmm: where it is built, affine 4/8-bit), per table.
+# Whole forwards, H200, quantized / bf16 time with dequantize + matmul -> with CUTLASS, affine4
+# and affine8, the sides interleaved (thirty-second issue-16 session, exp runs and
+# python -m benchmarks.cutlass_qmm_ab; docs/benchmarks.md):
+# - 6B: 512 tokens 1.22 -> 1.03 and 1.19 -> 1.02; 1024 tokens 1.18 -> 1.15 and 1.22 -> 1.15,
+#   again 1.21 -> 1.19 and 1.23 -> 1.16; 2048 (2x1024) 1.11 -> 1.17 and 1.14 -> 1.18; 4096
+#   (16x256) 1.04 -> 1.09 and 1.06 -> 1.08, 1.05 -> 1.11 and 1.09 -> 1.13; 32768 (64x512)
+#   1.00 -> 1.03 and 1.01 -> 1.05. The 6B's end: 1024.
+# - 300M: 1024 tokens 1.14 -> 0.91 and 1.07 -> 0.86; 4096 (16x256) 1.09 -> 0.97 and
+#   1.08 -> 1.00, (4x1024) 1.06 -> 1.00 and 1.07 -> 0.96; 512 (affine8; affine4's 512 is in
+#   the fused window) 1.13 -> 0.87; 32768 (64x512) 1.06 -> 1.10 and 1.06 -> 1.12. The 300M's
+#   end: 4096; 4097-32767 not measured. The 600M shares the 300M's table, not measured.
+CUTLASS_TOKENS = {"cuda": 1024, "cuda-small": 4096}
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
 # fused where kernels.quantized_matmul runs, else the table); "auto" or unset uses the tables.
 POLICY_ENV = "ESMC_MLX_QUANT_MATMUL"
@@ -232,10 +246,14 @@ class QuantizedLinear(nn.QuantizedLinear):
             dequantize or mlx_quantized_matmul_fails(in_dims, self.group_size),
         )
 
-    def takes_cutlass(self) -> bool:
-        """True when this layer's dequantize + matmul calls go to CUTLASS's mixed-input GEMM
-        instead, for bfloat16 inputs (cutlass_qmm: opt-in, CUDA, built on the machine)."""
-        return backend() == "cuda" and cutlass_qmm.enabled() and cutlass_qmm.eligible(self)
+    def takes_cutlass(self, tokens: int) -> bool:
+        """True when this layer's dequantize + matmul calls of ``tokens`` rows go to CUTLASS's
+        mixed-input GEMM instead, for bfloat16 inputs (cutlass_qmm: on a Hopper GPU, where it
+        is built; up to CUTLASS_TOKENS)."""
+        if backend() != "cuda" or not cutlass_qmm.enabled() or not cutlass_qmm.eligible(self):
+            return False
+        width = kernels.weight_width(self["weight"], self.bits)
+        return cutlass_qmm.forced() or tokens <= CUTLASS_TOKENS[table_name(width)]
 
     def takes_dequantize(self, tokens: int) -> bool:
         """True when ``tokens`` rows through this layer go by dequantize + matmul, outside the
@@ -243,17 +261,18 @@ class QuantizedLinear(nn.QuantizedLinear):
         ``__call__`` and dequantizes its own weight, as does a layer CUTLASS takes when its
         input is not bfloat16.)"""
         fused, dequantize = self.policy(tokens)
-        return dequantize and not fused and not self.takes_cutlass()
+        return dequantize and not fused and not self.takes_cutlass(tokens)
 
     def __call__(self, x: mx.array) -> mx.array:
-        fused, dequantize = self.policy(token_count(x))
+        tokens = token_count(x)
+        fused, dequantize = self.policy(tokens)
         packed = (self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode)
         if fused and kernels.quantized_matmul_supported(x, *packed):
             y = kernels.quantized_matmul(x, *packed)
             return y + self["bias"] if "bias" in self else y
         if not dequantize:
             return super().__call__(x)
-        if x.dtype == mx.bfloat16 and self.takes_cutlass():
+        if x.dtype == mx.bfloat16 and self.takes_cutlass(tokens):
             return cutlass_qmm.matmul(self, x)
         wt = self.given_transposed
         if wt is None or wt.dtype != x.dtype:
