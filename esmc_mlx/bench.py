@@ -285,11 +285,11 @@ def machine(with_torch: bool = True) -> dict:
         "device": str(mx.default_device()),
         "cpu_count": os.cpu_count(),
         "date": datetime.date.today().isoformat(),
-        # whether quantized layers may take CUTLASS's mixed-input GEMM here (built, Hopper, not off)
-        "cutlass_qmm": cutlass_qmm.enabled(),
     }
     try:
         info["device_info"] = {k: str(v) for k, v in mx.device_info().items()}
+        # whether quantized layers may take CUTLASS's mixed-input GEMM here (built, Hopper, not off)
+        info["cutlass_qmm"] = cutlass_qmm.enabled()
     except Exception:  # older mlx, or a backend that does not describe itself
         pass
     try:
@@ -414,7 +414,9 @@ def run(
         "quantized": [],
         "isolation": "each side in its own process",
     }
-    cutlass = "; CUTLASS mixed-input GEMM built (quantized layers use it)" if results["machine"]["cutlass_qmm"] else ""
+    cutlass = (
+        "; CUTLASS mixed-input GEMM built (quantized layers use it)" if results["machine"].get("cutlass_qmm") else ""
+    )
     log(
         f"backend {device}, {dtype}, mlx {mx.__version__}; torch {'in its own process' if with_torch else 'absent'}{cutlass}"
     )

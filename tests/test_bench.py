@@ -22,7 +22,7 @@ from benchmarks import (
 from benchmarks.crossover_forward import crossover
 from esmc_mlx import bench
 from esmc_mlx.cli import main
-from esmc_mlx.runtime import kernels, quantized
+from esmc_mlx.runtime import cutlass_qmm, kernels, quantized
 
 
 @pytest.mark.slow  # two fresh interpreters, one importing torch
@@ -48,6 +48,18 @@ def test_bench_without_torch_times_mlx_alone(tmp_path):
     assert out.exit_code == 0, out.output
     results = json.loads((tmp_path / "bench.json").read_text())
     assert [r["impl"] for r in results["forward"]] == ["mlx"] and results["agreement"] == {}
+    assert results["machine"]["cutlass_qmm"] is False and "CUTLASS" not in out.output  # not on a CPU
+
+
+def test_bench_says_when_quantized_layers_use_cutlass(tmp_path, monkeypatch):
+    """Its ratios move with the extension, so the bench records and prints whether it is on."""
+    monkeypatch.setattr(cutlass_qmm, "enabled", lambda: True)
+    out = CliRunner().invoke(
+        main, ["bench", "--model", "tiny", "--shapes", "1x8", "--device", "cpu", "--no-torch", "-o", str(tmp_path)]
+    )
+    assert out.exit_code == 0, out.output
+    assert json.loads((tmp_path / "bench.json").read_text())["machine"]["cutlass_qmm"] is True
+    assert "CUTLASS mixed-input GEMM built (quantized layers use it)" in out.output.splitlines()[0]
 
 
 def test_bench_says_when_the_float_model_moved_across_the_run(tmp_path, monkeypatch, capsys):
