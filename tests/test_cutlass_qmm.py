@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from esmc_mlx import testing
+from esmc_mlx.errors import EsmcMlxError
 from esmc_mlx.runtime import cutlass_qmm, kernels
 from esmc_mlx.runtime import quantized as rq
 
@@ -162,6 +163,13 @@ def test_a_build_that_does_not_load_says_so(monkeypatch, tmp_path):
     try:
         with pytest.raises(cutlass_qmm.BuildError, match=f"{broken} does not load .*rebuild it"):
             cutlass_qmm._extension()
+        # on by default where built: a Hopper GPU's quantized forward meets it, as one Error: line
+        monkeypatch.setattr(rq, "backend", lambda: "cuda")
+        monkeypatch.setattr(cutlass_qmm.kernel_cache, "device_arch", lambda: "sm_90a")
+        monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
+        monkeypatch.delenv(cutlass_qmm.ENV, raising=False)
+        with pytest.raises(EsmcMlxError, match="does not load"):
+            layer()(mx.zeros((1, 4, 128), dtype=mx.bfloat16))
     finally:
         cutlass_qmm._extension.cache_clear()
 

@@ -49,6 +49,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import EsmcMlxError
 from ..hashes import cache_root
 from . import kernel_cache
 
@@ -61,8 +62,9 @@ TILE_TOKENS = 256
 HOPPER = "sm_90a"  # what the build targets (-arch); the kernel runs on nothing else
 
 
-class BuildError(RuntimeError):
-    """The extension could not be built; the message names what is missing."""
+class BuildError(EsmcMlxError, RuntimeError):
+    """The extension could not be built, or a build does not load; the message names what is
+    missing (the CLI prints it as its one ``Error:`` line)."""
 
 
 def build_dir() -> Path | None:
