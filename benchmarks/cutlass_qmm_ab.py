@@ -9,7 +9,7 @@ what CUTLASS_TOKENS should hold.
 tokens: bf16 ``x @ w.T``, the shipped dequantize + matmul, CUTLASS (50 calls evaluated
 together, the three interleaved, median of 5).
 
-Needs the extension built on the GPU machine: ``python -m esmc_mlx.runtime.cutlass_qmm``.
+Needs the extension built on the GPU machine: ``esmc-mlx build-cutlass``.
 
     python -m benchmarks.cutlass_qmm_ab --model 6B --weights --json $OUT/6b.json      # GPU
     python -m benchmarks.cutlass_qmm_ab --model 300M --modes affine4 --shapes 1x1024,16x256
@@ -110,9 +110,7 @@ def main(argv=None) -> dict:
     add_forward_arguments(p, model="6B", modes="affine4,affine8", shapes="1x256,1x1024,16x256,64x512")
     a = parse_forward_arguments(p, argv)
     if cutlass_qmm._extension() is None:
-        raise SystemExit(
-            f"Error: the extension is not built for MLX {mx.__version__}: python -m esmc_mlx.runtime.cutlass_qmm"
-        )
+        raise SystemExit(f"Error: the extension is not built for MLX {mx.__version__}: esmc-mlx build-cutlass")
     config, weights, bf16 = random_bf16(a.model)
     result = {"machine": machine(with_torch=False), "model": a.model, "rows": [], "weights": []}
     for mode in a.modes.split(","):

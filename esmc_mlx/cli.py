@@ -22,6 +22,7 @@ from .convert import quantize_directory
 from .errors import EsmcMlxError, EsmcMlxWarning
 from .hub.push import push_artifact
 from .pipeline import convert_validate_many, convert_validate_push
+from .runtime import cutlass_qmm
 from .tasks.distributed import World
 from .tasks.jobs import embed_fasta, scan_job, score_csv
 from .tasks.scoring import DEFAULT_WINDOW
@@ -950,6 +951,21 @@ def bench(models, shapes, device, dtype, variants, quant, no_torch, out_dir):
         with_torch=not no_torch,
         log=click.echo,
     )
+
+
+BUILD_CUTLASS_HELP = f"""Build CUTLASS's Hopper mixed-input GEMM (an MLX extension) for this MLX and Python
+into esmc-mlx's cache, in about 2 minutes. On a Hopper GPU (H100, H200) affine 4/8-bit models
+then run it instead of dequantize + matmul where it was measured faster;
+{cutlass_qmm.ENV}=0 turns it off. Needs nvcc (CUDA 13), nanobind 3.0/3.1
+(pip install 'esmc-mlx[cutlass]') and fmt's headers (torch's copy, libfmt-dev or $FMT_INCLUDE).
+"""
+
+
+@main.command(name="build-cutlass", help=BUILD_CUTLASS_HELP)
+@click.option("--nvcc", default="nvcc", show_default=True, help="The CUDA compiler to run.")
+def build_cutlass(nvcc):
+    path = cutlass_qmm.build(nvcc, log=click.echo)
+    click.echo(f"Built {path}. Quantized models use it from now on ({cutlass_qmm.ENV}=0 turns it off).")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 On the CPU the compiled extension is stood in for by a function with its contract (transposed
 scales and biases in, x @ dequantize(w).T out), to check which layers and calls reach it and
 what they hand it. The GPU tests run the real one where it has been built
-(``python -m esmc_mlx.runtime.cutlass_qmm``) on a CUDA GPU.
+(``esmc-mlx build-cutlass``) on a CUDA GPU.
 """
 
 import sys
@@ -11,8 +11,10 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from esmc_mlx import testing
+from esmc_mlx.cli import main
 from esmc_mlx.errors import EsmcMlxError
 from esmc_mlx.runtime import cutlass_qmm, kernels
 from esmc_mlx.runtime import quantized as rq
@@ -174,7 +176,7 @@ def test_a_build_that_does_not_load_says_so(monkeypatch, tmp_path):
         cutlass_qmm._extension.cache_clear()
 
 
-def test_build_names_what_is_missing(monkeypatch, tmp_path, capsys):
+def test_build_names_what_is_missing(monkeypatch, tmp_path):
     out = tmp_path / "x.so"
     with pytest.raises(cutlass_qmm.BuildError, match="no-such-nvcc not found"):
         cutlass_qmm.build_command(out, nvcc="no-such-nvcc")
@@ -194,10 +196,29 @@ def test_build_names_what_is_missing(monkeypatch, tmp_path, capsys):
     with pytest.raises(cutlass_qmm.BuildError, match="nanobind 2.9.2 does not share"):
         cutlass_qmm.build_command(out)
     monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path))
-    monkeypatch.setattr(cutlass_qmm, "build", lambda: (_ for _ in ()).throw(cutlass_qmm.BuildError("nvcc failed: x")))
-    assert cutlass_qmm.main() == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["Error: nvcc failed: x"]
+    failed = cutlass_qmm.BuildError("nvcc failed: x")
+    monkeypatch.setattr(cutlass_qmm, "build", lambda nvcc, log: (_ for _ in ()).throw(failed))
+    out = CliRunner().invoke(main, ["build-cutlass"])
+    assert out.exit_code == 1 and out.output.strip().splitlines() == ["Error: nvcc failed: x"]
+
+
+def test_build_cutlass_help_explains_without_building(monkeypatch):
+    monkeypatch.setattr(cutlass_qmm, "build", lambda nvcc, log: pytest.fail("--help built the extension"))
+    out = CliRunner().invoke(main, ["build-cutlass", "--help"])
+    assert out.exit_code == 0
+    text = " ".join(out.output.split())
+    assert "build-cutlass [OPTIONS]" in text and f"{cutlass_qmm.ENV}=0 turns it off" in text
+
+
+def test_build_cutlass_passes_its_compiler_and_says_where_it_went(monkeypatch, tmp_path):
+    made = tmp_path / "x.so"
+    monkeypatch.setattr(cutlass_qmm, "build", lambda nvcc, log: log(f"with {nvcc}") or made)
+    out = CliRunner().invoke(main, ["build-cutlass", "--nvcc", "/opt/cuda/bin/nvcc"])
+    assert out.exit_code == 0, out.output
+    assert out.output.splitlines() == [
+        "with /opt/cuda/bin/nvcc",
+        f"Built {made}. Quantized models use it from now on ({cutlass_qmm.ENV}=0 turns it off).",
+    ]
 
 
 def test_build_command_reads_mlx_s_cutlass_headers(monkeypatch, tmp_path):
@@ -214,9 +235,7 @@ ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 BUILT = ON_CUDA and cutlass_qmm._extension() is not None
 
 
-@pytest.mark.skipif(
-    not BUILT, reason="needs MLX on a CUDA GPU and the extension built (python -m esmc_mlx.runtime.cutlass_qmm)"
-)
+@pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
 @pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 64), (4, 128)])
 @pytest.mark.parametrize("rows", [1, 3, 300, 1024])
 def test_extension_matches_dequantize_and_matmul_on_cuda(bits, group_size, rows, monkeypatch):

@@ -23,7 +23,7 @@ it: its K tile must divide the group and be at least 64 (a static assert, "Consi
 TileShapeK"), and their groups are 32.
 
     pip install 'esmc-mlx[cutlass]'           # nanobind
-    python -m esmc_mlx.runtime.cutlass_qmm    # build it into <cache>/cutlass_qmm/mlx-<version>/
+    esmc-mlx build-cutlass                     # build it into <cache>/cutlass_qmm/mlx-<version>/
     esmc-mlx ...                               # used from then on (ESMC_MLX_CUTLASS_QMM=0: not)
 
 A layer takes it where the tables send its calls by dequantize + matmul (QuantizedLinear.policy)
@@ -41,7 +41,6 @@ import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -88,9 +87,7 @@ def _extension():
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
             except ImportError as e:
-                raise BuildError(
-                    f"{path} does not load ({e}): rebuild it, python -m esmc_mlx.runtime.cutlass_qmm"
-                ) from None
+                raise BuildError(f"{path} does not load ({e}): rebuild it with esmc-mlx build-cutlass") from None
             return module
     return None
 
@@ -220,17 +217,3 @@ def build(nvcc: str = "nvcc", log=print) -> Path:
         os.replace(partial, target)
     _extension.cache_clear()
     return target
-
-
-def main() -> int:
-    try:
-        path = build()
-    except BuildError as e:
-        print(f"Error: {e}", file=sys.stderr)
-        return 1
-    print(f"Built {path}. Quantized models use it from now on ({ENV}=0 turns it off).")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
