@@ -6,12 +6,9 @@ Why it exists: past the fused kernel's token window, a quantized layer on CUDA d
 weight to a bf16 copy and runs cuBLAS on it. At 1024 tokens on the 6B that copy's bytes are a
 floor no dequantize kernel gets under (docs/benchmarks.md, "Misses"). CUTLASS's mixed-input GEMM
 reads the packed weight itself and dequantizes it in registers on its way to the tensor cores.
-Whole forwards on the H200 (mlx 0.32.4, quantized / bf16 time, dequantize + matmul -> CUTLASS;
-thirty-second session, docs/benchmarks.md): the 300M at 1x1024 1.07-1.14 -> 0.86-0.91, at 16x256
-1.08-1.09 -> 0.97-1.00; the 6B at 1x512 1.19-1.22 -> 1.02-1.03, at 1x1024 1.18-1.23 ->
-1.15-1.19. Where it lost (the 6B from 2048 tokens, the 300M at 32768) the tables keep
-dequantize + matmul: quantized.CUTLASS_TOKENS. Its outputs equalled dequantize + matmul's to
-the bit in every whole forward compared.
+Where it won in whole forwards on the H200, and by how much, is quantized.CUTLASS_TOKENS and
+its comment; elsewhere the tables keep dequantize + matmul. Its outputs equalled dequantize +
+matmul's to the bit in every whole forward compared.
 
 Why C++: ``mx.fast.cuda_kernel`` cannot launch it. CUTLASS's Hopper kernels take TMA
 descriptors that the host encodes from the arrays' addresses, and a launch bound; a custom
