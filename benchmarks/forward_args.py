@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -44,3 +45,18 @@ def random_bf16(model: str) -> tuple:
     config = config_for(model)
     weights = dict(tree_flatten(random_mlx_model(config, mx.bfloat16).parameters()))
     return config, weights, mlx_model(config, weights, fuse=True, compile=True)
+
+
+def models_per_mode(a: argparse.Namespace, modes: list[str]) -> tuple:
+    """(config, {mode: model}) for parsed --model, --device and ``a.layers`` (None: the model's
+    own count): one set of random weights (bf16 on a GPU, float32 on the CPU), the shipped model
+    on them per mode (fused, compiled; "bf16" unquantized, else crossover_forward.RECORDS')."""
+    from benchmarks.crossover_forward import RECORDS
+
+    config = config_for(a.model)
+    if a.layers:
+        config = dataclasses.replace(config, num_hidden_layers=a.layers)
+    dtype = mx.bfloat16 if a.device == "gpu" else mx.float32
+    weights = dict(tree_flatten(random_mlx_model(config, dtype).parameters()))
+    quant = {m: None if m == "bf16" else RECORDS[m] for m in modes}
+    return config, {m: mlx_model(config, weights, fuse=True, compile=True, quant=quant[m]) for m in modes}

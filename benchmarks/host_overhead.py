@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
-import dataclasses
 import re
 import statistics
 import sys
@@ -37,16 +36,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from benchmarks import save_json
-from benchmarks.crossover_forward import RECORDS
-from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments
-from esmc_mlx.bench import config_for, forward_fns, machine, mlx_model, parse_shapes, time_interleaved
-from esmc_mlx.testing import random_mlx_model
+from benchmarks.forward_args import add_forward_arguments, models_per_mode, parse_forward_arguments
+from esmc_mlx.bench import forward_fns, machine, parse_shapes, time_interleaved
 
 # Kernel name -> group, first match wins (names as Nsight Compute prints them).
 GROUPS = (
+    ("cutlass qmm", r"GemmUniversal"),  # runtime/cutlass_qmm's kernel (cuBLAS's names differ)
     ("fused qmm", r"esmc_qmm"),
     ("dequantize", r"esmc_dequant|dequantize|affine_dequant|fp_dequant"),
     ("quantized_matmul", r"qmm|qmv|quantized|gather_qmm"),
@@ -128,15 +125,8 @@ def main(argv=None) -> dict:
         save_json(a.json, out)
         return out
     a = parse_forward_arguments(p, argv)
-    config = config_for(a.model)
-    if a.layers:
-        config = dataclasses.replace(config, num_hidden_layers=a.layers)
-    dtype = mx.bfloat16 if a.device == "gpu" else mx.float32
-    weights = dict(tree_flatten(random_mlx_model(config, dtype).parameters()))
     modes = a.modes.split(",")
-    models = {
-        m: mlx_model(config, weights, fuse=True, compile=True, quant=None if m == "bf16" else RECORDS[m]) for m in modes
-    }
+    config, models = models_per_mode(a, modes)
     result = {"machine": machine(with_torch=False), "model": a.model, "layers": config.num_hidden_layers, "rows": []}
     for batch, length in parse_shapes(a.shapes):
         ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(batch, length)))

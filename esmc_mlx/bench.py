@@ -276,7 +276,10 @@ def compare_forward(
 
 
 # --- report --------------------------------------------------------------------------------
-def machine(with_torch: bool = True) -> dict:
+def machine(with_torch: bool = True, device: str | None = None) -> dict:
+    """What ran a benchmark; ``device`` ("cpu" or "gpu"; default MLX's default device) is where
+    its MLX side runs."""
+    device = device or ("gpu" if mx.default_device() == mx.gpu else "cpu")
     info = {
         "platform": platform.platform(),
         "machine": platform.machine(),
@@ -288,8 +291,9 @@ def machine(with_torch: bool = True) -> dict:
     }
     try:
         info["device_info"] = {k: str(v) for k, v in mx.device_info().items()}
-        # whether quantized layers may take CUTLASS's mixed-input GEMM here (built, Hopper, not off)
-        info["cutlass_qmm"] = cutlass_qmm.enabled()
+        # whether quantized layers may take CUTLASS's mixed-input GEMM here (built, Hopper, not off;
+        # never on the CPU, though the GPU beside it has the extension)
+        info["cutlass_qmm"] = device == "gpu" and cutlass_qmm.enabled()
     except Exception:  # older mlx, or a backend that does not describe itself
         pass
     try:
@@ -405,7 +409,7 @@ def run(
         log("torch is not installed: timing MLX only (pip install 'esmc-mlx[torch]' for the comparison)")
         with_torch = False
     results = {
-        "machine": machine(with_torch=False),
+        "machine": machine(with_torch=False, device=device),
         "backend": device,
         "dtype": dtype,
         "forward": [],

@@ -52,14 +52,22 @@ def test_bench_without_torch_times_mlx_alone(tmp_path):
 
 
 def test_bench_says_when_quantized_layers_use_cutlass(tmp_path, monkeypatch):
-    """Its ratios move with the extension, so the bench records and prints whether it is on."""
+    """Its ratios move with the extension, so the bench records and prints whether it is on: on
+    a GPU job where it is built, never on a CPU job (a Hopper machine's CPU job recorded it
+    before the thirty-third session: the GPU beside it had it)."""
     monkeypatch.setattr(cutlass_qmm, "enabled", lambda: True)
     out = CliRunner().invoke(
         main, ["bench", "--model", "tiny", "--shapes", "1x8", "--device", "cpu", "--no-torch", "-o", str(tmp_path)]
     )
     assert out.exit_code == 0, out.output
-    assert json.loads((tmp_path / "bench.json").read_text())["machine"]["cutlass_qmm"] is True
-    assert "CUTLASS mixed-input GEMM built (quantized layers use it)" in out.output.splitlines()[0]
+    assert json.loads((tmp_path / "bench.json").read_text())["machine"]["cutlass_qmm"] is False
+    assert "CUTLASS" not in out.output
+    assert bench.machine(with_torch=False, device="gpu")["cutlass_qmm"] is True
+    lines = []
+    monkeypatch.setattr(bench, "_side", lambda kind, job, log: {"rows": [], "agreement": {}, "quantized": []})
+    monkeypatch.setattr(bench.mx, "is_available", lambda device: True)
+    bench.run(models=("tiny",), shapes=[(1, 8)], device="gpu", with_torch=False, out_dir=tmp_path, log=lines.append)
+    assert "CUTLASS mixed-input GEMM built (quantized layers use it)" in lines[0]
 
 
 def test_bench_says_when_the_float_model_moved_across_the_run(tmp_path, monkeypatch, capsys):

@@ -6,6 +6,7 @@ what they hand it. The GPU tests run the real one where it has been built
 (``esmc-mlx build-cutlass``) on a CUDA GPU.
 """
 
+import importlib.machinery
 import sys
 
 import mlx.core as mx
@@ -19,6 +20,8 @@ from esmc_mlx.errors import EsmcMlxError
 from esmc_mlx.runtime import cutlass_qmm, kernels
 from esmc_mlx.runtime import quantized as rq
 
+EXTENSION_SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+
 
 class StandIn:
     """The extension's contract on any device: scales and biases come as [K / group, N]."""
@@ -26,10 +29,13 @@ class StandIn:
     def __init__(self):
         self.calls = []
 
-    def quantized_matmul(self, x, q, scales_t, biases_t, bits, group_size, tile_n):
-        self.calls.append((x.shape, bits, group_size, tile_n))
+    def quantized_matmul(self, x, q, scales_t, biases_t, bits, group_size, stream_k):
+        self.calls.append((x.shape, bits, group_size, stream_k))
         w = mx.dequantize(q, scales_t.T, biases_t.T, group_size=group_size, bits=bits)
         return x @ w.T
+
+    def sm_count(self):
+        return 132  # an H100 or H200 (SXM)
 
 
 @pytest.fixture
@@ -40,6 +46,7 @@ def stand_in(monkeypatch):
     monkeypatch.setattr(cutlass_qmm.kernel_cache, "device_arch", lambda: "sm_90a")  # a Hopper GPU
     monkeypatch.setenv(rq.POLICY_ENV, "dequantize")  # every call by dequantize + matmul: no CUDA kernel runs
     monkeypatch.delenv(cutlass_qmm.ENV, raising=False)
+    monkeypatch.delenv(cutlass_qmm.SCHEDULE_ENV, raising=False)
     return fake
 
 
@@ -68,7 +75,7 @@ def test_bfloat16_calls_go_to_the_extension_with_transposed_scales(
     monkeypatch.delenv(cutlass_qmm.ENV)  # on by default where built
     assert m.takes_cutlass(10) and not m.takes_dequantize(10)  # no block dequantize made for it
     on = m(x)
-    assert stand_in.calls == [((2, 5, 128), bits, group_size, cutlass_qmm.TILE_TOKENS)]  # the C++ side flattens
+    assert stand_in.calls == [((2, 5, 128), bits, group_size, False)]  # the C++ side flattens; one tile: whole
     assert on.shape == (2, 5, 64)
     np.testing.assert_array_equal(np.array(on.astype(mx.float32)), np.array(reference(m, x).astype(mx.float32)))
     np.testing.assert_allclose(np.array(on.astype(mx.float32)), np.array(off.astype(mx.float32)), rtol=2e-2, atol=2e-2)
@@ -89,6 +96,35 @@ def test_it_takes_calls_up_to_its_table_s_token_count(out_dims, table, stand_in,
     assert m.takes_cutlass(last + 1) and m.takes_cutlass(64 * 512)
     monkeypatch.setenv(cutlass_qmm.ENV, "0")
     assert not m.takes_cutlass(1)
+
+
+def test_stream_k_where_whole_tiles_leave_the_last_wave_short(stand_in, monkeypatch):
+    """Whole 128 x 256 tiles on 132 SMs: the 6B's 2560-row weights at 1024 tokens make 80 tiles
+    (0.61 of a wave), its q/k/v (7680 rows) 240 (two waves, 0.91: whole tiles), its gate/up
+    (13824) 432 (four waves, 0.82). Stream-K takes a short wave with enough K iterations to
+    share: the down_proj (K 6912: 8640) and the gate/up (17280), not the o_proj (K 2560: 3200)
+    nor the 300M's gate/up (5120 x 960: 2400). The environment forces either schedule, and the
+    layer hands the choice to the kernel."""
+    assert cutlass_qmm.wave_fill(2560, 1024, 132) == pytest.approx(80 / 132)
+    assert cutlass_qmm.wave_fill(7680, 1024, 132) == pytest.approx(240 / 264)
+    assert cutlass_qmm.wave_fill(13824, 1024, 132) == pytest.approx(432 / 528)
+    assert cutlass_qmm.wave_fill(2560, 1000, 132) == cutlass_qmm.wave_fill(
+        2560, 1024, 132
+    )  # a ragged tile counts whole
+    six_b = [(2560, 6912), (13824, 2560), (2560, 2560), (7680, 2560)]  # down, gate/up, o, q/k/v
+    assert [cutlass_qmm.stream_k(rows, 1024, k) for rows, k in six_b] == [True, True, False, False]
+    assert not cutlass_qmm.stream_k(5120, 1024, 960)
+    monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, "persistent")
+    assert not cutlass_qmm.stream_k(2560, 1024, 6912)
+    monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, "stream-k")
+    assert cutlass_qmm.stream_k(7680, 1024, 2560)
+    monkeypatch.setattr(cutlass_qmm, "STREAM_K_MIN_ITERATIONS", 1)  # a small layer qualifies
+    m = layer(in_dims=128, out_dims=7680)  # 60 tiles at 10 tokens
+    monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, "persistent")
+    m(mx.zeros((10, 128), dtype=mx.bfloat16))
+    monkeypatch.delenv(cutlass_qmm.SCHEDULE_ENV)
+    m(mx.zeros((10, 128), dtype=mx.bfloat16))
+    assert [call[-1] for call in stand_in.calls] == [False, True]
 
 
 def test_not_on_other_gpus(stand_in, monkeypatch, tmp_path):
@@ -138,6 +174,8 @@ def test_turning_it_on_makes_a_shape_run_eagerly_once_more(monkeypatch):
     assert [model._use_compiled(ids, None) for _ in range(2)] == [False, True]
     monkeypatch.setenv(cutlass_qmm.ENV, "1")
     assert [model._use_compiled(ids, None) for _ in range(2)] == [False, True]
+    monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, "stream-k")  # a forced schedule is a choice too
+    assert [model._use_compiled(ids, None) for _ in range(2)] == [False, True]
 
 
 def test_off_unless_built(monkeypatch, tmp_path):
@@ -146,8 +184,15 @@ def test_off_unless_built(monkeypatch, tmp_path):
     cutlass_qmm._extension.cache_clear()
     try:
         monkeypatch.setenv(cutlass_qmm.ENV, "1")
-        assert cutlass_qmm.build_dir() == tmp_path / "cutlass_qmm" / f"mlx-{mx.__version__}"
+        folder = cutlass_qmm.build_dir()
+        assert folder.parent == tmp_path / "cutlass_qmm" and folder.name.startswith(f"mlx-{mx.__version__}-")
         assert cutlass_qmm._extension() is None and not cutlass_qmm.enabled()  # nothing built there
+        # A build of another cutlass_qmm.cu (another signature) lies elsewhere and is not loaded.
+        old = tmp_path / "cutlass_qmm" / f"mlx-{mx.__version__}" / f"{cutlass_qmm.MODULE}{EXTENSION_SUFFIX}"
+        old.parent.mkdir(parents=True)
+        old.write_bytes(b"not this source's build")
+        cutlass_qmm._extension.cache_clear()
+        assert cutlass_qmm._extension() is None and not cutlass_qmm.enabled()
         monkeypatch.setenv("ESMC_MLX_CACHE", "off")
         assert cutlass_qmm.build_dir() is None
         with pytest.raises(cutlass_qmm.BuildError, match="cache is off"):
@@ -158,7 +203,7 @@ def test_off_unless_built(monkeypatch, tmp_path):
 
 def test_a_build_that_does_not_load_says_so(monkeypatch, tmp_path):
     monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path))
-    broken = cutlass_qmm.build_dir() / (cutlass_qmm.MODULE + cutlass_qmm.importlib.machinery.EXTENSION_SUFFIXES[0])
+    broken = cutlass_qmm.build_dir() / (cutlass_qmm.MODULE + EXTENSION_SUFFIX)
     broken.parent.mkdir(parents=True)
     broken.write_bytes(b"not a shared library")
     cutlass_qmm._extension.cache_clear()
@@ -238,10 +283,14 @@ BUILT = ON_CUDA and cutlass_qmm._extension() is not None
 @pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
 @pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 64), (4, 128)])
 @pytest.mark.parametrize("rows", [1, 3, 300, 1024])
-def test_extension_matches_dequantize_and_matmul_on_cuda(bits, group_size, rows, monkeypatch):
-    """The real kernel against x @ dequantize(w).T in float32, at most the bf16 matmul's own
-    error from it (measured equal to the bit on the 6B's shapes in the thirty-first session)."""
+@pytest.mark.parametrize("schedule", ["persistent", "stream-k"])
+def test_extension_matches_dequantize_and_matmul_on_cuda(bits, group_size, rows, schedule, monkeypatch):
+    """The real kernel, either schedule, against x @ dequantize(w).T in float32: at most the
+    bf16 matmul's own error from it (the persistent tiles measured equal to the bit on the 6B's
+    shapes in the thirty-first session), and the same bits on a second call (stream-K's partial
+    sums are added in a fixed order)."""
     monkeypatch.setenv(cutlass_qmm.ENV, "1")
+    monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, schedule)
     monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
     m = layer(bits, group_size, in_dims=2560, out_dims=1024, bias=True)
     x = mx.random.normal((1, rows, 2560), key=mx.random.key(rows)).astype(mx.bfloat16)

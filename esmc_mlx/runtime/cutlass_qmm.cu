@@ -1,14 +1,18 @@
 // An MLX primitive for affine-quantized matmuls on Hopper GPUs: CUTLASS's mixed-input GEMM (the
 // weight dequantized in registers on its way to the tensor cores; TMA copies; warp-specialized),
 // added to MLX's CUDA graph as MLX adds its own kernels. Built on the machine by
-// `python -m esmc_mlx.runtime.cutlass_qmm` (esmc_mlx/runtime/cutlass_qmm.py says why C++ and
-// what was measured); CUTLASS's headers come with MLX's CUDA wheel.
+// `esmc-mlx build-cutlass` (esmc_mlx/runtime/cutlass_qmm.py says why C++ and what was measured);
+// CUTLASS's headers come with MLX's CUDA wheel.
 //
 // y[M, N] = x[M, K] @ (scales * q + biases)[N, K]^T: x bfloat16, q MLX's packed weight (4 or 8
 // bits, K contiguous), scales and biases bfloat16 and transposed to [K / group, N] (CUTLASS wants
 // them N-major), groups of 64 or 128. The caller hands in scales and biases already row-contiguous
 // (cutlass_qmm.matmul makes them so once per layer): a contiguous() here would add two graph nodes
 // to every call; eval_gpu refuses any input that is not.
+//
+// Two schedules of the same 128 x 256 tiles: "persistent" (each SM takes whole output tiles) and
+// "stream-k" (the tiles' K iterations shared evenly among the SMs, partial sums fixed up through a
+// workspace in a fixed order: deterministic). Which one a call takes is cutlass_qmm.stream_k's.
 #include <nanobind/nanobind.h>
 
 #include "mlx/array.h"
@@ -23,6 +27,7 @@
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
@@ -32,7 +37,11 @@ using Bf16 = cutlass::bfloat16_t;
 
 // The weight is the builder's A operand (a narrow operand must pass through registers), so the
 // problem is given swapped, (N, M, K), and the output is column-major in (N, M): y row-major.
-template <class Quant, class Tile>
+using QmmTile = Shape<_128, _256, _64>;  // weight rows, tokens, K: ahead of 128 x 128 at 1024-4096 tokens
+
+// Tile stays a parameter: with nothing of the epilogue's type depending on one, nvcc's host pass
+// rejected its CollectiveBuilder.
+template <class Quant, class Scheduler, class Tile = QmmTile>
 struct MixedGemm {
   using Cluster = Shape<_1, _1, _1>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -44,7 +53,7 @@ struct MixedGemm {
       128 / cutlass::sizeof_bits<Quant>::value, Bf16, cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue, Scheduler>;
 };
 
 int sm_count() {
@@ -52,10 +61,11 @@ int sm_count() {
   return count;
 }
 
-template <class Quant, class Tile>
+template <class Quant, class Scheduler>
 void launch(const mx::array& x, const mx::array& q, const mx::array& scales, const mx::array& biases, mx::array& out,
             int group_size, mx::cu::CommandEncoder& encoder) {
-  using Kernel = typename MixedGemm<Quant, Tile>::Kernel;
+  using Kernel = typename MixedGemm<Quant, Scheduler>::Kernel;
+  constexpr bool stream_k = std::is_same_v<Scheduler, cutlass::gemm::StreamKScheduler>;
   int m = x.shape(0), k = x.shape(1), n = out.shape(1);
   auto stride_q = make_stride(int64_t(k), Int<1>{}, int64_t(0));
   auto stride_x = make_stride(int64_t(k), Int<1>{}, int64_t(0));
@@ -71,9 +81,31 @@ void launch(const mx::array& x, const mx::array& q, const mx::array& scales, con
        mx::gpu_ptr<Bf16>(scales), stride_s, group_size, mx::gpu_ptr<Bf16>(biases)},
       {{1.0f, 0.0f}, nullptr, {}, mx::gpu_ptr<Bf16>(out), stride_y},
       hw};
-  if (Kernel::get_workspace_size(args) != 0) throw std::runtime_error("[cutlass_qmm] needs a workspace");
+  if constexpr (stream_k) {
+    // Every output tile's K shared among the SMs, not only a ragged last wave's (CUTLASS's own
+    // heuristic keeps whole tiles when the last wave is at least half full, as the 6B's
+    // 2560-row weights make it at 1024 tokens: 80 tiles on 132 SMs).
+    args.scheduler.decomposition_mode = cutlass::gemm::kernel::detail::DecompositionMode::StreamK;
+    args.scheduler.reduction_mode = cutlass::gemm::kernel::detail::ReductionMode::Deterministic;
+  }
   if (Kernel::can_implement(args) == false) throw std::runtime_error("[cutlass_qmm] CUTLASS cannot take this problem");
-  auto params = Kernel::to_underlying_arguments(args, nullptr);
+  // Stream-K's partial sums and the flags that order their fix-up live in a workspace that only
+  // this call uses; its flags must start at zero (CUTLASS's initialize_workspace: a memset,
+  // captured into MLX's graph ahead of the kernel).
+  size_t workspace_size = Kernel::get_workspace_size(args);
+  void* workspace_ptr = nullptr;
+  mx::array workspace({static_cast<int>(std::max<size_t>(workspace_size, 1))}, mx::uint8, nullptr, {});
+  if (workspace_size != 0) {
+    if constexpr (!stream_k) throw std::runtime_error("[cutlass_qmm] needs a workspace");
+    workspace.set_data(mx::allocator::malloc(workspace.nbytes()));
+    encoder.add_temporary(workspace);
+    workspace_ptr = mx::gpu_ptr<void>(workspace);
+    encoder.set_output_array(workspace);
+    mx::cu::CommandEncoder::CaptureContext capture(encoder);
+    if (Kernel::initialize_workspace(args, workspace_ptr, encoder.stream()) != cutlass::Status::kSuccess)
+      throw std::runtime_error("[cutlass_qmm] could not clear the stream-K workspace");
+  }
+  auto params = Kernel::to_underlying_arguments(args, workspace_ptr);
   constexpr int smem = Kernel::SharedStorageSize;
   static bool attribute_set = [] {
     return cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) ==
@@ -92,6 +124,7 @@ void launch(const mx::array& x, const mx::array& q, const mx::array& scales, con
   encoder.set_input_array(q);
   encoder.set_input_array(scales);
   encoder.set_input_array(biases);
+  if (workspace_ptr) encoder.set_input_array(workspace);
   encoder.set_output_array(out);
   encoder.add_kernel_node_ex(function, Kernel::get_grid_shape(params), Kernel::get_block_shape(),
                              dim3{}, smem, params);
@@ -99,8 +132,8 @@ void launch(const mx::array& x, const mx::array& q, const mx::array& scales, con
 
 class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  CutlassQuantizedMatmul(mx::Stream stream, int bits, int group_size, int tile_n)
-      : mx::UnaryPrimitive(stream), bits_(bits), group_size_(group_size), tile_n_(tile_n) {}
+  CutlassQuantizedMatmul(mx::Stream stream, int bits, int group_size, bool stream_k)
+      : mx::UnaryPrimitive(stream), bits_(bits), group_size_(group_size), stream_k_(stream_k) {}
 
   void eval_cpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("[cutlass_qmm] runs on a CUDA GPU only");
@@ -112,10 +145,12 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
     auto& encoder = mx::cu::get_command_encoder(stream());
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto go = [&]<class Quant>() {
-      if (tile_n_ == 128)
-        launch<Quant, Shape<_128, _128, _64>>(inputs[0], inputs[1], inputs[2], inputs[3], out, group_size_, encoder);
+      if (stream_k_)
+        launch<Quant, cutlass::gemm::StreamKScheduler>(inputs[0], inputs[1], inputs[2], inputs[3], out, group_size_,
+                                                       encoder);
       else
-        launch<Quant, Shape<_128, _256, _64>>(inputs[0], inputs[1], inputs[2], inputs[3], out, group_size_, encoder);
+        launch<Quant, cutlass::gemm::PersistentScheduler>(inputs[0], inputs[1], inputs[2], inputs[3], out, group_size_,
+                                                          encoder);
     };
     if (bits_ == 4)
       go.template operator()<cutlass::uint4b_t>();
@@ -127,15 +162,16 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const CutlassQuantizedMatmul&>(other);
-    return bits_ == o.bits_ && group_size_ == o.group_size_ && tile_n_ == o.tile_n_;
+    return bits_ == o.bits_ && group_size_ == o.group_size_ && stream_k_ == o.stream_k_;
   }
 
  private:
-  int bits_, group_size_, tile_n_;
+  int bits_, group_size_;
+  bool stream_k_;
 };
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& q, const mx::array& scales_t,
-                           const mx::array& biases_t, int bits, int group_size, int tile_n) {
+                           const mx::array& biases_t, int bits, int group_size, bool stream_k) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("[cutlass_qmm] bits must be 4 or 8");
   if (group_size != 64 && group_size != 128) throw std::invalid_argument("[cutlass_qmm] group_size must be 64 or 128");
   if (x.dtype() != mx::bfloat16 || scales_t.dtype() != mx::bfloat16 || biases_t.dtype() != mx::bfloat16)
@@ -149,7 +185,7 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& q, const mx::arr
   auto x2 = mx::contiguous(mx::reshape(x, {-1, k}));
   int m = x2.shape(0);
   auto y = mx::array({m, n}, mx::bfloat16,
-                     std::make_shared<CutlassQuantizedMatmul>(mx::default_stream(mx::Device::gpu), bits, group_size, tile_n),
+                     std::make_shared<CutlassQuantizedMatmul>(mx::default_stream(mx::Device::gpu), bits, group_size, stream_k),
                      {x2, q, scales_t, biases_t});
   return mx::reshape(y, lead);
 }
@@ -159,6 +195,8 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& q, const mx::arr
 NB_MODULE(_cutlass_qmm, m) {
   nb::module_::import_("mlx.core");
   m.def("quantized_matmul", &esmc_qmm::quantized_matmul, nb::arg("x"), nb::arg("q"), nb::arg("scales_t"), nb::arg("biases_t"),
-        nb::arg("bits"), nb::arg("group_size"), nb::arg("tile_n") = 256,
-        "x @ dequantize(q).T by CUTLASS's Hopper mixed-input GEMM; scales and biases transposed to [K / group, N].");
+        nb::arg("bits"), nb::arg("group_size"), nb::arg("stream_k") = false,
+        "x @ dequantize(q).T by CUTLASS's Hopper mixed-input GEMM; scales and biases transposed to [K / group, N];\n"
+        "stream_k: the tiles' K shared among the SMs (else whole tiles each).");
+  m.def("sm_count", &esmc_qmm::sm_count, "The GPU's streaming multiprocessors (the waves tiles fill).");
 }

@@ -1,14 +1,16 @@
 """CUTLASS's Hopper mixed-input GEMM for affine 4- and 8-bit weights: an MLX C++ primitive,
 built on the machine, used wherever it is built unless ``ESMC_MLX_CUTLASS_QMM=0`` (issue 16,
-thirty-first and thirty-second sessions).
+thirty-first to thirty-third sessions).
 
 Why it exists: past the fused kernel's token window, a quantized layer on CUDA dequantizes its
 weight to a bf16 copy and runs cuBLAS on it. At 1024 tokens on the 6B that copy's bytes are a
 floor no dequantize kernel gets under (docs/benchmarks.md, "Misses"). CUTLASS's mixed-input GEMM
 reads the packed weight itself and dequantizes it in registers on its way to the tensor cores.
 Where it won in whole forwards on the H200, and by how much, is quantized.CUTLASS_TOKENS and
-its comment; elsewhere the tables keep dequantize + matmul. Its outputs equalled dequantize +
-matmul's to the bit in every whole forward compared.
+its comment; elsewhere the tables keep dequantize + matmul. With whole tiles per SM its outputs
+equalled dequantize + matmul's to the bit in every whole forward compared; where those tiles
+would leave the last wave short it runs stream-K (``stream_k``), whose split sums round
+differently (deterministically).
 
 Why C++: ``mx.fast.cuda_kernel`` cannot launch it. CUTLASS's Hopper kernels take TMA
 descriptors that the host encodes from the arrays' addresses, and a launch bound; a custom
@@ -20,7 +22,7 @@ it: its K tile must divide the group and be at least 64 (a static assert, "Consi
 TileShapeK"), and their groups are 32.
 
     pip install 'esmc-mlx[cutlass]'           # nanobind
-    esmc-mlx build-cutlass                     # build it into <cache>/cutlass_qmm/mlx-<version>/
+    esmc-mlx build-cutlass                     # into <cache>/cutlass_qmm/mlx-<version>-<source hash>/
     esmc-mlx ...                               # used from then on (ESMC_MLX_CUTLASS_QMM=0: not)
 
 A layer takes it where the tables send its calls by dequantize + matmul (QuantizedLinear.policy)
@@ -33,6 +35,7 @@ of 64: 0.4 GB for the 6B).
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.machinery
 import importlib.util
 import os
@@ -52,9 +55,25 @@ from . import kernel_cache
 ENV = "ESMC_MLX_CUTLASS_QMM"
 SOURCE = Path(__file__).with_name("cutlass_qmm.cu")
 MODULE = "_cutlass_qmm"
-# CUTLASS's tile: 128 weight rows by 256 tokens by 64 of K. At 1024 and 4096 tokens it beat the
-# 128 x 128 tile on every 6B weight (0.71-0.94x its time, standalone); the C++ side also has 128.
-TILE_TOKENS = 256
+# CUTLASS's tile (cutlass_qmm.cu): 128 weight rows by 256 tokens by 64 of K. At 1024 and 4096
+# tokens it beat the 128 x 128 tile on every 6B weight (0.71-0.94x its time, standalone) and in
+# whole forwards (thirty-second session).
+TILE_ROWS, TILE_TOKENS, TILE_K = 128, 256, 64
+SCHEDULE_ENV = "ESMC_MLX_CUTLASS_SCHEDULE"  # "persistent" or "stream-k": every call so (benchmarks)
+# Stream-K (every output tile's K iterations shared evenly among the SMs, partial sums fixed up
+# in a fixed order) for a call whose whole tiles would fill less than STREAM_K_BELOW_FILL of the
+# SMs' waves and that has at least STREAM_K_MIN_ITERATIONS tile-K iterations to share; whole tiles
+# ("persistent") otherwise. Measured on the H200 (thirty-third issue-16 session, docs/benchmarks.md):
+# - Per kernel (Nsight Compute, 6B, affine4, 1024 tokens; us, persistent -> stream-K; cuBLAS on
+#   the bf16 weight beside): down_proj (80 tiles, 0.61 of a wave, 8640 iterations) 74.0 -> 60.3
+#   (50.0); gate/up (432 tiles, 0.82, 17280) 120.4 -> 113.4 (98.9); o_proj (80 tiles, 0.61, 3200)
+#   31.5 -> 32.7 (22.0); q/k/v (240 tiles, 0.91) 61.3 -> 68.5 (58.0).
+# - Whole forwards, quantized / bf16 (affine4, affine8): 6B 1x1024 persistent 1.17, 1.16 ->
+#   stream-K below the fill alone 1.13, 1.11; 1x2048 1.17, 1.15 -> 1.07, 1.07. The 300M at 1x1024
+#   (all its weights under the fill; at most 2400 iterations a call): 0.92, 0.91 -> 1.10, 1.11,
+#   where its host-bound forward pays for each call's workspace and fix-up: hence the floor.
+STREAM_K_BELOW_FILL = 0.9
+STREAM_K_MIN_ITERATIONS = 4096
 HOPPER = "sm_90a"  # what the build targets (-arch); the kernel runs on nothing else
 
 
@@ -64,10 +83,13 @@ class BuildError(EsmcMlxError, RuntimeError):
 
 
 def build_dir() -> Path | None:
-    """Where the extension for this MLX lives: it links MLX's C++ library, so a build serves one
-    MLX version only."""
+    """Where the extension for this MLX and this source lives: it links MLX's C++ library, so a
+    build serves one MLX version only, and a build of an older cutlass_qmm.cu (another function
+    signature) is not loaded: until ``esmc-mlx build-cutlass`` runs again, calls keep dequantize
+    + matmul."""
     root = cache_root()
-    return None if root is None else root / "cutlass_qmm" / f"mlx-{mx.__version__}"
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return None if root is None else root / "cutlass_qmm" / f"mlx-{mx.__version__}-{source}"
 
 
 @functools.cache
@@ -113,6 +135,29 @@ def eligible(layer: nn.Module) -> bool:
     return layer["scales"].dtype == mx.bfloat16 and layer["weight"].shape[0] % 8 == 0
 
 
+def tiles(rows: int, tokens: int) -> int:
+    """How many 128 x 256 tiles cover a (rows x tokens) output."""
+    return -(-rows // TILE_ROWS) * -(-tokens // TILE_TOKENS)
+
+
+def wave_fill(rows: int, tokens: int, sms: int) -> float:
+    """The share of ``sms`` SMs' waves that whole tiles of a (rows x tokens) output keep busy: 80
+    tiles on 132 SMs (the 6B's 2560-row weights at 1024 tokens) fill 0.61."""
+    n = tiles(rows, tokens)
+    return n / (-(-n // sms) * sms)
+
+
+def stream_k(rows: int, tokens: int, k: int) -> bool:
+    """Whether a call of ``tokens`` rows through a (rows x k) weight takes stream-K
+    (``SCHEDULE_ENV`` forces either schedule)."""
+    chosen = os.environ.get(SCHEDULE_ENV, "")
+    if chosen in ("persistent", "stream-k"):
+        return chosen == "stream-k"
+    if tiles(rows, tokens) * -(-k // TILE_K) < STREAM_K_MIN_ITERATIONS:
+        return False
+    return wave_fill(rows, tokens, _extension().sm_count()) < STREAM_K_BELOW_FILL
+
+
 def matmul(layer: nn.Module, x: mx.array) -> mx.array:
     """``x @ dequantize(layer's weight).T`` (+ its bias) by CUTLASS; x in bfloat16."""
     transposed = getattr(layer, "cutlass_scales", None)
@@ -122,7 +167,10 @@ def matmul(layer: nn.Module, x: mx.array) -> mx.array:
         transposed = (mx.contiguous(layer["scales"].T), mx.contiguous(layer["biases"].T))
         mx.eval(transposed)
         object.__setattr__(layer, "cutlass_scales", transposed)  # not a parameter
-    y = _extension().quantized_matmul(x, layer["weight"], *transposed, layer.bits, layer.group_size, TILE_TOKENS)
+    rows, k = layer["weight"].shape[0], x.shape[-1]
+    y = _extension().quantized_matmul(
+        x, layer["weight"], *transposed, layer.bits, layer.group_size, stream_k(rows, x.size // k, k)
+    )
     return y + layer["bias"] if "bias" in layer else y
 
 
@@ -171,7 +219,7 @@ def build_command(output: Path, nvcc: str = "nvcc") -> list[str]:
         "-DNB_DOMAIN=mlx",  # mlx.core's nanobind domain: our functions take its arrays
         f"-arch={HOPPER}",  # wgmma and TMA: Hopper only
         "--expt-relaxed-constexpr",
-        "--diag-suppress=997,2908",
+        "--diag-suppress=186,997,2908",
         "-Xcompiler",
         "-fPIC,-fvisibility=hidden",
         "-shared",

@@ -138,12 +138,19 @@ SMALL_WIDTH = 2048
 # - 6B: 512 tokens 1.22 -> 1.03 and 1.19 -> 1.02; 1024 tokens 1.18 -> 1.15 and 1.22 -> 1.15,
 #   again 1.21 -> 1.19 and 1.23 -> 1.16; 2048 (2x1024) 1.11 -> 1.17 and 1.14 -> 1.18; 4096
 #   (16x256) 1.04 -> 1.09 and 1.06 -> 1.08, 1.05 -> 1.11 and 1.09 -> 1.13; 32768 (64x512)
-#   1.00 -> 1.03 and 1.01 -> 1.05. The 6B's end: 1024.
+#   1.00 -> 1.03 and 1.01 -> 1.05. The 6B's end then: 1024.
 # - 300M: 1024 tokens 1.14 -> 0.91 and 1.07 -> 0.86; 4096 (16x256) 1.09 -> 0.97 and
 #   1.08 -> 1.00, (4x1024) 1.06 -> 1.00 and 1.07 -> 0.96; 512 (affine8; affine4's 512 is in
 #   the fused window) 1.13 -> 0.87; 32768 (64x512) 1.06 -> 1.10 and 1.06 -> 1.12. The 300M's
 #   end: 4096; 4097-32767 not measured. The 600M shares the 300M's table, not measured.
-CUTLASS_TOKENS = {"cuda": 1024, "cuda-small": 4096}
+# Thirty-third session, with stream-K where the tiles leave the SMs' last wave short
+# (cutlass_qmm.stream_k, first by the fill alone; python -m benchmarks.cutlass_qmm_ab): 6B 1x512
+# 1.16 -> 0.99 and 1.29 -> 1.17; 1x1024 1.21 -> 1.13 and 1.23 -> 1.11; 2048 (1x2048) 1.12 -> 1.07
+# and 1.11 -> 1.07; 4096 (16x256) 1.07 -> 1.09 and 1.07 -> 1.08. With the iteration floor:
+# 1x1024 1.21 -> 1.12 and 1.23 -> 1.11, 1x2048 1.11 -> 1.06 and 1.11 -> 1.06; on a second
+# machine 1x1024 1.19 -> 1.14 and 1.21 -> 1.11, 1x2048 1.11 -> 1.12 and 1.10 -> 1.09. The 6B's
+# end: 2048 (ahead there in three cells of four).
+CUTLASS_TOKENS = {"cuda": 2048, "cuda-small": 4096}
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
 # fused where kernels.quantized_matmul runs, else the table); "auto" or unset uses the tables.
 POLICY_ENV = "ESMC_MLX_QUANT_MATMUL"
