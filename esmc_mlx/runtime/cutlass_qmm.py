@@ -43,12 +43,13 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import EsmcMlxError
+from ..errors import EsmcMlxError, EsmcMlxWarning
 from ..hashes import cache_root
 from . import kernel_cache
 
@@ -94,9 +95,22 @@ def build_dir() -> Path | None:
 
 @functools.cache
 def _extension():
-    """The built module, or None (not built, or built for another Python)."""
+    """The built module, or None (not built, or built for another Python). A build for another
+    MLX version or cutlass_qmm.cu beside it is not loaded, and said once: an upgrade otherwise
+    turns the kernel off without a word."""
     folder = build_dir()
     if folder is None:
+        return None
+    if not folder.is_dir():
+        stale = sorted(p.name for p in folder.parent.glob("mlx-*") if any(p.glob(MODULE + ".*")))
+        if stale:
+            warnings.warn(
+                f"CUTLASS's mixed-input GEMM is built in {folder.parent} for another MLX or esmc-mlx "
+                f"({', '.join(stale)}), not this one: quantized layers use dequantize + matmul until "
+                "esmc-mlx build-cutlass runs again",
+                EsmcMlxWarning,
+                stacklevel=2,
+            )
         return None
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = folder / (MODULE + suffix)
