@@ -172,8 +172,9 @@ def stream_k(rows: int, tokens: int, k: int) -> bool:
     return wave_fill(rows, tokens, _extension().sm_count()) < STREAM_K_BELOW_FILL
 
 
-def matmul(layer: nn.Module, x: mx.array) -> mx.array:
-    """``x @ dequantize(layer's weight).T`` (+ its bias) by CUTLASS; x in bfloat16."""
+def matmul(layer: nn.Module, x: mx.array, tokens: int) -> mx.array:
+    """``x @ dequantize(layer's weight).T`` (+ its bias) by CUTLASS; x in bfloat16, ``tokens``
+    rows of it (quantized.token_count)."""
     transposed = getattr(layer, "cutlass_scales", None)
     if transposed is None:
         # Computed once, on the first eager call (a compiled model traces a shape only the
@@ -181,10 +182,8 @@ def matmul(layer: nn.Module, x: mx.array) -> mx.array:
         transposed = (mx.contiguous(layer["scales"].T), mx.contiguous(layer["biases"].T))
         mx.eval(transposed)
         object.__setattr__(layer, "cutlass_scales", transposed)  # not a parameter
-    rows, k = layer["weight"].shape[0], x.shape[-1]
-    y = _extension().quantized_matmul(
-        x, layer["weight"], *transposed, layer.bits, layer.group_size, stream_k(rows, x.size // k, k)
-    )
+    split = stream_k(layer["weight"].shape[0], tokens, x.shape[-1])
+    y = _extension().quantized_matmul(x, layer["weight"], *transposed, layer.bits, layer.group_size, split)
     return y + layer["bias"] if "bias" in layer else y
 
 

@@ -280,7 +280,7 @@ class QuantizedLinear(nn.QuantizedLinear):
         if not dequantize:
             return super().__call__(x)
         if x.dtype == mx.bfloat16 and self.takes_cutlass(tokens):
-            return cutlass_qmm.matmul(self, x)
+            return cutlass_qmm.matmul(self, x, tokens)
         wt = self.given_transposed
         if wt is None or wt.dtype != x.dtype:
             wt = dequantized_weight(self, x.dtype).T
