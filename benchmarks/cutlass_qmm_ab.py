@@ -3,9 +3,10 @@ model (issue 16): whole forwards of the shipped model (fused, compiled, random w
 every call the tables give to dequantize + matmul sent to CUTLASS (``ESMC_MLX_CUTLASS_QMM=1``,
 whatever quantized.CUTLASS_TOKENS says) and with none (``=0``), all sides interleaved in one
 process, and each CUTLASS side's logits compared with dequantize + matmul's. CUTLASS's sides:
-``persistent`` (whole tiles per SM), ``stream-k`` (every tile's K shared among the SMs) and
-``cutlass`` (the shipped choice between them, cutlass_qmm.stream_k). Where a CUTLASS side wins
-is what CUTLASS_TOKENS and STREAM_K_BELOW_FILL should hold.
+``persistent`` (whole 128 x 256 tiles per SM), ``stream-k`` (every tile's K shared among the
+SMs), ``persistent-192`` (whole 128 x 192 tiles) and ``cutlass`` (the shipped choice among
+them, cutlass_qmm.schedule). Where a CUTLASS side wins is what CUTLASS_TOKENS and
+cutlass_qmm.schedule should hold.
 
 Per-kernel GPU times are Nsight Compute's (benchmarks.host_overhead --profile), not timed here:
 calls evaluated together run concurrently in MLX's CUDA graph (its nodes wait only for their
@@ -36,8 +37,7 @@ from esmc_mlx.runtime import cutlass_qmm
 
 SIDES = {
     "dequantize": {cutlass_qmm.ENV: "0"},
-    "persistent": {cutlass_qmm.ENV: "1", cutlass_qmm.SCHEDULE_ENV: "persistent"},
-    "stream-k": {cutlass_qmm.ENV: "1", cutlass_qmm.SCHEDULE_ENV: "stream-k"},
+    **{forced: {cutlass_qmm.ENV: "1", cutlass_qmm.SCHEDULE_ENV: forced} for forced in cutlass_qmm.SCHEDULES},
     "cutlass": {cutlass_qmm.ENV: "1"},
 }
 

@@ -29,8 +29,8 @@ class StandIn:
     def __init__(self):
         self.calls = []
 
-    def quantized_matmul(self, x, q, scales_t, biases_t, bits, group_size, stream_k):
-        self.calls.append((x.shape, bits, group_size, stream_k))
+    def quantized_matmul(self, x, q, scales_t, biases_t, bits, group_size, stream_k, tile_tokens):
+        self.calls.append((x.shape, bits, group_size, stream_k, tile_tokens))
         w = mx.dequantize(q, scales_t.T, biases_t.T, group_size=group_size, bits=bits)
         return x @ w.T
 
@@ -75,7 +75,7 @@ def test_bfloat16_calls_go_to_the_extension_with_transposed_scales(
     monkeypatch.delenv(cutlass_qmm.ENV)  # on by default where built
     assert m.takes_cutlass(10) and not m.takes_dequantize(10)  # no block dequantize made for it
     on = m(x)
-    assert stand_in.calls == [((2, 5, 128), bits, group_size, False)]  # the C++ side flattens; one tile: whole
+    assert stand_in.calls == [((2, 5, 128), bits, group_size, False, 192)]  # the C++ side flattens; one narrow tile
     assert on.shape == (2, 5, 64)
     np.testing.assert_array_equal(np.array(on.astype(mx.float32)), np.array(reference(m, x).astype(mx.float32)))
     np.testing.assert_allclose(np.array(on.astype(mx.float32)), np.array(off.astype(mx.float32)), rtol=2e-2, atol=2e-2)
@@ -98,33 +98,47 @@ def test_it_takes_calls_up_to_its_table_s_token_count(out_dims, table, stand_in,
     assert not m.takes_cutlass(1)
 
 
-def test_stream_k_where_whole_tiles_leave_the_last_wave_short(stand_in, monkeypatch):
+def test_schedule_stream_k_for_a_short_last_wave_else_the_narrow_tile_where_it_takes_no_more_waves(
+    stand_in, monkeypatch
+):
     """Whole 128 x 256 tiles on 132 SMs: the 6B's 2560-row weights at 1024 tokens make 80 tiles
-    (0.61 of a wave), its q/k/v (7680 rows) 240 (two waves, 0.91: whole tiles), its gate/up
-    (13824) 432 (four waves, 0.82). Stream-K takes a short wave with enough K iterations to
-    share: the down_proj (K 6912: 8640) and the gate/up (17280), not the o_proj (K 2560: 3200)
-    nor the 300M's gate/up (5120 x 960: 2400). The environment forces either schedule, and the
-    layer hands the choice to the kernel."""
+    (0.61 of a wave), its q/k/v (7680 rows) 240 (two waves, 0.91), its gate/up (13824) 432 (four
+    waves, 0.82). Stream-K takes a short wave with enough K iterations to share: the down_proj
+    (K 6912: 8640) and the gate/up (17280), not the o_proj (K 2560: 3200). The 128 x 192 tile
+    takes the o_proj (120 tiles, still one wave) and the 300M's gate/up (5120 x 960: 2400
+    iterations; 160 or 240 tiles, two waves either way), not the 6B's q/k/v (360 tiles: three
+    waves) nor anything at 2048 tokens, where it would take more waves. The environment forces
+    any schedule, and the layer hands the choice to the kernel."""
     assert cutlass_qmm.wave_fill(2560, 1024, 132) == pytest.approx(80 / 132)
     assert cutlass_qmm.wave_fill(7680, 1024, 132) == pytest.approx(240 / 264)
     assert cutlass_qmm.wave_fill(13824, 1024, 132) == pytest.approx(432 / 528)
-    assert cutlass_qmm.wave_fill(2560, 1000, 132) == cutlass_qmm.wave_fill(
-        2560, 1024, 132
-    )  # a ragged tile counts whole
+    assert cutlass_qmm.wave_fill(2560, 1000, 132) == cutlass_qmm.wave_fill(2560, 1024, 132)  # ragged counts whole
+    assert cutlass_qmm.waves(7680, 1024, 132, 192) == 3 and cutlass_qmm.waves(7680, 1024, 132) == 2
     six_b = [(2560, 6912), (13824, 2560), (2560, 2560), (7680, 2560)]  # down, gate/up, o, q/k/v
-    assert [cutlass_qmm.stream_k(rows, 1024, k) for rows, k in six_b] == [True, True, False, False]
-    assert not cutlass_qmm.stream_k(5120, 1024, 960)
-    monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, "persistent")
-    assert not cutlass_qmm.stream_k(2560, 1024, 6912)
-    monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, "stream-k")
-    assert cutlass_qmm.stream_k(7680, 1024, 2560)
+    assert [cutlass_qmm.schedule(rows, 1024, k) for rows, k in six_b] == [
+        "stream-k",
+        "stream-k",
+        "persistent-192",
+        "persistent",
+    ]
+    assert cutlass_qmm.schedule(5120, 1024, 960) == "persistent-192"
+    assert [cutlass_qmm.schedule(rows, 2048, k) for rows, k in six_b] == [
+        "stream-k",
+        "persistent",  # 864 tiles, 0.94 of seven waves; nine narrow
+        "stream-k",
+        "persistent",
+    ]
+    for forced in cutlass_qmm.SCHEDULES:
+        monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, forced)
+        assert cutlass_qmm.schedule(2560, 1024, 6912) == forced
     monkeypatch.setattr(cutlass_qmm, "STREAM_K_MIN_ITERATIONS", 1)  # a small layer qualifies
     m = layer(in_dims=128, out_dims=7680)  # 60 tiles at 10 tokens
-    monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, "persistent")
-    m(mx.zeros((10, 128), dtype=mx.bfloat16))
+    for forced in cutlass_qmm.SCHEDULES:
+        monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, forced)
+        m(mx.zeros((10, 128), dtype=mx.bfloat16))
     monkeypatch.delenv(cutlass_qmm.SCHEDULE_ENV)
     m(mx.zeros((10, 128), dtype=mx.bfloat16))
-    assert [call[-1] for call in stand_in.calls] == [False, True]
+    assert [call[-2:] for call in stand_in.calls] == [(False, 256), (True, 256), (False, 192), (True, 256)]
 
 
 def test_not_on_other_gpus(stand_in, monkeypatch, tmp_path):
@@ -287,9 +301,9 @@ BUILT = ON_CUDA and cutlass_qmm._extension() is not None
 @pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
 @pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 64), (4, 128)])
 @pytest.mark.parametrize("rows", [1, 3, 300, 1024])
-@pytest.mark.parametrize("schedule", ["persistent", "stream-k"])
+@pytest.mark.parametrize("schedule", cutlass_qmm.SCHEDULES)
 def test_extension_matches_dequantize_and_matmul_on_cuda(bits, group_size, rows, schedule, monkeypatch):
-    """The real kernel, either schedule, against x @ dequantize(w).T in float32: at most the
+    """The real kernel, every schedule and tile, against x @ dequantize(w).T in float32: at most the
     bf16 matmul's own error from it (the persistent tiles measured equal to the bit on the 6B's
     shapes in the thirty-first session), and the same bits on a second call (stream-K's partial
     sums are added in a fixed order)."""

@@ -10,9 +10,10 @@
 // (cutlass_qmm.matmul makes them so once per layer): a contiguous() here would add two graph nodes
 // to every call; eval_gpu refuses any input that is not.
 //
-// Two schedules of the same 128 x 256 tiles: "persistent" (each SM takes whole output tiles) and
-// "stream-k" (the tiles' K iterations shared evenly among the SMs, partial sums fixed up through a
-// workspace in a fixed order: deterministic). Which one a call takes is cutlass_qmm.stream_k's.
+// Two schedules: "persistent" (each SM takes whole output tiles) and "stream-k" (the tiles' K
+// iterations shared evenly among the SMs, partial sums fixed up through a workspace in a fixed
+// order: deterministic); and two tiles, 128 x 256 and 128 x 192 (weight rows x tokens). Which a
+// call takes is cutlass_qmm.schedule's.
 #include <nanobind/nanobind.h>
 
 #include "mlx/array.h"
@@ -38,6 +39,9 @@ using Bf16 = cutlass::bfloat16_t;
 // The weight is the builder's A operand (a narrow operand must pass through registers), so the
 // problem is given swapped, (N, M, K), and the output is column-major in (N, M): y row-major.
 using QmmTile = Shape<_128, _256, _64>;  // weight rows, tokens, K: ahead of 128 x 128 at 1024-4096 tokens
+// Where whole tiles of either width take as many waves of the SMs, the narrower ones finish
+// sooner: the 6B's o_proj at 1024 tokens, 80 or 120 tiles on 132 SMs, 32 -> 28 us.
+using QmmTile192 = Shape<_128, _192, _64>;
 
 // Tile stays a parameter: with nothing of the epilogue's type depending on one, nvcc's host pass
 // rejected its CollectiveBuilder.
@@ -61,10 +65,10 @@ int sm_count() {
   return count;
 }
 
-template <class Quant, class Scheduler>
+template <class Quant, class Scheduler, class Tile>
 void launch(const mx::array& x, const mx::array& q, const mx::array& scales, const mx::array& biases, mx::array& out,
             int group_size, mx::cu::CommandEncoder& encoder) {
-  using Kernel = typename MixedGemm<Quant, Scheduler>::Kernel;
+  using Kernel = typename MixedGemm<Quant, Scheduler, Tile>::Kernel;
   constexpr bool stream_k = std::is_same_v<Scheduler, cutlass::gemm::StreamKScheduler>;
   int m = x.shape(0), k = x.shape(1), n = out.shape(1);
   auto stride_q = make_stride(int64_t(k), Int<1>{}, int64_t(0));
@@ -132,8 +136,8 @@ void launch(const mx::array& x, const mx::array& q, const mx::array& scales, con
 
 class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  CutlassQuantizedMatmul(mx::Stream stream, int bits, int group_size, bool stream_k)
-      : mx::UnaryPrimitive(stream), bits_(bits), group_size_(group_size), stream_k_(stream_k) {}
+  CutlassQuantizedMatmul(mx::Stream stream, int bits, int group_size, bool stream_k, int tile_tokens)
+      : mx::UnaryPrimitive(stream), bits_(bits), group_size_(group_size), stream_k_(stream_k), tile_tokens_(tile_tokens) {}
 
   void eval_cpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("[cutlass_qmm] runs on a CUDA GPU only");
@@ -145,12 +149,18 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
     auto& encoder = mx::cu::get_command_encoder(stream());
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto go = [&]<class Quant>() {
-      if (stream_k_)
-        launch<Quant, cutlass::gemm::StreamKScheduler>(inputs[0], inputs[1], inputs[2], inputs[3], out, group_size_,
-                                                       encoder);
+      auto with = [&]<class Tile>() {
+        if (stream_k_)
+          launch<Quant, cutlass::gemm::StreamKScheduler, Tile>(inputs[0], inputs[1], inputs[2], inputs[3], out,
+                                                               group_size_, encoder);
+        else
+          launch<Quant, cutlass::gemm::PersistentScheduler, Tile>(inputs[0], inputs[1], inputs[2], inputs[3], out,
+                                                                  group_size_, encoder);
+      };
+      if (tile_tokens_ == 192)
+        with.template operator()<QmmTile192>();
       else
-        launch<Quant, cutlass::gemm::PersistentScheduler>(inputs[0], inputs[1], inputs[2], inputs[3], out, group_size_,
-                                                          encoder);
+        with.template operator()<QmmTile>();
     };
     if (bits_ == 4)
       go.template operator()<cutlass::uint4b_t>();
@@ -162,18 +172,21 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const CutlassQuantizedMatmul&>(other);
-    return bits_ == o.bits_ && group_size_ == o.group_size_ && stream_k_ == o.stream_k_;
+    return bits_ == o.bits_ && group_size_ == o.group_size_ && stream_k_ == o.stream_k_ &&
+           tile_tokens_ == o.tile_tokens_;
   }
 
  private:
   int bits_, group_size_;
   bool stream_k_;
+  int tile_tokens_;
 };
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& q, const mx::array& scales_t,
-                           const mx::array& biases_t, int bits, int group_size, bool stream_k) {
+                           const mx::array& biases_t, int bits, int group_size, bool stream_k, int tile_tokens) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("[cutlass_qmm] bits must be 4 or 8");
   if (group_size != 64 && group_size != 128) throw std::invalid_argument("[cutlass_qmm] group_size must be 64 or 128");
+  if (tile_tokens != 192 && tile_tokens != 256) throw std::invalid_argument("[cutlass_qmm] tile_tokens must be 192 or 256");
   if (x.dtype() != mx::bfloat16 || scales_t.dtype() != mx::bfloat16 || biases_t.dtype() != mx::bfloat16)
     throw std::invalid_argument("[cutlass_qmm] x, scales and biases must be bfloat16");
   int k = x.shape(-1), n = q.shape(0);
@@ -185,7 +198,8 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& q, const mx::arr
   auto x2 = mx::contiguous(mx::reshape(x, {-1, k}));
   int m = x2.shape(0);
   auto y = mx::array({m, n}, mx::bfloat16,
-                     std::make_shared<CutlassQuantizedMatmul>(mx::default_stream(mx::Device::gpu), bits, group_size, stream_k),
+                     std::make_shared<CutlassQuantizedMatmul>(mx::default_stream(mx::Device::gpu), bits, group_size, stream_k,
+                                                              tile_tokens),
                      {x2, q, scales_t, biases_t});
   return mx::reshape(y, lead);
 }
@@ -195,8 +209,8 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& q, const mx::arr
 NB_MODULE(_cutlass_qmm, m) {
   nb::module_::import_("mlx.core");
   m.def("quantized_matmul", &esmc_qmm::quantized_matmul, nb::arg("x"), nb::arg("q"), nb::arg("scales_t"), nb::arg("biases_t"),
-        nb::arg("bits"), nb::arg("group_size"), nb::arg("stream_k") = false,
+        nb::arg("bits"), nb::arg("group_size"), nb::arg("stream_k") = false, nb::arg("tile_tokens") = 256,
         "x @ dequantize(q).T by CUTLASS's Hopper mixed-input GEMM; scales and biases transposed to [K / group, N];\n"
-        "stream_k: the tiles' K shared among the SMs (else whole tiles each).");
+        "stream_k: the tiles' K shared among the SMs (else whole tiles each); tile_tokens: 256 or 192.");
   m.def("sm_count", &esmc_qmm::sm_count, "The GPU's streaming multiprocessors (the waves tiles fill).");
 }

@@ -1,6 +1,6 @@
 """CUTLASS's Hopper mixed-input GEMM for affine 4- and 8-bit weights: an MLX C++ primitive,
 built on the machine, used wherever it is built unless ``ESMC_MLX_CUTLASS_QMM=0`` (issue 16,
-thirty-first to thirty-third sessions).
+thirty-first to thirty-fourth sessions).
 
 Why it exists: past the fused kernel's token window, a quantized layer on CUDA dequantizes its
 weight to a bf16 copy and runs cuBLAS on it. At 1024 tokens on the 6B that copy's bytes are a
@@ -9,7 +9,7 @@ reads the packed weight itself and dequantizes it in registers on its way to the
 Where it won in whole forwards on the H200, and by how much, is quantized.CUTLASS_TOKENS and
 its comment; elsewhere the tables keep dequantize + matmul. With whole tiles per SM its outputs
 equalled dequantize + matmul's to the bit in every whole forward compared; where those tiles
-would leave the last wave short it runs stream-K (``stream_k``), whose split sums round
+would leave the last wave short it runs stream-K (``schedule``), whose split sums round
 differently (deterministically).
 
 Why C++: ``mx.fast.cuda_kernel`` cannot launch it. CUTLASS's Hopper kernels take TMA
@@ -60,7 +60,13 @@ MODULE = "_cutlass_qmm"
 # tokens it beat the 128 x 128 tile on every 6B weight (0.71-0.94x its time, standalone) and in
 # whole forwards (thirty-second session).
 TILE_ROWS, TILE_TOKENS, TILE_K = 128, 256, 64
-SCHEDULE_ENV = "ESMC_MLX_CUTLASS_SCHEDULE"  # "persistent" or "stream-k": every call so (benchmarks)
+# Its narrower tile (QmmTile192), whole tiles, where they take no more waves of the SMs than the
+# 256-token ones: each finishes sooner. The 6B's o_proj at 1024 tokens (80 or 120 tiles on 132
+# SMs) 32.1 -> 27.7 us (cuBLAS on bf16 22.2); on weights where it takes an extra wave it lost
+# (q/k/v 62 -> 75, gate/up 117 -> 125; Nsight Compute, thirty-fourth issue-16 session).
+NARROW_TILE_TOKENS = 192
+SCHEDULES = ("persistent", "stream-k", "persistent-192")
+SCHEDULE_ENV = "ESMC_MLX_CUTLASS_SCHEDULE"  # one of SCHEDULES: every call so (benchmarks)
 # Stream-K (every output tile's K iterations shared evenly among the SMs, partial sums fixed up
 # in a fixed order) for a call whose whole tiles would fill less than STREAM_K_BELOW_FILL of the
 # SMs' waves and that has at least STREAM_K_MIN_ITERATIONS tile-K iterations to share; whole tiles
@@ -149,27 +155,36 @@ def eligible(layer: nn.Module) -> bool:
     return layer["scales"].dtype == mx.bfloat16 and layer["weight"].shape[0] % 8 == 0
 
 
-def tiles(rows: int, tokens: int) -> int:
-    """How many 128 x 256 tiles cover a (rows x tokens) output."""
-    return -(-rows // TILE_ROWS) * -(-tokens // TILE_TOKENS)
+def tiles(rows: int, tokens: int, tile_tokens: int = TILE_TOKENS) -> int:
+    """How many 128 x ``tile_tokens`` tiles cover a (rows x tokens) output."""
+    return -(-rows // TILE_ROWS) * -(-tokens // tile_tokens)
+
+
+def waves(rows: int, tokens: int, sms: int, tile_tokens: int = TILE_TOKENS) -> int:
+    """How many rounds of ``sms`` SMs whole tiles of a (rows x tokens) output take."""
+    return -(-tiles(rows, tokens, tile_tokens) // sms)
 
 
 def wave_fill(rows: int, tokens: int, sms: int) -> float:
     """The share of ``sms`` SMs' waves that whole tiles of a (rows x tokens) output keep busy: 80
     tiles on 132 SMs (the 6B's 2560-row weights at 1024 tokens) fill 0.61."""
-    n = tiles(rows, tokens)
-    return n / (-(-n // sms) * sms)
+    return tiles(rows, tokens) / (waves(rows, tokens, sms) * sms)
 
 
-def stream_k(rows: int, tokens: int, k: int) -> bool:
-    """Whether a call of ``tokens`` rows through a (rows x k) weight takes stream-K
-    (``SCHEDULE_ENV`` forces either schedule)."""
+def schedule(rows: int, tokens: int, k: int) -> str:
+    """Which of SCHEDULES a call of ``tokens`` rows through a (rows x k) weight takes
+    (``SCHEDULE_ENV`` forces one): stream-K where the wide tiles leave the last wave short and
+    there is K to share, else the narrow tile where it takes no more waves, else whole wide tiles."""
     chosen = os.environ.get(SCHEDULE_ENV, "")
-    if chosen in ("persistent", "stream-k"):
-        return chosen == "stream-k"
-    if tiles(rows, tokens) * -(-k // TILE_K) < STREAM_K_MIN_ITERATIONS:
-        return False
-    return wave_fill(rows, tokens, _extension().sm_count()) < STREAM_K_BELOW_FILL
+    if chosen in SCHEDULES:
+        return chosen
+    sms = _extension().sm_count()
+    iterations = tiles(rows, tokens) * -(-k // TILE_K)
+    if iterations >= STREAM_K_MIN_ITERATIONS and wave_fill(rows, tokens, sms) < STREAM_K_BELOW_FILL:
+        return "stream-k"
+    if waves(rows, tokens, sms, NARROW_TILE_TOKENS) <= waves(rows, tokens, sms):
+        return "persistent-192"
+    return "persistent"
 
 
 def matmul(layer: nn.Module, x: mx.array, tokens: int) -> mx.array:
@@ -182,8 +197,11 @@ def matmul(layer: nn.Module, x: mx.array, tokens: int) -> mx.array:
         transposed = (mx.contiguous(layer["scales"].T), mx.contiguous(layer["biases"].T))
         mx.eval(transposed)
         object.__setattr__(layer, "cutlass_scales", transposed)  # not a parameter
-    split = stream_k(layer["weight"].shape[0], tokens, x.shape[-1])
-    y = _extension().quantized_matmul(x, layer["weight"], *transposed, layer.bits, layer.group_size, split)
+    chosen = schedule(layer["weight"].shape[0], tokens, x.shape[-1])
+    tile_tokens = NARROW_TILE_TOKENS if chosen == "persistent-192" else TILE_TOKENS
+    y = _extension().quantized_matmul(
+        x, layer["weight"], *transposed, layer.bits, layer.group_size, chosen == "stream-k", tile_tokens
+    )
     return y + layer["bias"] if "bias" in layer else y
 
 

@@ -144,7 +144,7 @@ SMALL_WIDTH = 2048
 #   the fused window) 1.13 -> 0.87; 32768 (64x512) 1.06 -> 1.10 and 1.06 -> 1.12. The 300M's
 #   end: 4096; 4097-32767 not measured. The 600M shares the 300M's table, not measured.
 # Thirty-third session, with stream-K where the tiles leave the SMs' last wave short
-# (cutlass_qmm.stream_k, first by the fill alone; python -m benchmarks.cutlass_qmm_ab): 6B 1x512
+# (cutlass_qmm.schedule's stream-K, first by the fill alone; python -m benchmarks.cutlass_qmm_ab): 6B 1x512
 # 1.16 -> 0.99 and 1.29 -> 1.17; 1x1024 1.21 -> 1.13 and 1.23 -> 1.11; 2048 (1x2048) 1.12 -> 1.07
 # and 1.11 -> 1.07; 4096 (16x256) 1.07 -> 1.09 and 1.07 -> 1.08. With the iteration floor:
 # 1x1024 1.21 -> 1.12 and 1.23 -> 1.11, 1x2048 1.11 -> 1.06 and 1.11 -> 1.06; on a second
