@@ -3,8 +3,10 @@ quantized models (qa, qb) beside the bf16 one, timed starting in the order bf16,
 again starting qb, qa, bf16, then in blocks (six forwards of one model, then six of the other,
 four times). Identical models should read the same. With a fixed order they did not: the
 ninth issue-16 session found the one timed right after bf16 3-4% slower for the 6B in mxfp4,
-which is why time_interleaved now rotates the order every round (docs/benchmarks.md). The
-blocks give the time of one model run over and over, as a user runs it.
+which is why time_interleaved rotates the order every round. Rotating left most rounds with
+the same fn right after bf16 (3-4% apart still, thirty-fourth session), so each timed call now
+follows a call of its own fn (docs/benchmarks.md). The blocks give the time of one model run
+over and over, as a user runs it.
 
     python -m benchmarks.side_order --model 6B --modes mxfp4,affine4 --json $OUT/6b.json     # GPU
     python -m benchmarks.side_order --model tiny --shapes 1x64 --modes affine4 --device cpu

@@ -147,13 +147,17 @@ def time_interleaved(
     budget_s: float = 3.0,
     max_reps: int = 20,
 ) -> dict[str, dict]:
-    """Run each fn ``warmup`` times, then ``reps`` rounds of all fns in turn (interleaved).
-    Without ``reps``: as many rounds (3..max_reps) as fit ``budget_s`` per fn.
+    """Run each fn ``warmup`` times, then ``reps`` rounds of all fns in turn (interleaved), each
+    turn a call of the fn and a timed call right after it. Without ``reps``: as many rounds
+    (3..max_reps) as fit ``budget_s`` of calls per fn.
 
-    Each round starts one fn further on (A B C, B C A, C A B, ...), so that every fn follows
-    every other equally often. With a fixed order, on an H200, the quantized 6B (mxfp4) timed
-    right after the bf16 model took 3-4% longer than an identical copy timed after it, in
-    either order of the two copies (docs/benchmarks.md, "Ninth issue-16 session")."""
+    Each round starts one fn further on (A B C, B C A, C A B, ...), so that no fn is always
+    first or last; interleaving spreads the machine's drift over every fn alike. Each timed call
+    follows a call of its own fn, as in a process that runs one model: a model timed right after
+    another one ran slower than in a run of its own calls, and rotating alone did not remove that
+    (the fn after bf16 in the list still followed it in most rounds): on an H200 an identical
+    copy of a quantized 6B read 3-4% apart by its place (docs/benchmarks.md, "Ninth issue-16
+    session" and "Thirty-fourth")."""
     last = {}
     for name, fn in fns.items():
         for _ in range(warmup):
@@ -161,11 +165,12 @@ def time_interleaved(
             fn()
             last[name] = time.perf_counter() - start
     if reps is None:
-        reps = int(min(max_reps, max(3, budget_s / max(max(last.values()), 1e-6))))
+        reps = int(min(max_reps, max(3, budget_s / (2 * max(max(last.values()), 1e-6)))))
     times = {name: [] for name in fns}
     names = list(fns)
     for r in range(reps):
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            fns[name]()  # the state the previous fn left (caches, buffers) is this fn's again
             start = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - start)

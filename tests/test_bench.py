@@ -310,20 +310,30 @@ def test_dequant_cost_reads_gpu_time_by_side_and_times_the_host(tmp_path):
         dequant_cost.main([*argv, "--modes", "affine3"])
 
 
-def test_time_interleaved_rotates_the_order_every_round():
-    """Every fn runs first equally often and is followed by every other fn: a fn's position
-    cannot favour it."""
-    order = []
+def test_time_interleaved_times_each_fn_right_after_its_own_call_and_rotates_the_order():
+    """Every timed call follows a call of the same fn (a model timed after another one reads
+    slower), and every fn runs first equally often."""
+    order, timed = [], []
     fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
-    result = bench.time_interleaved(fns, warmup=1, reps=6)
+    real_clock = bench.time.perf_counter
+
+    def clock():  # how many calls had run when the clock was read
+        timed.append(len(order))
+        return real_clock()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench.time, "perf_counter", clock)
+        result = bench.time_interleaved(fns, warmup=1, reps=6)
     assert order[:3] == ["a", "b", "c"]  # the warm-up, in order
-    rounds = [order[3 + 3 * r : 6 + 3 * r] for r in range(6)]
+    turns = order[3:]
+    assert len(turns) == 6 * 3 * 2
+    rounds = [turns[6 * r : 6 * r + 6 : 2] for r in range(6)]
     assert rounds[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
-    timed = order[3:]
+    assert all(turns[i] == turns[i + 1] for i in range(0, len(turns), 2))  # a call, then its timed twin
+    # The clock starts (every other reading; the warm-up's six come first) after each turn's first call.
+    assert timed[6::2] == [3 + 2 * turn + 1 for turn in range(6 * 3)]
     for name in "abc":
         assert [r.index(name) for r in rounds].count(0) == 2
-        followers = [timed[i + 1] for i in range(len(timed) - 1) if timed[i] == name]
-        assert set(followers) == set("abc") - {name}, (name, followers)  # without rotation: always the next
     assert all(result[name]["reps"] == 6 for name in "abc")
 
 
