@@ -320,3 +320,21 @@ def test_extension_matches_dequantize_and_matmul_on_cuda(bits, group_size, rows,
     err = float(mx.abs(got.astype(mx.float32) - exact).max())
     bf16_err = float(mx.abs(bf16.astype(mx.float32) - exact).max())
     assert err <= 2 * bf16_err + 1e-3
+
+
+@pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
+@pytest.mark.parametrize(
+    "arguments,says",
+    [
+        ({"tile_tokens": 128}, "tile_tokens must be 192 or 256"),
+        ({"tile_tokens": 192, "stream_k": True}, "stream-K runs 256-token tiles only"),
+        ({"group_size": 32}, "group_size must be 64 or 128"),
+    ],
+)
+def test_extension_refuses_what_it_was_not_built_for(arguments, says):
+    m = layer(4, 64, in_dims=256, out_dims=64)
+    scales_t, biases_t = (mx.contiguous(m[name].T) for name in ("scales", "biases"))
+    x = mx.zeros((8, 256), dtype=mx.bfloat16)
+    call = {"bits": 4, "group_size": 64, **arguments}
+    with pytest.raises(ValueError, match=says):
+        cutlass_qmm._extension().quantized_matmul(x, m["weight"], scales_t, biases_t, **call)

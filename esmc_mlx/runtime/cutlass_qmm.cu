@@ -12,8 +12,8 @@
 //
 // Two schedules: "persistent" (each SM takes whole output tiles) and "stream-k" (the tiles' K
 // iterations shared evenly among the SMs, partial sums fixed up through a workspace in a fixed
-// order: deterministic); and two tiles, 128 x 256 and 128 x 192 (weight rows x tokens). Which a
-// call takes is cutlass_qmm.schedule's.
+// order: deterministic); and two tiles, 128 x 256 and 128 x 192 (weight rows x tokens), the
+// narrow one persistent only. Which a call takes is cutlass_qmm.schedule's.
 #include <nanobind/nanobind.h>
 
 #include "mlx/array.h"
@@ -149,18 +149,15 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
     auto& encoder = mx::cu::get_command_encoder(stream());
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto go = [&]<class Quant>() {
-      auto with = [&]<class Tile>() {
-        if (stream_k_)
-          launch<Quant, cutlass::gemm::StreamKScheduler, Tile>(inputs[0], inputs[1], inputs[2], inputs[3], out,
-                                                               group_size_, encoder);
-        else
-          launch<Quant, cutlass::gemm::PersistentScheduler, Tile>(inputs[0], inputs[1], inputs[2], inputs[3], out,
-                                                                  group_size_, encoder);
-      };
-      if (tile_tokens_ == 192)
-        with.template operator()<QmmTile192>();
+      if (stream_k_)
+        launch<Quant, cutlass::gemm::StreamKScheduler, QmmTile>(inputs[0], inputs[1], inputs[2], inputs[3], out,
+                                                                group_size_, encoder);
+      else if (tile_tokens_ == 192)
+        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile192>(inputs[0], inputs[1], inputs[2], inputs[3], out,
+                                                                      group_size_, encoder);
       else
-        with.template operator()<QmmTile>();
+        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile>(inputs[0], inputs[1], inputs[2], inputs[3], out,
+                                                                   group_size_, encoder);
     };
     if (bits_ == 4)
       go.template operator()<cutlass::uint4b_t>();
@@ -187,6 +184,8 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& q, const mx::arr
   if (bits != 4 && bits != 8) throw std::invalid_argument("[cutlass_qmm] bits must be 4 or 8");
   if (group_size != 64 && group_size != 128) throw std::invalid_argument("[cutlass_qmm] group_size must be 64 or 128");
   if (tile_tokens != 192 && tile_tokens != 256) throw std::invalid_argument("[cutlass_qmm] tile_tokens must be 192 or 256");
+  // Built for the wide tile only: the narrow one is for calls whose whole tiles fit the waves.
+  if (stream_k && tile_tokens != 256) throw std::invalid_argument("[cutlass_qmm] stream-K runs 256-token tiles only");
   if (x.dtype() != mx::bfloat16 || scales_t.dtype() != mx::bfloat16 || biases_t.dtype() != mx::bfloat16)
     throw std::invalid_argument("[cutlass_qmm] x, scales and biases must be bfloat16");
   int k = x.shape(-1), n = q.shape(0);
