@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 
 import mlx.core as mx
 import numpy as np
@@ -32,7 +31,7 @@ import numpy as np
 from benchmarks import save_json
 from benchmarks.crossover_forward import RECORDS
 from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments, random_bf16
-from esmc_mlx.bench import forward_fns, machine, mlx_model, parse_shapes, rel_l2, time_interleaved
+from esmc_mlx.bench import environment, forward_fns, machine, mlx_model, parse_shapes, rel_l2, time_interleaved
 from esmc_mlx.runtime import cutlass_qmm
 
 SIDES = {
@@ -44,12 +43,8 @@ SIDES = {
 
 def logits(model, ids, side: str) -> np.ndarray:
     """``model``'s logits with ``side``'s setting, as forward_fns' ``env`` runs the timed side."""
-    os.environ.update(SIDES[side])
-    try:
+    with environment(SIDES[side]):
         return np.array(model(ids).logits.astype(mx.float32))
-    finally:
-        for key in SIDES[side]:
-            os.environ.pop(key, None)
 
 
 def forward_row(bf16, quant: dict, mode: str, batch: int, length: int, budget: float) -> dict:

@@ -12,6 +12,7 @@ without torch only the MLX times are reported.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -180,6 +181,18 @@ def time_interleaved(
     }
 
 
+@contextlib.contextmanager
+def environment(settings: dict[str, str]):
+    """``settings`` set in os.environ for the block and removed after it: a side's switches
+    (forward_fns' ``env``), read by the runtime at call time."""
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for key in settings:
+            os.environ.pop(key, None)
+
+
 def forward_fns(
     tmodel,
     models: dict[str, ESMC],
@@ -208,11 +221,8 @@ def forward_fns(
         settings = (env or {}).get(name, {})
 
         def run_mlx(model=model, settings=settings):
-            for k, v in settings.items():
-                os.environ[k] = v
-            mx.eval(model(mids).logits)
-            for k in settings:
-                os.environ.pop(k, None)
+            with environment(settings):
+                mx.eval(model(mids).logits)
 
         fns[name] = run_mlx
     return fns

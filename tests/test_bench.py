@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import types
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 from conftest import requires_torch
@@ -366,3 +369,29 @@ def test_gemm_values_weights_differ_only_in_their_values(tmp_path, monkeypatch):
     assert [r["weight"] for r in out["rows"]] == ["normal", "mxfp4", "affine4", "affine8", "normal_m1"]
     assert out["rows"][0]["vs_normal"] == 1.0 and all(r["ms"] > 0 for r in out["rows"])
     assert json.loads((tmp_path / "g.json").read_text())["rows"] == out["rows"]
+
+
+def test_forward_fns_sets_a_side_s_environment_for_its_call_only(monkeypatch):
+    """A side's switches (``env``) are in os.environ while its model runs, and gone after it,
+    also when the forward raises."""
+    monkeypatch.delenv("ESMC_MLX_TEST_SWITCH", raising=False)
+    seen = []
+
+    class Model:
+        def __init__(self, fail=False):
+            self.fail = fail
+
+        def __call__(self, ids):
+            seen.append(os.environ.get("ESMC_MLX_TEST_SWITCH"))
+            if self.fail:
+                raise RuntimeError("forward failed")
+            return types.SimpleNamespace(logits=mx.zeros(ids.shape))
+
+    env = {"on": {"ESMC_MLX_TEST_SWITCH": "1"}, "broken": {"ESMC_MLX_TEST_SWITCH": "2"}}
+    fns = bench.forward_fns(None, {"off": Model(), "on": Model(), "broken": Model(fail=True)}, 1, 4, env=env)
+    fns["on"]()
+    fns["off"]()
+    with pytest.raises(RuntimeError, match="forward failed"):
+        fns["broken"]()
+    assert seen == ["1", None, "2"]
+    assert "ESMC_MLX_TEST_SWITCH" not in os.environ
