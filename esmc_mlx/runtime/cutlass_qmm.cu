@@ -45,7 +45,7 @@ using QmmTile192 = Shape<_128, _192, _64>;
 
 // Tile stays a parameter: with nothing of the epilogue's type depending on one, nvcc's host pass
 // rejected its CollectiveBuilder.
-template <class Quant, class Scheduler, class Tile = QmmTile>
+template <class Quant, class Scheduler, class Tile>
 struct MixedGemm {
   using Cluster = Shape<_1, _1, _1>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
