@@ -1,12 +1,14 @@
-"""CUTLASS's mixed-input GEMM (runtime/cutlass_qmm) against dequantize + matmul, beside the bf16
-model (issue 16): whole forwards of the shipped model (fused, compiled, random weights) with
-every call the tables give to dequantize + matmul sent to CUTLASS (``ESMC_MLX_CUTLASS_QMM=1``,
-whatever quantized.CUTLASS_TOKENS says) and with none (``=0``), all sides interleaved in one
-process, and each CUTLASS side's logits compared with dequantize + matmul's. CUTLASS's sides:
-``persistent`` (whole 128 x 256 tiles per SM), ``stream-k`` (every tile's K shared among the
-SMs), ``persistent-192`` (whole 128 x 192 tiles) and ``cutlass`` (the shipped choice among
-them, cutlass_qmm.schedule). Where a CUTLASS side wins is what CUTLASS_TOKENS and
-cutlass_qmm.schedule should hold.
+"""CUTLASS's mixed-input GEMM (runtime/cutlass_qmm) against dequantize + matmul and the fused
+kernel, beside the bf16 model (issue 16): whole forwards of the shipped model (fused, compiled,
+random weights), all sides interleaved in one process, and each side's logits compared with
+dequantize + matmul's. The sides:
+``dequantize`` (every call by dequantize + matmul, ``ESMC_MLX_QUANT_MATMUL=dequantize``, CUTLASS
+off), ``fused`` (the tables with CUTLASS off: inside FUSED_TOKENS' windows the fused kernel),
+CUTLASS at every call (``ESMC_MLX_CUTLASS_QMM=1`` with the policy forced to dequantize + matmul)
+as ``persistent`` (whole 128 x 256 tiles per SM), ``stream-k`` (every tile's K shared among the
+SMs), ``persistent-192`` (whole 128 x 192 tiles) or ``cutlass`` (cutlass_qmm.schedule's choice
+among them), and ``shipped`` (the tables as they stand). Where a CUTLASS side wins is what
+quantized.CUTLASS_TOKENS, quantized.CUTLASS_OVER_FUSED and cutlass_qmm.schedule should hold.
 
 Per-kernel GPU times are Nsight Compute's (benchmarks.host_overhead --profile), not timed here:
 calls evaluated together run concurrently in MLX's CUDA graph (its nodes wait only for their
@@ -18,6 +20,7 @@ Needs the extension built on the GPU machine: ``esmc-mlx build-cutlass``.
 
     python -m benchmarks.cutlass_qmm_ab --model 6B --shapes 1x512,1x1024 --json $OUT/6b.json      # GPU
     python -m benchmarks.cutlass_qmm_ab --model 300M --modes affine4 --sides dequantize,cutlass
+    python -m benchmarks.cutlass_qmm_ab --model 300M --shapes 1x64,1x128,1x256 --sides dequantize,fused,cutlass
 """
 
 from __future__ import annotations
@@ -32,12 +35,15 @@ from benchmarks import save_json
 from benchmarks.crossover_forward import RECORDS
 from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments, random_bf16
 from esmc_mlx.bench import environment, forward_fns, machine, mlx_model, parse_shapes, rel_l2, time_interleaved
-from esmc_mlx.runtime import cutlass_qmm
+from esmc_mlx.runtime import cutlass_qmm, quantized
 
+EVERY_CALL = {cutlass_qmm.ENV: "1", quantized.POLICY_ENV: "dequantize"}  # CUTLASS at every token count
 SIDES = {
-    "dequantize": {cutlass_qmm.ENV: "0"},
-    **{forced: {cutlass_qmm.ENV: "1", cutlass_qmm.SCHEDULE_ENV: forced} for forced in cutlass_qmm.SCHEDULES},
-    "cutlass": {cutlass_qmm.ENV: "1"},
+    "dequantize": {cutlass_qmm.ENV: "0", quantized.POLICY_ENV: "dequantize"},
+    "fused": {cutlass_qmm.ENV: "0"},
+    **{forced: {**EVERY_CALL, cutlass_qmm.SCHEDULE_ENV: forced} for forced in cutlass_qmm.SCHEDULES},
+    "cutlass": EVERY_CALL,
+    "shipped": {},
 }
 
 
@@ -71,7 +77,9 @@ def forward_row(bf16, quant: dict, mode: str, batch: int, length: int, budget: f
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_forward_arguments(p, model="6B", modes="affine4,affine8", shapes="1x256,1x1024,16x256,64x512")
-    p.add_argument("--sides", default=",".join(SIDES), help=f"quantized sides, comma-separated: {', '.join(SIDES)}")
+    p.add_argument(
+        "--sides", default="dequantize,fused,cutlass", help=f"quantized sides, comma-separated: {', '.join(SIDES)}"
+    )
     a = parse_forward_arguments(p, argv)
     if cutlass_qmm._extension() is None:
         raise SystemExit(f"Error: the extension is not built for MLX {mx.__version__}: esmc-mlx build-cutlass")

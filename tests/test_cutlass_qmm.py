@@ -98,6 +98,39 @@ def test_it_takes_calls_up_to_its_table_s_token_count(out_dims, table, stand_in,
     assert not m.takes_cutlass(1)
 
 
+@pytest.mark.parametrize("in_dims,table", [(64, "cuda-small"), (2048, "cuda")])
+def test_it_takes_the_fused_kernel_s_calls_from_its_table_s_count(in_dims, table, stand_in, monkeypatch):
+    """Inside the fused kernel's window (FUSED_TOKENS, the tables' own choice here) CUTLASS takes
+    bfloat16 calls from CUTLASS_OVER_FUSED's count on its table, none on a table without one;
+    the fused kernel keeps the rest, float16 calls and all calls with CUTLASS off."""
+    fused_calls = []
+
+    def fused(x, *packed):
+        fused_calls.append(x.shape)
+        return x @ mx.dequantize(*packed[:3], group_size=packed[3], bits=packed[4]).T
+
+    monkeypatch.setattr(kernels, "quantized_matmul_supported", lambda x, *packed: True)
+    monkeypatch.setattr(kernels, "quantized_matmul", fused)
+    monkeypatch.delenv(rq.POLICY_ENV)  # the tables decide
+    m = layer(in_dims=in_dims, out_dims=4096 if table == "cuda" else 64)
+    assert rq.table_name(kernels.weight_width(m["weight"], m.bits)) == table
+    lo, hi = rq.FUSED_TOKENS[table]["affine4"]
+    first = rq.CUTLASS_OVER_FUSED.get(table)
+    inside = [lo, hi - 1] + ([first - 1, first] if first else [])
+    for tokens in inside:
+        x = mx.ones((tokens, in_dims), dtype=mx.bfloat16)
+        before = len(stand_in.calls)
+        m(x)
+        assert len(stand_in.calls) - before == (first is not None and tokens >= first), tokens
+    assert len(fused_calls) == len(inside) - len(stand_in.calls)
+    if first:
+        calls = len(stand_in.calls)
+        m(mx.ones((first, in_dims), dtype=mx.float16))  # CUTLASS takes bfloat16 only
+        monkeypatch.setenv(cutlass_qmm.ENV, "0")
+        m(mx.ones((first, in_dims), dtype=mx.bfloat16))
+        assert len(stand_in.calls) == calls and fused_calls[-2:] == [(first, in_dims)] * 2
+
+
 def test_schedule_stream_k_for_a_short_last_wave_else_the_narrow_tile_where_it_takes_no_more_waves(
     stand_in, monkeypatch
 ):

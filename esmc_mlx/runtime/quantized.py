@@ -151,6 +151,15 @@ SMALL_WIDTH = 2048
 # machine 1x1024 1.19 -> 1.14 and 1.21 -> 1.11, 1x2048 1.11 -> 1.12 and 1.10 -> 1.09. The 6B's
 # end: 2048 (ahead there in three cells of four).
 CUTLASS_TOKENS = {"cuda": 2048, "cuda-small": 4096}
+# The fewest tokens from which CUTLASS also takes the calls of the fused kernel's windows
+# (FUSED_TOKENS), per table; on a table not named, never. Whole forwards at B=1, H200, the time
+# with CUTLASS / with the fused kernel, affine4 and affine8, the sides interleaved (thirty-fifth
+# issue-16 session, exp harness over benchmarks.cutlass_qmm_ab; docs/benchmarks.md):
+# - 300M and 600M (this table), two runs each: from 128 tokens CUTLASS was ahead in 19 of 22
+#   cells (geometric means 0.87 and 0.94 on the 300M, 0.97 and 0.92 on the 600M; the three
+#   behind 1.01-1.04, at 256 and 768 tokens); at 32-96 in 7 of 12 (0.83-1.20 of the time).
+# - 6B: 1.04-1.08 at 64 and 128 tokens, 0.99 and 1.05 at 256 (one run): none.
+CUTLASS_OVER_FUSED = {"cuda-small": 128}
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
 # fused where kernels.quantized_matmul runs, else the table); "auto" or unset uses the tables.
 POLICY_ENV = "ESMC_MLX_QUANT_MATMUL"
@@ -253,14 +262,17 @@ class QuantizedLinear(nn.QuantizedLinear):
             dequantize or mlx_quantized_matmul_fails(in_dims, self.group_size),
         )
 
-    def takes_cutlass(self, tokens: int) -> bool:
+    def takes_cutlass(self, tokens: int, over_fused: bool = False) -> bool:
         """True when this layer's dequantize + matmul calls of ``tokens`` rows go to CUTLASS's
         mixed-input GEMM instead, for bfloat16 inputs (cutlass_qmm: on a Hopper GPU, where it
-        is built; up to CUTLASS_TOKENS)."""
+        is built; up to CUTLASS_TOKENS). With ``over_fused``: whether it takes them from the
+        fused kernel's window too (from CUTLASS_OVER_FUSED)."""
         if backend() != "cuda" or not cutlass_qmm.enabled() or not cutlass_qmm.eligible(self):
             return False
-        width = kernels.weight_width(self["weight"], self.bits)
-        return cutlass_qmm.forced() or tokens <= CUTLASS_TOKENS[table_name(width)]
+        table = table_name(kernels.weight_width(self["weight"], self.bits))
+        if over_fused and tokens < CUTLASS_OVER_FUSED.get(table, math.inf):
+            return False
+        return cutlass_qmm.forced() or tokens <= CUTLASS_TOKENS[table]
 
     def takes_dequantize(self, tokens: int) -> bool:
         """True when ``tokens`` rows through this layer go by dequantize + matmul, outside the
@@ -273,13 +285,15 @@ class QuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         tokens = token_count(x)
         fused, dequantize = self.policy(tokens)
+        bf16_dequantize = dequantize and x.dtype == mx.bfloat16  # what CUTLASS can take
         packed = (self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode)
-        if fused and kernels.quantized_matmul_supported(x, *packed):
-            y = kernels.quantized_matmul(x, *packed)
-            return y + self["bias"] if "bias" in self else y
+        if fused and not (bf16_dequantize and self.takes_cutlass(tokens, over_fused=True)):
+            if kernels.quantized_matmul_supported(x, *packed):
+                y = kernels.quantized_matmul(x, *packed)
+                return y + self["bias"] if "bias" in self else y
         if not dequantize:
             return super().__call__(x)
-        if x.dtype == mx.bfloat16 and self.takes_cutlass(tokens):
+        if bf16_dequantize and self.takes_cutlass(tokens):
             return cutlass_qmm.matmul(self, x, tokens)
         wt = self.given_transposed
         if wt is None or wt.dtype != x.dtype:
