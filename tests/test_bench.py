@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from conftest import requires_torch
 
 from benchmarks import (
+    after_other,
     crossover_forward,
     dequant_cost,
     gemm_values,
@@ -349,6 +350,32 @@ def test_side_order_times_two_identical_models_in_both_orders_and_in_blocks(tmp_
     for key in ("bf16,qa,qb", "qb,qa,bf16"):
         assert set(row[key]) == {"bf16", "qa", "qb"} and min(row[key].values()) > 0
     assert set(row["blocked"]) == {"bf16", "qa"} and min(row["blocked"].values()) > 0
+
+
+def test_after_other_times_each_model_right_after_the_one_its_pair_names(tmp_path):
+    """Every timed call comes right after a call of the fn its pair names, with the clock read
+    around it; main writes every pair for the quantized model and the bf16 one."""
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("q", "q2", "bf16", "sleep")}
+    readings = []
+
+    class Clock:
+        def read(self):
+            readings.append(len(calls))
+            return 1500 + len(calls), len(calls) % 2 == 0
+
+    t = after_other.time_pairs(fns, 3, Clock())
+    assert len(calls) == 2 * 3 * len(after_other.PAIRS)
+    pairs = list(zip(calls[::2], calls[1::2], strict=True))
+    assert sorted(pairs) == sorted(after_other.PAIRS * 3)
+    assert readings == [n for i in range(len(pairs)) for n in (2 * i + 1, 2 * i + 2)]  # around each timed call
+    assert set(t) == {f"{timed} after {first}" for first, timed in after_other.PAIRS}
+    out = tmp_path / "after.json"
+    argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--modes", "affine4", "--rounds", "1"]
+    result = after_other.main([*argv, "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row == result["rows"][0] and len(row["pairs"]) == len(after_other.PAIRS)
+    assert min(v["median_ms"] for v in row["pairs"].values()) > 0
 
 
 def test_gemm_values_weights_differ_only_in_their_values(tmp_path, monkeypatch):
