@@ -102,7 +102,8 @@ def test_it_takes_calls_up_to_its_table_s_token_count(out_dims, table, stand_in,
 def test_it_takes_the_fused_kernel_s_calls_from_its_table_s_count(in_dims, table, stand_in, monkeypatch):
     """Inside the fused kernel's window (FUSED_TOKENS, the tables' own choice here) CUTLASS takes
     bfloat16 calls from CUTLASS_OVER_FUSED's count on its table, none on a table without one;
-    the fused kernel keeps the rest, float16 calls and all calls with CUTLASS off."""
+    the fused kernel keeps the rest, float16 calls, calls with the fused path forced and all
+    calls with CUTLASS off."""
     fused_calls = []
 
     def fused(x, *packed):
@@ -126,9 +127,12 @@ def test_it_takes_the_fused_kernel_s_calls_from_its_table_s_count(in_dims, table
     if first:
         calls = len(stand_in.calls)
         m(mx.ones((first, in_dims), dtype=mx.float16))  # CUTLASS takes bfloat16 only
+        monkeypatch.setenv(rq.POLICY_ENV, "fused")
+        m(mx.ones((first, in_dims), dtype=mx.bfloat16))
+        monkeypatch.setenv(rq.POLICY_ENV, "auto")
         monkeypatch.setenv(cutlass_qmm.ENV, "0")
         m(mx.ones((first, in_dims), dtype=mx.bfloat16))
-        assert len(stand_in.calls) == calls and fused_calls[-2:] == [(first, in_dims)] * 2
+        assert len(stand_in.calls) == calls and fused_calls[-3:] == [(first, in_dims)] * 3
 
 
 def test_schedule_stream_k_for_a_short_last_wave_else_the_narrow_tile_where_it_takes_no_more_waves(

@@ -1102,6 +1102,7 @@ def test_quantized_forward_in_the_fused_window_on_cuda(name, tile, monkeypatch):
     monkeypatch.setattr(kernels, "_qmm_wg_kernel", lambda *a: wg.append(a) or real_wg(*a))
     if tile:
         monkeypatch.setenv(kernels.QMM_TILE_ENV, tile)
+    monkeypatch.setenv(cutlass_qmm.ENV, "0")  # where built, CUTLASS takes these from 128 tokens (CUTLASS_OVER_FUSED)
     block_weights = {id(m.weight) for _, m in model.named_modules() if isinstance(m, rq.QuantizedLinear)}
     assert len(block_weights) == 4 * config.num_hidden_layers  # qkv, o, gate/up, down of every block
     monkeypatch.setenv(rq.POLICY_ENV, "dequantize")

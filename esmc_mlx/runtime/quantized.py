@@ -154,7 +154,8 @@ CUTLASS_TOKENS = {"cuda": 2048, "cuda-small": 4096}
 # The fewest tokens from which CUTLASS also takes the calls of the fused kernel's windows
 # (FUSED_TOKENS), per table; on a table not named, never. Whole forwards at B=1, H200, the time
 # with CUTLASS / with the fused kernel, affine4 and affine8, the sides interleaved (thirty-fifth
-# issue-16 session, exp harness over benchmarks.cutlass_qmm_ab; docs/benchmarks.md):
+# issue-16 session, python -m benchmarks.cutlass_qmm_ab --sides dequantize,fused,cutlass;
+# docs/benchmarks.md):
 # - 300M and 600M (this table), two runs each: from 128 tokens CUTLASS was ahead in 19 of 22
 #   cells (geometric means 0.87 and 0.94 on the 300M, 0.97 and 0.92 on the 600M; the three
 #   behind 1.01-1.04, at 256 and 768 tokens); at 32-96 in 7 of 12 (0.83-1.20 of the time).
@@ -190,10 +191,15 @@ def crossover(mode: str, bits: int | None = None, width: int = 0) -> float:
     return table.get(mode_name(mode, bits), table.get(mode, math.inf))
 
 
+def forced_path() -> str:
+    """POLICY_ENV's path ("quantized", "dequantize" or "fused"), or "auto": the tables'."""
+    return os.environ.get(POLICY_ENV, "auto").lower()
+
+
 def dequantize_first(tokens: int, mode: str, bits: int | None = None, width: int = 0) -> bool:
     """True when dequantize-then-matmul is the faster path for ``tokens`` rows through a weight
     of smaller dimension ``width`` quantized as (mode, bits)."""
-    forced = os.environ.get(POLICY_ENV, "auto").lower()
+    forced = forced_path()
     if forced in ("quantized", "dequantize"):
         return forced == "dequantize"
     return tokens >= crossover(mode, bits, width)
@@ -202,7 +208,7 @@ def dequantize_first(tokens: int, mode: str, bits: int | None = None, width: int
 def fused_first(tokens: int, mode: str, bits: int | None = None, width: int = 0) -> bool:
     """True when the fused kernel (kernels.quantized_matmul, where it runs) is the faster path
     for ``tokens`` rows through a weight of smaller dimension ``width`` quantized as (mode, bits)."""
-    forced = os.environ.get(POLICY_ENV, "auto").lower()
+    forced = forced_path()
     if forced != "auto":
         return forced == "fused"
     lo, hi = FUSED_TOKENS.get(table_name(width), {}).get(mode_name(mode, bits), (0, 0))
@@ -266,11 +272,11 @@ class QuantizedLinear(nn.QuantizedLinear):
         """True when this layer's dequantize + matmul calls of ``tokens`` rows go to CUTLASS's
         mixed-input GEMM instead, for bfloat16 inputs (cutlass_qmm: on a Hopper GPU, where it
         is built; up to CUTLASS_TOKENS). With ``over_fused``: whether it takes them from the
-        fused kernel's window too (from CUTLASS_OVER_FUSED)."""
+        fused kernel's window too (from CUTLASS_OVER_FUSED, unless POLICY_ENV forces a path)."""
         if backend() != "cuda" or not cutlass_qmm.enabled() or not cutlass_qmm.eligible(self):
             return False
         table = table_name(kernels.weight_width(self["weight"], self.bits))
-        if over_fused and tokens < CUTLASS_OVER_FUSED.get(table, math.inf):
+        if over_fused and (forced_path() != "auto" or tokens < CUTLASS_OVER_FUSED.get(table, math.inf)):
             return False
         return cutlass_qmm.forced() or tokens <= CUTLASS_TOKENS[table]
 
