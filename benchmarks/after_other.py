@@ -1,10 +1,12 @@
 """What a forward's time depends on besides its own work (issue 16): one model's forward timed
 right after a forward of itself, of the bf16 model, of an identical quantized copy (same kernels
-and CUDA-graph keys, other weight buffers), and after 0.2 s of sleep; the SM clock and the
-power-cap throttle flag read from NVML just before and after each timed call. Run it once more
-with ``MLX_USE_CUDA_GRAPHS=0`` (a process each) to see whether MLX's graph reuse is the cause.
-The thirty-fifth session found the quantized 6B 2-3% slower right after bf16 than after itself,
-graphs on or off, and no slower after its identical copy (docs/benchmarks.md).
+and CUDA-graph keys, other weight buffers), after 0.2 s of sleep, and after itself or the bf16
+model followed by ``mx.clear_cache()`` (every buffer then comes fresh from the allocator); the
+SM clock and the power-cap throttle flag read from NVML just before and after each timed call.
+Run it once more with ``MLX_USE_CUDA_GRAPHS=0`` (a process each) to see whether MLX's graph
+reuse is the cause. The thirty-fifth session found the quantized 6B 2-3% slower right after bf16
+than after itself, graphs on or off, and no slower after its identical copy (docs/benchmarks.md;
+that run had no cache-cleared pairs).
 
     python -m benchmarks.after_other --model 6B --modes mxfp4 --shapes 1x1024,16x256      # GPU
     MLX_USE_CUDA_GRAPHS=0 python -m benchmarks.after_other --model 6B --modes mxfp4
@@ -20,13 +22,19 @@ import os
 import statistics
 import time
 
+import mlx.core as mx
+
 from benchmarks import save_json
 from benchmarks.crossover_forward import RECORDS
 from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments, random_bf16
 from esmc_mlx.bench import forward_fns, machine, mlx_model, parse_shapes
 
-# (run first, then timed): "q" is the quantized model, "q2" its identical copy.
-PAIRS = [("q", "q"), ("bf16", "q"), ("q2", "q"), ("sleep", "q"), ("bf16", "bf16"), ("q", "bf16"), ("sleep", "bf16")]
+# (run first, then timed): "q" is the quantized model, "q2" its identical copy; "+clear": the
+# model, then MLX's buffer cache emptied.
+PAIRS = [
+    *[(first, "q") for first in ("q", "bf16", "q2", "sleep", "q+clear", "bf16+clear")],
+    *[(first, "bf16") for first in ("bf16", "q", "sleep", "bf16+clear")],
+]
 SM_CLOCK, SW_POWER_CAP = 1, 0x4  # NVML_CLOCK_SM; nvmlClocksThrottleReasonSwPowerCap
 
 
@@ -92,13 +100,17 @@ def main(argv=None) -> dict:
             for fn in fns.values():
                 fn(), fn(), fn()  # traced, compiled, warm
             fns["sleep"] = lambda: time.sleep(0.2)
+            for name in ("q", "bf16"):
+                fns[name + "+clear"] = lambda fn=fns[name]: (fn(), mx.clear_cache())
             t = time_pairs(fns, a.rounds, nvml)
             result["rows"].append({"mode": mode, "batch": batch, "length": length, "pairs": t})
             ms = {k: v["median_ms"] for k, v in t.items()}
             print(
                 f"{a.model} {mode} {batch}x{length}, MLX_USE_CUDA_GRAPHS={graphs}: q after bf16 / after q "
                 f"{ms['q after bf16'] / ms['q after q']:.3f}, after q2 {ms['q after q2'] / ms['q after q']:.3f}, "
-                f"after sleep {ms['q after sleep'] / ms['q after q']:.3f}; bf16 after q / after bf16 "
+                f"after sleep {ms['q after sleep'] / ms['q after q']:.3f}, after q+clear "
+                f"{ms['q after q+clear'] / ms['q after q']:.3f}, after bf16+clear "
+                f"{ms['q after bf16+clear'] / ms['q after q']:.3f}; bf16 after q / after bf16 "
                 f"{ms['bf16 after q'] / ms['bf16 after bf16']:.3f}, after sleep {ms['bf16 after sleep'] / ms['bf16 after bf16']:.3f}",
                 flush=True,
             )

@@ -356,7 +356,9 @@ def test_after_other_times_each_model_right_after_the_one_its_pair_names(tmp_pat
     """Every timed call comes right after a call of the fn its pair names, with the clock read
     around it; main writes every pair for the quantized model and the bf16 one."""
     calls = []
-    fns = {name: (lambda name=name: calls.append(name)) for name in ("q", "q2", "bf16", "sleep")}
+    fns = {
+        name: (lambda name=name: calls.append(name)) for name in {name for pair in after_other.PAIRS for name in pair}
+    }
     readings = []
 
     class Clock:
