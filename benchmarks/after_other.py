@@ -5,8 +5,8 @@ model followed by ``mx.clear_cache()`` (every buffer then comes fresh from the a
 SM clock and the power-cap throttle flag read from NVML just before and after each timed call.
 Run it once more with ``MLX_USE_CUDA_GRAPHS=0`` (a process each) to see whether MLX's graph
 reuse is the cause. The thirty-fifth session found the quantized 6B 2-3% slower right after bf16
-than after itself, graphs on or off, and no slower after its identical copy (docs/benchmarks.md;
-that run had no cache-cleared pairs).
+than after itself, graphs on or off, and no slower after its identical copy; with the cache
+emptied, 7-9% slower (docs/benchmarks.md).
 
     python -m benchmarks.after_other --model 6B --modes mxfp4 --shapes 1x1024,16x256      # GPU
     MLX_USE_CUDA_GRAPHS=0 python -m benchmarks.after_other --model 6B --modes mxfp4
