@@ -268,17 +268,20 @@ class QuantizedLinear(nn.QuantizedLinear):
             dequantize or mlx_quantized_matmul_fails(in_dims, self.group_size),
         )
 
-    def takes_cutlass(self, tokens: int, over_fused: bool = False) -> bool:
+    def takes_cutlass(self, tokens: int) -> bool:
         """True when this layer's dequantize + matmul calls of ``tokens`` rows go to CUTLASS's
         mixed-input GEMM instead, for bfloat16 inputs (cutlass_qmm: on a Hopper GPU, where it
-        is built; up to CUTLASS_TOKENS). With ``over_fused``: whether it takes them from the
-        fused kernel's window too (from CUTLASS_OVER_FUSED, unless POLICY_ENV forces a path)."""
+        is built; up to CUTLASS_TOKENS)."""
         if backend() != "cuda" or not cutlass_qmm.enabled() or not cutlass_qmm.eligible(self):
             return False
-        table = table_name(kernels.weight_width(self["weight"], self.bits))
-        if over_fused and (forced_path() != "auto" or tokens < CUTLASS_OVER_FUSED.get(table, math.inf)):
-            return False
-        return cutlass_qmm.forced() or tokens <= CUTLASS_TOKENS[table]
+        width = kernels.weight_width(self["weight"], self.bits)
+        return cutlass_qmm.forced() or tokens <= CUTLASS_TOKENS[table_name(width)]
+
+    def cutlass_over_fused(self, tokens: int) -> bool:
+        """True when CUTLASS, where it takes this layer's calls of ``tokens`` rows, takes them
+        from the fused kernel's window too: from CUTLASS_OVER_FUSED, when the tables decide."""
+        width = kernels.weight_width(self["weight"], self.bits)
+        return forced_path() == "auto" and tokens >= CUTLASS_OVER_FUSED.get(table_name(width), math.inf)
 
     def takes_dequantize(self, tokens: int) -> bool:
         """True when ``tokens`` rows through this layer go by dequantize + matmul, outside the
@@ -291,15 +294,15 @@ class QuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         tokens = token_count(x)
         fused, dequantize = self.policy(tokens)
-        bf16_dequantize = dequantize and x.dtype == mx.bfloat16  # what CUTLASS can take
+        cutlass = dequantize and x.dtype == mx.bfloat16 and self.takes_cutlass(tokens)
         packed = (self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode)
-        if fused and not (bf16_dequantize and self.takes_cutlass(tokens, over_fused=True)):
+        if fused and not (cutlass and self.cutlass_over_fused(tokens)):
             if kernels.quantized_matmul_supported(x, *packed):
                 y = kernels.quantized_matmul(x, *packed)
                 return y + self["bias"] if "bias" in self else y
         if not dequantize:
             return super().__call__(x)
-        if bf16_dequantize and self.takes_cutlass(tokens):
+        if cutlass:
             return cutlass_qmm.matmul(self, x, tokens)
         wt = self.given_transposed
         if wt is None or wt.dtype != x.dtype:
