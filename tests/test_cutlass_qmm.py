@@ -34,6 +34,13 @@ class StandIn:
         w = mx.dequantize(q, scales_t.T, biases_t.T, group_size=group_size, bits=bits)
         return x @ w.T
 
+    def mxfp4_matmul(self, x, q, scale_pairs, stream_k, tile_tokens):
+        """mxfp4's scale pairs ([K / 64, N], two bf16 2^(e-127) each) decoded back to e8m0."""
+        self.calls.append((x.shape, 4, 32, stream_k, tile_tokens))
+        bits = mx.stack([scale_pairs & 0xFFFF, scale_pairs >> 16], axis=1).reshape(-1, scale_pairs.shape[1]).T
+        e = mx.where(bits == 0x0040, 0, bits >> 7).astype(mx.uint8)  # 0x7FC0 (NaN) >> 7 is 255
+        return x @ mx.dequantize(q, e, group_size=32, bits=4, mode="mxfp4").T
+
     def sm_count(self):
         return 132  # an H100 or H200 (SXM)
 
@@ -62,11 +69,14 @@ def reference(m, x):
     return y + m.bias if "bias" in m else y
 
 
-@pytest.mark.parametrize("bits,group_size,bias", [(4, 64, False), (8, 128, True), (4, 128, True)])
+@pytest.mark.parametrize(
+    "bits,group_size,bias,mode",
+    [(4, 64, False, "affine"), (8, 128, True, "affine"), (4, 128, True, "affine"), (4, 32, True, "mxfp4")],
+)
 def test_bfloat16_calls_go_to_the_extension_with_transposed_scales(
-    bits, group_size, bias, stand_in, monkeypatch, on_cpu
+    bits, group_size, bias, mode, stand_in, monkeypatch, on_cpu
 ):
-    m = layer(bits, group_size, bias=bias)
+    m = layer(bits, group_size, mode, bias=bias)
     x = mx.random.normal((2, 5, 128), key=mx.random.key(1)).astype(mx.bfloat16)
     monkeypatch.setenv(cutlass_qmm.ENV, "0")  # turned off
     assert not m.takes_cutlass(10) and m.takes_dequantize(10)
@@ -80,7 +90,8 @@ def test_bfloat16_calls_go_to_the_extension_with_transposed_scales(
     np.testing.assert_array_equal(np.array(on.astype(mx.float32)), np.array(reference(m, x).astype(mx.float32)))
     np.testing.assert_allclose(np.array(on.astype(mx.float32)), np.array(off.astype(mx.float32)), rtol=2e-2, atol=2e-2)
     m(x)
-    assert len(stand_in.calls) == 2 and m.cutlass_scales[0].shape == (128 // group_size, 64)  # kept, not redone
+    scale_rows = 128 // 64 if mode == "mxfp4" else 128 // group_size  # mxfp4: a pair a K tile
+    assert len(stand_in.calls) == 2 and m.cutlass_scales[0].shape == (scale_rows, 64)  # kept, not redone
 
 
 @pytest.mark.parametrize("out_dims,table", [(64, "cuda-small"), (4096, "cuda")])
@@ -195,16 +206,18 @@ def test_other_inputs_and_weights_keep_their_path(stand_in, monkeypatch, on_cpu)
     np.testing.assert_allclose(np.array(m(x32)), np.array(reference(m, x32)), rtol=1e-5, atol=1e-5)  # float32 x
     xb = x32.astype(mx.bfloat16)
     for other in (
-        layer(mode="mxfp4", group_size=32),  # not affine
+        layer(mode="mxfp8", bits=8, group_size=32),  # neither affine nor mxfp4
+        layer(mode="mxfp4", group_size=32, in_dims=96),  # K not whole 64-wide tiles
         layer(bits=2),  # the kernel has 4 and 8 bits
         layer(group_size=32),  # groups smaller than CUTLASS's K tile
         layer(out_dims=60),  # rows of y not 16 bytes
         layer(dtype=mx.float32),  # float32 scales
     ):
         assert not other.takes_cutlass(7)
+        xi = xb[..., : other.weight.shape[1] * 32 // other.bits]  # its in_dims
         np.testing.assert_allclose(
-            np.array(other(xb).astype(mx.float32)),
-            np.array(reference(other, xb).astype(mx.float32)),
+            np.array(other(xi).astype(mx.float32)),
+            np.array(reference(other, xi).astype(mx.float32)),
             rtol=2e-2,
             atol=2e-2,
         )
@@ -336,10 +349,12 @@ BUILT = ON_CUDA and cutlass_qmm._extension() is not None
 
 
 @pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
-@pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 64), (4, 128)])
+@pytest.mark.parametrize(
+    "bits,group_size,mode", [(4, 64, "affine"), (8, 64, "affine"), (4, 128, "affine"), (4, 32, "mxfp4")]
+)
 @pytest.mark.parametrize("rows", [1, 3, 300, 1024])
 @pytest.mark.parametrize("schedule", cutlass_qmm.SCHEDULES)
-def test_extension_matches_dequantize_and_matmul_on_cuda(bits, group_size, rows, schedule, monkeypatch):
+def test_extension_matches_dequantize_and_matmul_on_cuda(bits, group_size, mode, rows, schedule, monkeypatch):
     """The real kernel, every schedule and tile, against x @ dequantize(w).T in float32: at most the
     bf16 matmul's own error from it (the persistent tiles measured equal to the bit on the 6B's
     shapes in the thirty-first session), and the same bits on a second call (stream-K's partial
@@ -347,7 +362,7 @@ def test_extension_matches_dequantize_and_matmul_on_cuda(bits, group_size, rows,
     monkeypatch.setenv(cutlass_qmm.ENV, "1")
     monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, schedule)
     monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
-    m = layer(bits, group_size, in_dims=2560, out_dims=1024, bias=True)
+    m = layer(bits, group_size, mode, in_dims=2560, out_dims=1024, bias=True)
     x = mx.random.normal((1, rows, 2560), key=mx.random.key(rows)).astype(mx.bfloat16)
     assert m.takes_cutlass(rows)
     got = m(x)
@@ -357,6 +372,23 @@ def test_extension_matches_dequantize_and_matmul_on_cuda(bits, group_size, rows,
     err = float(mx.abs(got.astype(mx.float32) - exact).max())
     bf16_err = float(mx.abs(bf16.astype(mx.float32) - exact).max())
     assert err <= 2 * bf16_err + 1e-3
+
+
+@pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
+@pytest.mark.parametrize("mode,bits,group_size", [("mxfp4", 4, 32), ("affine", 4, 64), ("affine", 8, 128)])
+def test_extension_dequantizes_as_mx_dequantize_on_cuda(mode, bits, group_size, monkeypatch):
+    """Each weight the kernel multiplies is mx.dequantize's, bit for bit: x the identity makes
+    y = w.T, every output one product and a sum of zeros (exact in the fp32 accumulators). For
+    mxfp4 every e8m0 scale that keeps the weights normal and finite (2-252; an inf or NaN would
+    spread along its row through the zeros)."""
+    monkeypatch.setenv(cutlass_qmm.ENV, "1")
+    monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
+    m = layer(bits, group_size, mode, in_dims=512, out_dims=256)
+    if mode == "mxfp4":
+        m.scales = (2 + mx.arange(256 * 16, dtype=mx.uint32) % 251).reshape(256, 16).astype(mx.uint8)
+    w = mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=group_size, bits=bits, mode=mode)
+    got = m(mx.eye(512, dtype=mx.bfloat16))
+    assert np.array_equal(np.array(got.T.astype(mx.float32)), np.array(w.astype(mx.bfloat16).astype(mx.float32)))
 
 
 @pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")

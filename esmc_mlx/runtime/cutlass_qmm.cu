@@ -32,6 +32,99 @@
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
+
+// mxfp4 (e2m1 values, one e8m0 scale per 32 along K) through the same mainloop. CUTLASS's takes
+// one scale a row per K tile, and its K tile is at least 64; so the scale element here is a pair,
+// the two groups' scales of a K tile as bf16 (exact: 2^(e-127), bf16 has fp32's exponent range),
+// and the K tile's first half of k-blocks uses one, its second half the other. That choice is
+// made where the mainloop hands each k-block's weights and scales over, in its utilities
+// (MixedInputUtils): specialized below for this scale type, the rest of them CUTLASS's own.
+struct Mxfp4Scales {
+  cutlass::bfloat16_t even, odd;
+};
+
+namespace cutlass::gemm::collective::detail {
+
+// The members CUTLASS's utilities read from their collective, from ours: their generic form
+// serves everything but the dequantize.
+template <class C>
+struct CollectiveMembers {
+  using KernelSchedule = typename C::KernelSchedule;
+  using SmemLayoutA = typename C::SmemLayoutA;
+  using SmemLayoutB = typename C::SmemLayoutB;
+  using SmemLayoutScale = typename C::SmemLayoutScale;
+  using SwappedElementA = typename C::SwappedElementA;
+  using SwappedElementB = typename C::SwappedElementB;
+  using RealSwappedElementA = typename C::RealSwappedElementA;
+  using RealSwappedElementB = typename C::RealSwappedElementB;
+  using ElementScale = typename C::ElementScale;
+  using ElementZero = typename C::ElementZero;
+  using SmemCopyAtomScale = typename C::SmemCopyAtomScale;
+  static constexpr auto KernelConversionMode = C::KernelConversionMode;
+  static constexpr auto ModeHasScales = C::ModeHasScales;
+  static constexpr auto UseScaleLookupTable = C::UseScaleLookupTable;
+};
+
+template <class Policy, class Tile, class StrideA, class ElementB, class StrideB, class TiledMma, class CopyA,
+          class AtomA, class SmemCopyA, class TransformA, class CopyB, class AtomB, class SmemCopyB, class TransformB>
+struct MixedInputUtils<CollectiveMma<Policy, Tile, cute::tuple<float_e2m1_t, Mxfp4Scales>, StrideA, ElementB, StrideB,
+                                     TiledMma, CopyA, AtomA, SmemCopyA, TransformA, CopyB, AtomB, SmemCopyB, TransformB>>
+    : MixedInputUtils<CollectiveMembers<CollectiveMma<Policy, Tile, cute::tuple<float_e2m1_t, Mxfp4Scales>, StrideA,
+                                                      ElementB, StrideB, TiledMma, CopyA, AtomA, SmemCopyA, TransformA,
+                                                      CopyB, AtomB, SmemCopyB, TransformB>>> {
+  // Values 2p, 2p+1 of eight e2m1 codes (``q``, value i at bits 4i) as a bf16 pair, exactly: byte
+  // permutes from tables of the 8 magnitudes' bf16 bytes (low 00 00 80 C0 00 40 80 C0, high 00
+  // 3F 3F 3F 40 40 40 40), the signs moved in by prmt's sign-replicating selectors (a selector
+  // nibble's msb copies bit 7 of the byte it picks; q << 4 puts each even value's sign at bit 7).
+  // The same construction as kernels.py's mxfp4_pairs_bf16 (the fused kernel's), which derives it.
+  CUTLASS_DEVICE static uint32_t e2m1_pair(uint32_t q, int p) {
+    const uint32_t m = (q & 0x77777777u) >> (p < 2 ? 0 : 16);  // magnitudes: selectors without their msb
+    const uint32_t lo = __byte_perm(0xC0800000u, 0xC0804000u, m), hi = __byte_perm(0x3F3F3F00u, 0x40404040u, m);
+    const int a = 2 * (p & 1);  // the pair's first value among its four
+    const uint32_t word = __byte_perm(lo, hi, a | ((4 + a) << 4) | ((a + 1) << 8) | ((5 + a) << 12));
+    uint32_t sign;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(sign) : "r"(q << 4), "r"(q), "r"(((8 | p) << 4) | ((12 | p) << 12)));
+    return word | (sign & 0x80008000u);
+  }
+
+  // k-block ``k_block`` (16 of K) of this thread's weights, e2m1 codes, to bf16 times its group's
+  // scale: exact products, so bit for bit mx.dequantize's values (float(scale) * float(value),
+  // rounded once). Eight codes a 32-bit register; each pair of values lies in one row (one scale).
+  template <class EngineIn, class EngineOut, class LayoutIn, class LayoutOut, class... Ts>
+  CUTLASS_DEVICE static void dequantize_A_kblock(Tensor<EngineIn, LayoutIn> const& tCrA_load,
+                                                 Tensor<EngineOut, LayoutOut>& tCrA_mma,
+                                                 cute::tuple<Ts...>& partitioned_extra_info, int const k_block) {
+    constexpr int k_blocks = decltype(size<2>(tCrA_load))::value;
+    static_assert(k_blocks % 2 == 0, "two scale groups a K tile");
+    Tensor src = tCrA_load(_, _, k_block);
+    Tensor dst = tCrA_mma(_, _, k_block);
+    Tensor scales = cute::get<1>(partitioned_extra_info)(_, _, k_block);
+    CUTE_STATIC_ASSERT_V(size(src) == size(scales));
+    Tensor src_vm = cute::group_modes<1, -1>(cute::zipped_divide(src, Int<8>{}));
+    Tensor dst_vm = cute::group_modes<1, -1>(cute::zipped_divide(dst, Int<8>{}));
+    Tensor scales_vm = cute::group_modes<1, -1>(cute::zipped_divide(scales, Int<8>{}));
+    // Value j of a column at bits 4j of its register, in src and dst alike (so pairs are raw pairs).
+    static_assert(cute::is_same_v<decltype(coalesce(src_vm(_, 0).layout())), Layout<_8, _1>>);
+    static_assert(cute::is_same_v<decltype(coalesce(dst_vm(_, 0).layout())), Layout<_8, _1>>);
+    const bool odd = 2 * k_block >= k_blocks;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<1>(src_vm); ++i) {
+      const uint32_t q = cute::recast<uint32_t>(src_vm(_, i))(0);
+      auto out = cute::recast<uint32_t>(dst_vm(_, i));
+      CUTLASS_PRAGMA_UNROLL
+      for (int p = 0; p < 4; ++p) {
+        const Mxfp4Scales s = scales_vm(2 * p, i);
+        const __nv_bfloat16 scale = odd ? s.odd.to_nv_bfloat16() : s.even.to_nv_bfloat16();
+        const uint32_t v = e2m1_pair(q, p);
+        const __nv_bfloat162 r = __hmul2(reinterpret_cast<const __nv_bfloat162&>(v), __bfloat162bfloat162(scale));
+        out(p) = reinterpret_cast<const uint32_t&>(r);
+      }
+    }
+  }
+};
+
+}  // namespace cutlass::gemm::collective::detail
+
 namespace esmc_qmm {
 using namespace cute;
 using Bf16 = cutlass::bfloat16_t;
@@ -43,6 +136,17 @@ using QmmTile = Shape<_128, _256, _64>;  // weight rows, tokens, K: ahead of 128
 // sooner: the 6B's o_proj at 1024 tokens, 80 or 120 tiles on 132 SMs, 32 -> 28 us.
 using QmmTile192 = Shape<_128, _192, _64>;
 
+// The builder's A operand for a weight of ``Quant``: affine (scale and bias a group), or mxfp4's
+// values with their scale pairs.
+template <class Quant>
+struct Operand {
+  using type = cute::tuple<Quant, Bf16, Bf16>;
+};
+template <>
+struct Operand<cutlass::float_e2m1_t> {
+  using type = cute::tuple<cutlass::float_e2m1_t, Mxfp4Scales>;
+};
+
 // Tile stays a parameter: with nothing of the epilogue's type depending on one, nvcc's host pass
 // rejected its CollectiveBuilder.
 template <class Quant, class Scheduler, class Tile>
@@ -53,7 +157,7 @@ struct MixedGemm {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, 8, Bf16,
       cutlass::layout::ColumnMajor, 8, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cute::tuple<Quant, Bf16, Bf16>, cutlass::layout::RowMajor,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Operand<Quant>::type, cutlass::layout::RowMajor,
       128 / cutlass::sizeof_bits<Quant>::value, Bf16, cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
@@ -65,9 +169,11 @@ int sm_count() {
   return count;
 }
 
+// ``biases`` is unused for mxfp4 (``scales`` holds its scale pairs, one per 64 along K).
 template <class Quant, class Scheduler, class Tile>
 void launch(const mx::array& x, const mx::array& q, const mx::array& scales, const mx::array& biases, mx::array& out,
             int group_size, mx::cu::CommandEncoder& encoder) {
+  constexpr bool mxfp4 = std::is_same_v<Quant, cutlass::float_e2m1_t>;
   using Kernel = typename MixedGemm<Quant, Scheduler, Tile>::Kernel;
   constexpr bool stream_k = std::is_same_v<Scheduler, cutlass::gemm::StreamKScheduler>;
   int m = x.shape(0), k = x.shape(1), n = out.shape(1);
@@ -78,13 +184,18 @@ void launch(const mx::array& x, const mx::array& q, const mx::array& scales, con
   typename Kernel::CollectiveMainloop::StrideScale stride_s{};
   get<1>(stride_s) = int64_t(n);
   cutlass::KernelHardwareInfo hw{0, sm_count()};
-  typename Kernel::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGemm,
-      {n, m, k, 1},
-      {static_cast<typename Kernel::ElementA const*>(mx::gpu_ptr<void>(q)), stride_q, mx::gpu_ptr<Bf16>(x), stride_x,
-       mx::gpu_ptr<Bf16>(scales), stride_s, group_size, mx::gpu_ptr<Bf16>(biases)},
-      {{1.0f, 0.0f}, nullptr, {}, mx::gpu_ptr<Bf16>(out), stride_y},
-      hw};
+  typename Kernel::CollectiveMainloop::Arguments mainloop;
+  if constexpr (mxfp4)
+    mainloop = {static_cast<typename Kernel::ElementA const*>(mx::gpu_ptr<void>(q)), stride_q, mx::gpu_ptr<Bf16>(x),
+                stride_x, mx::gpu_ptr<Mxfp4Scales>(scales), stride_s, 2 * group_size};
+  else
+    mainloop = {static_cast<typename Kernel::ElementA const*>(mx::gpu_ptr<void>(q)), stride_q, mx::gpu_ptr<Bf16>(x),
+                stride_x, mx::gpu_ptr<Bf16>(scales), stride_s, group_size, mx::gpu_ptr<Bf16>(biases)};
+  typename Kernel::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                  {n, m, k, 1},
+                                  mainloop,
+                                  {{1.0f, 0.0f}, nullptr, {}, mx::gpu_ptr<Bf16>(out), stride_y},
+                                  hw};
   if constexpr (stream_k) {
     // Every output tile's K shared among the SMs, not only a ragged last wave's (CUTLASS's own
     // heuristic keeps whole tiles when the last wave is at least half full, as the 6B's
@@ -127,7 +238,7 @@ void launch(const mx::array& x, const mx::array& q, const mx::array& scales, con
   encoder.set_input_array(x);
   encoder.set_input_array(q);
   encoder.set_input_array(scales);
-  encoder.set_input_array(biases);
+  if constexpr (!mxfp4) encoder.set_input_array(biases);
   if (workspace_ptr) encoder.set_input_array(workspace);
   encoder.set_output_array(out);
   encoder.add_kernel_node_ex(function, Kernel::get_grid_shape(params), Kernel::get_block_shape(),
@@ -136,8 +247,13 @@ void launch(const mx::array& x, const mx::array& q, const mx::array& scales, con
 
 class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  CutlassQuantizedMatmul(mx::Stream stream, int bits, int group_size, bool stream_k, int tile_tokens)
-      : mx::UnaryPrimitive(stream), bits_(bits), group_size_(group_size), stream_k_(stream_k), tile_tokens_(tile_tokens) {}
+  CutlassQuantizedMatmul(mx::Stream stream, bool mxfp4, int bits, int group_size, bool stream_k, int tile_tokens)
+      : mx::UnaryPrimitive(stream),
+        mxfp4_(mxfp4),
+        bits_(bits),
+        group_size_(group_size),
+        stream_k_(stream_k),
+        tile_tokens_(tile_tokens) {}
 
   void eval_cpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("[cutlass_qmm] runs on a CUDA GPU only");
@@ -148,18 +264,21 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
       if (!a.flags().row_contiguous) throw std::runtime_error("[cutlass_qmm] inputs must be row-contiguous");
     auto& encoder = mx::cu::get_command_encoder(stream());
     out.set_data(mx::allocator::malloc(out.nbytes()));
+    const mx::array& biases = inputs.back();  // mxfp4 has none: then its scale pairs, unread
     auto go = [&]<class Quant>() {
       if (stream_k_)
-        launch<Quant, cutlass::gemm::StreamKScheduler, QmmTile>(inputs[0], inputs[1], inputs[2], inputs[3], out,
+        launch<Quant, cutlass::gemm::StreamKScheduler, QmmTile>(inputs[0], inputs[1], inputs[2], biases, out,
                                                                 group_size_, encoder);
       else if (tile_tokens_ == 192)
-        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile192>(inputs[0], inputs[1], inputs[2], inputs[3], out,
+        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile192>(inputs[0], inputs[1], inputs[2], biases, out,
                                                                       group_size_, encoder);
       else
-        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile>(inputs[0], inputs[1], inputs[2], inputs[3], out,
+        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile>(inputs[0], inputs[1], inputs[2], biases, out,
                                                                    group_size_, encoder);
     };
-    if (bits_ == 4)
+    if (mxfp4_)
+      go.template operator()<cutlass::float_e2m1_t>();
+    else if (bits_ == 4)
       go.template operator()<cutlass::uint4b_t>();
     else
       go.template operator()<uint8_t>();
@@ -169,38 +288,62 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const CutlassQuantizedMatmul&>(other);
-    return bits_ == o.bits_ && group_size_ == o.group_size_ && stream_k_ == o.stream_k_ &&
+    return mxfp4_ == o.mxfp4_ && bits_ == o.bits_ && group_size_ == o.group_size_ && stream_k_ == o.stream_k_ &&
            tile_tokens_ == o.tile_tokens_;
   }
 
  private:
+  bool mxfp4_;
   int bits_, group_size_;
   bool stream_k_;
   int tile_tokens_;
 };
 
+void check_tiles(bool stream_k, int tile_tokens) {
+  if (tile_tokens != 192 && tile_tokens != 256) throw std::invalid_argument("[cutlass_qmm] tile_tokens must be 192 or 256");
+  // Built for the wide tile only: the narrow one is for calls whose whole tiles fit the waves.
+  if (stream_k && tile_tokens != 256) throw std::invalid_argument("[cutlass_qmm] stream-K runs 256-token tiles only");
+}
+
+// x [..., K] @ the weight's transpose, by a CutlassQuantizedMatmul over ``scales_etc`` after x and q.
+mx::array run(const mx::array& x, const mx::array& q, std::vector<mx::array> scales_etc, bool mxfp4, int bits,
+              int group_size, bool stream_k, int tile_tokens) {
+  int k = x.shape(-1), n = q.shape(0);
+  auto lead = x.shape();
+  lead.back() = n;
+  auto x2 = mx::contiguous(mx::reshape(x, {-1, k}));
+  scales_etc.insert(scales_etc.begin(), {x2, q});
+  auto y = mx::array({x2.shape(0), n}, mx::bfloat16,
+                     std::make_shared<CutlassQuantizedMatmul>(mx::default_stream(mx::Device::gpu), mxfp4, bits,
+                                                              group_size, stream_k, tile_tokens),
+                     std::move(scales_etc));
+  return mx::reshape(y, lead);
+}
+
 mx::array quantized_matmul(const mx::array& x, const mx::array& q, const mx::array& scales_t,
                            const mx::array& biases_t, int bits, int group_size, bool stream_k, int tile_tokens) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("[cutlass_qmm] bits must be 4 or 8");
   if (group_size != 64 && group_size != 128) throw std::invalid_argument("[cutlass_qmm] group_size must be 64 or 128");
-  if (tile_tokens != 192 && tile_tokens != 256) throw std::invalid_argument("[cutlass_qmm] tile_tokens must be 192 or 256");
-  // Built for the wide tile only: the narrow one is for calls whose whole tiles fit the waves.
-  if (stream_k && tile_tokens != 256) throw std::invalid_argument("[cutlass_qmm] stream-K runs 256-token tiles only");
+  check_tiles(stream_k, tile_tokens);
   if (x.dtype() != mx::bfloat16 || scales_t.dtype() != mx::bfloat16 || biases_t.dtype() != mx::bfloat16)
     throw std::invalid_argument("[cutlass_qmm] x, scales and biases must be bfloat16");
   int k = x.shape(-1), n = q.shape(0);
   if (q.ndim() != 2 || q.shape(1) * 32 / bits != k) throw std::invalid_argument("[cutlass_qmm] weight and x disagree");
   if (scales_t.shape(0) != k / group_size || scales_t.shape(1) != n || biases_t.shape() != scales_t.shape())
     throw std::invalid_argument("[cutlass_qmm] scales and biases must be [K / group_size, N]");
-  auto lead = x.shape();
-  lead.back() = n;
-  auto x2 = mx::contiguous(mx::reshape(x, {-1, k}));
-  int m = x2.shape(0);
-  auto y = mx::array({m, n}, mx::bfloat16,
-                     std::make_shared<CutlassQuantizedMatmul>(mx::default_stream(mx::Device::gpu), bits, group_size, stream_k,
-                                                              tile_tokens),
-                     {x2, q, scales_t, biases_t});
-  return mx::reshape(y, lead);
+  return run(x, q, {scales_t, biases_t}, false, bits, group_size, stream_k, tile_tokens);
+}
+
+mx::array mxfp4_matmul(const mx::array& x, const mx::array& q, const mx::array& scale_pairs, bool stream_k,
+                       int tile_tokens) {
+  check_tiles(stream_k, tile_tokens);
+  if (x.dtype() != mx::bfloat16 || scale_pairs.dtype() != mx::uint32)
+    throw std::invalid_argument("[cutlass_qmm] x must be bfloat16 and the scale pairs uint32");
+  int k = x.shape(-1), n = q.shape(0);
+  if (q.ndim() != 2 || q.shape(1) * 8 != k) throw std::invalid_argument("[cutlass_qmm] weight and x disagree");
+  if (k % 64 != 0 || scale_pairs.ndim() != 2 || scale_pairs.shape(0) != k / 64 || scale_pairs.shape(1) != n)
+    throw std::invalid_argument("[cutlass_qmm] scale pairs must be [K / 64, N]");
+  return run(x, q, {scale_pairs}, true, 4, 32, stream_k, tile_tokens);
 }
 
 }  // namespace esmc_qmm
@@ -211,5 +354,9 @@ NB_MODULE(_cutlass_qmm, m) {
         nb::arg("bits"), nb::arg("group_size"), nb::arg("stream_k") = false, nb::arg("tile_tokens") = 256,
         "x @ dequantize(q).T by CUTLASS's Hopper mixed-input GEMM; scales and biases transposed to [K / group, N];\n"
         "stream_k: the tiles' K shared among the SMs (else whole tiles each); tile_tokens: 256 or 192.");
+  m.def("mxfp4_matmul", &esmc_qmm::mxfp4_matmul, nb::arg("x"), nb::arg("q"), nb::arg("scale_pairs"),
+        nb::arg("stream_k") = false, nb::arg("tile_tokens") = 256,
+        "x @ dequantize(q, mode='mxfp4').T by the same GEMM; scale_pairs [K / 64, N] uint32, each two groups'\n"
+        "scales as bf16 (the even group's in the low half).");
   m.def("sm_count", &esmc_qmm::sm_count, "The GPU's streaming multiprocessors (the waves tiles fill).");
 }

@@ -1,6 +1,6 @@
-"""CUTLASS's Hopper mixed-input GEMM for affine 4- and 8-bit weights: an MLX C++ primitive,
-built on the machine, used wherever it is built unless ``ESMC_MLX_CUTLASS_QMM=0`` (issue 16,
-thirty-first to thirty-fourth sessions).
+"""CUTLASS's Hopper mixed-input GEMM for affine 4- and 8-bit and mxfp4 weights: an MLX C++
+primitive, built on the machine, used wherever it is built unless ``ESMC_MLX_CUTLASS_QMM=0``
+(issue 16, thirty-first to thirty-sixth sessions).
 
 Why it exists: past the fused kernel's token window, a quantized layer on CUDA dequantizes its
 weight to a bf16 copy and runs cuBLAS on it. At 1024 tokens on the 6B that copy's bytes are a
@@ -17,9 +17,10 @@ descriptors that the host encodes from the arrays' addresses, and a launch bound
 kernel sees neither. An MLX extension's ``eval_gpu`` has the addresses and adds the kernel to
 MLX's CUDA graph as MLX does with its own (cutlass_qmm.cu). CUTLASS's headers come with MLX's
 CUDA wheel; the build needs nvcc, nanobind 3.0 or 3.1 (MLX 0.32's binding ABI, internals v22)
-and fmt's headers (MLX's headers include them; torch ships a copy). mxfp4 and mxfp8 cannot take
-it: its K tile must divide the group and be at least 64 (a static assert, "Consider increasing
-TileShapeK"), and their groups are 32.
+and fmt's headers (MLX's headers include them; torch ships a copy). CUTLASS's mainloop takes one
+scale a row per K tile, at least 64 wide ("Consider increasing TileShapeK"), and mxfp4's groups
+are 32: its scales go in as pairs (``scale_pairs``), each K tile's two, and the .cu's own
+dequantize step picks one per half tile. mxfp8 does not take it (no e4m3 path written).
 
     pip install 'esmc-mlx[cutlass]'           # nanobind
     esmc-mlx build-cutlass                     # into <cache>/cutlass_qmm/mlx-<version>-<source hash>/
@@ -30,7 +31,7 @@ dequantize + matmul (QuantizedLinear.policy), at token counts up to its table's 
 (``ESMC_MLX_CUTLASS_QMM=1``: at every count, for benchmarks), and inside the fused kernel's
 windows from its table's CUTLASS_OVER_FUSED (the 300M's and the 600M's weights, from 128
 tokens). It keeps a copy of its scales and biases transposed to [K / group, N], as CUTLASS
-wants them (1/16 of a byte a weight at groups of 64: 0.4 GB for the 6B).
+wants them (1/16 of a byte a weight at groups of 64: 0.4 GB for the 6B; mxfp4's pairs 1/16 too).
 """
 
 from __future__ import annotations
@@ -150,10 +151,25 @@ def forced() -> bool:
 
 def eligible(layer: nn.Module) -> bool:
     """Whether the kernel takes ``layer``'s weight: affine 4- or 8-bit in groups of 64 or 128
-    (CUTLASS's K tile is 64), bfloat16 scales, N a multiple of 8 (16-byte rows of y)."""
+    (CUTLASS's K tile is 64) with bfloat16 scales, or mxfp4 with K a multiple of 64 (a K tile's
+    two groups); N a multiple of 8 (16-byte rows of y)."""
+    if layer["weight"].shape[0] % 8:
+        return False
+    if layer.mode == "mxfp4":
+        return layer["weight"].shape[1] % 8 == 0  # K = 8 a packed word: a multiple of 64
     if layer.mode != "affine" or layer.bits not in (4, 8) or layer.group_size not in (64, 128):
         return False
-    return layer["scales"].dtype == mx.bfloat16 and layer["weight"].shape[0] % 8 == 0
+    return layer["scales"].dtype == mx.bfloat16
+
+
+def scale_pairs(scales: mx.array) -> mx.array:
+    """mxfp4's e8m0 scales, [N, K / 32], as the kernel takes them: [K / 64, N] uint32, each the two
+    groups of a 64-wide K tile as bf16 bits, the even group's in the low half. 2^(e-127) is exact
+    in bf16 (fp32's exponent range): e << 7, 0 the subnormal 2^-127, 255 NaN, as mx.dequantize
+    decodes them."""
+    e = scales.astype(mx.uint32)
+    bits = mx.where(e == 255, 0x7FC0, mx.where(e == 0, 0x0040, e << 7)).T
+    return mx.contiguous(bits[0::2] | (bits[1::2] << 16))
 
 
 def tiles(rows: int, tokens: int, tile_tokens: int = TILE_TOKENS) -> int:
@@ -191,18 +207,25 @@ def schedule(rows: int, tokens: int, k: int) -> str:
 def matmul(layer: nn.Module, x: mx.array, tokens: int) -> mx.array:
     """``x @ dequantize(layer's weight).T`` (+ its bias) by CUTLASS; x in bfloat16, ``tokens``
     rows of it (quantized.token_count)."""
-    transposed = getattr(layer, "cutlass_scales", None)
-    if transposed is None:
+    mxfp4 = layer.mode == "mxfp4"
+    scales = getattr(layer, "cutlass_scales", None)
+    if scales is None:
         # Computed once, on the first eager call (a compiled model traces a shape only the
         # second time it sees it), and kept: the trace then reads them as constants.
-        transposed = (mx.contiguous(layer["scales"].T), mx.contiguous(layer["biases"].T))
-        mx.eval(transposed)
-        object.__setattr__(layer, "cutlass_scales", transposed)  # not a parameter
+        if mxfp4:
+            scales = (scale_pairs(layer["scales"]),)
+        else:
+            scales = (mx.contiguous(layer["scales"].T), mx.contiguous(layer["biases"].T))
+        mx.eval(scales)
+        object.__setattr__(layer, "cutlass_scales", scales)  # not a parameter
     chosen = schedule(layer["weight"].shape[0], tokens, x.shape[-1])
     tile_tokens = NARROW_TILE_TOKENS if chosen == "persistent-192" else TILE_TOKENS
-    y = _extension().quantized_matmul(
-        x, layer["weight"], *transposed, layer.bits, layer.group_size, chosen == "stream-k", tile_tokens
-    )
+    if mxfp4:
+        y = _extension().mxfp4_matmul(x, layer["weight"], *scales, chosen == "stream-k", tile_tokens)
+    else:
+        y = _extension().quantized_matmul(
+            x, layer["weight"], *scales, layer.bits, layer.group_size, chosen == "stream-k", tile_tokens
+        )
     return y + layer["bias"] if "bias" in layer else y
 
 

@@ -131,7 +131,7 @@ FUSED_TOKENS = {
 # the 6B's o_proj. (python -m benchmarks.min_values_ab --gate small-width times another split.)
 SMALL_WIDTH = 2048
 # The most tokens at which a call the tables give to dequantize + matmul goes to CUTLASS's
-# mixed-input GEMM instead (runtime/cutlass_qmm: where it is built, affine 4/8-bit), per table.
+# mixed-input GEMM instead (runtime/cutlass_qmm: where it is built, affine 4/8-bit and mxfp4), per table.
 # Whole forwards, H200, quantized / bf16 time with dequantize + matmul -> with CUTLASS, affine4
 # and affine8, the sides interleaved (thirty-second issue-16 session, exp runs and
 # python -m benchmarks.cutlass_qmm_ab; docs/benchmarks.md):
