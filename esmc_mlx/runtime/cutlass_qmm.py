@@ -165,8 +165,8 @@ def eligible(layer: nn.Module) -> bool:
 def scale_pairs(scales: mx.array) -> mx.array:
     """mxfp4's e8m0 scales, [N, K / 32], as the kernel takes them: [K / 64, N] uint32, each the two
     groups of a 64-wide K tile as bf16 bits, the even group's in the low half. 2^(e-127) is exact
-    in bf16 (fp32's exponent range): e << 7, 0 the subnormal 2^-127, 255 NaN, as mx.dequantize
-    decodes them."""
+    in bf16 (fp32's exponent range): e << 7, 0 the subnormal 2^-127, 255 NaN, as MLX's CUDA
+    dequantize decodes them (its CPU one makes 255 inf)."""
     e = scales.astype(mx.uint32)
     bits = mx.where(e == 255, 0x7FC0, mx.where(e == 0, 0x0040, e << 7)).T
     return mx.contiguous(bits[0::2] | (bits[1::2] << 16))
