@@ -954,8 +954,8 @@ def bench(models, shapes, device, dtype, variants, quant, no_torch, out_dir):
 
 
 BUILD_CUTLASS_HELP = f"""Build CUTLASS's Hopper mixed-input GEMM (an MLX extension) for this MLX and Python
-into esmc-mlx's cache, in about 2 minutes. On a Hopper GPU (H100, H200) affine 4/8-bit models
-then run it instead of dequantize + matmul where it was measured faster;
+into esmc-mlx's cache, in about 2 minutes. On a Hopper GPU (H100, H200) affine 4/8-bit and mxfp4
+models then run it instead of dequantize + matmul where it was measured faster;
 {cutlass_qmm.ENV}=0 turns it off. Needs nvcc (CUDA 13), nanobind 3.0/3.1
 (pip install 'esmc-mlx[cutlass]') and fmt's headers (torch's copy, libfmt-dev or $FMT_INCLUDE).
 """
