@@ -28,9 +28,9 @@ dequantize step picks one per half tile. mxfp8 does not take it (no e4m3 path wr
 
 A layer takes it where its weight qualifies (``eligible``) and the tables send its calls by
 dequantize + matmul (QuantizedLinear.policy), at token counts up to its table's and mode's
-CUTLASS_TOKENS (``ESMC_MLX_CUTLASS_QMM=1``: at every count, for benchmarks), and inside the fused kernel's
-windows from its table's CUTLASS_OVER_FUSED (the 300M's and the 600M's weights, from 128
-tokens). It keeps a copy of its scales and biases transposed to [K / group, N], as CUTLASS
+CUTLASS_TOKENS (``ESMC_MLX_CUTLASS_QMM=1``: at every count, for benchmarks), and inside the
+fused kernel's windows from its table's CUTLASS_OVER_FUSED (the 300M's and the 600M's weights,
+from 128 tokens). It keeps a copy of its scales and biases transposed to [K / group, N], as CUTLASS
 wants them (1/16 of a byte a weight at groups of 64: 0.4 GB for the 6B; mxfp4's pairs 1/16 too).
 """
 
@@ -166,7 +166,8 @@ def scale_pairs(scales: mx.array) -> mx.array:
     """mxfp4's e8m0 scales, [N, K / 32], as the kernel takes them: [K / 64, N] uint32, each the two
     groups of a 64-wide K tile as bf16 bits, the even group's in the low half. 2^(e-127) is exact
     in bf16 (fp32's exponent range): e << 7, 0 the subnormal 2^-127, 255 NaN, as MLX's CUDA
-    dequantize decodes them (its CPU one makes 255 inf)."""
+    dequantize decodes them (its CPU one makes 255 inf). The same decode as kernels.py's device
+    function ``e8m0_bf16`` (CUDA source for the fused kernel; this one runs once a layer in MLX)."""
     e = scales.astype(mx.uint32)
     bits = mx.where(e == 255, 0x7FC0, mx.where(e == 0, 0x0040, e << 7)).T
     return mx.contiguous(bits[0::2] | (bits[1::2] << 16))
