@@ -35,14 +35,33 @@ class StandIn:
         return x @ w.T
 
     def mxfp4_matmul(self, x, q, scale_pairs, stream_k, tile_tokens):
-        """mxfp4's scale pairs ([K / 64, N], two bf16 2^(e-127) each) decoded back to e8m0."""
+        """mxfp4's scale pairs ([K / 64, N], two bf16 2^(e-1) each) decoded back to e8m0."""
         self.calls.append((x.shape, 4, 32, stream_k, tile_tokens))
-        bits = mx.stack([scale_pairs & 0xFFFF, scale_pairs >> 16], axis=1).reshape(-1, scale_pairs.shape[1]).T
-        e = mx.where(bits == 0x0040, 0, bits >> 7).astype(mx.uint8)  # 0x7FC0 (NaN) >> 7 is 255
-        return x @ mx.dequantize(q, e, group_size=32, bits=4, mode="mxfp4").T
+        e = mx.where(pair_halves(scale_pairs) == 0x7FC0, 255, (pair_halves(scale_pairs) >> 7) - 126)
+        return x @ mx.dequantize(q, e.astype(mx.uint8), group_size=32, bits=4, mode="mxfp4").T
 
     def sm_count(self):
         return 132  # an H100 or H200 (SXM)
+
+
+def pair_halves(scale_pairs):
+    """Scale pairs, [K / 64, N] uint32, back to one bf16 bit pattern a group: [N, K / 32]."""
+    return mx.stack([scale_pairs & 0xFFFF, scale_pairs >> 16], axis=1).reshape(-1, scale_pairs.shape[1]).T
+
+
+def test_scale_pairs_hold_each_scale_times_2_to_the_126_up_to_its_limit(on_cpu):
+    """2^(e-1) for e8m0 exponents 0-128 as bf16 (NaN for 255), two groups a K tile in the order
+    of K, exactly; one exponent past MXFP4_MAX_EXPONENT, and the pairs are None."""
+    top = cutlass_qmm.MXFP4_MAX_EXPONENT
+    e = np.concatenate([np.arange(top + 1), [255] * 7]).astype(np.uint8).reshape(8, 17)  # N 8, K / 32 17 (+1 pad)
+    e = np.concatenate([e, e[:, :1]], axis=1)  # K / 32 even: K a multiple of 64
+    pairs = cutlass_qmm.scale_pairs(mx.array(e))
+    assert pairs.dtype == mx.uint32 and pairs.shape == (9, 8)
+    values = np.array(pair_halves(pairs).astype(mx.uint16).view(mx.bfloat16).astype(mx.float32))
+    want = np.where(e == 255, np.nan, np.exp2(e.astype(np.float64) - 1))
+    np.testing.assert_array_equal(values, want.astype(np.float32))
+    e[3, 5] = top + 1
+    assert cutlass_qmm.scale_pairs(mx.array(e)) is None
 
 
 @pytest.fixture
@@ -209,6 +228,7 @@ def test_other_inputs_and_weights_keep_their_path(stand_in, monkeypatch, on_cpu)
     for other in (
         layer(mode="mxfp8", bits=8, group_size=32),  # neither affine nor mxfp4
         layer(mode="mxfp4", group_size=32, in_dims=96),  # K not whole 64-wide tiles
+        past_the_pairs_range(layer(mode="mxfp4", group_size=32)),  # a scale of 4 (weights of 16-24)
         layer(bits=2),  # the kernel has 4 and 8 bits
         layer(group_size=32),  # groups smaller than CUTLASS's K tile
         layer(out_dims=60),  # rows of y not 16 bytes
@@ -225,6 +245,14 @@ def test_other_inputs_and_weights_keep_their_path(stand_in, monkeypatch, on_cpu)
     assert stand_in.calls == []
     monkeypatch.setattr(rq, "backend", lambda: "cpu")
     assert not m.takes_cutlass(7)
+
+
+def past_the_pairs_range(m):
+    """``m`` (mxfp4) with one group's scale past what scale pairs hold: 2^(129-127)."""
+    e = np.array(m.scales)
+    e[1, 2] = cutlass_qmm.MXFP4_MAX_EXPONENT + 1
+    m.scales = mx.array(e)
+    return m
 
 
 def test_turning_it_on_makes_a_shape_run_eagerly_once_more(monkeypatch):
@@ -380,13 +408,18 @@ def test_extension_matches_dequantize_and_matmul_on_cuda(bits, group_size, mode,
 def test_extension_dequantizes_as_mx_dequantize_on_cuda(mode, bits, group_size, monkeypatch):
     """Each weight the kernel multiplies is mx.dequantize's, bit for bit: x the identity makes
     y = w.T, every output one product and a sum of zeros (exact in the fp32 accumulators). For
-    mxfp4 every e8m0 scale that keeps the weights normal and finite (2-252; an inf or NaN would
-    spread along its row through the zeros)."""
+    mxfp4 every byte of two codes in every place, under every e8m0 scale the scale pairs hold that
+    keeps the weights normal (2-128; a subnormal weight is the tensor cores' to round, an inf or
+    NaN would spread along its row through the zeros)."""
     monkeypatch.setenv(cutlass_qmm.ENV, "1")
     monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
     m = layer(bits, group_size, mode, in_dims=512, out_dims=256)
     if mode == "mxfp4":
-        m.scales = (2 + mx.arange(256 * 16, dtype=mx.uint32) % 251).reshape(256, 16).astype(mx.uint8)
+        codes = (np.arange(256)[:, None] + np.arange(256)[None, :]) % 256  # row r: bytes r, r + 1, ...
+        m.weight = mx.array(codes.astype(np.uint8).view(np.uint32))
+        top = cutlass_qmm.MXFP4_MAX_EXPONENT
+        m.scales = (2 + mx.arange(256 * 16, dtype=mx.uint32) % (top - 1)).reshape(256, 16).astype(mx.uint8)
+    assert m.takes_cutlass(512)
     w = mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=group_size, bits=bits, mode=mode)
     got = m(mx.eye(512, dtype=mx.bfloat16))
     assert np.array_equal(np.array(got.T.astype(mx.float32)), np.array(w.astype(mx.bfloat16).astype(mx.float32)))

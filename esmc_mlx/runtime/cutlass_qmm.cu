@@ -35,13 +35,15 @@ namespace nb = nanobind;
 
 // mxfp4 (e2m1 values, one e8m0 scale per 32 along K) through the same mainloop. CUTLASS's takes
 // one scale a row per K tile, and its K tile is at least 64; so the scale element here is a pair,
-// the two groups' scales of a K tile as bf16 (exact: 2^(e-127), bf16 has fp32's exponent range),
-// and the K tile's first half of k-blocks uses one, its second half the other. That choice is
-// made where the mainloop hands each k-block's weights and scales over, in its utilities
-// (MixedInputUtils): specialized below for this scale type, the rest of them CUTLASS's own.
+// the two groups' scales of a K tile as bf16, and the K tile's first half of k-blocks uses one,
+// its second half the other. That choice is made where the mainloop hands each k-block's weights
+// and scales over, in its utilities (MixedInputUtils): specialized below for this scale type, the
+// rest of them CUTLASS's own.
+namespace esmc_qmm {
 struct Mxfp4Scales {
   cutlass::bfloat16_t even, odd;
 };
+}  // namespace esmc_qmm
 
 namespace cutlass::gemm::collective::detail {
 
@@ -67,24 +69,23 @@ struct CollectiveMembers {
 
 template <class Policy, class Tile, class StrideA, class ElementB, class StrideB, class TiledMma, class CopyA,
           class AtomA, class SmemCopyA, class TransformA, class CopyB, class AtomB, class SmemCopyB, class TransformB>
-struct MixedInputUtils<CollectiveMma<Policy, Tile, cute::tuple<float_e2m1_t, Mxfp4Scales>, StrideA, ElementB, StrideB,
+struct MixedInputUtils<CollectiveMma<Policy, Tile, cute::tuple<float_e2m1_t, esmc_qmm::Mxfp4Scales>, StrideA, ElementB, StrideB,
                                      TiledMma, CopyA, AtomA, SmemCopyA, TransformA, CopyB, AtomB, SmemCopyB, TransformB>>
-    : MixedInputUtils<CollectiveMembers<CollectiveMma<Policy, Tile, cute::tuple<float_e2m1_t, Mxfp4Scales>, StrideA,
+    : MixedInputUtils<CollectiveMembers<CollectiveMma<Policy, Tile, cute::tuple<float_e2m1_t, esmc_qmm::Mxfp4Scales>, StrideA,
                                                       ElementB, StrideB, TiledMma, CopyA, AtomA, SmemCopyA, TransformA,
                                                       CopyB, AtomB, SmemCopyB, TransformB>>> {
-  // Values 2p, 2p+1 of eight e2m1 codes (``q``, value i at bits 4i) as a bf16 pair, exactly: byte
-  // permutes from tables of the 8 magnitudes' bf16 bytes (low 00 00 80 C0 00 40 80 C0, high 00
-  // 3F 3F 3F 40 40 40 40), the signs moved in by prmt's sign-replicating selectors (a selector
-  // nibble's msb copies bit 7 of the byte it picks; q << 4 puts each even value's sign at bit 7).
-  // The same construction as kernels.py's mxfp4_pairs_bf16 (the fused kernel's), which derives it.
-  CUTLASS_DEVICE static uint32_t e2m1_pair(uint32_t q, int p) {
-    const uint32_t m = (q & 0x77777777u) >> (p < 2 ? 0 : 16);  // magnitudes: selectors without their msb
-    const uint32_t lo = __byte_perm(0xC0800000u, 0xC0804000u, m), hi = __byte_perm(0x3F3F3F00u, 0x40404040u, m);
-    const int a = 2 * (p & 1);  // the pair's first value among its four
-    const uint32_t word = __byte_perm(lo, hi, a | ((4 + a) << 4) | ((a + 1) << 8) | ((5 + a) << 12));
-    uint32_t sign;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(sign) : "r"(q << 4), "r"(q), "r"(((8 | p) << 4) | ((12 | p) << 12)));
-    return word | (sign & 0x80008000u);
+  // A byte of two e2m1 codes (the first value in its low nibble) as a bf16 pair times 2^-126,
+  // exactly, in four integer instructions: a code's three magnitude bits become its bf16's two
+  // lowest exponent bits and top mantissa bit (2^-126 times 1, 1.5, 2, 3, 4, 6; 0.5 the
+  // subnormal 2^-127), its sign bit the sign. Each product below is two shifted copies of the
+  // byte that do not overlap, so it adds nothing; the masks keep the bits wanted. The scales
+  // carry the 2^126 back (cutlass_qmm.scale_pairs: 2^(e-1), not 2^(e-127)). The byte-permute
+  // tables this replaced (still the fused kernel's, kernels.py's mxfp4_pairs_bf16) made the main
+  // loop 217 instructions a K tile against 180 (affine4's 177; nvcc 13, sm_90a).
+  CUTLASS_DEVICE static uint32_t e2m1_pair(uint32_t byte) {
+    const uint32_t magnitudes = byte * 0x40040u;  // bits 0-2 to 6-8, bits 4-6 to 22-24
+    const uint32_t signs = byte * 0x1001000u;     // bit 3 to 15, bit 7 to 31
+    return (magnitudes & 0x01C001C0u) | (signs & 0x80008000u);
   }
 
   // k-block ``k_block`` (16 of K) of this thread's weights, e2m1 codes, to bf16 times its group's
@@ -109,13 +110,13 @@ struct MixedInputUtils<CollectiveMma<Policy, Tile, cute::tuple<float_e2m1_t, Mxf
     const bool odd = 2 * k_block >= k_blocks;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size<1>(src_vm); ++i) {
-      const uint32_t q = cute::recast<uint32_t>(src_vm(_, i))(0);
+      auto bytes = cute::recast<uint8_t>(src_vm(_, i));  // pair p: byte p
       auto out = cute::recast<uint32_t>(dst_vm(_, i));
       CUTLASS_PRAGMA_UNROLL
       for (int p = 0; p < 4; ++p) {
-        const Mxfp4Scales s = scales_vm(2 * p, i);
+        const esmc_qmm::Mxfp4Scales s = scales_vm(2 * p, i);
         const __nv_bfloat16 scale = odd ? s.odd.to_nv_bfloat16() : s.even.to_nv_bfloat16();
-        const uint32_t v = e2m1_pair(q, p);
+        const uint32_t v = e2m1_pair(bytes(p));
         const __nv_bfloat162 r = __hmul2(reinterpret_cast<const __nv_bfloat162&>(v), __bfloat162bfloat162(scale));
         out(p) = reinterpret_cast<const uint32_t&>(r);
       }
@@ -169,11 +170,11 @@ int sm_count() {
   return count;
 }
 
-// ``biases`` is unused for mxfp4 (``scales`` holds its scale pairs, one per 64 along K).
+// ``inputs``: x, q, then the scales and biases, or mxfp4's scale pairs (one per 64 along K).
 template <class Quant, class Scheduler, class Tile>
-void launch(const mx::array& x, const mx::array& q, const mx::array& scales, const mx::array& biases, mx::array& out,
-            int group_size, mx::cu::CommandEncoder& encoder) {
+void launch(const std::vector<mx::array>& inputs, mx::array& out, int group_size, mx::cu::CommandEncoder& encoder) {
   constexpr bool mxfp4 = std::is_same_v<Quant, cutlass::float_e2m1_t>;
+  const mx::array &x = inputs[0], &q = inputs[1], &scales = inputs[2];
   using Kernel = typename MixedGemm<Quant, Scheduler, Tile>::Kernel;
   constexpr bool stream_k = std::is_same_v<Scheduler, cutlass::gemm::StreamKScheduler>;
   int m = x.shape(0), k = x.shape(1), n = out.shape(1);
@@ -190,7 +191,7 @@ void launch(const mx::array& x, const mx::array& q, const mx::array& scales, con
                 stride_x, mx::gpu_ptr<Mxfp4Scales>(scales), stride_s, 2 * group_size};
   else
     mainloop = {static_cast<typename Kernel::ElementA const*>(mx::gpu_ptr<void>(q)), stride_q, mx::gpu_ptr<Bf16>(x),
-                stride_x, mx::gpu_ptr<Bf16>(scales), stride_s, group_size, mx::gpu_ptr<Bf16>(biases)};
+                stride_x, mx::gpu_ptr<Bf16>(scales), stride_s, group_size, mx::gpu_ptr<Bf16>(inputs[3])};
   typename Kernel::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                                   {n, m, k, 1},
                                   mainloop,
@@ -235,10 +236,7 @@ void launch(const mx::array& x, const mx::array& q, const mx::array& scales, con
     return reinterpret_cast<CUfunction>(f);
   }();
   if (!function) throw std::runtime_error("[cutlass_qmm] could not find the kernel");
-  encoder.set_input_array(x);
-  encoder.set_input_array(q);
-  encoder.set_input_array(scales);
-  if constexpr (!mxfp4) encoder.set_input_array(biases);
+  for (auto& a : inputs) encoder.set_input_array(a);
   if (workspace_ptr) encoder.set_input_array(workspace);
   encoder.set_output_array(out);
   encoder.add_kernel_node_ex(function, Kernel::get_grid_shape(params), Kernel::get_block_shape(),
@@ -264,17 +262,13 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
       if (!a.flags().row_contiguous) throw std::runtime_error("[cutlass_qmm] inputs must be row-contiguous");
     auto& encoder = mx::cu::get_command_encoder(stream());
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    const mx::array& biases = inputs.back();  // mxfp4 has none: then its scale pairs, unread
     auto go = [&]<class Quant>() {
       if (stream_k_)
-        launch<Quant, cutlass::gemm::StreamKScheduler, QmmTile>(inputs[0], inputs[1], inputs[2], biases, out,
-                                                                group_size_, encoder);
+        launch<Quant, cutlass::gemm::StreamKScheduler, QmmTile>(inputs, out, group_size_, encoder);
       else if (tile_tokens_ == 192)
-        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile192>(inputs[0], inputs[1], inputs[2], biases, out,
-                                                                      group_size_, encoder);
+        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile192>(inputs, out, group_size_, encoder);
       else
-        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile>(inputs[0], inputs[1], inputs[2], biases, out,
-                                                                   group_size_, encoder);
+        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile>(inputs, out, group_size_, encoder);
     };
     if (mxfp4_)
       go.template operator()<cutlass::float_e2m1_t>();

@@ -152,25 +152,55 @@ def forced() -> bool:
 def eligible(layer: nn.Module) -> bool:
     """Whether the kernel takes ``layer``'s weight: affine 4- or 8-bit in groups of 64 or 128
     (CUTLASS's K tile is 64) with bfloat16 scales, or mxfp4 with K a multiple of 64 (a K tile's
-    two groups); N a multiple of 8 (16-byte rows of y)."""
+    two groups) and every scale in the kernel's range (``scale_pairs``); N a multiple of 8
+    (16-byte rows of y)."""
     if layer["weight"].shape[0] % 8:
         return False
-    if layer.mode == "mxfp4":
-        return layer["weight"].shape[1] % 8 == 0  # K = 8 a packed word: a multiple of 64
+    if layer.mode == "mxfp4":  # K = 8 a packed word: a multiple of 64
+        return layer["weight"].shape[1] % 8 == 0 and bool(kernel_scales(layer))
     if layer.mode != "affine" or layer.bits not in (4, 8) or layer.group_size not in (64, 128):
         return False
     return layer["scales"].dtype == mx.bfloat16
 
 
-def scale_pairs(scales: mx.array) -> mx.array:
+# The largest e8m0 exponent (a scale of 2^(e-127)) whose scale pairs hold: see scale_pairs.
+MXFP4_MAX_EXPONENT = 128
+
+
+def scale_pairs(scales: mx.array) -> mx.array | None:
     """mxfp4's e8m0 scales, [N, K / 32], as the kernel takes them: [K / 64, N] uint32, each the two
-    groups of a 64-wide K tile as bf16 bits, the even group's in the low half. 2^(e-127) is exact
-    in bf16 (fp32's exponent range): e << 7, 0 the subnormal 2^-127, 255 NaN, as MLX's CUDA
-    dequantize decodes them (its CPU one makes 255 inf). The same decode as kernels.py's device
+    groups of a 64-wide K tile as bf16 bits, the even group's in the low half; or None where a
+    scale is past MXFP4_MAX_EXPONENT (weights of 16 or more), which the layer then leaves to
+    dequantize + matmul.
+
+    Each is 2^126 times the scale, 2^(e-1): the kernel's e2m1 decode (the .cu's ``e2m1_pair``,
+    four integer instructions a pair of values, no tables) leaves out 2^-126, and the scale puts
+    it back, so the products are still exactly mx.dequantize's. bf16 holds 2^(e-1) up to
+    e = 128; 255 stays NaN, as MLX's CUDA dequantize decodes it (its CPU one makes it inf), and 0
+    is MLX's subnormal 2^-127, so 2^-1 here. The exact decode, 2^(e-127), is kernels.py's device
     function ``e8m0_bf16`` (CUDA source for the fused kernel; this one runs once a layer in MLX)."""
     e = scales.astype(mx.uint32)
-    bits = mx.where(e == 255, 0x7FC0, mx.where(e == 0, 0x0040, e << 7)).T
+    if mx.max(mx.where(e == 255, 0, e)).item() > MXFP4_MAX_EXPONENT:
+        return None
+    bits = mx.where(e == 255, 0x7FC0, (e + 126) << 7).T
     return mx.contiguous(bits[0::2] | (bits[1::2] << 16))
+
+
+def kernel_scales(layer: nn.Module) -> tuple[mx.array, ...]:
+    """``layer``'s scales as the kernel takes them, kept on the layer: affine scales and biases
+    transposed to [K / group, N], mxfp4's scale pairs, or () where its scales are out of the
+    kernel's range. Computed once, on the first eager call (a compiled model traces a shape only
+    the second time it sees it), and kept: the trace then reads them as constants."""
+    scales = getattr(layer, "cutlass_scales", None)
+    if scales is None:
+        if layer.mode == "mxfp4":
+            pairs = scale_pairs(layer["scales"])
+            scales = () if pairs is None else (pairs,)
+        else:
+            scales = (mx.contiguous(layer["scales"].T), mx.contiguous(layer["biases"].T))
+        mx.eval(scales)
+        object.__setattr__(layer, "cutlass_scales", scales)  # not a parameter
+    return scales
 
 
 def tiles(rows: int, tokens: int, tile_tokens: int = TILE_TOKENS) -> int:
@@ -209,16 +239,7 @@ def matmul(layer: nn.Module, x: mx.array, tokens: int) -> mx.array:
     """``x @ dequantize(layer's weight).T`` (+ its bias) by CUTLASS; x in bfloat16, ``tokens``
     rows of it (quantized.token_count)."""
     mxfp4 = layer.mode == "mxfp4"
-    scales = getattr(layer, "cutlass_scales", None)
-    if scales is None:
-        # Computed once, on the first eager call (a compiled model traces a shape only the
-        # second time it sees it), and kept: the trace then reads them as constants.
-        if mxfp4:
-            scales = (scale_pairs(layer["scales"]),)
-        else:
-            scales = (mx.contiguous(layer["scales"].T), mx.contiguous(layer["biases"].T))
-        mx.eval(scales)
-        object.__setattr__(layer, "cutlass_scales", scales)  # not a parameter
+    scales = kernel_scales(layer)
     chosen = schedule(layer["weight"].shape[0], tokens, x.shape[-1])
     tile_tokens = NARROW_TILE_TOKENS if chosen == "persistent-192" else TILE_TOKENS
     if mxfp4:
