@@ -117,10 +117,10 @@ def test_bfloat16_calls_go_to_the_extension_with_transposed_scales(
 @pytest.mark.parametrize("out_dims,table", [(64, "cuda-small"), (4096, "cuda")])
 def test_it_takes_calls_up_to_its_table_s_token_count(out_dims, table, mode, bits, group_size, stand_in, monkeypatch):
     """CUTLASS_TOKENS per table (the weight's smaller dimension picks it, as for the other
-    tables) and mode; ESMC_MLX_CUTLASS_QMM=1 sends every count, =0 none."""
+    tables), the same for every mode; ESMC_MLX_CUTLASS_QMM=1 sends every count, =0 none."""
     m = layer(bits, group_size, mode, in_dims=64 if table == "cuda-small" else 2048, out_dims=out_dims)
     assert rq.table_name(kernels.weight_width(m["weight"], m.bits)) == table
-    last = rq.CUTLASS_TOKENS[table][rq.mode_name(mode, bits)]
+    last = rq.CUTLASS_TOKENS[table]
     assert m.takes_cutlass(last) and not m.takes_cutlass(last + 1)
     assert m.takes_dequantize(last + 1) and not m.takes_dequantize(last)
     monkeypatch.setenv(cutlass_qmm.ENV, "1")

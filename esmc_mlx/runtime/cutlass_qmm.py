@@ -27,7 +27,7 @@ dequantize step picks one per half tile. mxfp8 does not take it (no e4m3 path wr
     esmc-mlx ...                               # used from then on (ESMC_MLX_CUTLASS_QMM=0: not)
 
 A layer takes it where its weight qualifies (``eligible``) and the tables send its calls by
-dequantize + matmul (QuantizedLinear.policy), at token counts up to its table's and mode's
+dequantize + matmul (QuantizedLinear.policy), at token counts up to its table's
 CUTLASS_TOKENS (``ESMC_MLX_CUTLASS_QMM=1``: at every count, for benchmarks), and inside the
 fused kernel's windows from its table's CUTLASS_OVER_FUSED (the 300M's and the 600M's weights,
 from 128 tokens). It keeps a copy of its scales and biases transposed to [K / group, N], as CUTLASS

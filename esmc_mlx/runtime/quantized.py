@@ -132,7 +132,7 @@ FUSED_TOKENS = {
 SMALL_WIDTH = 2048
 # The most tokens at which a call the tables give to dequantize + matmul goes to CUTLASS's
 # mixed-input GEMM instead (runtime/cutlass_qmm: where it is built, affine 4/8-bit and mxfp4), per
-# table and mode.
+# table.
 # Whole forwards, H200, quantized / bf16 time with dequantize + matmul -> with CUTLASS, affine4
 # and affine8, the sides interleaved (thirty-second issue-16 session, exp runs and
 # python -m benchmarks.cutlass_qmm_ab; docs/benchmarks.md):
@@ -151,13 +151,12 @@ SMALL_WIDTH = 2048
 # 1x1024 1.21 -> 1.12 and 1.23 -> 1.11, 1x2048 1.11 -> 1.06 and 1.11 -> 1.06; on a second
 # machine 1x1024 1.19 -> 1.14 and 1.21 -> 1.11, 1x2048 1.11 -> 1.12 and 1.10 -> 1.09. The 6B's
 # end: 2048 (ahead there in three cells of four).
-# mxfp4 (thirty-sixth and thirty-seventh sessions, --modes mxfp4 --sides dequantize,cutlass, one
-# run each on two machines): 6B 1536 tokens 1.12 -> 1.07; 2048 1.01 -> 1.04 and 0.99 -> 1.01,
-# behind in both: the 6B's mxfp4 ends at 1536 (1537-2047 not measured).
-CUTLASS_TOKENS = {
-    "cuda": {"affine4": 2048, "affine8": 2048, "mxfp4": 1536},
-    "cuda-small": {"affine4": 4096, "affine8": 4096, "mxfp4": 4096},
-}
+# mxfp4 (--modes mxfp4 --sides dequantize,cutlass, one run a machine): 6B 1536 tokens 1.12 ->
+# 1.07; 2048 1.01 -> 1.04 and 0.99 -> 1.01 (thirty-sixth, thirty-seventh sessions: it ended at
+# 1536 then). With its k-block decode by shifts and masks (thirty-ninth session, two machines):
+# 1536 1.08 -> 0.98; 1792 1.04 -> 1.02; 2048 1.01 -> 1.00 and 1.02 -> 1.02; 2x1024 1.03 -> 1.03.
+# Every mode now ends where affine's does.
+CUTLASS_TOKENS = {"cuda": 2048, "cuda-small": 4096}
 # The fewest tokens from which CUTLASS also takes the calls of the fused kernel's windows
 # (FUSED_TOKENS), per table; on a table not named, never. Whole forwards at B=1, H200, the time
 # with CUTLASS / with the fused kernel, affine4 and affine8, the sides interleaved (thirty-fifth
@@ -282,7 +281,7 @@ class QuantizedLinear(nn.QuantizedLinear):
         if backend() != "cuda" or not cutlass_qmm.enabled() or not cutlass_qmm.eligible(self):
             return False
         width = kernels.weight_width(self["weight"], self.bits)
-        return cutlass_qmm.forced() or tokens <= CUTLASS_TOKENS[table_name(width)][mode_name(self.mode, self.bits)]
+        return cutlass_qmm.forced() or tokens <= CUTLASS_TOKENS[table_name(width)]
 
     def cutlass_over_fused(self, tokens: int) -> bool:
         """True when CUTLASS, where it takes this layer's calls of ``tokens`` rows, takes them
