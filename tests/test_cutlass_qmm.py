@@ -129,21 +129,27 @@ def test_it_takes_calls_up_to_its_table_s_token_count(out_dims, table, mode, bit
     assert not m.takes_cutlass(1)
 
 
-@pytest.mark.parametrize("in_dims,table", [(64, "cuda-small"), (2048, "cuda")])
-def test_it_takes_the_fused_kernel_s_calls_from_its_table_s_count(in_dims, table, stand_in, monkeypatch):
-    """Inside the fused kernel's window (FUSED_TOKENS, the tables' own choice here) CUTLASS takes
-    bfloat16 calls from CUTLASS_OVER_FUSED's count on its table, none on a table without one;
-    the fused kernel keeps the rest, float16 calls, calls with the fused path forced and all
-    calls with CUTLASS off."""
-    fused_calls = []
+@pytest.fixture
+def fused_calls(stand_in, monkeypatch):
+    """The fused kernel stood in for (its calls' x shapes, in order), and the tables deciding."""
+    calls = []
 
     def fused(x, *packed):
-        fused_calls.append(x.shape)
+        calls.append(x.shape)
         return x @ mx.dequantize(*packed[:3], group_size=packed[3], bits=packed[4]).T
 
     monkeypatch.setattr(kernels, "quantized_matmul_supported", lambda x, *packed: True)
     monkeypatch.setattr(kernels, "quantized_matmul", fused)
-    monkeypatch.delenv(rq.POLICY_ENV)  # the tables decide
+    monkeypatch.delenv(rq.POLICY_ENV)
+    return calls
+
+
+@pytest.mark.parametrize("in_dims,table", [(64, "cuda-small"), (2048, "cuda")])
+def test_it_takes_the_fused_kernel_s_calls_from_its_table_s_count(in_dims, table, stand_in, fused_calls, monkeypatch):
+    """Inside the fused kernel's window (FUSED_TOKENS, the tables' own choice here) CUTLASS takes
+    bfloat16 calls from CUTLASS_OVER_FUSED's count on its table, none on a table without one;
+    the fused kernel keeps the rest, float16 calls, calls with the fused path forced and all
+    calls with CUTLASS off."""
     m = layer(in_dims=in_dims, out_dims=4096 if table == "cuda" else 64)
     assert rq.table_name(kernels.weight_width(m["weight"], m.bits)) == table
     lo, hi = rq.FUSED_TOKENS[table]["affine4"]
@@ -164,6 +170,32 @@ def test_it_takes_the_fused_kernel_s_calls_from_its_table_s_count(in_dims, table
         monkeypatch.setenv(cutlass_qmm.ENV, "0")
         m(mx.ones((first, in_dims), dtype=mx.bfloat16))
         assert len(stand_in.calls) == calls and fused_calls[-3:] == [(first, in_dims)] * 3
+
+
+def test_it_takes_the_fused_kernel_s_calls_of_a_weight_whose_tiles_fill_the_sms(stand_in, fused_calls, monkeypatch):
+    """On the 6B's table (no CUTLASS_OVER_FUSED) CUTLASS takes the fused window's bfloat16 calls
+    from CUTLASS_OVER_FUSED_FILL's count for a weight whose whole tiles fill enough of the SMs:
+    7680 rows (the q/k/v: 60 tiles, 0.45 of 132 SMs) and 13824 (the gate/up: 108), not 2560
+    (the o_proj and down_proj: 20). Forcing a path or turning CUTLASS off keeps the fused kernel."""
+    fewest, fill = rq.CUTLASS_OVER_FUSED_FILL["cuda"]
+    lo, hi = rq.FUSED_TOKENS["cuda"]["affine4"]
+    assert "cuda" not in rq.CUTLASS_OVER_FUSED and lo < fewest < hi
+    for rows, takes in ((7680, True), (13824, True), (2560, False)):
+        assert (cutlass_qmm.sm_fill(rows, hi - 1) >= fill) == takes
+        m = layer(in_dims=2560, out_dims=rows)
+        assert rq.table_name(kernels.weight_width(m["weight"], m.bits)) == "cuda"
+        for tokens in (lo, fewest - 1, fewest, hi - 1):
+            before = len(stand_in.calls)
+            m(mx.ones((tokens, 2560), dtype=mx.bfloat16))
+            assert len(stand_in.calls) - before == (takes and tokens >= fewest), (rows, tokens)
+    assert len(fused_calls) == 3 * 4 - len(stand_in.calls) == 8
+    m = layer(in_dims=2560, out_dims=7680)
+    monkeypatch.setenv(rq.POLICY_ENV, "fused")
+    m(mx.ones((fewest, 2560), dtype=mx.bfloat16))
+    monkeypatch.setenv(rq.POLICY_ENV, "auto")
+    monkeypatch.setenv(cutlass_qmm.ENV, "0")
+    m(mx.ones((fewest, 2560), dtype=mx.bfloat16))
+    assert len(stand_in.calls) == 4 and fused_calls[-2:] == [(fewest, 2560)] * 2
 
 
 def test_schedule_stream_k_for_a_short_last_wave_else_the_narrow_tile_where_it_takes_no_more_waves(
@@ -196,6 +228,10 @@ def test_schedule_stream_k_for_a_short_last_wave_else_the_narrow_tile_where_it_t
         "stream-k",
         "persistent",
     ]
+    # One wave: stream-K only where whole tiles leave at least STREAM_K_ONE_WAVE_BELOW_FILL idle.
+    assert cutlass_qmm.schedule(13824, 256, 2560) == "persistent"  # 108 tiles (0.82), 4320 iterations
+    assert cutlass_qmm.schedule(13824, 128, 2560) == "persistent-192"  # as many narrow tiles
+    assert cutlass_qmm.schedule(2560, 1024, 6912) == "stream-k"  # 80 tiles (0.61)
     for forced in cutlass_qmm.SCHEDULES:
         monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, forced)
         assert cutlass_qmm.schedule(2560, 1024, 6912) == forced

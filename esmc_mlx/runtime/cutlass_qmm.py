@@ -30,8 +30,9 @@ A layer takes it where its weight qualifies (``eligible``) and the tables send i
 dequantize + matmul (QuantizedLinear.policy), at token counts up to its table's
 CUTLASS_TOKENS (``ESMC_MLX_CUTLASS_QMM=1``: at every count, for benchmarks), and inside the
 fused kernel's windows from its table's CUTLASS_OVER_FUSED (the 300M's and the 600M's weights,
-from 128 tokens). It keeps a copy of its scales and biases transposed to [K / group, N], as CUTLASS
-wants them (1/16 of a byte a weight at groups of 64: 0.4 GB for the 6B; mxfp4's pairs 1/16 too).
+from 128 tokens) or, weight by weight, CUTLASS_OVER_FUSED_FILL (the 6B's q/k/v and gate/up).
+It keeps a copy of its scales and biases transposed to [K / group, N], as CUTLASS wants them
+(1/16 of a byte a weight at groups of 64: 0.4 GB for the 6B; mxfp4's pairs 1/16 too).
 """
 
 from __future__ import annotations
@@ -81,7 +82,13 @@ SCHEDULE_ENV = "ESMC_MLX_CUTLASS_SCHEDULE"  # one of SCHEDULES: every call so (b
 #   stream-K below the fill alone 1.13, 1.11; 1x2048 1.17, 1.15 -> 1.07, 1.07. The 300M at 1x1024
 #   (all its weights under the fill; at most 2400 iterations a call): 0.92, 0.91 -> 1.10, 1.11,
 #   where its host-bound forward pays for each call's workspace and fix-up: hence the floor.
+# Where whole tiles take one wave, stream-K's fix-ups cost more than the idle SMs it puts to work
+# unless those are at least a third (STREAM_K_ONE_WAVE_BELOW_FILL). Per kernel at 256 tokens (ncu,
+# fortieth session; us, persistent -> stream-K): the 6B's gate/up (108 tiles, 0.82 of the wave)
+# 30.8 -> 34.7 (affine4), 31.3 -> 33.4 (mxfp4), 30.8 -> 33.5 (affine8); its down_proj (20 tiles,
+# 0.15) 71.4 -> 42.1; at 1024 tokens (80 tiles, 0.61) 74.0 -> 60.3 (thirty-third).
 STREAM_K_BELOW_FILL = 0.9
+STREAM_K_ONE_WAVE_BELOW_FILL = 0.7
 STREAM_K_MIN_ITERATIONS = 4096
 HOPPER = "sm_90a"  # what the build targets (-arch); the kernel runs on nothing else
 
@@ -219,6 +226,11 @@ def wave_fill(rows: int, tokens: int, sms: int) -> float:
     return tiles(rows, tokens) / (waves(rows, tokens, sms) * sms)
 
 
+def sm_fill(rows: int, tokens: int) -> float:
+    """wave_fill on this GPU's SMs."""
+    return wave_fill(rows, tokens, _extension().sm_count())
+
+
 def schedule(rows: int, tokens: int, k: int) -> str:
     """Which of SCHEDULES a call of ``tokens`` rows through a (rows x k) weight takes
     (``SCHEDULE_ENV`` forces one): stream-K where the wide tiles leave the last wave short and
@@ -228,7 +240,8 @@ def schedule(rows: int, tokens: int, k: int) -> str:
         return chosen
     sms = _extension().sm_count()
     iterations = tiles(rows, tokens) * -(-k // TILE_K)
-    if iterations >= STREAM_K_MIN_ITERATIONS and wave_fill(rows, tokens, sms) < STREAM_K_BELOW_FILL:
+    below = STREAM_K_BELOW_FILL if waves(rows, tokens, sms) > 1 else STREAM_K_ONE_WAVE_BELOW_FILL
+    if iterations >= STREAM_K_MIN_ITERATIONS and wave_fill(rows, tokens, sms) < below:
         return "stream-k"
     if waves(rows, tokens, sms, NARROW_TILE_TOKENS) <= waves(rows, tokens, sms):
         return "persistent-192"

@@ -1,0 +1,140 @@
+"""Each of CUTLASS's schedules (runtime/cutlass_qmm) and the fused kernel (kernels.quantized_matmul)
+on one layer's four weights, one call at a time, for Nsight Compute to time; and cuBLAS on the
+same weights in bf16. Quicker than a model under the profiler (``benchmarks.host_overhead
+--profile``) when the question is which path or schedule a weight should take: one process,
+every path, the calls in a known order.
+
+    ncu --profile-from-start off --clock-control none --cache-control none \\
+        --metrics gpu__time_duration.sum --csv --log-file k.csv \\
+        python -m benchmarks.cutlass_schedules --model 6B --tokens 128,256 --labels labels.json
+    python -m benchmarks.cutlass_schedules --table k.csv labels.json     # medians, us
+
+Each label is called ``--reps`` times, each call evaluated on its own and followed by a marker
+kernel (a sine of four values) that delimits its kernels: the fused kernel and cuBLAS may launch
+more than one, which the table sums. Weights are random, quantized once per mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+
+import mlx.core as mx
+
+from benchmarks.host_overhead import cuda_profiler
+from esmc_mlx.runtime import cutlass_qmm, kernels
+
+# (rows, K) of a layer's q/k/v, o_proj, gate/up and down weights.
+WEIGHTS = {
+    "6B": {"qkv": (7680, 2560), "o": (2560, 2560), "gate_up": (13824, 2560), "down": (2560, 6912)},
+    "300M": {"qkv": (2880, 960), "o": (960, 960), "gate_up": (5120, 960), "down": (960, 2560)},
+}
+QUANT = {"affine4": ("affine", 4, 64), "affine8": ("affine", 8, 64), "mxfp4": ("mxfp4", 4, 32)}
+
+
+def call(ext, x, q, sb, scales, mode: str, bits: int, group: int, path: str):
+    """One call of ``path``: "fused" (kernels.quantized_matmul as the model calls it),
+    "dequantize" (kernels.dequantize, then cuBLAS), or a CUTLASS schedule
+    (cutlass_qmm.SCHEDULES) with ``scales`` as cutlass_qmm.kernel_scales makes them."""
+    biases = sb[1] if len(sb) > 1 else None
+    if path == "fused":
+        return kernels.quantized_matmul(x, q, sb[0], biases, group, bits, mode)
+    if path == "dequantize":
+        return x @ kernels.dequantize(q, sb[0], biases, group, bits, mode, dtype=mx.bfloat16).T
+    tile = 192 if path == "persistent-192" else 256
+    if mode == "mxfp4":
+        return ext.mxfp4_matmul(x, q, *scales, path == "stream-k", tile)
+    return ext.quantized_matmul(x, q, *scales, bits, group, path == "stream-k", tile)
+
+
+def profile(a) -> None:
+    ext = cutlass_qmm._extension()
+    labels, calls = [], []
+    for tokens in map(int, a.tokens.split(",")):
+        for name, (rows, k) in WEIGHTS[a.model].items():
+            w = (mx.random.normal((rows, k), key=mx.random.key(rows + k)) * 0.02).astype(mx.bfloat16)
+            x = mx.random.normal((tokens, k), key=mx.random.key(tokens)).astype(mx.bfloat16)
+            mx.eval(w, x)
+            for quant in a.modes.split(","):
+                mode, bits, group = QUANT[quant]
+                q, *sb = mx.quantize(w, group_size=group, bits=bits, mode=mode)
+                if mode == "mxfp4":
+                    scales = (cutlass_qmm.scale_pairs(sb[0]),)
+                else:
+                    scales = (mx.contiguous(sb[0].T), mx.contiguous(sb[1].T))
+                mx.eval(q, *sb, *scales)
+                for path in a.paths.split(","):
+                    labels.append(f"{tokens} {name} {quant} {path}")
+                    calls.append(
+                        lambda x=x, q=q, sb=sb, s=scales, m=mode, b=bits, g=group, c=path: call(
+                            ext, x, q, sb, s, m, b, g, c
+                        )
+                    )
+            labels.append(f"{tokens} {name} bf16 cublas")
+            calls.append(lambda x=x, w=w: x @ w.T)
+    marker = mx.arange(4, dtype=mx.float32)
+    for fn in calls:  # warm: kernels compiled, graphs captured, workspaces allocated
+        mx.eval(fn(), mx.sin(marker))
+    mx.synchronize()
+    cuda_profiler("cuProfilerStart")
+    for fn in calls:
+        for _ in range(a.reps):
+            mx.eval(fn())
+            mx.eval(mx.sin(marker))
+    mx.synchronize()
+    cuda_profiler("cuProfilerStop")
+    with open(a.labels, "w") as f:
+        json.dump({"labels": labels, "reps": a.reps}, f)
+
+
+def table(path: str, labels_path: str) -> dict:
+    """Nsight Compute's CSV (gpu__time_duration.sum, in the calls' order) by label, us: a call's
+    kernels are those before its marker (the last kernel's name)."""
+    spec = json.load(open(labels_path))
+    kernels_by_id = {}
+    for r in csv.DictReader(line for line in open(path) if line.startswith('"')):
+        if r["Metric Name"] == "gpu__time_duration.sum":
+            scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+            value = float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]]
+            kernels_by_id[int(r["ID"])] = (r["Kernel Name"], value)
+    seq = [kernels_by_id[i] for i in sorted(kernels_by_id)]
+    marker = seq[-1][0]
+    calls, current = [], 0.0
+    for name, t in seq:
+        if name == marker:
+            calls.append(current)
+            current = 0.0
+        else:
+            current += t
+    reps = spec["reps"]
+    if len(calls) != len(spec["labels"]) * reps:
+        raise SystemExit(f"Error: {path}: {len(calls)} calls for {len(spec['labels'])} labels x {reps}")
+    out = {}
+    for i, label in enumerate(spec["labels"]):
+        out[label] = statistics.median(calls[i * reps : (i + 1) * reps])
+        print(f"{label:40s} {out[label]:8.1f} us")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="6B", choices=sorted(WEIGHTS))
+    p.add_argument("--tokens", default="256", help="token counts, comma-separated")
+    p.add_argument("--modes", default="affine4,mxfp4,affine8", help=f"of {', '.join(QUANT)}")
+    p.add_argument(
+        "--paths", default="fused,persistent,persistent-192,stream-k", help="fused, dequantize or CUTLASS schedules"
+    )
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--labels", default="labels.json", help="where the calls' labels go, in order")
+    p.add_argument("--table", nargs=2, metavar=("CSV", "LABELS"), help="print the medians of a profile and exit")
+    a = p.parse_args()
+    if a.table:
+        table(*a.table)
+    else:
+        profile(a)
+
+
+if __name__ == "__main__":
+    main()
