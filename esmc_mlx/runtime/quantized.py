@@ -182,8 +182,9 @@ CUTLASS_OVER_FUSED = {"cuda-small": 128}
 #   26.4 / 27.0 / 26.1. 64 tokens: q/k/v 19.5 against 25.6, gate/up 31.2 against 32.1 (affine4):
 #   the fused kernel, hence 128.
 # Whole 6B forwards, quantized / bf16, the fused kernel -> this (cutlass_qmm_ab --sides
-# fused,shipped, one process, host-bound: bf16 15-21 ms): 1x256 0.90 -> 0.88, 1.00 -> 0.94,
-# 1.00 -> 0.94; 1x128 1.19 -> 0.99, 0.97 -> 0.90, 0.98 -> 0.90 (mxfp4, affine4, affine8).
+# fused,shipped, one process a machine, host-bound: bf16 15-21 ms): 1x256 0.90 -> 0.88, 1.00 ->
+# 0.94, 1.00 -> 0.94, again 0.91 -> 0.89, 0.99 -> 0.93, 1.02 -> 0.98; 1x128 1.19 -> 0.99, 0.97 ->
+# 0.90, 0.98 -> 0.90 (mxfp4, affine4, affine8).
 CUTLASS_OVER_FUSED_FILL = {"cuda": (128, 0.4)}
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
 # fused where kernels.quantized_matmul runs, else the table); "auto" or unset uses the tables.
