@@ -233,8 +233,9 @@ def sm_fill(rows: int, tokens: int) -> float:
 
 def schedule(rows: int, tokens: int, k: int) -> str:
     """Which of SCHEDULES a call of ``tokens`` rows through a (rows x k) weight takes
-    (``SCHEDULE_ENV`` forces one): stream-K where the wide tiles leave the last wave short and
-    there is K to share, else the narrow tile where it takes no more waves, else whole wide tiles."""
+    (``SCHEDULE_ENV`` forces one): stream-K where the wide tiles leave the last wave short (in
+    a single wave, a third of it idle) and there is K to share, else the narrow tile where it
+    takes no more waves, else whole wide tiles."""
     chosen = os.environ.get(SCHEDULE_ENV, "")
     if chosen in SCHEDULES:
         return chosen
