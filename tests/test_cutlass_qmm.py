@@ -144,43 +144,42 @@ def fused_calls(stand_in, monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("in_dims,table", [(64, "cuda-small"), (2048, "cuda")])
-def test_it_takes_the_fused_kernel_s_calls_from_its_table_s_count(in_dims, table, stand_in, fused_calls, monkeypatch):
+def test_it_takes_the_fused_kernel_s_calls_from_its_table_s_count(stand_in, fused_calls, monkeypatch):
     """Inside the fused kernel's window (FUSED_TOKENS, the tables' own choice here) CUTLASS takes
-    bfloat16 calls from CUTLASS_OVER_FUSED's count on its table, none on a table without one;
-    the fused kernel keeps the rest, float16 calls, calls with the fused path forced and all
-    calls with CUTLASS off."""
-    m = layer(in_dims=in_dims, out_dims=4096 if table == "cuda" else 64)
-    assert rq.table_name(kernels.weight_width(m["weight"], m.bits)) == table
-    lo, hi = rq.FUSED_TOKENS[table]["affine4"]
-    first = rq.CUTLASS_OVER_FUSED.get(table)
-    inside = [lo, hi - 1] + ([first - 1, first] if first else [])
+    bfloat16 calls from CUTLASS_OVER_FUSED's count on the small models' table, every weight (a
+    fill of 0); the fused kernel keeps the rest, float16 calls, calls with the fused path forced
+    and all calls with CUTLASS off."""
+    m = layer(in_dims=64, out_dims=64)
+    assert rq.table_name(kernels.weight_width(m["weight"], m.bits)) == "cuda-small"
+    lo, hi = rq.FUSED_TOKENS["cuda-small"]["affine4"]
+    first, fill = rq.CUTLASS_OVER_FUSED["cuda-small"]
+    assert fill == 0
+    inside = [lo, hi - 1, first - 1, first]
     for tokens in inside:
-        x = mx.ones((tokens, in_dims), dtype=mx.bfloat16)
+        x = mx.ones((tokens, 64), dtype=mx.bfloat16)
         before = len(stand_in.calls)
         m(x)
-        assert len(stand_in.calls) - before == (first is not None and tokens >= first), tokens
+        assert len(stand_in.calls) - before == (tokens >= first), tokens
     assert len(fused_calls) == len(inside) - len(stand_in.calls)
-    if first:
-        calls = len(stand_in.calls)
-        m(mx.ones((first, in_dims), dtype=mx.float16))  # CUTLASS takes bfloat16 only
-        monkeypatch.setenv(rq.POLICY_ENV, "fused")
-        m(mx.ones((first, in_dims), dtype=mx.bfloat16))
-        monkeypatch.setenv(rq.POLICY_ENV, "auto")
-        monkeypatch.setenv(cutlass_qmm.ENV, "0")
-        m(mx.ones((first, in_dims), dtype=mx.bfloat16))
-        assert len(stand_in.calls) == calls and fused_calls[-3:] == [(first, in_dims)] * 3
+    calls = len(stand_in.calls)
+    m(mx.ones((first, 64), dtype=mx.float16))  # CUTLASS takes bfloat16 only
+    monkeypatch.setenv(rq.POLICY_ENV, "fused")
+    m(mx.ones((first, 64), dtype=mx.bfloat16))
+    monkeypatch.setenv(rq.POLICY_ENV, "auto")
+    monkeypatch.setenv(cutlass_qmm.ENV, "0")
+    m(mx.ones((first, 64), dtype=mx.bfloat16))
+    assert len(stand_in.calls) == calls and fused_calls[-3:] == [(first, 64)] * 3
 
 
 def test_it_takes_the_fused_kernel_s_calls_of_a_weight_whose_tiles_fill_the_sms(stand_in, fused_calls, monkeypatch):
-    """On the 6B's table (no CUTLASS_OVER_FUSED) CUTLASS takes the fused window's bfloat16 calls
-    from CUTLASS_OVER_FUSED_FILL's count for a weight whose whole tiles fill enough of the SMs:
-    7680 rows (the q/k/v: 60 tiles, 0.45 of 132 SMs) and 13824 (the gate/up: 108), not 2560
-    (the o_proj and down_proj: 20). Forcing a path or turning CUTLASS off keeps the fused kernel."""
-    fewest, fill = rq.CUTLASS_OVER_FUSED_FILL["cuda"]
+    """On the 6B's table CUTLASS takes the fused window's bfloat16 calls from CUTLASS_OVER_FUSED's
+    count for a weight whose whole tiles fill enough of the SMs: 7680 rows (the q/k/v: 60 tiles,
+    0.45 of 132 SMs) and 13824 (the gate/up: 108), not 2560 (the o_proj and down_proj: 20) nor
+    4096 (32). Forcing a path or turning CUTLASS off keeps the fused kernel."""
+    fewest, fill = rq.CUTLASS_OVER_FUSED["cuda"]
     lo, hi = rq.FUSED_TOKENS["cuda"]["affine4"]
-    assert "cuda" not in rq.CUTLASS_OVER_FUSED and lo < fewest < hi
-    for rows, takes in ((7680, True), (13824, True), (2560, False)):
+    assert lo < fewest < hi
+    for rows, takes in ((7680, True), (13824, True), (2560, False), (4096, False)):
         assert (cutlass_qmm.sm_fill(rows, hi - 1) >= fill) == takes
         m = layer(in_dims=2560, out_dims=rows)
         assert rq.table_name(kernels.weight_width(m["weight"], m.bits)) == "cuda"
@@ -188,7 +187,7 @@ def test_it_takes_the_fused_kernel_s_calls_of_a_weight_whose_tiles_fill_the_sms(
             before = len(stand_in.calls)
             m(mx.ones((tokens, 2560), dtype=mx.bfloat16))
             assert len(stand_in.calls) - before == (takes and tokens >= fewest), (rows, tokens)
-    assert len(fused_calls) == 3 * 4 - len(stand_in.calls) == 8
+    assert len(fused_calls) == 4 * 4 - len(stand_in.calls) == 12
     m = layer(in_dims=2560, out_dims=7680)
     monkeypatch.setenv(rq.POLICY_ENV, "fused")
     m(mx.ones((fewest, 2560), dtype=mx.bfloat16))

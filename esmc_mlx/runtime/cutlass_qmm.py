@@ -29,8 +29,8 @@ dequantize step picks one per half tile. mxfp8 does not take it (no e4m3 path wr
 A layer takes it where its weight qualifies (``eligible``) and the tables send its calls by
 dequantize + matmul (QuantizedLinear.policy), at token counts up to its table's
 CUTLASS_TOKENS (``ESMC_MLX_CUTLASS_QMM=1``: at every count, for benchmarks), and inside the
-fused kernel's windows from its table's CUTLASS_OVER_FUSED (the 300M's and the 600M's weights,
-from 128 tokens) or, weight by weight, CUTLASS_OVER_FUSED_FILL (the 6B's q/k/v and gate/up).
+fused kernel's windows from its table's CUTLASS_OVER_FUSED, weight by weight (from 128 tokens:
+every weight of the 300M and the 600M, the 6B's q/k/v and gate/up).
 It keeps a copy of its scales and biases transposed to [K / group, N], as CUTLASS wants them
 (1/16 of a byte a weight at groups of 64: 0.4 GB for the 6B; mxfp4's pairs 1/16 too).
 """

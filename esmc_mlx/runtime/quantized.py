@@ -157,35 +157,33 @@ SMALL_WIDTH = 2048
 # 1536 1.08 -> 0.98; 1792 1.04 -> 1.02; 2048 1.01 -> 1.00 and 1.02 -> 1.02; 2x1024 1.03 -> 1.03.
 # Every mode now ends where affine's does.
 CUTLASS_TOKENS = {"cuda": 2048, "cuda-small": 4096}
-# The fewest tokens from which CUTLASS also takes the calls of the fused kernel's windows
-# (FUSED_TOKENS), per table; on a table not named, never. Whole forwards at B=1, H200, the time
-# with CUTLASS / with the fused kernel, affine4 and affine8, the sides interleaved (thirty-fifth
-# issue-16 session, python -m benchmarks.cutlass_qmm_ab --sides dequantize,fused,cutlass;
-# docs/benchmarks.md):
-# - 300M and 600M (this table), two runs each: from 128 tokens CUTLASS was ahead in 19 of 22
+# Per table, (fewest tokens, least fill): from that many tokens CUTLASS also takes the calls of
+# the fused kernel's windows (FUSED_TOKENS) for a weight whose whole 128 x 256 tiles keep at least
+# that share of the SMs busy (cutlass_qmm.sm_fill); on a table not named, never. CUTLASS's tile
+# runs near an SM's peak but leaves the other SMs idle; the fused kernel splits K to fill them,
+# at a slower pace. Whole forwards at B=1, H200, the time with CUTLASS / with the fused kernel,
+# affine4 and affine8, the sides interleaved (thirty-fifth issue-16 session, python -m
+# benchmarks.cutlass_qmm_ab --sides dequantize,fused,cutlass; docs/benchmarks.md):
+# - 300M and 600M ("cuda-small"), every weight: from 128 tokens CUTLASS was ahead in 19 of 22
 #   cells (geometric means 0.87 and 0.94 on the 300M, 0.97 and 0.92 on the 600M; the three
 #   behind 1.01-1.04, at 256 and 768 tokens); at 32-96 in 7 of 12 (0.83-1.20 of the time).
-# - 6B: 1.04-1.08 at 64 and 128 tokens, 0.99 and 1.05 at 256 (one run): none.
-CUTLASS_OVER_FUSED = {"cuda-small": 128}
-# Per weight, on a table without CUTLASS_OVER_FUSED: (fewest tokens, least fill): from that many
-# tokens CUTLASS also takes the fused kernel's calls of a weight whose whole 128 x 256 tiles keep
-# at least that share of the SMs busy (cutlass_qmm.sm_fill). CUTLASS's tile runs near an SM's
-# peak but leaves the other SMs idle; the fused kernel splits K to fill them, at a slower pace.
-# So the 6B's q/k/v (60 tiles at up to 256 tokens: 0.45 of 132 SMs) and gate/up (108: 0.82) go
-# to CUTLASS, its o_proj and down_proj (20: 0.15) keep the fused kernel. Per kernel (Nsight
-# Compute, one call at a time, fortieth issue-16 session; python -m benchmarks.cutlass_schedules),
-# us, fused -> CUTLASS as cutlass_qmm.schedule picks (affine4 / mxfp4 / affine8):
-# - 256 tokens: q/k/v 32.1 / 31.9 / 35.0 -> 26.9 / 27.1 / 26.1; gate/up 44.5 / 45.4 / 51.2 ->
-#   30.9 / 30.9 / 30.8; o_proj 18.2 / 18.1 / 25.6 against 25.4 / 26.0 / 24.7; down_proj 29.4 /
-#   29.7 / 31.9 against 41.9 / 41.4 / 42.1 (cuBLAS on bf16: 17.2, 27.3, 8.2, 17.4).
-# - 128 tokens: q/k/v 29.7 / 32.9 / 33.8 -> 25.7 / 26.0 / 25.1; gate/up 48.3 / 51.9 / 55.8 ->
-#   26.4 / 27.0 / 26.1. 64 tokens: q/k/v 19.5 against 25.6, gate/up 31.2 against 32.1 (affine4):
-#   the fused kernel, hence 128.
-# Whole 6B forwards, quantized / bf16, the fused kernel -> this (cutlass_qmm_ab --sides
-# fused,shipped, one process a machine, host-bound: bf16 15-21 ms): 1x256 0.90 -> 0.88, 1.00 ->
-# 0.94, 1.00 -> 0.94, again 0.91 -> 0.89, 0.99 -> 0.93, 1.02 -> 0.98; 1x128 1.19 -> 0.99, 0.97 ->
-# 0.90, 0.98 -> 0.90 (mxfp4, affine4, affine8).
-CUTLASS_OVER_FUSED_FILL = {"cuda": (128, 0.4)}
+# - 6B, every weight: 1.04-1.08 at 64 and 128 tokens, 0.99 and 1.05 at 256 (one run). Weight by
+#   weight (fortieth session): its q/k/v (60 tiles at up to 256 tokens: 0.45 of 132 SMs) and
+#   gate/up (108: 0.82) go to CUTLASS, its o_proj and down_proj (20: 0.15) keep the fused
+#   kernel. Per kernel (Nsight Compute, one call at a time; python -m
+#   benchmarks.cutlass_schedules), us, fused -> CUTLASS as cutlass_qmm.schedule picks (affine4 /
+#   mxfp4 / affine8):
+#   - 256 tokens: q/k/v 32.1 / 31.9 / 35.0 -> 26.9 / 27.1 / 26.1; gate/up 44.5 / 45.4 / 51.2 ->
+#     30.9 / 30.9 / 30.8; o_proj 18.2 / 18.1 / 25.6 against 25.4 / 26.0 / 24.7; down_proj 29.4 /
+#     29.7 / 31.9 against 41.9 / 41.4 / 42.1 (cuBLAS on bf16: 17.2, 27.3, 8.2, 17.4).
+#   - 128 tokens: q/k/v 29.7 / 32.9 / 33.8 -> 25.7 / 26.0 / 25.1; gate/up 48.3 / 51.9 / 55.8 ->
+#     26.4 / 27.0 / 26.1. 64 tokens: q/k/v 19.5 against 25.6, gate/up 31.2 against 32.1
+#     (affine4): the fused kernel, hence 128.
+#   Whole 6B forwards, quantized / bf16, the fused kernel -> this (cutlass_qmm_ab --sides
+#   fused,shipped, one process a machine, host-bound: bf16 15-21 ms): 1x256 0.90 -> 0.88, 1.00
+#   -> 0.94, 1.00 -> 0.94, again 0.91 -> 0.89, 0.99 -> 0.93, 1.02 -> 0.98; 1x128 1.19 -> 0.99,
+#   0.97 -> 0.90, 0.98 -> 0.90 (mxfp4, affine4, affine8).
+CUTLASS_OVER_FUSED = {"cuda-small": (128, 0.0), "cuda": (128, 0.4)}
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
 # fused where kernels.quantized_matmul runs, else the table); "auto" or unset uses the tables.
 POLICY_ENV = "ESMC_MLX_QUANT_MATMUL"
@@ -304,15 +302,12 @@ class QuantizedLinear(nn.QuantizedLinear):
 
     def cutlass_over_fused(self, tokens: int) -> bool:
         """True when CUTLASS, where it takes this layer's calls of ``tokens`` rows, takes them
-        from the fused kernel's window too, when the tables decide: from CUTLASS_OVER_FUSED on
-        its table, or from CUTLASS_OVER_FUSED_FILL's count where this weight's tiles fill enough
-        of the SMs."""
-        table = table_name(kernels.weight_width(self["weight"], self.bits))
+        from the fused kernel's window too, when the tables decide: from CUTLASS_OVER_FUSED's
+        count on its table, where this weight's tiles fill enough of the SMs."""
         if forced_path() != "auto":
             return False
-        if tokens >= CUTLASS_OVER_FUSED.get(table, math.inf):
-            return True
-        fewest, fill = CUTLASS_OVER_FUSED_FILL.get(table, (math.inf, math.inf))
+        width = kernels.weight_width(self["weight"], self.bits)
+        fewest, fill = CUTLASS_OVER_FUSED.get(table_name(width), (math.inf, 0.0))
         return tokens >= fewest and cutlass_qmm.sm_fill(self["weight"].shape[0], tokens) >= fill
 
     def takes_dequantize(self, tokens: int) -> bool:
