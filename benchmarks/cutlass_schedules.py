@@ -22,9 +22,11 @@ import json
 import statistics
 
 import mlx.core as mx
+import mlx.nn as nn
 
-from benchmarks.host_overhead import cuda_profiler
-from esmc_mlx.runtime import cutlass_qmm, kernels
+from benchmarks.host_overhead import UNITS, cuda_profiler
+from esmc_mlx.bench import environment
+from esmc_mlx.runtime import cutlass_qmm, kernels, quantized
 
 # (rows, K) of a layer's q/k/v, o_proj, gate/up and down weights.
 WEIGHTS = {
@@ -34,46 +36,35 @@ WEIGHTS = {
 QUANT = {"affine4": ("affine", 4, 64), "affine8": ("affine", 8, 64), "mxfp4": ("mxfp4", 4, 32)}
 
 
-def call(ext, x, q, sb, scales, mode: str, bits: int, group: int, path: str):
-    """One call of ``path``: "fused" (kernels.quantized_matmul as the model calls it),
-    "dequantize" (kernels.dequantize, then cuBLAS), or a CUTLASS schedule
-    (cutlass_qmm.SCHEDULES) with ``scales`` as cutlass_qmm.kernel_scales makes them."""
-    biases = sb[1] if len(sb) > 1 else None
+def call(m: nn.Module, x: mx.array, path: str) -> mx.array:
+    """One call of ``path`` through layer ``m``: "fused" (kernels.quantized_matmul, as the layer
+    calls it), "dequantize" (quantized.dequantized_weight, then cuBLAS), or a CUTLASS schedule
+    (cutlass_qmm.SCHEDULES, forced through its environment switch into cutlass_qmm.matmul)."""
     if path == "fused":
-        return kernels.quantized_matmul(x, q, sb[0], biases, group, bits, mode)
+        return kernels.quantized_matmul(x, m["weight"], m["scales"], m.get("biases"), m.group_size, m.bits, m.mode)
     if path == "dequantize":
-        return x @ kernels.dequantize(q, sb[0], biases, group, bits, mode, dtype=mx.bfloat16).T
-    tile = 192 if path == "persistent-192" else 256
-    if mode == "mxfp4":
-        return ext.mxfp4_matmul(x, q, *scales, path == "stream-k", tile)
-    return ext.quantized_matmul(x, q, *scales, bits, group, path == "stream-k", tile)
+        return x @ quantized.dequantized_weight(m, mx.bfloat16).T
+    with environment({cutlass_qmm.SCHEDULE_ENV: path}):
+        return cutlass_qmm.matmul(m, x, x.shape[0])
 
 
 def profile(a) -> None:
-    ext = cutlass_qmm._extension()
     labels, calls = [], []
     for tokens in map(int, a.tokens.split(",")):
         for name, (rows, k) in WEIGHTS[a.model].items():
-            w = (mx.random.normal((rows, k), key=mx.random.key(rows + k)) * 0.02).astype(mx.bfloat16)
+            linear = nn.Linear(k, rows, bias=False)
+            linear.weight = (mx.random.normal((rows, k), key=mx.random.key(rows + k)) * 0.02).astype(mx.bfloat16)
             x = mx.random.normal((tokens, k), key=mx.random.key(tokens)).astype(mx.bfloat16)
-            mx.eval(w, x)
+            mx.eval(linear.weight, x)
             for quant in a.modes.split(","):
                 mode, bits, group = QUANT[quant]
-                q, *sb = mx.quantize(w, group_size=group, bits=bits, mode=mode)
-                if mode == "mxfp4":
-                    scales = (cutlass_qmm.scale_pairs(sb[0]),)
-                else:
-                    scales = (mx.contiguous(sb[0].T), mx.contiguous(sb[1].T))
-                mx.eval(q, *sb, *scales)
+                m = quantized.QuantizedLinear.from_linear(linear, group, bits, mode)
+                mx.eval(m.parameters(), cutlass_qmm.kernel_scales(m))
                 for path in a.paths.split(","):
                     labels.append(f"{tokens} {name} {quant} {path}")
-                    calls.append(
-                        lambda x=x, q=q, sb=sb, s=scales, m=mode, b=bits, g=group, c=path: call(
-                            ext, x, q, sb, s, m, b, g, c
-                        )
-                    )
+                    calls.append(lambda m=m, x=x, path=path: call(m, x, path))
             labels.append(f"{tokens} {name} bf16 cublas")
-            calls.append(lambda x=x, w=w: x @ w.T)
+            calls.append(lambda x=x, w=linear.weight: x @ w.T)
     marker = mx.arange(4, dtype=mx.float32)
     for fn in calls:  # warm: kernels compiled, graphs captured, workspaces allocated
         mx.eval(fn(), mx.sin(marker))
@@ -96,8 +87,7 @@ def table(path: str, labels_path: str) -> dict:
     kernels_by_id = {}
     for r in csv.DictReader(line for line in open(path) if line.startswith('"')):
         if r["Metric Name"] == "gpu__time_duration.sum":
-            scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
-            value = float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]]
+            value = float(r["Metric Value"].replace(",", "")) * UNITS[r["Metric Unit"]] * 1e3  # us
             kernels_by_id[int(r["ID"])] = (r["Kernel Name"], value)
     seq = [kernels_by_id[i] for i in sorted(kernels_by_id)]
     marker = seq[-1][0]
