@@ -39,19 +39,21 @@ QUANT = {"affine4": ("affine", 4, 64), "affine8": ("affine", 8, 64), "mxfp4": ("
 def call(m: nn.Module, x: mx.array, path: str) -> mx.array:
     """One call of ``path`` through layer ``m``: "fused" (kernels.quantized_matmul, as the layer
     calls it), "dequantize" (quantized.dequantized_weight, then cuBLAS), or a CUTLASS schedule
-    (cutlass_qmm.SCHEDULES, forced through its environment switch into cutlass_qmm.matmul)."""
+    (cutlass_qmm.SCHEDULES, forced through its environment switch into cutlass_qmm.matmul) or
+    "cutlass" (cutlass_qmm.matmul, the schedule its own)."""
     if path == "fused":
         return kernels.quantized_matmul(x, m["weight"], m["scales"], m.get("biases"), m.group_size, m.bits, m.mode)
     if path == "dequantize":
         return x @ quantized.dequantized_weight(m, mx.bfloat16).T
-    with environment({cutlass_qmm.SCHEDULE_ENV: path}):
+    with environment({} if path == "cutlass" else {cutlass_qmm.SCHEDULE_ENV: path}):
         return cutlass_qmm.matmul(m, x, x.shape[0])
 
 
 def profile(a) -> None:
     labels, calls = [], []
     for tokens in map(int, a.tokens.split(",")):
-        for name, (rows, k) in WEIGHTS[a.model].items():
+        for name in a.weights.split(","):
+            rows, k = WEIGHTS[a.model][name]
             linear = nn.Linear(k, rows, bias=False)
             linear.weight = (mx.random.normal((rows, k), key=mx.random.key(rows + k)) * 0.02).astype(mx.bfloat16)
             x = mx.random.normal((tokens, k), key=mx.random.key(tokens)).astype(mx.bfloat16)
@@ -114,8 +116,11 @@ def main() -> None:
     p.add_argument("--tokens", default="256", help="token counts, comma-separated")
     p.add_argument("--modes", default="affine4,mxfp4,affine8", help=f"of {', '.join(QUANT)}")
     p.add_argument(
-        "--paths", default="fused,persistent,persistent-192,stream-k", help="fused, dequantize or CUTLASS schedules"
+        "--paths",
+        default="fused,persistent,persistent-192,stream-k",
+        help="fused, dequantize, cutlass (its schedule's choice) or CUTLASS schedules",
     )
+    p.add_argument("--weights", default="qkv,o,gate_up,down", help="a layer's weights, comma-separated")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--labels", default="labels.json", help="where the calls' labels go, in order")
     p.add_argument("--table", nargs=2, metavar=("CSV", "LABELS"), help="print the medians of a profile and exit")

@@ -174,18 +174,18 @@ def test_it_takes_the_fused_kernel_s_calls_from_its_table_s_count(stand_in, fuse
 def test_it_takes_the_fused_kernel_s_calls_of_a_weight_whose_tiles_fill_the_sms(stand_in, fused_calls, monkeypatch):
     """On the 6B's table CUTLASS takes the fused window's bfloat16 calls from CUTLASS_OVER_FUSED's
     count for a weight whose whole tiles fill enough of the SMs: 7680 rows (the q/k/v: 60 tiles,
-    0.45 of 132 SMs) and 13824 (the gate/up: 108), not 2560 (the o_proj and down_proj: 20) nor
-    4096 (32). Forcing a path or turning CUTLASS off keeps the fused kernel."""
+    0.45 of 132 SMs) and 13824 (the gate/up: 108), not 2560 (the down_proj: 20) nor 4096 (32).
+    Forcing a path or turning CUTLASS off keeps the fused kernel."""
     fewest, fill = rq.CUTLASS_OVER_FUSED["cuda"]
     lo, hi = rq.FUSED_TOKENS["cuda"]["affine4"]
     assert lo < fewest < hi
-    for rows, takes in ((7680, True), (13824, True), (2560, False), (4096, False)):
+    for rows, k, takes in ((7680, 2560, True), (13824, 2560, True), (2560, 6912, False), (4096, 2560, False)):
         assert (cutlass_qmm.sm_fill(rows, hi - 1) >= fill) == takes
-        m = layer(in_dims=2560, out_dims=rows)
+        m = layer(in_dims=k, out_dims=rows)
         assert rq.table_name(kernels.weight_width(m["weight"], m.bits)) == "cuda"
         for tokens in (lo, fewest - 1, fewest, hi - 1):
             before = len(stand_in.calls)
-            m(mx.ones((tokens, 2560), dtype=mx.bfloat16))
+            m(mx.ones((tokens, k), dtype=mx.bfloat16))
             assert len(stand_in.calls) - before == (takes and tokens >= fewest), (rows, tokens)
     assert len(fused_calls) == 4 * 4 - len(stand_in.calls) == 12
     m = layer(in_dims=2560, out_dims=7680)
@@ -195,6 +195,30 @@ def test_it_takes_the_fused_kernel_s_calls_of_a_weight_whose_tiles_fill_the_sms(
     monkeypatch.setenv(cutlass_qmm.ENV, "0")
     m(mx.ones((fewest, 2560), dtype=mx.bfloat16))
     assert len(stand_in.calls) == 4 and fused_calls[-2:] == [(fewest, 2560)] * 2
+
+
+def test_small_weights_go_by_dequantize_over_both_kernels_on_the_6b_s_table(stand_in, fused_calls, monkeypatch):
+    """DEQUANTIZE_OVER_KERNELS: on the 6B's table its o_proj (2560 x 2560) goes by dequantize +
+    matmul at 128-256 tokens, neither by the fused kernel (whose window that is) nor by CUTLASS,
+    in any float dtype; the fused kernel keeps fewer tokens, CUTLASS more, and the down_proj
+    (2560 x 6912) stays with the fused kernel. A forced path, or CUTLASS at every count, leaves
+    the o_proj's calls where they went without the rule."""
+    fewest, most, values = rq.DEQUANTIZE_OVER_KERNELS["cuda"]
+    assert 2560 * 2560 <= values < 2560 * 6912
+    o, down = layer(in_dims=2560, out_dims=2560), layer(in_dims=6912, out_dims=2560)
+    counts = (fewest - 1, fewest, most, most + 1)
+    assert [o.path(t) for t in counts] == ["fused", "dequantize", "dequantize", "cutlass"]
+    assert o.path(fewest, mx.float16) == "dequantize" and o.takes_dequantize(most)
+    assert [down.path(t) for t in counts] == ["fused", "fused", "fused", "cutlass"]
+    for tokens in (fewest, most):
+        x = mx.random.normal((tokens, 2560), key=mx.random.key(tokens)).astype(mx.bfloat16)
+        assert mx.array_equal(o(x), x @ rq.dequantized_weight(o, mx.bfloat16).T).item()
+    assert stand_in.calls == [] and fused_calls == []
+    monkeypatch.setenv(rq.POLICY_ENV, "fused")
+    assert o.path(fewest) == "fused"
+    monkeypatch.setenv(rq.POLICY_ENV, "auto")
+    monkeypatch.setenv(cutlass_qmm.ENV, "1")
+    assert [o.path(t) for t in counts] == ["fused", "fused", "fused", "cutlass"]
 
 
 def test_schedule_stream_k_for_a_short_last_wave_else_the_narrow_tile_where_it_takes_no_more_waves(

@@ -184,6 +184,18 @@ CUTLASS_TOKENS = {"cuda": 2048, "cuda-small": 4096}
 #   -> 0.94, 1.00 -> 0.94, again 0.91 -> 0.89, 0.99 -> 0.93, 1.02 -> 0.98; 1x128 1.19 -> 0.99,
 #   0.97 -> 0.90, 0.98 -> 0.90 (mxfp4, affine4, affine8).
 CUTLASS_OVER_FUSED = {"cuda-small": (128, 0.0), "cuda": (128, 0.4)}
+# Per table, (fewest tokens, most tokens, most values): at those token counts a weight of at most
+# that many values goes by dequantize + cuBLAS, over the fused kernel and CUTLASS; on a table not
+# named, never. The 6B's o_proj (2560 x 2560, 6.6M values) is such a weight: cuBLAS runs its
+# GEMM in half the fused kernel's time and its dequantize is short, where the down_proj (2560 x
+# 6912, 17.7M) pays 2.5x the dequantize for the same 20 tiles. Per kernel (Nsight Compute, H200,
+# fortieth issue-16 session, python -m benchmarks.cutlass_schedules), us, affine4 / mxfp4 /
+# affine8, fused against dequantize + cuBLAS (CUTLASS's narrow tile beside):
+# - o_proj, 256 tokens: 18.1 / 18.2 / 25.3 against 14.2 / 14.2 / 14.0 (25.5 / 26.0 / 24.9);
+#   128 tokens: 15.7 / 16.7 / 16.9 against 13.6 / 13.6 / 13.3 (25.1 / 25.6 / 24.5); at 64 the
+#   fused kernel's 12.3 / 12.0 / 12.4 against cuBLAS's 7.0 alone on the bf16 weight: hence 128.
+# - down_proj, 256 tokens: 29.9 / 30.4 / 32.6 against 31.4 / 31.2 / 33.5: not moved.
+DEQUANTIZE_OVER_KERNELS = {"cuda": (128, 256, 8 << 20)}
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
 # fused where kernels.quantized_matmul runs, else the table); "auto" or unset uses the tables.
 POLICY_ENV = "ESMC_MLX_QUANT_MATMUL"
@@ -291,6 +303,28 @@ class QuantizedLinear(nn.QuantizedLinear):
             dequantize or mlx_quantized_matmul_fails(in_dims, self.group_size),
         )
 
+    def path(self, tokens: int, dtype: mx.Dtype = mx.bfloat16) -> str:
+        """How ``tokens`` rows of ``dtype`` go through this layer: "fused" (kernels.quantized_matmul;
+        a call it cannot take goes by ``table_path``), "cutlass", "dequantize" (+ matmul) or
+        "quantized" (MLX's quantized_matmul)."""
+        fused, dequantize = self.policy(tokens)
+        table = self._outside_window(dequantize, tokens, dtype)
+        if table != "quantized" and self.dequantize_over_kernels(tokens):
+            return "dequantize"
+        if fused and not (table == "cutlass" and self.cutlass_over_fused(tokens)):
+            return "fused"
+        return table
+
+    def table_path(self, tokens: int, dtype: mx.Dtype = mx.bfloat16) -> str:
+        """The path outside the fused kernel's window: "quantized" below the tables' crossover,
+        else "cutlass" where it takes the call, else "dequantize"."""
+        return self._outside_window(self.policy(tokens)[1], tokens, dtype)
+
+    def _outside_window(self, dequantize: bool, tokens: int, dtype: mx.Dtype) -> str:
+        if not dequantize:
+            return "quantized"
+        return "cutlass" if dtype == mx.bfloat16 and self.takes_cutlass(tokens) else "dequantize"
+
     def takes_cutlass(self, tokens: int) -> bool:
         """True when this layer's dequantize + matmul calls of ``tokens`` rows go to CUTLASS's
         mixed-input GEMM instead, for bfloat16 inputs (cutlass_qmm: on a Hopper GPU, where it
@@ -310,26 +344,35 @@ class QuantizedLinear(nn.QuantizedLinear):
         fewest, fill = CUTLASS_OVER_FUSED.get(table_name(width), (math.inf, 0.0))
         return tokens >= fewest and cutlass_qmm.sm_fill(self["weight"].shape[0], tokens) >= fill
 
-    def takes_dequantize(self, tokens: int) -> bool:
-        """True when ``tokens`` rows through this layer go by dequantize + matmul, outside the
-        fused window. (Inside it, a call the fused kernel cannot take falls back in
-        ``__call__`` and dequantizes its own weight, as does a layer CUTLASS takes when its
-        input is not bfloat16.)"""
-        fused, dequantize = self.policy(tokens)
-        return dequantize and not fused and not self.takes_cutlass(tokens)
+    def dequantize_over_kernels(self, tokens: int) -> bool:
+        """True when ``tokens`` rows through this layer go by dequantize + matmul over the fused
+        kernel and CUTLASS, when the tables decide: in DEQUANTIZE_OVER_KERNELS' token range on
+        its table, for a weight of at most its values."""
+        if forced_path() != "auto" or cutlass_qmm.forced():
+            return False
+        width = kernels.weight_width(self["weight"], self.bits)
+        fewest, most, values = DEQUANTIZE_OVER_KERNELS.get(table_name(width), (math.inf, 0, 0))
+        size = math.prod(kernels.dequantized_shape(self["weight"], self.bits))
+        return fewest <= tokens <= most and size <= values
+
+    def takes_dequantize(self, tokens: int, dtype: mx.Dtype = mx.bfloat16) -> bool:
+        """True when ``tokens`` rows of ``dtype`` through this layer go by dequantize + matmul
+        (a call the fused kernel cannot take falls back in ``__call__`` and dequantizes its
+        own weight)."""
+        return self.path(tokens, dtype) == "dequantize"
 
     def __call__(self, x: mx.array) -> mx.array:
         tokens = token_count(x)
-        fused, dequantize = self.policy(tokens)
-        cutlass = dequantize and x.dtype == mx.bfloat16 and self.takes_cutlass(tokens)
+        chosen = self.path(tokens, x.dtype)
         packed = (self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode)
-        if fused and not (cutlass and self.cutlass_over_fused(tokens)):
+        if chosen == "fused":
             if kernels.quantized_matmul_supported(x, *packed):
                 y = kernels.quantized_matmul(x, *packed)
                 return y + self["bias"] if "bias" in self else y
-        if not dequantize:
+            chosen = self.table_path(tokens, x.dtype)
+        if chosen == "quantized":
             return super().__call__(x)
-        if cutlass:
+        if chosen == "cutlass":
             return cutlass_qmm.matmul(self, x, tokens)
         wt = self.given_transposed
         if wt is None or wt.dtype != x.dtype:
@@ -361,7 +404,9 @@ def dequantized_together(module: nn.Module, x: mx.array):
         yield
         return
     tokens = token_count(x)
-    linears = [m for _, m in module.named_modules() if isinstance(m, QuantizedLinear) and m.takes_dequantize(tokens)]
+    linears = [
+        m for _, m in module.named_modules() if isinstance(m, QuantizedLinear) and m.takes_dequantize(tokens, x.dtype)
+    ]
     groups: dict[tuple, list[QuantizedLinear]] = {}
     for m in linears:
         groups.setdefault((m.mode, m.bits, m.group_size, m["scales"].dtype), []).append(m)
