@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-from unittest import mock
 
 import mlx.core as mx
 import numpy as np
@@ -46,27 +45,11 @@ SIDES = {
     "cutlass": EVERY_CALL,
     "shipped": {},
 }
-# Sides that run with one of quantized's tables replaced (a rule's A/B), the environment as shipped.
-TABLE_SIDES = {
-    "no-dequantize-over": {"DEQUANTIZE_OVER_KERNELS": {}},
-    "dequantize-over-1024": {"DEQUANTIZE_OVER_KERNELS": {"cuda": (128, 1024, 8 << 20)}},
-}
-
-
-class WithTables:
-    """A model whose calls (and so its compiled trace) run with ``tables`` set on quantized."""
-
-    def __init__(self, model, tables: dict):
-        self.model, self.tables = model, tables
-
-    def __call__(self, ids):
-        with mock.patch.multiple(quantized, **self.tables):
-            return self.model(ids)
 
 
 def logits(model, ids, side: str) -> np.ndarray:
     """``model``'s logits with ``side``'s setting, as forward_fns' ``env`` runs the timed side."""
-    with environment(SIDES.get(side, {})):
+    with environment(SIDES[side]):
         return np.array(model(ids).logits.astype(mx.float32))
 
 
@@ -95,22 +78,18 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_forward_arguments(p, model="6B", modes="affine4,affine8", shapes="1x256,1x1024,16x256,64x512")
     p.add_argument(
-        "--sides",
-        default="dequantize,fused,cutlass",
-        help=f"quantized sides, comma-separated: {', '.join([*SIDES, *TABLE_SIDES])}",
+        "--sides", default="dequantize,fused,cutlass", help=f"quantized sides, comma-separated: {', '.join(SIDES)}"
     )
     a = parse_forward_arguments(p, argv)
     if cutlass_qmm._extension() is None:
         raise SystemExit(f"Error: the extension is not built for MLX {mx.__version__}: esmc-mlx build-cutlass")
     sides = a.sides.split(",")
-    known = [*SIDES, *TABLE_SIDES]
-    if unknown := sorted(set(sides) - set(known)):
-        raise SystemExit(f"Error: --sides: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+    if unknown := sorted(set(sides) - set(SIDES)):
+        raise SystemExit(f"Error: --sides: unknown {', '.join(unknown)} (known: {', '.join(SIDES)})")
     config, weights, bf16 = random_bf16(a.model)
     result = {"machine": machine(with_torch=False), "model": a.model, "rows": []}
     for mode in a.modes.split(","):
         quant = {side: mlx_model(config, weights, fuse=True, compile=True, quant=RECORDS[mode]) for side in sides}
-        quant |= {side: WithTables(quant[side], TABLE_SIDES[side]) for side in sides if side in TABLE_SIDES}
         result["rows"] += [forward_row(bf16, quant, mode, b, n, a.budget) for b, n in parse_shapes(a.shapes)]
         del quant
         gc.collect()

@@ -8,6 +8,7 @@ what they hand it. The GPU tests run the real one where it has been built
 
 import importlib.machinery
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -197,30 +198,6 @@ def test_it_takes_the_fused_kernel_s_calls_of_a_weight_whose_tiles_fill_the_sms(
     assert len(stand_in.calls) == 4 and fused_calls[-2:] == [(fewest, 2560)] * 2
 
 
-def test_small_weights_go_by_dequantize_over_both_kernels_on_the_6b_s_table(stand_in, fused_calls, monkeypatch):
-    """DEQUANTIZE_OVER_KERNELS: on the 6B's table its o_proj (2560 x 2560) goes by dequantize +
-    matmul at 128-256 tokens, neither by the fused kernel (whose window that is) nor by CUTLASS,
-    in any float dtype; the fused kernel keeps fewer tokens, CUTLASS more, and the down_proj
-    (2560 x 6912) stays with the fused kernel. A forced path, or CUTLASS at every count, leaves
-    the o_proj's calls where they went without the rule."""
-    fewest, most, values = rq.DEQUANTIZE_OVER_KERNELS["cuda"]
-    assert 2560 * 2560 <= values < 2560 * 6912
-    o, down = layer(in_dims=2560, out_dims=2560), layer(in_dims=6912, out_dims=2560)
-    counts = (fewest - 1, fewest, most, most + 1)
-    assert [o.path(t) for t in counts] == ["fused", "dequantize", "dequantize", "cutlass"]
-    assert o.path(fewest, mx.float16) == "dequantize" and o.takes_dequantize(most)
-    assert [down.path(t) for t in counts] == ["fused", "fused", "fused", "cutlass"]
-    for tokens in (fewest, most):
-        x = mx.random.normal((tokens, 2560), key=mx.random.key(tokens)).astype(mx.bfloat16)
-        assert mx.array_equal(o(x), x @ rq.dequantized_weight(o, mx.bfloat16).T).item()
-    assert stand_in.calls == [] and fused_calls == []
-    monkeypatch.setenv(rq.POLICY_ENV, "fused")
-    assert o.path(fewest) == "fused"
-    monkeypatch.setenv(rq.POLICY_ENV, "auto")
-    monkeypatch.setenv(cutlass_qmm.ENV, "1")
-    assert [o.path(t) for t in counts] == ["fused", "fused", "fused", "cutlass"]
-
-
 def test_schedule_stream_k_for_a_short_last_wave_else_the_narrow_tile_where_it_takes_no_more_waves(
     stand_in, monkeypatch
 ):
@@ -401,6 +378,30 @@ def test_build_names_what_is_missing(monkeypatch, tmp_path):
     monkeypatch.setattr(cutlass_qmm, "build", lambda nvcc, log: (_ for _ in ()).throw(failed))
     out = CliRunner().invoke(main, ["build-cutlass"])
     assert out.exit_code == 1 and out.output.strip().splitlines() == ["Error: nvcc failed: x"]
+
+
+def test_build_command_can_target_another_mlx_and_python(monkeypatch, tmp_path):
+    """scripts/device_setup.py builds here for the GPU machine: the command then reads another
+    MLX install's headers and libmlx and another Python's headers, none of this process's."""
+    monkeypatch.setattr(cutlass_qmm.shutil, "which", lambda name: "/usr/bin/" + name)
+    other = tmp_path / "site312" / "mlx"
+    (other / "include" / "cutlass").mkdir(parents=True)
+    (other / "lib").mkdir()
+    (tmp_path / "fmt" / "fmt").mkdir(parents=True)
+    (tmp_path / "fmt" / "fmt" / "format.h").touch()
+    monkeypatch.setenv("FMT_INCLUDE", str(tmp_path / "fmt"))
+
+    class Nanobind:
+        __version__ = "3.1.0"
+        source_dir = staticmethod(lambda: str(tmp_path / "nanobind" / "src"))
+        include_dir = staticmethod(lambda: str(tmp_path / "nanobind" / "include"))
+
+    monkeypatch.setitem(sys.modules, "nanobind", Nanobind)
+    command = cutlass_qmm.build_command(tmp_path / "x.so", mlx_root=other, python_include="/py312/include")
+    assert f"-I{other / 'include'}" in command and f"-L{other / 'lib'}" in command
+    assert "-I/py312/include" in command
+    here = str(Path(cutlass_qmm.mx.__file__).resolve().parent)
+    assert not [flag for flag in command if here in flag]
 
 
 def test_build_cutlass_help_explains_without_building(monkeypatch):

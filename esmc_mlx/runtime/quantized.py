@@ -184,18 +184,6 @@ CUTLASS_TOKENS = {"cuda": 2048, "cuda-small": 4096}
 #   -> 0.94, 1.00 -> 0.94, again 0.91 -> 0.89, 0.99 -> 0.93, 1.02 -> 0.98; 1x128 1.19 -> 0.99,
 #   0.97 -> 0.90, 0.98 -> 0.90 (mxfp4, affine4, affine8).
 CUTLASS_OVER_FUSED = {"cuda-small": (128, 0.0), "cuda": (128, 0.4)}
-# Per table, (fewest tokens, most tokens, most values): at those token counts a weight of at most
-# that many values goes by dequantize + cuBLAS, over the fused kernel and CUTLASS; on a table not
-# named, never. The 6B's o_proj (2560 x 2560, 6.6M values) is such a weight: cuBLAS runs its
-# GEMM in half the fused kernel's time and its dequantize is short, where the down_proj (2560 x
-# 6912, 17.7M) pays 2.5x the dequantize for the same 20 tiles. Per kernel (Nsight Compute, H200,
-# fortieth issue-16 session, python -m benchmarks.cutlass_schedules), us, affine4 / mxfp4 /
-# affine8, fused against dequantize + cuBLAS (CUTLASS's narrow tile beside):
-# - o_proj, 256 tokens: 18.1 / 18.2 / 25.3 against 14.2 / 14.2 / 14.0 (25.5 / 26.0 / 24.9);
-#   128 tokens: 15.7 / 16.7 / 16.9 against 13.6 / 13.6 / 13.3 (25.1 / 25.6 / 24.5); at 64 the
-#   fused kernel's 12.3 / 12.0 / 12.4 against cuBLAS's 7.0 alone on the bf16 weight: hence 128.
-# - down_proj, 256 tokens: 29.9 / 30.4 / 32.6 against 31.4 / 31.2 / 33.5: not moved.
-DEQUANTIZE_OVER_KERNELS = {"cuda": (128, 256, 8 << 20)}
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
 # fused where kernels.quantized_matmul runs, else the table); "auto" or unset uses the tables.
 POLICY_ENV = "ESMC_MLX_QUANT_MATMUL"
@@ -309,8 +297,6 @@ class QuantizedLinear(nn.QuantizedLinear):
         "quantized" (MLX's quantized_matmul)."""
         fused, dequantize = self.policy(tokens)
         table = self._outside_window(dequantize, tokens, dtype)
-        if table != "quantized" and self.dequantize_over_kernels(tokens):
-            return "dequantize"
         if fused and not (table == "cutlass" and self.cutlass_over_fused(tokens)):
             return "fused"
         return table
@@ -343,17 +329,6 @@ class QuantizedLinear(nn.QuantizedLinear):
         width = kernels.weight_width(self["weight"], self.bits)
         fewest, fill = CUTLASS_OVER_FUSED.get(table_name(width), (math.inf, 0.0))
         return tokens >= fewest and cutlass_qmm.sm_fill(self["weight"].shape[0], tokens) >= fill
-
-    def dequantize_over_kernels(self, tokens: int) -> bool:
-        """True when ``tokens`` rows through this layer go by dequantize + matmul over the fused
-        kernel and CUTLASS, when the tables decide: in DEQUANTIZE_OVER_KERNELS' token range on
-        its table, for a weight of at most its values."""
-        if forced_path() != "auto" or cutlass_qmm.forced():
-            return False
-        width = kernels.weight_width(self["weight"], self.bits)
-        fewest, most, values = DEQUANTIZE_OVER_KERNELS.get(table_name(width), (math.inf, 0, 0))
-        size = math.prod(kernels.dequantized_shape(self["weight"], self.bits))
-        return fewest <= tokens <= most and size <= values
 
     def takes_dequantize(self, tokens: int, dtype: mx.Dtype = mx.bfloat16) -> bool:
         """True when ``tokens`` rows of ``dtype`` through this layer go by dequantize + matmul
