@@ -7,8 +7,10 @@ off), ``fused`` (the tables with CUTLASS off: inside FUSED_TOKENS' windows the f
 CUTLASS at every call (``ESMC_MLX_CUTLASS_QMM=1`` with the policy forced to dequantize + matmul)
 as ``persistent`` (whole 128 x 256 tiles per SM), ``stream-k`` (every tile's K shared among the
 SMs), ``persistent-192`` (whole 128 x 192 tiles) or ``cutlass`` (cutlass_qmm.schedule's choice
-among them), and ``shipped`` (the tables as they stand). Where a CUTLASS side wins is what
-quantized.CUTLASS_TOKENS, quantized.CUTLASS_OVER_FUSED and cutlass_qmm.schedule should hold.
+among them), and ``shipped`` (the tables as they stand); TABLE_SIDES run the shipped settings
+with one of quantized's tables replaced (``small-fill-0.1``: CUTLASS_OVER_FUSED's least fill on
+the small models' table). Where a CUTLASS side wins is what quantized.CUTLASS_TOKENS,
+quantized.CUTLASS_OVER_FUSED and cutlass_qmm.schedule should hold.
 
 Per-kernel GPU times are Nsight Compute's (benchmarks.host_overhead --profile), not timed here:
 calls evaluated together run concurrently in MLX's CUDA graph (its nodes wait only for their
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from unittest import mock
 
 import mlx.core as mx
 import numpy as np
@@ -45,11 +48,28 @@ SIDES = {
     "cutlass": EVERY_CALL,
     "shipped": {},
 }
+# Sides that run the shipped settings with one of quantized's tables replaced: a table's A/B
+# (forty-first issue-16 session: the small models' least fill, not adopted).
+TABLE_SIDES = {
+    "small-fill-0.1": {"CUTLASS_OVER_FUSED": {**quantized.CUTLASS_OVER_FUSED, "cuda-small": (128, 0.1)}},
+    "small-fill-0.2": {"CUTLASS_OVER_FUSED": {**quantized.CUTLASS_OVER_FUSED, "cuda-small": (128, 0.2)}},
+}
+
+
+class WithTables:
+    """A model whose calls (its compiled trace among them) run with ``tables`` set on quantized."""
+
+    def __init__(self, model, tables: dict):
+        self.model, self.tables = model, tables
+
+    def __call__(self, ids):
+        with mock.patch.multiple(quantized, **self.tables):
+            return self.model(ids)
 
 
 def logits(model, ids, side: str) -> np.ndarray:
     """``model``'s logits with ``side``'s setting, as forward_fns' ``env`` runs the timed side."""
-    with environment(SIDES[side]):
+    with environment(SIDES.get(side, {})):
         return np.array(model(ids).logits.astype(mx.float32))
 
 
@@ -78,18 +98,22 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_forward_arguments(p, model="6B", modes="affine4,affine8", shapes="1x256,1x1024,16x256,64x512")
     p.add_argument(
-        "--sides", default="dequantize,fused,cutlass", help=f"quantized sides, comma-separated: {', '.join(SIDES)}"
+        "--sides",
+        default="dequantize,fused,cutlass",
+        help=f"quantized sides, comma-separated: {', '.join([*SIDES, *TABLE_SIDES])}",
     )
     a = parse_forward_arguments(p, argv)
     if cutlass_qmm._extension() is None:
         raise SystemExit(f"Error: the extension is not built for MLX {mx.__version__}: esmc-mlx build-cutlass")
     sides = a.sides.split(",")
-    if unknown := sorted(set(sides) - set(SIDES)):
-        raise SystemExit(f"Error: --sides: unknown {', '.join(unknown)} (known: {', '.join(SIDES)})")
+    known = [*SIDES, *TABLE_SIDES]
+    if unknown := sorted(set(sides) - set(known)):
+        raise SystemExit(f"Error: --sides: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     config, weights, bf16 = random_bf16(a.model)
     result = {"machine": machine(with_torch=False), "model": a.model, "rows": []}
     for mode in a.modes.split(","):
         quant = {side: mlx_model(config, weights, fuse=True, compile=True, quant=RECORDS[mode]) for side in sides}
+        quant |= {side: WithTables(quant[side], TABLE_SIDES[side]) for side in sides if side in TABLE_SIDES}
         result["rows"] += [forward_row(bf16, quant, mode, b, n, a.budget) for b, n in parse_shapes(a.shapes)]
         del quant
         gc.collect()

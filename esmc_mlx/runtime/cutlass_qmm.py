@@ -278,14 +278,19 @@ def _fmt_include() -> Path:
     raise BuildError("fmt's headers (fmt/format.h) not found: set FMT_INCLUDE, or install torch or libfmt-dev")
 
 
-def build_command(output: Path, nvcc: str = "nvcc") -> list[str]:
-    """The nvcc command line that builds the extension into ``output``."""
+def build_command(
+    output: Path, nvcc: str = "nvcc", mlx_root: Path | None = None, python_include: str | None = None
+) -> list[str]:
+    """The nvcc command line that builds the extension into ``output``: against this process's
+    MLX and Python, or another's (``mlx_root``, an MLX CUDA install's ``mlx`` folder, and
+    ``python_include``, that Python's headers: scripts/device_setup.py builds here for the GPU
+    machine)."""
     found = shutil.which(nvcc)
     if found is None:
         raise BuildError(
             f"{nvcc} not found: the CUDA toolkit's compiler builds this extension (CUDA 13, as MLX's wheel)"
         )
-    mlx_root = Path(mx.__file__).resolve().parent
+    mlx_root = Path(mlx_root or Path(mx.__file__).resolve().parent)
     if not (mlx_root / "include" / "cutlass").is_dir() or not (mlx_root / "lib").is_dir():
         raise BuildError(
             f"{mlx_root} has no CUTLASS headers or libmlx: install MLX's CUDA build (pip install 'mlx[cuda13]')"
@@ -318,7 +323,7 @@ def build_command(output: Path, nvcc: str = "nvcc") -> list[str]:
         f"-I{_fmt_include()}",
         f"-I{nanobind.include_dir()}",
         f"-I{nb_source.parent / 'ext' / 'robin_map' / 'include'}",
-        f"-I{sysconfig.get_paths()['include']}",
+        f"-I{python_include or sysconfig.get_paths()['include']}",
         str(SOURCE),
         str(nb_source / "nb_combined.cpp"),
         f"-L{mlx_root / 'lib'}",
