@@ -74,14 +74,7 @@ def prepare(build: bool) -> None:
     download = WHEELS / "download"
     run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", *PLATFORM,
          "-d", str(download), f"mlx=={version}", f"mlx-cuda-13=={version}", NANOBIND])  # fmt: skip
-    cuda = next(download.glob(f"mlx_cuda_13-{version}-*.whl"))
-    data = cuda.read_bytes()
-    size = PART_MB << 20
-    for i, folder in enumerate(PART_FOLDERS):
-        (WHEELS / folder).mkdir(parents=True, exist_ok=True)
-        (WHEELS / folder / f"part_a{'abc'[i]}").write_bytes(data[i * size : (i + 1) * size])
-    if len(data) > len(PART_FOLDERS) * size:
-        sys.exit(f"Error: {cuda.name} is over {len(PART_FOLDERS) * PART_MB} MB: add a part folder")
+    split(next(download.glob(f"mlx_cuda_13-{version}-*.whl")))
     (WHEELS / "c").mkdir(exist_ok=True)
     for old in (WHEELS / "c").glob("mlx-*.whl"):
         old.unlink()
@@ -89,6 +82,26 @@ def prepare(build: bool) -> None:
     print(f"MLX {version}'s CUDA wheel in {WHEELS}/{{a,b,d}}, the mlx wheel in {WHEELS}/c")
     if build:
         build_cutlass(download, version)
+
+
+def split(wheel: Path, size: int = PART_MB << 20) -> None:
+    """``wheel`` in parts of ``size`` bytes, one a folder of PART_FOLDERS."""
+    data = wheel.read_bytes()
+    if len(data) > len(PART_FOLDERS) * size:
+        sys.exit(f"Error: {wheel.name} is over {len(PART_FOLDERS)} parts of {size} bytes: add a part folder")
+    for i, folder in enumerate(PART_FOLDERS):
+        (WHEELS / folder).mkdir(parents=True, exist_ok=True)
+        (WHEELS / folder / f"part_a{'abc'[i]}").write_bytes(data[i * size : (i + 1) * size])
+
+
+def joined(name: str) -> Path:
+    """The stashed parts joined into ``~/name``."""
+    parts = sorted(STASH.glob("part_*"))
+    if [p.name for p in parts] != ["part_aa", "part_ab", "part_ac"]:
+        sys.exit(f"Error: {STASH} holds {[p.name for p in parts]}: run stash with .whl/a, .whl/b and .whl/d")
+    wheel = STASH.parent / name
+    wheel.write_bytes(b"".join(p.read_bytes() for p in parts))
+    return wheel
 
 
 def build_cutlass(download: Path, version: str) -> None:
@@ -132,11 +145,7 @@ def install() -> None:
         sys.exit("Error: .whl/c holds no mlx wheel: carry .whl/c (scripts/device_setup.py prepare makes it)")
     version = mlx[-1].name.split("-")[1]
     if not (SITE / "mlx" / "lib").is_dir():
-        parts = sorted(STASH.glob("part_*"))
-        if [p.name for p in parts] != ["part_aa", "part_ab", "part_ac"]:
-            sys.exit(f"Error: {STASH} holds {[p.name for p in parts]}: run stash with .whl/a, .whl/b and .whl/d")
-        wheel = Path.home() / f"mlx_cuda_13-{version}-py3-none-manylinux_2_35_x86_64.whl"
-        wheel.write_bytes(b"".join(p.read_bytes() for p in parts))
+        wheel = joined(f"mlx_cuda_13-{version}-py3-none-manylinux_2_35_x86_64.whl")
         run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(SITE),
              str(wheel), str(mlx[-1])])  # fmt: skip
     built = WHEELS / "cache" / "cutlass_qmm"
