@@ -41,11 +41,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / ".whl"
 PART_MB = 30  # three parts of the 90 MB wheel, each call's tree (~25 MB) beside it under 64 MiB
-PART_FOLDERS = ("a", "b", "d")  # part_aa, part_ab, part_ac, in this order
+PARTS = {"a": "part_aa", "b": "part_ab", "d": "part_ac"}  # carried folder -> part, in order
 PLATFORM = ("--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_35_x86_64")
 NANOBIND = "nanobind==3.1.0"  # MLX 0.32's binding ABI (pyproject's [cutlass] extra)
 STASH = Path.home() / "stash"
 SITE = Path.home() / "site"
+CACHE = Path.home() / "cache"  # ESMC_MLX_CACHE there
+
+
+def pip_install(python: str, target: Path, wheels) -> None:
+    """``wheels`` unpacked into ``target`` by ``python``'s pip: no index, no dependencies."""
+    run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target), *map(str, wheels)])
 
 
 def run(command: list[str]) -> None:
@@ -85,44 +91,43 @@ def prepare(build: bool) -> None:
 
 
 def split(wheel: Path, size: int = PART_MB << 20) -> None:
-    """``wheel`` in parts of ``size`` bytes, one a folder of PART_FOLDERS."""
+    """``wheel`` in parts of ``size`` bytes, one a folder of PARTS."""
     data = wheel.read_bytes()
-    if len(data) > len(PART_FOLDERS) * size:
-        sys.exit(f"Error: {wheel.name} is over {len(PART_FOLDERS)} parts of {size} bytes: add a part folder")
-    for i, folder in enumerate(PART_FOLDERS):
+    if len(data) > len(PARTS) * size:
+        sys.exit(f"Error: {wheel.name} is over {len(PARTS)} parts of {size} bytes: add a part folder")
+    for i, (folder, name) in enumerate(PARTS.items()):
         (WHEELS / folder).mkdir(parents=True, exist_ok=True)
-        (WHEELS / folder / f"part_a{'abc'[i]}").write_bytes(data[i * size : (i + 1) * size])
+        (WHEELS / folder / name).write_bytes(data[i * size : (i + 1) * size])
 
 
 def joined(name: str) -> Path:
     """The stashed parts joined into ``~/name``."""
     parts = sorted(STASH.glob("part_*"))
-    if [p.name for p in parts] != ["part_aa", "part_ab", "part_ac"]:
-        sys.exit(f"Error: {STASH} holds {[p.name for p in parts]}: run stash with .whl/a, .whl/b and .whl/d")
+    if [p.name for p in parts] != list(PARTS.values()):
+        carry = ", ".join(f".whl/{folder}" for folder in PARTS)
+        sys.exit(f"Error: {STASH} holds {[p.name for p in parts]}: run stash with each of {carry}")
     wheel = STASH.parent / name
     wheel.write_bytes(b"".join(p.read_bytes() for p in parts))
     return wheel
 
 
 def build_cutlass(download: Path, version: str) -> None:
+    python = python312()
     site = WHEELS / "site312"
     if not (site / "mlx" / "include" / "cutlass").is_dir() or not (site / "nanobind").is_dir():
-        run([python312(), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site),
-             *map(str, download.glob("*.whl"))])  # fmt: skip
+        pip_install(python, site, download.glob("*.whl"))
     os.environ["ESMC_MLX_CACHE"] = str(WHEELS / "cache")
     from esmc_mlx.runtime import cutlass_qmm
 
     sys.path.append(str(site))  # nanobind (pure Python) for build_command; MLX stays this venv's
-
+    # That Python's headers and extension suffix, as cutlass_qmm.build reads its own.
+    query = "import sysconfig; print(sysconfig.get_paths()['include']); print(sysconfig.get_config_var('EXT_SUFFIX'))"
+    include, suffix = subprocess.run([python, "-c", query], check=True, capture_output=True, text=True).stdout.split()
     folder = cutlass_qmm.build_dir()
-    target = folder / f"{cutlass_qmm.MODULE}.cpython-312-x86_64-linux-gnu.so"
+    target = folder / (cutlass_qmm.MODULE + suffix)
     if target.exists():
         print(f"{target} is built")
         return
-    include = subprocess.run(
-        [python312(), "-c", "import sysconfig; print(sysconfig.get_paths()['include'])"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / ("partial-" + target.name)
     print(f"Building {target.name} for MLX {version} (CUTLASS, about 3 minutes) ...", flush=True)
@@ -146,12 +151,11 @@ def install() -> None:
     version = mlx[-1].name.split("-")[1]
     if not (SITE / "mlx" / "lib").is_dir():
         wheel = joined(f"mlx_cuda_13-{version}-py3-none-manylinux_2_35_x86_64.whl")
-        run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(SITE),
-             str(wheel), str(mlx[-1])])  # fmt: skip
+        pip_install(sys.executable, SITE, [wheel, mlx[-1]])
     built = WHEELS / "cache" / "cutlass_qmm"
     if built.is_dir():
-        shutil.copytree(built, Path.home() / "cache" / "cutlass_qmm", dirs_exist_ok=True)
-    print(f"MLX {version} in {SITE}; now: export PYTHONPATH={SITE}:$PWD ESMC_MLX_CACHE=~/cache")
+        shutil.copytree(built, CACHE / "cutlass_qmm", dirs_exist_ok=True)
+    print(f"MLX {version} in {SITE}; now: export PYTHONPATH={SITE}:$PWD ESMC_MLX_CACHE={CACHE}")
 
 
 def main() -> None:

@@ -25,14 +25,13 @@ def test_the_parts_join_back_into_the_wheel(setup, tmp_path):
     wheel = tmp_path / "mlx_cuda_13.whl"
     wheel.write_bytes(np.random.default_rng(0).bytes(250))
     setup.split(wheel, size=100)
-    sizes = [(setup.WHEELS / f / f"part_a{x}").stat().st_size for f, x in zip(setup.PART_FOLDERS, "abc", strict=True)]
-    assert sizes == [100, 100, 50]
-    (setup.STASH.parent).mkdir(parents=True)
+    assert [(setup.WHEELS / folder / name).stat().st_size for folder, name in setup.PARTS.items()] == [100, 100, 50]
+    setup.STASH.parent.mkdir(parents=True)
     setup.stash()
     assert setup.joined("w.whl").read_bytes() == wheel.read_bytes()
 
 
-def test_a_wheel_past_its_parts_or_a_missing_part_stops_with_an_error(setup, tmp_path, capsys):
+def test_a_wheel_past_its_parts_or_a_missing_part_stops_with_an_error(setup, tmp_path):
     wheel = tmp_path / "big.whl"
     wheel.write_bytes(bytes(301))
     with pytest.raises(SystemExit, match="Error: big.whl is over 3 parts of 100 bytes"):
