@@ -47,6 +47,8 @@ SIDES = {
     **{forced: {**EVERY_CALL, cutlass_qmm.SCHEDULE_ENV: forced} for forced in cutlass_qmm.SCHEDULES},
     "cutlass": EVERY_CALL,
     "shipped": {},
+    "mlx-layout": {cutlass_qmm.REORDER_ENV: "0"},  # shipped, CUTLASS's weights in MLX's layout
+    "cutlass-mlx-layout": {**EVERY_CALL, cutlass_qmm.REORDER_ENV: "0"},
 }
 # Sides that run the shipped settings with one of quantized's tables replaced: a table's A/B
 # (forty-first issue-16 session: the small models' least fill, not adopted).

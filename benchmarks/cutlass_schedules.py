@@ -40,11 +40,15 @@ def call(m: nn.Module, x: mx.array, path: str) -> mx.array:
     """One call of ``path`` through layer ``m``: "fused" (kernels.quantized_matmul, as the layer
     calls it), "dequantize" (quantized.dequantized_weight, then cuBLAS), or a CUTLASS schedule
     (cutlass_qmm.SCHEDULES, forced through its environment switch into cutlass_qmm.matmul) or
-    "cutlass" (cutlass_qmm.matmul, the schedule its own)."""
+    "cutlass" (cutlass_qmm.matmul, the schedule its own); a CUTLASS path with "-mlx-layout" after
+    it takes the weight in MLX's layout, not reordered (cutlass_qmm.reorder)."""
     if path == "fused":
         return kernels.quantized_matmul(x, m["weight"], m["scales"], m.get("biases"), m.group_size, m.bits, m.mode)
     if path == "dequantize":
         return x @ quantized.dequantized_weight(m, mx.bfloat16).T
+    if path.endswith("-mlx-layout"):  # the weight as MLX packs it, not reordered
+        with environment({cutlass_qmm.REORDER_ENV: "0"}):
+            return call(m, x, path.removesuffix("-mlx-layout"))
     with environment({} if path == "cutlass" else {cutlass_qmm.SCHEDULE_ENV: path}):
         return cutlass_qmm.matmul(m, x, x.shape[0])
 

@@ -28,26 +28,82 @@ class StandIn:
     """The extension's contract on any device: scales and biases come as [K / group, N]."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.reordered = [], []
 
-    def quantized_matmul(self, x, q, scales_t, biases_t, bits, group_size, stream_k, tile_tokens):
+    def quantized_matmul(self, x, q, scales_t, biases_t, bits, group_size, stream_k, tile_tokens, reordered):
         self.calls.append((x.shape, bits, group_size, stream_k, tile_tokens))
-        w = mx.dequantize(q, scales_t.T, biases_t.T, group_size=group_size, bits=bits)
+        w = mx.dequantize(self.weight(q, bits, reordered), scales_t.T, biases_t.T, group_size=group_size, bits=bits)
         return x @ w.T
 
-    def mxfp4_matmul(self, x, q, scale_pairs, stream_k, tile_tokens):
+    def mxfp4_matmul(self, x, q, scale_pairs, stream_k, tile_tokens, reordered):
         """mxfp4's scale pairs ([K / 64, N], two bf16 2^(e-1) each) decoded back to e8m0."""
         self.calls.append((x.shape, 4, 32, stream_k, tile_tokens))
+        q = self.weight(q, 4, reordered)
         e = mx.where(pair_halves(scale_pairs) == 0x7FC0, 255, (pair_halves(scale_pairs) >> 7) - 126)
         return x @ mx.dequantize(q, e.astype(mx.uint8), group_size=32, bits=4, mode="mxfp4").T
 
     def sm_count(self):
         return 132  # an H100 or H200 (SXM)
 
+    def weight(self, q, bits, reordered):
+        """A reordered weight (cutlass_qmm.reorder) back in MLX's layout, by the PTX ISA's table."""
+        self.reordered.append(reordered)
+        return mx.array(pack(fragment_order(unpack(np.array(q), bits), inverse=True), bits)) if reordered else q
+
 
 def pair_halves(scale_pairs):
     """Scale pairs, [K / 64, N] uint32, back to one bf16 bit pattern a group: [N, K / 32]."""
     return mx.stack([scale_pairs & 0xFFFF, scale_pairs >> 16], axis=1).reshape(-1, scale_pairs.shape[1]).T
+
+
+def unpack(q, bits):
+    """A packed uint32 weight [N, K * bits / 32] as its values, [N, K] (value j of a word at bits j * bits)."""
+    per_word = 32 // bits
+    return ((q[..., None] >> (np.arange(per_word, dtype=np.uint32) * bits)) & ((1 << bits) - 1)).reshape(q.shape[0], -1)
+
+
+def pack(values, bits):
+    per_word = 32 // bits
+    words = values.reshape(values.shape[0], -1, per_word).astype(np.uint32) << (
+        np.arange(per_word, dtype=np.uint32) * bits
+    )
+    return np.bitwise_or.reduce(words, axis=-1)
+
+
+# wgmma .m64nNk16's A register fragment, from the PTX ISA's table: lane 4 * group + t holds a0-a7
+# at these (row, column) offsets from (group, 2t) of its warp's 16 x 16 block.
+A_REGISTERS = [(0, 0), (0, 1), (8, 0), (8, 1), (0, 8), (0, 9), (8, 8), (8, 9)]
+
+
+def fragment_order(w, inverse=False):
+    """``w`` [N, K] as the flat order in which the warps hold it in their A fragments: 16 x 16
+    blocks rows first, a block's lanes in order, each lane's registers in order. ``inverse``:
+    ``w`` is that flat order (as [N, K]); back to rows and columns."""
+    n, k = w.shape
+    lanes = [divmod(lane, 4) for lane in range(32)]
+    r, c = np.array([(g + dr, 2 * t + dc) for g, t in lanes for dr, dc in A_REGISTERS]).T
+    rows = np.arange(0, n, 16)[None, :, None] + r  # [K / 16, N / 16, 256]: block columns, rows
+    cols = np.arange(0, k, 16)[:, None, None] + c
+    source = (rows * k + cols).reshape(-1)
+    out = np.empty(n * k, dtype=w.dtype)
+    if inverse:
+        out[source] = w.reshape(-1)
+    else:
+        out[:] = w.reshape(-1)[source]
+    return out.reshape(n, k)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_reorder_puts_each_lane_s_fragment_side_by_side(bits, on_cpu):
+    """cutlass_qmm.reorder against the PTX ISA's fragment table, value for value, on a weight of
+    several blocks each way; and a weight not cut into 16 x 16 blocks is refused."""
+    rng = np.random.default_rng(bits)
+    q = rng.integers(0, 2**32, size=(48, 64 * bits // 32), dtype=np.uint32)  # 48 x 64 values
+    got = cutlass_qmm.reorder(mx.array(q), bits)
+    assert got.dtype == mx.uint32 and got.shape == q.shape
+    assert np.array_equal(unpack(np.array(got), bits), fragment_order(unpack(q, bits)))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        cutlass_qmm.reorder(mx.array(q[:40]), bits)
 
 
 def test_scale_pairs_hold_each_scale_times_2_to_the_126_up_to_its_limit(on_cpu):
@@ -112,6 +168,28 @@ def test_bfloat16_calls_go_to_the_extension_with_transposed_scales(
     m(x)
     scale_rows = 128 // 64 if mode == "mxfp4" else 128 // group_size  # mxfp4: a pair a K tile
     assert len(stand_in.calls) == 2 and m.cutlass_scales[0].shape == (scale_rows, 64)  # kept, not redone
+
+
+@pytest.mark.parametrize("mode,bits,group_size", [("affine", 4, 64), ("affine", 8, 64), ("mxfp4", 4, 32)])
+def test_it_hands_over_each_weight_reordered_made_once(mode, bits, group_size, stand_in, monkeypatch, on_cpu):
+    """A weight of whole 16-row blocks goes to the kernel reordered, the copy made on its first
+    call and kept; MLX's layout with ESMC_MLX_CUTLASS_REORDER=0, and for a weight 8 rows past a
+    block (no copy made); the same outputs every way."""
+    x = mx.random.normal((1, 10, 128), key=mx.random.key(2)).astype(mx.bfloat16)
+    m = layer(bits, group_size, mode, out_dims=64)
+    first = m(x)
+    copy = m.cutlass_weight
+    assert not mx.array_equal(copy, m.weight).item()  # its values moved
+    m(x)
+    assert stand_in.reordered == [True, True] and m.cutlass_weight is copy
+    monkeypatch.setenv(cutlass_qmm.REORDER_ENV, "0")
+    assert mx.array_equal(m(x), first).item() and stand_in.reordered[-1] is False
+    monkeypatch.delenv(cutlass_qmm.REORDER_ENV)
+    ragged = layer(bits, group_size, mode, out_dims=24)
+    np.testing.assert_array_equal(
+        np.array(ragged(x).astype(mx.float32)), np.array(reference(ragged, x).astype(mx.float32))
+    )
+    assert stand_in.reordered[-1] is False and not hasattr(ragged, "cutlass_weight")
 
 
 @pytest.mark.parametrize("mode,bits,group_size", [("affine", 4, 64), ("affine", 8, 64), ("mxfp4", 4, 32)])
@@ -461,6 +539,27 @@ def test_extension_matches_dequantize_and_matmul_on_cuda(bits, group_size, mode,
     err = float(mx.abs(got.astype(mx.float32) - exact).max())
     bf16_err = float(mx.abs(bf16.astype(mx.float32) - exact).max())
     assert err <= 2 * bf16_err + 1e-3
+
+
+@pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
+@pytest.mark.parametrize(
+    "bits,group_size,mode", [(4, 64, "affine"), (8, 64, "affine"), (4, 128, "affine"), (4, 32, "mxfp4")]
+)
+@pytest.mark.parametrize("rows", [1, 300, 1024])
+@pytest.mark.parametrize("schedule", cutlass_qmm.SCHEDULES)
+def test_a_reordered_weight_gives_the_same_bits_on_cuda(bits, group_size, mode, rows, schedule, monkeypatch):
+    """The kernel on cutlass_qmm.reorder's copy of the weight (as the layers hand it over): the
+    same products summed in the same order as on MLX's layout, so the same output bit for bit
+    (which the tests around hold to dequantize + matmul and mx.dequantize)."""
+    monkeypatch.setenv(cutlass_qmm.ENV, "1")
+    monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, schedule)
+    monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
+    m = layer(bits, group_size, mode, in_dims=2560, out_dims=1024, bias=True)
+    x = mx.random.normal((1, rows, 2560), key=mx.random.key(rows)).astype(mx.bfloat16)
+    reordered = m(x)
+    assert hasattr(m, "cutlass_weight")
+    monkeypatch.setenv(cutlass_qmm.REORDER_ENV, "0")
+    assert mx.array_equal(m(x), reordered).item()
 
 
 @pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")

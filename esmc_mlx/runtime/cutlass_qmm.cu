@@ -13,7 +13,10 @@
 // Two schedules: "persistent" (each SM takes whole output tiles) and "stream-k" (the tiles' K
 // iterations shared evenly among the SMs, partial sums fixed up through a workspace in a fixed
 // order: deterministic); and two tiles, 128 x 256 and 128 x 192 (weight rows x tokens), the
-// narrow one persistent only. Which a call takes is cutlass_qmm.schedule's.
+// narrow one persistent only. Which a call takes is cutlass_qmm.schedule's. The weight comes in
+// MLX's layout or, as the layers hand it over, reordered (ReorderAtom below; cutlass_qmm.reorder):
+// 0.84-0.95x the time a call in MLX's layout took for affine 4-bit weights, 0.93-0.99x for 8-bit,
+// 0.89-0.96x for mxfp4 (the forty-second issue-16 session, docs/benchmarks.md).
 #include <nanobind/nanobind.h>
 
 #include "mlx/array.h"
@@ -137,6 +140,15 @@ using QmmTile = Shape<_128, _256, _64>;  // weight rows, tokens, K: ahead of 128
 // sooner: the 6B's o_proj at 1024 tokens, 80 or 120 tiles on 132 SMs, 32 -> 28 us.
 using QmmTile192 = Shape<_128, _192, _64>;
 
+// A 16 x 16 block of the weight (rows, K) -> its elements' places among the block's 256, such that
+// the eight values each thread of a warp holds in wgmma's A register fragment for one k-block
+// (PTX ISA, "Register fragment for matrix A": lane 4g + t holds rows g and g + 8, columns 2t, 2t + 1,
+// 2t + 8, 2t + 9) lie side by side, in the fragment's order: 32 bits a thread for 4-bit weights, 64
+// for 8-bit, so each thread reads its k-block's weights from shared memory in one load instead of
+// four sub-word ones. Tiled over the weight, rows first (cutlass_qmm.reorder makes the copy).
+using ReorderAtom = Layout<Shape<Shape<_8, _2>, Shape<_2, _4, _2>>, Stride<Stride<_32, _2>, Stride<_1, _8, _4>>>;
+using ReorderedWeight = decltype(tile_to_shape(ReorderAtom{}, Shape<int, int, int>{}));
+
 // The builder's A operand for a weight of ``Quant``: affine (scale and bias a group), or mxfp4's
 // values with their scale pairs.
 template <class Quant>
@@ -150,7 +162,7 @@ struct Operand<cutlass::float_e2m1_t> {
 
 // Tile stays a parameter: with nothing of the epilogue's type depending on one, nvcc's host pass
 // rejected its CollectiveBuilder.
-template <class Quant, class Scheduler, class Tile>
+template <class Quant, class Scheduler, class Tile, class WeightLayout>
 struct MixedGemm {
   using Cluster = Shape<_1, _1, _1>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -158,7 +170,7 @@ struct MixedGemm {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, 8, Bf16,
       cutlass::layout::ColumnMajor, 8, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Operand<Quant>::type, cutlass::layout::RowMajor,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Operand<Quant>::type, WeightLayout,
       128 / cutlass::sizeof_bits<Quant>::value, Bf16, cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
@@ -171,14 +183,20 @@ int sm_count() {
 }
 
 // ``inputs``: x, q, then the scales and biases, or mxfp4's scale pairs (one per 64 along K).
-template <class Quant, class Scheduler, class Tile>
+template <class Quant, class Scheduler, class Tile, class WeightLayout>
 void launch(const std::vector<mx::array>& inputs, mx::array& out, int group_size, mx::cu::CommandEncoder& encoder) {
   constexpr bool mxfp4 = std::is_same_v<Quant, cutlass::float_e2m1_t>;
+  constexpr bool reordered = std::is_same_v<WeightLayout, ReorderedWeight>;
   const mx::array &x = inputs[0], &q = inputs[1], &scales = inputs[2];
-  using Kernel = typename MixedGemm<Quant, Scheduler, Tile>::Kernel;
+  using Kernel = typename MixedGemm<Quant, Scheduler, Tile, WeightLayout>::Kernel;
   constexpr bool stream_k = std::is_same_v<Scheduler, cutlass::gemm::StreamKScheduler>;
   int m = x.shape(0), k = x.shape(1), n = out.shape(1);
-  auto stride_q = make_stride(int64_t(k), Int<1>{}, int64_t(0));
+  auto stride_q = [&] {
+    if constexpr (reordered)
+      return tile_to_shape(ReorderAtom{}, make_shape(n, k, 1));
+    else
+      return make_stride(int64_t(k), Int<1>{}, int64_t(0));
+  }();
   auto stride_x = make_stride(int64_t(k), Int<1>{}, int64_t(0));
   typename Kernel::StrideD stride_y{};
   get<1>(stride_y) = int64_t(n);
@@ -245,13 +263,15 @@ void launch(const std::vector<mx::array>& inputs, mx::array& out, int group_size
 
 class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  CutlassQuantizedMatmul(mx::Stream stream, bool mxfp4, int bits, int group_size, bool stream_k, int tile_tokens)
+  CutlassQuantizedMatmul(mx::Stream stream, bool mxfp4, int bits, int group_size, bool stream_k, int tile_tokens,
+                         bool reordered)
       : mx::UnaryPrimitive(stream),
         mxfp4_(mxfp4),
         bits_(bits),
         group_size_(group_size),
         stream_k_(stream_k),
-        tile_tokens_(tile_tokens) {}
+        tile_tokens_(tile_tokens),
+        reordered_(reordered) {}
 
   void eval_cpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("[cutlass_qmm] runs on a CUDA GPU only");
@@ -262,20 +282,27 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
       if (!a.flags().row_contiguous) throw std::runtime_error("[cutlass_qmm] inputs must be row-contiguous");
     auto& encoder = mx::cu::get_command_encoder(stream());
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto go = [&]<class Quant>() {
+    auto go = [&]<class Quant, class WeightLayout>() {
       if (stream_k_)
-        launch<Quant, cutlass::gemm::StreamKScheduler, QmmTile>(inputs, out, group_size_, encoder);
+        launch<Quant, cutlass::gemm::StreamKScheduler, QmmTile, WeightLayout>(inputs, out, group_size_, encoder);
       else if (tile_tokens_ == 192)
-        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile192>(inputs, out, group_size_, encoder);
+        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile192, WeightLayout>(inputs, out, group_size_, encoder);
       else
-        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile>(inputs, out, group_size_, encoder);
+        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile, WeightLayout>(inputs, out, group_size_, encoder);
     };
-    if (mxfp4_)
-      go.template operator()<cutlass::float_e2m1_t>();
+    using RowMajor = cutlass::layout::RowMajor;
+    if (mxfp4_ && reordered_)
+      go.template operator()<cutlass::float_e2m1_t, ReorderedWeight>();
+    else if (mxfp4_)
+      go.template operator()<cutlass::float_e2m1_t, RowMajor>();
+    else if (bits_ == 4 && reordered_)
+      go.template operator()<cutlass::uint4b_t, ReorderedWeight>();
     else if (bits_ == 4)
-      go.template operator()<cutlass::uint4b_t>();
+      go.template operator()<cutlass::uint4b_t, RowMajor>();
+    else if (reordered_)
+      go.template operator()<uint8_t, ReorderedWeight>();
     else
-      go.template operator()<uint8_t>();
+      go.template operator()<uint8_t, RowMajor>();
   }
 
   const char* name() const override { return "CutlassQuantizedMatmul"; }
@@ -283,7 +310,7 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const CutlassQuantizedMatmul&>(other);
     return mxfp4_ == o.mxfp4_ && bits_ == o.bits_ && group_size_ == o.group_size_ && stream_k_ == o.stream_k_ &&
-           tile_tokens_ == o.tile_tokens_;
+           tile_tokens_ == o.tile_tokens_ && reordered_ == o.reordered_;
   }
 
  private:
@@ -291,6 +318,7 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
   int bits_, group_size_;
   bool stream_k_;
   int tile_tokens_;
+  bool reordered_;
 };
 
 void check_tiles(bool stream_k, int tile_tokens) {
@@ -301,7 +329,7 @@ void check_tiles(bool stream_k, int tile_tokens) {
 
 // x [..., K] @ the weight's transpose, by a CutlassQuantizedMatmul over ``scales_etc`` after x and q.
 mx::array run(const mx::array& x, const mx::array& q, std::vector<mx::array> scales_etc, bool mxfp4, int bits,
-              int group_size, bool stream_k, int tile_tokens) {
+              int group_size, bool stream_k, int tile_tokens, bool reordered) {
   int k = x.shape(-1), n = q.shape(0);
   auto lead = x.shape();
   lead.back() = n;
@@ -309,13 +337,14 @@ mx::array run(const mx::array& x, const mx::array& q, std::vector<mx::array> sca
   scales_etc.insert(scales_etc.begin(), {x2, q});
   auto y = mx::array({x2.shape(0), n}, mx::bfloat16,
                      std::make_shared<CutlassQuantizedMatmul>(mx::default_stream(mx::Device::gpu), mxfp4, bits,
-                                                              group_size, stream_k, tile_tokens),
+                                                              group_size, stream_k, tile_tokens, reordered),
                      std::move(scales_etc));
   return mx::reshape(y, lead);
 }
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& q, const mx::array& scales_t,
-                           const mx::array& biases_t, int bits, int group_size, bool stream_k, int tile_tokens) {
+                           const mx::array& biases_t, int bits, int group_size, bool stream_k, int tile_tokens,
+                           bool reordered) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("[cutlass_qmm] bits must be 4 or 8");
   if (group_size != 64 && group_size != 128) throw std::invalid_argument("[cutlass_qmm] group_size must be 64 or 128");
   check_tiles(stream_k, tile_tokens);
@@ -323,13 +352,15 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& q, const mx::arr
     throw std::invalid_argument("[cutlass_qmm] x, scales and biases must be bfloat16");
   int k = x.shape(-1), n = q.shape(0);
   if (q.ndim() != 2 || q.shape(1) * 32 / bits != k) throw std::invalid_argument("[cutlass_qmm] weight and x disagree");
+  if (reordered && (n % 16 != 0 || k % 16 != 0))
+    throw std::invalid_argument("[cutlass_qmm] a reordered weight's rows and K must be multiples of 16");
   if (scales_t.shape(0) != k / group_size || scales_t.shape(1) != n || biases_t.shape() != scales_t.shape())
     throw std::invalid_argument("[cutlass_qmm] scales and biases must be [K / group_size, N]");
-  return run(x, q, {scales_t, biases_t}, false, bits, group_size, stream_k, tile_tokens);
+  return run(x, q, {scales_t, biases_t}, false, bits, group_size, stream_k, tile_tokens, reordered);
 }
 
 mx::array mxfp4_matmul(const mx::array& x, const mx::array& q, const mx::array& scale_pairs, bool stream_k,
-                       int tile_tokens) {
+                       int tile_tokens, bool reordered) {
   check_tiles(stream_k, tile_tokens);
   if (x.dtype() != mx::bfloat16 || scale_pairs.dtype() != mx::uint32)
     throw std::invalid_argument("[cutlass_qmm] x must be bfloat16 and the scale pairs uint32");
@@ -337,7 +368,9 @@ mx::array mxfp4_matmul(const mx::array& x, const mx::array& q, const mx::array& 
   if (q.ndim() != 2 || q.shape(1) * 8 != k) throw std::invalid_argument("[cutlass_qmm] weight and x disagree");
   if (k % 64 != 0 || scale_pairs.ndim() != 2 || scale_pairs.shape(0) != k / 64 || scale_pairs.shape(1) != n)
     throw std::invalid_argument("[cutlass_qmm] scale pairs must be [K / 64, N]");
-  return run(x, q, {scale_pairs}, true, 4, 32, stream_k, tile_tokens);
+  if (reordered && n % 16 != 0)
+    throw std::invalid_argument("[cutlass_qmm] a reordered weight's rows and K must be multiples of 16");
+  return run(x, q, {scale_pairs}, true, 4, 32, stream_k, tile_tokens, reordered);
 }
 
 }  // namespace esmc_qmm
@@ -346,10 +379,12 @@ NB_MODULE(_cutlass_qmm, m) {
   nb::module_::import_("mlx.core");
   m.def("quantized_matmul", &esmc_qmm::quantized_matmul, nb::arg("x"), nb::arg("q"), nb::arg("scales_t"), nb::arg("biases_t"),
         nb::arg("bits"), nb::arg("group_size"), nb::arg("stream_k") = false, nb::arg("tile_tokens") = 256,
+        nb::arg("reordered") = false,
         "x @ dequantize(q).T by CUTLASS's Hopper mixed-input GEMM; scales and biases transposed to [K / group, N];\n"
-        "stream_k: the tiles' K shared among the SMs (else whole tiles each); tile_tokens: 256 or 192.");
+        "stream_k: the tiles' K shared among the SMs (else whole tiles each); tile_tokens: 256 or 192;\n"
+        "reordered: q in cutlass_qmm.reorder's layout (ReorderAtom), not MLX's.");
   m.def("mxfp4_matmul", &esmc_qmm::mxfp4_matmul, nb::arg("x"), nb::arg("q"), nb::arg("scale_pairs"),
-        nb::arg("stream_k") = false, nb::arg("tile_tokens") = 256,
+        nb::arg("stream_k") = false, nb::arg("tile_tokens") = 256, nb::arg("reordered") = false,
         "x @ dequantize(q, mode='mxfp4').T by the same GEMM; scale_pairs [K / 64, N] uint32, each two groups'\n"
         "scales as bf16 (the even group's in the low half).");
   m.def("sm_count", &esmc_qmm::sm_count, "The GPU's streaming multiprocessors (the waves tiles fill).");

@@ -32,7 +32,9 @@ CUTLASS_TOKENS (``ESMC_MLX_CUTLASS_QMM=1``: at every count, for benchmarks), and
 fused kernel's windows from its table's CUTLASS_OVER_FUSED, weight by weight (from 128 tokens:
 every weight of the 300M and the 600M, the 6B's q/k/v and gate/up).
 It keeps a copy of its scales and biases transposed to [K / group, N], as CUTLASS wants them
-(1/16 of a byte a weight at groups of 64: 0.4 GB for the 6B; mxfp4's pairs 1/16 too).
+(1/16 of a byte a weight at groups of 64: 0.4 GB for the 6B; mxfp4's pairs 1/16 too), and one
+of its packed weight in the order the kernel's threads read it (``reorder``: 5-16% off a call
+with 4-bit weights, 1-7% with 8-bit; the weight's bytes again, 3.2 GB for the 6B).
 """
 
 from __future__ import annotations
@@ -90,6 +92,20 @@ SCHEDULE_ENV = "ESMC_MLX_CUTLASS_SCHEDULE"  # one of SCHEDULES: every call so (b
 STREAM_K_BELOW_FILL = 0.9
 STREAM_K_ONE_WAVE_BELOW_FILL = 0.7
 STREAM_K_MIN_ITERATIONS = 4096
+# The kernel takes each weight in the layout of the .cu's ReorderAtom (each thread's eight values
+# of a k-block side by side: one shared-memory load where MLX's layout took four sub-word ones),
+# a copy made on the layer's first call and kept beside MLX's (which mx.quantized_matmul, the
+# fused kernel and dequantize read): the packed weight's bytes once more for each weight CUTLASS
+# has taken (the 6B's affine4 7.16 GB against 3.99 after forwards that reach every weight;
+# benchmarks.cutlass_reorder_cost). Per call (Nsight Compute, forty-second issue-16 session; us,
+# MLX's layout -> reordered, cutlass_qmm.schedule's choice): the 6B at 256 tokens, affine4 q/k/v
+# 26.7 -> 23.4, o_proj 25.5 -> 21.9, gate/up 30.9 -> 29.3, down 60.7 -> 51.1 (affine8 1-7% less,
+# mxfp4 4-11%); at 1024 tokens the gate/up 113.2 -> 104.8; the 300M's four weights 2-14% less.
+# Whole forwards, quantized / bf16: the 6B at 1x1024 affine4 1.102 -> 1.027, affine8 1.083 ->
+# 1.050; the 300M at 1x256 0.935 -> 0.866 and 0.890 -> 0.846. ESMC_MLX_CUTLASS_REORDER=0 keeps
+# MLX's layout (and no copy).
+REORDER_ENV = "ESMC_MLX_CUTLASS_REORDER"
+REORDER_BLOCK = 16  # ReorderAtom's rows and K
 HOPPER = "sm_90a"  # what the build targets (-arch); the kernel runs on nothing else
 
 
@@ -210,6 +226,47 @@ def kernel_scales(layer: nn.Module) -> tuple[mx.array, ...]:
     return scales
 
 
+def reorder(q: mx.array, bits: int) -> mx.array:
+    """MLX's packed weight, [N, K * bits / 32] uint32, in the .cu's ReorderAtom layout, packed the
+    same way (value i of the buffer at bits ``bits * (i % per word)`` of word i / per word).
+
+    The weight is cut into 16 x 16 blocks, rows first (block b holds rows 16 (b % (N / 16)) on and
+    columns 16 (b // (N / 16)) on); a block's 256 places are wgmma's A fragment in lane order,
+    eight a lane: lane 4g + t's value v is row g + 8 ((v // 2) % 2), column 2t + v % 2 + 8 (v // 4)
+    of the block (PTX ISA, "Register fragment for matrix A" of wgmma .m64nNk16). Each index is a
+    sum of independent parts (row = 16 row block + 8 v1 + g, column = 16 column block + 8 v2 + 2t
+    + v0), so the move is one transpose, to column block, row block, g, t, v2, v1, v0; and v0, the
+    innermost both ways, is a byte's two 4-bit values, so the transpose moves bytes, never nibbles."""
+    if bits not in (4, 8):
+        raise ValueError(f"the kernel takes 4- and 8-bit weights, not {bits}-bit")
+    rows, words = q.shape
+    k = words * 32 // bits
+    if rows % REORDER_BLOCK or k % REORDER_BLOCK:
+        raise ValueError(f"a reordered weight's rows and K must be multiples of {REORDER_BLOCK}: {rows} x {k}")
+    pair = 2 if bits == 8 else 1  # v0 as its own axis, or inside the byte
+    blocks = q.view(mx.uint8).reshape(
+        rows // 16, 2, 8, k // 16, 2, 4, pair
+    )  # row block, v1, g; column block, v2, t, v0
+    return blocks.transpose(3, 0, 2, 5, 4, 1, 6).reshape(rows, -1).view(mx.uint32)
+
+
+def reorders(layer: nn.Module) -> bool:
+    """Whether ``layer`` hands the kernel its weight reordered: unless ``ESMC_MLX_CUTLASS_REORDER=0``
+    or its rows are not whole blocks of the reorder (K is: whole groups of 64 or 128)."""
+    return os.environ.get(REORDER_ENV) != "0" and layer["weight"].shape[0] % REORDER_BLOCK == 0
+
+
+def reordered_weight(layer: nn.Module) -> mx.array:
+    """``layer``'s weight in reorder's layout, made on the first call and kept on the layer (as
+    kernel_scales keeps its scales)."""
+    weight = getattr(layer, "cutlass_weight", None)
+    if weight is None:
+        weight = reorder(layer["weight"], layer.bits)
+        mx.eval(weight)
+        object.__setattr__(layer, "cutlass_weight", weight)  # not a parameter
+    return weight
+
+
 def tiles(rows: int, tokens: int, tile_tokens: int = TILE_TOKENS) -> int:
     """How many 128 x ``tile_tokens`` tiles cover a (rows x tokens) output."""
     return -(-rows // TILE_ROWS) * -(-tokens // tile_tokens)
@@ -252,15 +309,16 @@ def schedule(rows: int, tokens: int, k: int) -> str:
 def matmul(layer: nn.Module, x: mx.array, tokens: int) -> mx.array:
     """``x @ dequantize(layer's weight).T`` (+ its bias) by CUTLASS; x in bfloat16, ``tokens``
     rows of it (quantized.token_count)."""
-    mxfp4 = layer.mode == "mxfp4"
     scales = kernel_scales(layer)
     chosen = schedule(layer["weight"].shape[0], tokens, x.shape[-1])
     tile_tokens = NARROW_TILE_TOKENS if chosen == "persistent-192" else TILE_TOKENS
-    if mxfp4:
-        y = _extension().mxfp4_matmul(x, layer["weight"], *scales, chosen == "stream-k", tile_tokens)
+    reordered = reorders(layer)
+    weight = reordered_weight(layer) if reordered else layer["weight"]
+    if layer.mode == "mxfp4":
+        y = _extension().mxfp4_matmul(x, weight, *scales, chosen == "stream-k", tile_tokens, reordered)
     else:
         y = _extension().quantized_matmul(
-            x, layer["weight"], *scales, layer.bits, layer.group_size, chosen == "stream-k", tile_tokens
+            x, weight, *scales, layer.bits, layer.group_size, chosen == "stream-k", tile_tokens, reordered
         )
     return y + layer["bias"] if "bias" in layer else y
 
