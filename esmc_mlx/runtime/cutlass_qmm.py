@@ -243,10 +243,9 @@ def reorder(q: mx.array, bits: int) -> mx.array:
     k = words * 32 // bits
     if rows % REORDER_BLOCK or k % REORDER_BLOCK:
         raise ValueError(f"a reordered weight's rows and K must be multiples of {REORDER_BLOCK}: {rows} x {k}")
-    pair = 2 if bits == 8 else 1  # v0 as its own axis, or inside the byte
-    blocks = q.view(mx.uint8).reshape(
-        rows // 16, 2, 8, k // 16, 2, 4, pair
-    )  # row block, v1, g; column block, v2, t, v0
+    v0 = 2 if bits == 8 else 1  # its own axis, or inside the byte
+    # row block, v1, g; column block, v2, t, v0
+    blocks = q.view(mx.uint8).reshape(rows // 16, 2, 8, k // 16, 2, 4, v0)
     return blocks.transpose(3, 0, 2, 5, 4, 1, 6).reshape(rows, -1).view(mx.uint32)
 
 
