@@ -383,6 +383,8 @@ def test_turning_it_on_makes_a_shape_run_eagerly_once_more(monkeypatch):
     assert [model._use_compiled(ids, None) for _ in range(2)] == [False, True]
     monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, "stream-k")  # a forced schedule is a choice too
     assert [model._use_compiled(ids, None) for _ in range(2)] == [False, True]
+    monkeypatch.setenv(cutlass_qmm.REORDER_ENV, "0")  # and the weight's layout: its copy made eagerly
+    assert [model._use_compiled(ids, None) for _ in range(2)] == [False, True]
 
 
 def test_off_unless_built(monkeypatch, tmp_path):
