@@ -20,6 +20,7 @@ from esmc_mlx.cli import main
 from esmc_mlx.errors import EsmcMlxError, EsmcMlxWarning
 from esmc_mlx.runtime import cutlass_qmm, kernels
 from esmc_mlx.runtime import quantized as rq
+from tests.test_kernels import unpack
 
 EXTENSION_SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 
@@ -48,7 +49,7 @@ class StandIn:
     def weight(self, q, bits, reordered):
         """A reordered weight (cutlass_qmm.reorder) back in MLX's layout, by the PTX ISA's table."""
         self.reordered.append(reordered)
-        return mx.array(pack(fragment_order(unpack(np.array(q), bits), inverse=True), bits)) if reordered else q
+        return mx.array(pack(fragment_order(values_of(np.array(q), bits), inverse=True), bits)) if reordered else q
 
 
 def pair_halves(scale_pairs):
@@ -56,13 +57,13 @@ def pair_halves(scale_pairs):
     return mx.stack([scale_pairs & 0xFFFF, scale_pairs >> 16], axis=1).reshape(-1, scale_pairs.shape[1]).T
 
 
-def unpack(q, bits):
-    """A packed uint32 weight [N, K * bits / 32] as its values, [N, K] (value j of a word at bits j * bits)."""
-    per_word = 32 // bits
-    return ((q[..., None] >> (np.arange(per_word, dtype=np.uint32) * bits)) & ((1 << bits) - 1)).reshape(q.shape[0], -1)
+def values_of(q, bits):
+    """A packed uint32 weight [N, K * bits / 32] as its values, [N, K]."""
+    return unpack(q, bits).reshape(q.shape[0], -1)
 
 
 def pack(values, bits):
+    """values_of's inverse."""
     per_word = 32 // bits
     words = values.reshape(values.shape[0], -1, per_word).astype(np.uint32) << (
         np.arange(per_word, dtype=np.uint32) * bits
@@ -101,7 +102,7 @@ def test_reorder_puts_each_lane_s_fragment_side_by_side(bits, on_cpu):
     q = rng.integers(0, 2**32, size=(48, 64 * bits // 32), dtype=np.uint32)  # 48 x 64 values
     got = cutlass_qmm.reorder(mx.array(q), bits)
     assert got.dtype == mx.uint32 and got.shape == q.shape
-    assert np.array_equal(unpack(np.array(got), bits), fragment_order(unpack(q, bits)))
+    assert np.array_equal(values_of(np.array(got), bits), fragment_order(values_of(q, bits)))
     with pytest.raises(ValueError, match="multiples of 16"):
         cutlass_qmm.reorder(mx.array(q[:40]), bits)
 

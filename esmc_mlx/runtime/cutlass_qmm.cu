@@ -331,6 +331,8 @@ void check_tiles(bool stream_k, int tile_tokens) {
 mx::array run(const mx::array& x, const mx::array& q, std::vector<mx::array> scales_etc, bool mxfp4, int bits,
               int group_size, bool stream_k, int tile_tokens, bool reordered) {
   int k = x.shape(-1), n = q.shape(0);
+  if (reordered && (n % 16 != 0 || k % 16 != 0))
+    throw std::invalid_argument("[cutlass_qmm] a reordered weight's rows and K must be multiples of 16");
   auto lead = x.shape();
   lead.back() = n;
   auto x2 = mx::contiguous(mx::reshape(x, {-1, k}));
@@ -352,8 +354,6 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& q, const mx::arr
     throw std::invalid_argument("[cutlass_qmm] x, scales and biases must be bfloat16");
   int k = x.shape(-1), n = q.shape(0);
   if (q.ndim() != 2 || q.shape(1) * 32 / bits != k) throw std::invalid_argument("[cutlass_qmm] weight and x disagree");
-  if (reordered && (n % 16 != 0 || k % 16 != 0))
-    throw std::invalid_argument("[cutlass_qmm] a reordered weight's rows and K must be multiples of 16");
   if (scales_t.shape(0) != k / group_size || scales_t.shape(1) != n || biases_t.shape() != scales_t.shape())
     throw std::invalid_argument("[cutlass_qmm] scales and biases must be [K / group_size, N]");
   return run(x, q, {scales_t, biases_t}, false, bits, group_size, stream_k, tile_tokens, reordered);
@@ -368,8 +368,6 @@ mx::array mxfp4_matmul(const mx::array& x, const mx::array& q, const mx::array& 
   if (q.ndim() != 2 || q.shape(1) * 8 != k) throw std::invalid_argument("[cutlass_qmm] weight and x disagree");
   if (k % 64 != 0 || scale_pairs.ndim() != 2 || scale_pairs.shape(0) != k / 64 || scale_pairs.shape(1) != n)
     throw std::invalid_argument("[cutlass_qmm] scale pairs must be [K / 64, N]");
-  if (reordered && n % 16 != 0)
-    throw std::invalid_argument("[cutlass_qmm] a reordered weight's rows and K must be multiples of 16");
   return run(x, q, {scale_pairs}, true, 4, 32, stream_k, tile_tokens, reordered);
 }
 

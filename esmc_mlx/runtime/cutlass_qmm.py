@@ -245,7 +245,7 @@ def reorder(q: mx.array, bits: int) -> mx.array:
         raise ValueError(f"a reordered weight's rows and K must be multiples of {REORDER_BLOCK}: {rows} x {k}")
     v0 = 2 if bits == 8 else 1  # its own axis, or inside the byte
     # row block, v1, g; column block, v2, t, v0
-    blocks = q.view(mx.uint8).reshape(rows // 16, 2, 8, k // 16, 2, 4, v0)
+    blocks = q.view(mx.uint8).reshape(rows // REORDER_BLOCK, 2, 8, k // REORDER_BLOCK, 2, 4, v0)
     return blocks.transpose(3, 0, 2, 5, 4, 1, 6).reshape(rows, -1).view(mx.uint32)
 
 
