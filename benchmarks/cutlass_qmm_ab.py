@@ -6,10 +6,11 @@ dequantize + matmul's. The sides:
 off), ``fused`` (the tables with CUTLASS off: inside FUSED_TOKENS' windows the fused kernel),
 CUTLASS at every call (``ESMC_MLX_CUTLASS_QMM=1`` with the policy forced to dequantize + matmul)
 as ``persistent`` (whole 128 x 256 tiles per SM), ``stream-k`` (every tile's K shared among the
-SMs), ``persistent-192`` (whole 128 x 192 tiles) or ``cutlass`` (cutlass_qmm.schedule's choice
-among them), and ``shipped`` (the tables as they stand); TABLE_SIDES run the shipped settings
-with one of quantized's tables replaced (``small-fill-0.1``: CUTLASS_OVER_FUSED's least fill on
-the small models' table). Where a CUTLASS side wins is what quantized.CUTLASS_TOKENS,
+SMs), ``persistent-192`` (whole 128 x 192 tiles), ``split-k`` (K in slabs side by side) or
+``cutlass`` (cutlass_qmm.schedule's choice among them), and ``shipped`` (the tables as they
+stand); TABLE_SIDES run the shipped settings with some of quantized's and cutlass_qmm's tables
+replaced (``small-fill-0.1``: CUTLASS_OVER_FUSED's least fill on the small models' table;
+``no-split``: split-K off, as before the forty-third session). Where a CUTLASS side wins is what quantized.CUTLASS_TOKENS,
 quantized.CUTLASS_OVER_FUSED and cutlass_qmm.schedule should hold.
 
 Per-kernel GPU times are Nsight Compute's (benchmarks.host_overhead --profile), not timed here:
@@ -28,6 +29,7 @@ Needs the extension built on the GPU machine: ``esmc-mlx build-cutlass``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 from unittest import mock
 
@@ -50,22 +52,31 @@ SIDES = {
     "mlx-layout": {cutlass_qmm.REORDER_ENV: "0"},  # shipped, CUTLASS's weights in MLX's layout
     "cutlass-mlx-layout": {**EVERY_CALL, cutlass_qmm.REORDER_ENV: "0"},
 }
-# Sides that run the shipped settings with one of quantized's tables replaced: a table's A/B
-# (forty-first issue-16 session: the small models' least fill, not adopted).
+# Sides that run the shipped settings with some of quantized's and cutlass_qmm's tables replaced:
+# a table's A/B (forty-first issue-16 session: the small models' least fill, not adopted;
+# forty-third: split-K, and CUTLASS on the 6B's o_proj and down_proj from 128 tokens with it).
+SIX_B_EVERY_WEIGHT = {"CUTLASS_OVER_FUSED": {**quantized.CUTLASS_OVER_FUSED, "cuda": (128, 0.0)}}
 TABLE_SIDES = {
-    "small-fill-0.1": {"CUTLASS_OVER_FUSED": {**quantized.CUTLASS_OVER_FUSED, "cuda-small": (128, 0.1)}},
-    "small-fill-0.2": {"CUTLASS_OVER_FUSED": {**quantized.CUTLASS_OVER_FUSED, "cuda-small": (128, 0.2)}},
+    "small-fill-0.1": {quantized: {"CUTLASS_OVER_FUSED": {**quantized.CUTLASS_OVER_FUSED, "cuda-small": (128, 0.1)}}},
+    "small-fill-0.2": {quantized: {"CUTLASS_OVER_FUSED": {**quantized.CUTLASS_OVER_FUSED, "cuda-small": (128, 0.2)}}},
+    "no-split": {cutlass_qmm: {"SPLIT_K_BELOW_FILL": 0.0}},  # as before split-K
+    # split-K on the 6B's four weights from 128 tokens (K in slabs wherever the tiles fill less than half a wave)
+    "split-every-weight": {quantized: SIX_B_EVERY_WEIGHT, cutlass_qmm: {"SPLIT_K_BELOW_FILL": 0.5, "SPLIT_K_MIN_K": 0}},
+    # and on its o_proj and down_proj only (shipped on the 6B)
+    "split-o-down": {quantized: SIX_B_EVERY_WEIGHT, cutlass_qmm: {"SPLIT_K_BELOW_FILL": 0.2}},
 }
 
 
 class WithTables:
-    """A model whose calls (its compiled trace among them) run with ``tables`` set on quantized."""
+    """A model whose calls (its compiled trace among them) run with ``tables`` set: {module: {name: value}}."""
 
     def __init__(self, model, tables: dict):
         self.model, self.tables = model, tables
 
     def __call__(self, ids):
-        with mock.patch.multiple(quantized, **self.tables):
+        with contextlib.ExitStack() as stack:
+            for module, names in self.tables.items():
+                stack.enter_context(mock.patch.multiple(module, **names))
             return self.model(ids)
 
 

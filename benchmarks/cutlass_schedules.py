@@ -39,9 +39,9 @@ QUANT = {"affine4": ("affine", 4, 64), "affine8": ("affine", 8, 64), "mxfp4": ("
 def call(m: nn.Module, x: mx.array, path: str) -> mx.array:
     """One call of ``path`` through layer ``m``: "fused" (kernels.quantized_matmul, as the layer
     calls it), "dequantize" (quantized.dequantized_weight, then cuBLAS), or a CUTLASS schedule
-    (cutlass_qmm.SCHEDULES, forced through its environment switch into cutlass_qmm.matmul) or
-    "cutlass" (cutlass_qmm.matmul, the schedule its own); a CUTLASS path with "-mlx-layout" after
-    it takes the weight in MLX's layout, not reordered (cutlass_qmm.reorder)."""
+    (cutlass_qmm.SCHEDULES, forced through its environment switch into cutlass_qmm.matmul; "split-k:N"
+    split-K in N slabs) or "cutlass" (cutlass_qmm.matmul, the schedule its own); a CUTLASS path with
+    "-mlx-layout" after it takes the weight in MLX's layout, not reordered (cutlass_qmm.reorder)."""
     if path == "fused":
         return kernels.quantized_matmul(x, m["weight"], m["scales"], m.get("biases"), m.group_size, m.bits, m.mode)
     if path == "dequantize":
@@ -49,8 +49,16 @@ def call(m: nn.Module, x: mx.array, path: str) -> mx.array:
     if path.endswith("-mlx-layout"):  # the weight as MLX packs it, not reordered
         with environment({cutlass_qmm.REORDER_ENV: "0"}):
             return call(m, x, path.removesuffix("-mlx-layout"))
-    with environment({} if path == "cutlass" else {cutlass_qmm.SCHEDULE_ENV: path}):
+    schedule, _, parts = path.partition(":")
+    forced = {} if path == "cutlass" else {cutlass_qmm.SCHEDULE_ENV: schedule}
+    with environment(forced | ({cutlass_qmm.SPLITS_ENV: parts} if parts else {})):
         return cutlass_qmm.matmul(m, x, x.shape[0])
+
+
+def takes(m: nn.Module, k: int, path: str) -> bool:
+    """Whether ``path`` can run on ``m``: a forced slab count must cut K into whole units."""
+    parts = path.partition(":")[2]
+    return not parts or k % (int(parts) * cutlass_qmm.split_unit(m)) == 0
 
 
 def profile(a) -> None:
@@ -66,7 +74,7 @@ def profile(a) -> None:
                 mode, bits, group = QUANT[quant]
                 m = quantized.QuantizedLinear.from_linear(linear, group, bits, mode)
                 mx.eval(m.parameters(), cutlass_qmm.kernel_scales(m))
-                for path in a.paths.split(","):
+                for path in filter(lambda path: takes(m, k, path), a.paths.split(",")):
                     labels.append(f"{tokens} {name} {quant} {path}")
                     calls.append(lambda m=m, x=x, path=path: call(m, x, path))
             labels.append(f"{tokens} {name} bf16 cublas")
@@ -122,7 +130,7 @@ def main() -> None:
     p.add_argument(
         "--paths",
         default="fused,persistent,persistent-192,stream-k",
-        help="fused, dequantize, cutlass (its schedule's choice) or CUTLASS schedules",
+        help="fused, dequantize, cutlass (its schedule's choice) or CUTLASS schedules (split-k:N: N slabs)",
     )
     p.add_argument("--weights", default="qkv,o,gate_up,down", help="a layer's weights, comma-separated")
     p.add_argument("--reps", type=int, default=3)

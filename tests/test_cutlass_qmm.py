@@ -29,19 +29,28 @@ class StandIn:
     """The extension's contract on any device: scales and biases come as [K / group, N]."""
 
     def __init__(self):
-        self.calls, self.reordered = [], []
+        self.calls, self.reordered, self.splits = [], [], []
 
-    def quantized_matmul(self, x, q, scales_t, biases_t, bits, group_size, stream_k, tile_tokens, reordered):
+    def quantized_matmul(self, x, q, scales_t, biases_t, bits, group_size, stream_k, tile_tokens, reordered, splits):
         self.calls.append((x.shape, bits, group_size, stream_k, tile_tokens))
         w = mx.dequantize(self.weight(q, bits, reordered), scales_t.T, biases_t.T, group_size=group_size, bits=bits)
-        return x @ w.T
+        return self.product(x, w, splits)
 
-    def mxfp4_matmul(self, x, q, scale_pairs, stream_k, tile_tokens, reordered):
+    def mxfp4_matmul(self, x, q, scale_pairs, stream_k, tile_tokens, reordered, splits):
         """mxfp4's scale pairs ([K / 64, N], two bf16 2^(e-1) each) decoded back to e8m0."""
         self.calls.append((x.shape, 4, 32, stream_k, tile_tokens))
         q = self.weight(q, 4, reordered)
         e = mx.where(pair_halves(scale_pairs) == 0x7FC0, 255, (pair_halves(scale_pairs) >> 7) - 126)
-        return x @ mx.dequantize(q, e.astype(mx.uint8), group_size=32, bits=4, mode="mxfp4").T
+        return self.product(x, mx.dequantize(q, e.astype(mx.uint8), group_size=32, bits=4, mode="mxfp4"), splits)
+
+    def product(self, x, w, splits):
+        """x @ w.T, or split-K's: K's slabs' products in fp32, summed in order, rounded once."""
+        self.splits.append(splits)
+        if splits == 1:
+            return x @ w.T
+        assert x.shape[-1] % splits == 0
+        parts = zip(mx.split(x.astype(mx.float32), splits, axis=-1), mx.split(w.astype(mx.float32), splits, axis=-1))
+        return sum(a @ b.T for a, b in parts).astype(x.dtype)
 
     def sm_count(self):
         return 132  # an H100 or H200 (SXM)
@@ -253,28 +262,32 @@ def test_it_takes_the_fused_kernel_s_calls_from_its_table_s_count(stand_in, fuse
 
 def test_it_takes_the_fused_kernel_s_calls_of_a_weight_whose_tiles_fill_the_sms(stand_in, fused_calls, monkeypatch):
     """On the 6B's table CUTLASS takes the fused window's bfloat16 calls from CUTLASS_OVER_FUSED's
-    count for a weight whose whole tiles fill enough of the SMs: 7680 rows (the q/k/v: 60 tiles,
-    0.45 of 132 SMs) and 13824 (the gate/up: 108), not 2560 (the down_proj: 20) nor 4096 (32).
+    count for a weight whose tiles fill enough of the SMs, each counted once per slab where K is
+    split: 7680 rows (the q/k/v: 60 tiles, 0.45 of 132 SMs), 13824 (the gate/up: 108) and 2560 by
+    6912 (the down_proj: 20 tiles in 6 slabs), not 2560 by 2368 (20 tiles; K 37 K tiles, in no
+    whole slabs).
     Forcing a path or turning CUTLASS off keeps the fused kernel."""
     fewest, fill = rq.CUTLASS_OVER_FUSED["cuda"]
     lo, hi = rq.FUSED_TOKENS["cuda"]["affine4"]
     assert lo < fewest < hi
-    for rows, k, takes in ((7680, 2560, True), (13824, 2560, True), (2560, 6912, False), (4096, 2560, False)):
-        assert (cutlass_qmm.sm_fill(rows, hi - 1) >= fill) == takes
+    assert cutlass_qmm.sm_fill(2560, hi - 1, 6912) == pytest.approx(120 / 132)
+    for rows, k, takes in ((7680, 2560, True), (13824, 2560, True), (2560, 6912, True), (2560, 2368, False)):
+        assert (cutlass_qmm.sm_fill(rows, hi - 1, k) >= fill) == takes
         m = layer(in_dims=k, out_dims=rows)
         assert rq.table_name(kernels.weight_width(m["weight"], m.bits)) == "cuda"
         for tokens in (lo, fewest - 1, fewest, hi - 1):
             before = len(stand_in.calls)
             m(mx.ones((tokens, k), dtype=mx.bfloat16))
             assert len(stand_in.calls) - before == (takes and tokens >= fewest), (rows, tokens)
-    assert len(fused_calls) == 4 * 4 - len(stand_in.calls) == 12
+    assert len(fused_calls) == 4 * 4 - len(stand_in.calls) == 10
     m = layer(in_dims=2560, out_dims=7680)
     monkeypatch.setenv(rq.POLICY_ENV, "fused")
     m(mx.ones((fewest, 2560), dtype=mx.bfloat16))
     monkeypatch.setenv(rq.POLICY_ENV, "auto")
     monkeypatch.setenv(cutlass_qmm.ENV, "0")
     m(mx.ones((fewest, 2560), dtype=mx.bfloat16))
-    assert len(stand_in.calls) == 4 and fused_calls[-2:] == [(fewest, 2560)] * 2
+    assert len(stand_in.calls) == 6 and fused_calls[-2:] == [(fewest, 2560)] * 2
+    assert stand_in.splits == [1] * 4 + [6] * 2  # the down_proj's calls in slabs
 
 
 def test_schedule_stream_k_for_a_short_last_wave_else_the_narrow_tile_where_it_takes_no_more_waves(
@@ -321,7 +334,48 @@ def test_schedule_stream_k_for_a_short_last_wave_else_the_narrow_tile_where_it_t
         m(mx.zeros((10, 128), dtype=mx.bfloat16))
     monkeypatch.delenv(cutlass_qmm.SCHEDULE_ENV)
     m(mx.zeros((10, 128), dtype=mx.bfloat16))
-    assert [call[-2:] for call in stand_in.calls] == [(False, 256), (True, 256), (False, 192), (True, 256)]
+    # split-k forced on a K too short to split (two slabs of 64 < SPLIT_K_MIN_SLAB): one slab
+    assert [call[-2:] for call in stand_in.calls] == [
+        (False, 256),
+        (True, 256),
+        (False, 192),
+        (False, 256),
+        (True, 256),
+    ]
+    assert stand_in.splits == [1] * 5
+
+
+def test_split_k_cuts_k_into_as_many_slabs_as_still_fill_one_wave(stand_in, monkeypatch, on_cpu):
+    """Whole tiles filling less than SPLIT_K_BELOW_FILL of one wave (132 SMs) and K at least
+    SPLIT_K_MIN_K: K in the most slabs that keep one wave, each whole K tiles and scale groups
+    (``unit``) and at least SPLIT_K_MIN_SLAB. The 6B at 256 tokens: o_proj and down_proj 20 tiles
+    (0.15 of the wave), q/k/v 60 (0.45), gate/up 108 (0.82). The layer hands the count to the
+    kernel."""
+    assert cutlass_qmm.splits(2560, 256, 2560) == 5  # 6 would fit the wave, but 2560 is not 6 x 64s
+    assert cutlass_qmm.splits(2560, 256, 6912) == 6
+    assert cutlass_qmm.splits(2560, 256, 6912, unit=128) == 6
+    assert cutlass_qmm.splits(2560, 256, 2560, unit=128) == 5
+    assert cutlass_qmm.splits(7680, 256, 2560) == 2
+    assert cutlass_qmm.splits(13824, 256, 2560) == 1  # no second slab fits the wave
+    assert cutlass_qmm.splits(960, 256, 960) == 3  # the 300M's o_proj: 5 slabs would be 192 of K
+    assert cutlass_qmm.splits(2560, 256, 384) == 1  # two slabs of 192: too short
+    assert cutlass_qmm.schedule(2560, 256, 2560) == "split-k"
+    assert cutlass_qmm.schedule(2560, 256, 384) == "persistent-192"  # nothing to split
+    assert cutlass_qmm.schedule(13824, 256, 2560) == "persistent"
+    monkeypatch.setenv(cutlass_qmm.SPLITS_ENV, "4")
+    assert cutlass_qmm.splits(2560, 256, 6912) == 4
+    assert cutlass_qmm.splits(2560, 256, 6912, unit=128) == 1  # 4 x 128 does not divide 6912
+    monkeypatch.delenv(cutlass_qmm.SPLITS_ENV)
+    assert cutlass_qmm.schedule(960, 256, 960) == "persistent-192"  # K too short to pay for the slabs
+    assert cutlass_qmm.schedule(7680, 256, 2560) == "persistent-192"  # the tiles fill 0.45
+    for mode, bits, group_size in [("affine", 4, 64), ("affine", 8, 128), ("mxfp4", 4, 32)]:
+        m = layer(bits, group_size, mode, in_dims=2048, out_dims=256)  # 2 tiles: 8 slabs of 256
+        x = mx.random.normal((1, 10, 2048), key=mx.random.key(3)).astype(mx.bfloat16)
+        y = m(x)
+        assert stand_in.splits[-1] == 8
+        np.testing.assert_allclose(
+            np.array(y.astype(mx.float32)), np.array(reference(m, x).astype(mx.float32)), rtol=2e-2, atol=2e-2
+        )
 
 
 def test_not_on_other_gpus(stand_in, monkeypatch, tmp_path):
@@ -385,6 +439,8 @@ def test_turning_it_on_makes_a_shape_run_eagerly_once_more(monkeypatch):
     monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, "stream-k")  # a forced schedule is a choice too
     assert [model._use_compiled(ids, None) for _ in range(2)] == [False, True]
     monkeypatch.setenv(cutlass_qmm.REORDER_ENV, "0")  # and the weight's layout: its copy made eagerly
+    assert [model._use_compiled(ids, None) for _ in range(2)] == [False, True]
+    monkeypatch.setenv(cutlass_qmm.SPLITS_ENV, "2")  # and split-K's slab count
     assert [model._use_compiled(ids, None) for _ in range(2)] == [False, True]
 
 
@@ -594,6 +650,9 @@ def test_extension_dequantizes_as_mx_dequantize_on_cuda(mode, bits, group_size, 
         ({"tile_tokens": 128}, "tile_tokens must be 192 or 256"),
         ({"tile_tokens": 192, "stream_k": True}, "stream-K runs 256-token tiles only"),
         ({"group_size": 32}, "group_size must be 64 or 128"),
+        ({"splits": 3}, "split-K needs K a multiple of splits x 64"),
+        ({"splits": 2, "stream_k": True}, "split-K runs whole 256-token tiles only"),
+        ({"splits": 2, "tile_tokens": 192}, "split-K runs whole 256-token tiles only"),
     ],
 )
 def test_extension_refuses_what_it_was_not_built_for(arguments, says):

@@ -10,10 +10,13 @@
 // (cutlass_qmm.matmul makes them so once per layer): a contiguous() here would add two graph nodes
 // to every call; eval_gpu refuses any input that is not.
 //
-// Two schedules: "persistent" (each SM takes whole output tiles) and "stream-k" (the tiles' K
+// Three schedules: "persistent" (each SM takes whole output tiles), "stream-k" (the tiles' K
 // iterations shared evenly among the SMs, partial sums fixed up through a workspace in a fixed
-// order: deterministic); and two tiles, 128 x 256 and 128 x 192 (weight rows x tokens), the
-// narrow one persistent only. Which a call takes is cutlass_qmm.schedule's. The weight comes in
+// order: deterministic) and "split-k" (K cut into ``splits`` equal slabs run as a batch of
+// whole-tile GEMMs side by side, each writing its fp32 partial product, then summed in order by a
+// second kernel: no SM waits on another, where stream-K's and CUTLASS's split-K fix-ups are
+// serial); and two tiles, 128 x 256 and 128 x 192 (weight rows x tokens), the narrow one
+// persistent only. Which a call takes is cutlass_qmm.schedule's. The weight comes in
 // MLX's layout or, as the layers hand it over, reordered (ReorderAtom below; cutlass_qmm.reorder):
 // 0.84-0.95x the time a call in MLX's layout took for affine 4-bit weights, 0.93-0.99x for 8-bit,
 // 0.89-0.96x for mxfp4 (the forty-second issue-16 session, docs/benchmarks.md).
@@ -162,13 +165,15 @@ struct Operand<cutlass::float_e2m1_t> {
 
 // Tile stays a parameter: with nothing of the epilogue's type depending on one, nvcc's host pass
 // rejected its CollectiveBuilder.
-template <class Quant, class Scheduler, class Tile, class WeightLayout>
+// ``Out``: bf16, or split-K's fp32 partial products.
+template <class Quant, class Scheduler, class Tile, class WeightLayout, class Out>
 struct MixedGemm {
   using Cluster = Shape<_1, _1, _1>;
+  static constexpr int out_alignment = 128 / cutlass::sizeof_bits<Out>::value;  // 16-byte stores
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, 8, Bf16,
-      cutlass::layout::ColumnMajor, 8, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, out_alignment,
+      Out, cutlass::layout::ColumnMajor, out_alignment, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Operand<Quant>::type, WeightLayout,
       128 / cutlass::sizeof_bits<Quant>::value, Bf16, cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
@@ -182,26 +187,56 @@ int sm_count() {
   return count;
 }
 
+// y = the sum of ``splits`` fp32 partial products [splits][count], in order, rounded once to bf16
+// (as the epilogue rounds a whole-K tile); four values a thread.
+__global__ void sum_splits(const float4* __restrict__ parts, uint2* __restrict__ y, int quads, int splits) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= quads) return;
+  float4 s = parts[i];
+  for (int p = 1; p < splits; ++p) {
+    float4 v = parts[i + int64_t(p) * quads];
+    s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+  }
+  __nv_bfloat162 lo = __floats2bfloat162_rn(s.x, s.y), hi = __floats2bfloat162_rn(s.z, s.w);
+  y[i] = make_uint2(reinterpret_cast<uint32_t&>(lo), reinterpret_cast<uint32_t&>(hi));
+}
+
+// The driver's handle of one of this library's kernels, for MLX's graph: this library links its
+// own CUDA runtime, which MLX's does not know, so MLX gets the handle (one per context, shared by
+// both runtimes), not the runtime's symbol.
+CUfunction driver_handle(const void* kernel) {
+  cudaFunction_t f = nullptr;
+  cudaGetFuncBySymbol(&f, kernel);
+  if (!f) throw std::runtime_error("[cutlass_qmm] could not find a kernel");
+  return reinterpret_cast<CUfunction>(f);
+}
+
 // ``inputs``: x, q, then the scales and biases, or mxfp4's scale pairs (one per 64 along K).
-template <class Quant, class Scheduler, class Tile, class WeightLayout>
-void launch(const std::vector<mx::array>& inputs, mx::array& out, int group_size, mx::cu::CommandEncoder& encoder) {
+// ``out``: [M, N] (Out bf16), or [splits, M, N] (fp32): K's ``splits`` slabs as the GEMM's batch.
+template <class Quant, class Scheduler, class Tile, class WeightLayout, class Out = Bf16>
+void launch(const std::vector<mx::array>& inputs, mx::array& out, int group_size, int splits,
+            mx::cu::CommandEncoder& encoder) {
   constexpr bool mxfp4 = std::is_same_v<Quant, cutlass::float_e2m1_t>;
   constexpr bool reordered = std::is_same_v<WeightLayout, ReorderedWeight>;
   const mx::array &x = inputs[0], &q = inputs[1], &scales = inputs[2];
-  using Kernel = typename MixedGemm<Quant, Scheduler, Tile, WeightLayout>::Kernel;
+  using Kernel = typename MixedGemm<Quant, Scheduler, Tile, WeightLayout, Out>::Kernel;
   constexpr bool stream_k = std::is_same_v<Scheduler, cutlass::gemm::StreamKScheduler>;
-  int m = x.shape(0), k = x.shape(1), n = out.shape(1);
+  int m = x.shape(0), k = x.shape(1), n = out.shape(-1), slab = k / splits;
+  // Slab l of K: columns l * slab on of x and of the weight; in the reordered weight the 16 x 16
+  // blocks run rows first, then K, so a slab is a contiguous run of them.
   auto stride_q = [&] {
     if constexpr (reordered)
-      return tile_to_shape(ReorderAtom{}, make_shape(n, k, 1));
+      return tile_to_shape(ReorderAtom{}, make_shape(n, slab, splits));
     else
-      return make_stride(int64_t(k), Int<1>{}, int64_t(0));
+      return make_stride(int64_t(k), Int<1>{}, int64_t(slab));
   }();
-  auto stride_x = make_stride(int64_t(k), Int<1>{}, int64_t(0));
+  auto stride_x = make_stride(int64_t(k), Int<1>{}, int64_t(slab));
   typename Kernel::StrideD stride_y{};
   get<1>(stride_y) = int64_t(n);
+  get<2>(stride_y) = int64_t(m) * n;
   typename Kernel::CollectiveMainloop::StrideScale stride_s{};
   get<1>(stride_s) = int64_t(n);
+  get<2>(stride_s) = int64_t(slab / (mxfp4 ? 64 : group_size)) * n;  // a slab's rows of scales
   cutlass::KernelHardwareInfo hw{0, sm_count()};
   typename Kernel::CollectiveMainloop::Arguments mainloop;
   if constexpr (mxfp4)
@@ -211,9 +246,9 @@ void launch(const std::vector<mx::array>& inputs, mx::array& out, int group_size
     mainloop = {static_cast<typename Kernel::ElementA const*>(mx::gpu_ptr<void>(q)), stride_q, mx::gpu_ptr<Bf16>(x),
                 stride_x, mx::gpu_ptr<Bf16>(scales), stride_s, group_size, mx::gpu_ptr<Bf16>(inputs[3])};
   typename Kernel::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
-                                  {n, m, k, 1},
+                                  {n, m, slab, splits},
                                   mainloop,
-                                  {{1.0f, 0.0f}, nullptr, {}, mx::gpu_ptr<Bf16>(out), stride_y},
+                                  {{1.0f, 0.0f}, nullptr, {}, mx::gpu_ptr<Out>(out), stride_y},
                                   hw};
   if constexpr (stream_k) {
     // Every output tile's K shared among the SMs, not only a ragged last wave's (CUTLASS's own
@@ -246,14 +281,7 @@ void launch(const std::vector<mx::array>& inputs, mx::array& out, int group_size
            cudaSuccess;
   }();
   if (!attribute_set) throw std::runtime_error("[cutlass_qmm] could not set the kernel's shared memory");
-  // This library links its own CUDA runtime, which MLX's does not know: hand MLX the driver's
-  // handle of the kernel (one per context, shared by both runtimes), not the runtime's symbol.
-  static CUfunction function = [] {
-    cudaFunction_t f = nullptr;
-    cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(&cutlass::device_kernel<Kernel>));
-    return reinterpret_cast<CUfunction>(f);
-  }();
-  if (!function) throw std::runtime_error("[cutlass_qmm] could not find the kernel");
+  static CUfunction function = driver_handle(reinterpret_cast<const void*>(&cutlass::device_kernel<Kernel>));
   for (auto& a : inputs) encoder.set_input_array(a);
   if (workspace_ptr) encoder.set_input_array(workspace);
   encoder.set_output_array(out);
@@ -264,14 +292,15 @@ void launch(const std::vector<mx::array>& inputs, mx::array& out, int group_size
 class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
  public:
   CutlassQuantizedMatmul(mx::Stream stream, bool mxfp4, int bits, int group_size, bool stream_k, int tile_tokens,
-                         bool reordered)
+                         bool reordered, int splits)
       : mx::UnaryPrimitive(stream),
         mxfp4_(mxfp4),
         bits_(bits),
         group_size_(group_size),
         stream_k_(stream_k),
         tile_tokens_(tile_tokens),
-        reordered_(reordered) {}
+        reordered_(reordered),
+        splits_(splits) {}
 
   void eval_cpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("[cutlass_qmm] runs on a CUDA GPU only");
@@ -283,12 +312,15 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
     auto& encoder = mx::cu::get_command_encoder(stream());
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto go = [&]<class Quant, class WeightLayout>() {
-      if (stream_k_)
-        launch<Quant, cutlass::gemm::StreamKScheduler, QmmTile, WeightLayout>(inputs, out, group_size_, encoder);
+      using cutlass::gemm::PersistentScheduler;
+      if (splits_ > 1)
+        split_k<Quant, WeightLayout>(inputs, out, encoder);
+      else if (stream_k_)
+        launch<Quant, cutlass::gemm::StreamKScheduler, QmmTile, WeightLayout>(inputs, out, group_size_, 1, encoder);
       else if (tile_tokens_ == 192)
-        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile192, WeightLayout>(inputs, out, group_size_, encoder);
+        launch<Quant, PersistentScheduler, QmmTile192, WeightLayout>(inputs, out, group_size_, 1, encoder);
       else
-        launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile, WeightLayout>(inputs, out, group_size_, encoder);
+        launch<Quant, PersistentScheduler, QmmTile, WeightLayout>(inputs, out, group_size_, 1, encoder);
     };
     using RowMajor = cutlass::layout::RowMajor;
     if (mxfp4_ && reordered_)
@@ -310,65 +342,90 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const CutlassQuantizedMatmul&>(other);
     return mxfp4_ == o.mxfp4_ && bits_ == o.bits_ && group_size_ == o.group_size_ && stream_k_ == o.stream_k_ &&
-           tile_tokens_ == o.tile_tokens_ && reordered_ == o.reordered_;
+           tile_tokens_ == o.tile_tokens_ && reordered_ == o.reordered_ && splits_ == o.splits_;
   }
 
  private:
+  // The slabs' partial products into a temporary fp32 [splits, M, N], then their sum into out.
+  template <class Quant, class WeightLayout>
+  void split_k(const std::vector<mx::array>& inputs, mx::array& out, mx::cu::CommandEncoder& encoder) {
+    mx::array parts({splits_, out.shape(0), out.shape(1)}, mx::float32, nullptr, {});
+    parts.set_data(mx::allocator::malloc(parts.nbytes()));
+    encoder.add_temporary(parts);
+    launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile, WeightLayout, float>(inputs, parts, group_size_,
+                                                                                     splits_, encoder);
+    static CUfunction sum = driver_handle(reinterpret_cast<const void*>(&sum_splits));
+    int quads = static_cast<int>(out.size() / 4);  // N is a multiple of 8
+    constexpr int threads = 256;
+    encoder.set_input_array(parts);
+    encoder.set_output_array(out);
+    encoder.add_kernel_node_ex(sum, dim3((quads + threads - 1) / threads), dim3(threads), dim3{}, 0,
+                               mx::gpu_ptr<float4>(parts), mx::gpu_ptr<uint2>(out), quads, splits_);
+  }
+
   bool mxfp4_;
   int bits_, group_size_;
   bool stream_k_;
   int tile_tokens_;
   bool reordered_;
+  int splits_;
 };
 
-void check_tiles(bool stream_k, int tile_tokens) {
+void check_tiles(bool stream_k, int tile_tokens, int splits) {
   if (tile_tokens != 192 && tile_tokens != 256) throw std::invalid_argument("[cutlass_qmm] tile_tokens must be 192 or 256");
   // Built for the wide tile only: the narrow one is for calls whose whole tiles fit the waves.
   if (stream_k && tile_tokens != 256) throw std::invalid_argument("[cutlass_qmm] stream-K runs 256-token tiles only");
+  if (splits < 1) throw std::invalid_argument("[cutlass_qmm] splits must be at least 1");
+  if (splits > 1 && (stream_k || tile_tokens != 256))
+    throw std::invalid_argument("[cutlass_qmm] split-K runs whole 256-token tiles only (not stream-K)");
 }
 
 // x [..., K] @ the weight's transpose, by a CutlassQuantizedMatmul over ``scales_etc`` after x and q.
 mx::array run(const mx::array& x, const mx::array& q, std::vector<mx::array> scales_etc, bool mxfp4, int bits,
-              int group_size, bool stream_k, int tile_tokens, bool reordered) {
+              int group_size, bool stream_k, int tile_tokens, bool reordered, int splits) {
   int k = x.shape(-1), n = q.shape(0);
   if (reordered && (n % 16 != 0 || k % 16 != 0))
     throw std::invalid_argument("[cutlass_qmm] a reordered weight's rows and K must be multiples of 16");
+  // Each slab whole K tiles (64) and whole scale groups (mxfp4's pairs: 64).
+  int unit = std::max(64, mxfp4 ? 64 : group_size);
+  if (k % (splits * unit) != 0)
+    throw std::invalid_argument("[cutlass_qmm] split-K needs K a multiple of splits x " + std::to_string(unit));
   auto lead = x.shape();
   lead.back() = n;
   auto x2 = mx::contiguous(mx::reshape(x, {-1, k}));
   scales_etc.insert(scales_etc.begin(), {x2, q});
   auto y = mx::array({x2.shape(0), n}, mx::bfloat16,
                      std::make_shared<CutlassQuantizedMatmul>(mx::default_stream(mx::Device::gpu), mxfp4, bits,
-                                                              group_size, stream_k, tile_tokens, reordered),
+                                                              group_size, stream_k, tile_tokens, reordered, splits),
                      std::move(scales_etc));
   return mx::reshape(y, lead);
 }
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& q, const mx::array& scales_t,
                            const mx::array& biases_t, int bits, int group_size, bool stream_k, int tile_tokens,
-                           bool reordered) {
+                           bool reordered, int splits) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("[cutlass_qmm] bits must be 4 or 8");
   if (group_size != 64 && group_size != 128) throw std::invalid_argument("[cutlass_qmm] group_size must be 64 or 128");
-  check_tiles(stream_k, tile_tokens);
+  check_tiles(stream_k, tile_tokens, splits);
   if (x.dtype() != mx::bfloat16 || scales_t.dtype() != mx::bfloat16 || biases_t.dtype() != mx::bfloat16)
     throw std::invalid_argument("[cutlass_qmm] x, scales and biases must be bfloat16");
   int k = x.shape(-1), n = q.shape(0);
   if (q.ndim() != 2 || q.shape(1) * 32 / bits != k) throw std::invalid_argument("[cutlass_qmm] weight and x disagree");
   if (scales_t.shape(0) != k / group_size || scales_t.shape(1) != n || biases_t.shape() != scales_t.shape())
     throw std::invalid_argument("[cutlass_qmm] scales and biases must be [K / group_size, N]");
-  return run(x, q, {scales_t, biases_t}, false, bits, group_size, stream_k, tile_tokens, reordered);
+  return run(x, q, {scales_t, biases_t}, false, bits, group_size, stream_k, tile_tokens, reordered, splits);
 }
 
 mx::array mxfp4_matmul(const mx::array& x, const mx::array& q, const mx::array& scale_pairs, bool stream_k,
-                       int tile_tokens, bool reordered) {
-  check_tiles(stream_k, tile_tokens);
+                       int tile_tokens, bool reordered, int splits) {
+  check_tiles(stream_k, tile_tokens, splits);
   if (x.dtype() != mx::bfloat16 || scale_pairs.dtype() != mx::uint32)
     throw std::invalid_argument("[cutlass_qmm] x must be bfloat16 and the scale pairs uint32");
   int k = x.shape(-1), n = q.shape(0);
   if (q.ndim() != 2 || q.shape(1) * 8 != k) throw std::invalid_argument("[cutlass_qmm] weight and x disagree");
   if (k % 64 != 0 || scale_pairs.ndim() != 2 || scale_pairs.shape(0) != k / 64 || scale_pairs.shape(1) != n)
     throw std::invalid_argument("[cutlass_qmm] scale pairs must be [K / 64, N]");
-  return run(x, q, {scale_pairs}, true, 4, 32, stream_k, tile_tokens, reordered);
+  return run(x, q, {scale_pairs}, true, 4, 32, stream_k, tile_tokens, reordered, splits);
 }
 
 }  // namespace esmc_qmm
@@ -377,12 +434,14 @@ NB_MODULE(_cutlass_qmm, m) {
   nb::module_::import_("mlx.core");
   m.def("quantized_matmul", &esmc_qmm::quantized_matmul, nb::arg("x"), nb::arg("q"), nb::arg("scales_t"), nb::arg("biases_t"),
         nb::arg("bits"), nb::arg("group_size"), nb::arg("stream_k") = false, nb::arg("tile_tokens") = 256,
-        nb::arg("reordered") = false,
+        nb::arg("reordered") = false, nb::arg("splits") = 1,
         "x @ dequantize(q).T by CUTLASS's Hopper mixed-input GEMM; scales and biases transposed to [K / group, N];\n"
         "stream_k: the tiles' K shared among the SMs (else whole tiles each); tile_tokens: 256 or 192;\n"
-        "reordered: q in cutlass_qmm.reorder's layout (ReorderAtom), not MLX's.");
+        "reordered: q in cutlass_qmm.reorder's layout (ReorderAtom), not MLX's; splits: K in that many\n"
+        "slabs, each a batch of whole tiles, their fp32 partial products summed by a second kernel.");
   m.def("mxfp4_matmul", &esmc_qmm::mxfp4_matmul, nb::arg("x"), nb::arg("q"), nb::arg("scale_pairs"),
         nb::arg("stream_k") = false, nb::arg("tile_tokens") = 256, nb::arg("reordered") = false,
+        nb::arg("splits") = 1,
         "x @ dequantize(q, mode='mxfp4').T by the same GEMM; scale_pairs [K / 64, N] uint32, each two groups'\n"
         "scales as bf16 (the even group's in the low half).");
   m.def("sm_count", &esmc_qmm::sm_count, "The GPU's streaming multiprocessors (the waves tiles fill).");

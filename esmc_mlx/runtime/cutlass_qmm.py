@@ -30,7 +30,8 @@ A layer takes it where its weight qualifies (``eligible``) and the tables send i
 dequantize + matmul (QuantizedLinear.policy), at token counts up to its table's
 CUTLASS_TOKENS (``ESMC_MLX_CUTLASS_QMM=1``: at every count, for benchmarks), and inside the
 fused kernel's windows from its table's CUTLASS_OVER_FUSED, weight by weight (from 128 tokens:
-every weight of the 300M and the 600M, the 6B's q/k/v and gate/up).
+every weight of the 300M, the 600M and the 6B; the 6B's o_proj and down_proj since split-K,
+``schedule``, runs their few tiles in slabs of K side by side).
 It keeps a copy of its scales and biases transposed to [K / group, N], as CUTLASS wants them
 (1/16 of a byte a weight at groups of 64: 0.4 GB for the 6B; mxfp4's pairs 1/16 too), and one
 of its packed weight in the order the kernel's threads read it (``reorder``: 5-16% off a call
@@ -70,7 +71,7 @@ TILE_ROWS, TILE_TOKENS, TILE_K = 128, 256, 64
 # SMs) 32.1 -> 27.7 us (cuBLAS on bf16 22.2); on weights where it takes an extra wave it lost
 # (q/k/v 62 -> 75, gate/up 117 -> 125; Nsight Compute, thirty-fourth issue-16 session).
 NARROW_TILE_TOKENS = 192
-SCHEDULES = ("persistent", "stream-k", "persistent-192")
+SCHEDULES = ("persistent", "stream-k", "persistent-192", "split-k")
 SCHEDULE_ENV = "ESMC_MLX_CUTLASS_SCHEDULE"  # one of SCHEDULES: every call so (benchmarks)
 # Stream-K (every output tile's K iterations shared evenly among the SMs, partial sums fixed up
 # in a fixed order) for a call whose whole tiles would fill less than STREAM_K_BELOW_FILL of the
@@ -92,6 +93,27 @@ SCHEDULE_ENV = "ESMC_MLX_CUTLASS_SCHEDULE"  # one of SCHEDULES: every call so (b
 STREAM_K_BELOW_FILL = 0.9
 STREAM_K_ONE_WAVE_BELOW_FILL = 0.7
 STREAM_K_MIN_ITERATIONS = 4096
+# Split-K (K cut into equal slabs run side by side as a batch of whole tiles, their fp32 partial
+# products summed in order by a second kernel) for a call whose whole tiles fill less than
+# SPLIT_K_BELOW_FILL of one wave and whose K is at least SPLIT_K_MIN_K: as many slabs as still fit
+# that wave (``splits``), each at least SPLIT_K_MIN_SLAB of K. Unlike stream-K's fix-up (and
+# CUTLASS's own split-K, the same scheduler: ~5 us more a part, fortieth session) no SM waits on
+# another; the cost is the partial products' round trip (slabs x rows x tokens x 4 bytes, written
+# and read once more), which a tile's K loop must be long enough to pay for. Per call (Nsight
+# Compute, forty-third issue-16 session; us, affine4 / affine8 / mxfp4, the path before -> split):
+# - 6B at 256 tokens (20 tiles, 0.15 of 132 SMs): o_proj (K 2560) fused 18.1 / 25.2 / 18.1 -> 5
+#   slabs 15.9 / 16.0 / 15.8; down_proj (K 6912) fused 29.9 / 32.1 / 29.7 -> 6 slabs 22.8 / 22.9 /
+#   22.5; at 128 tokens o 16.0 / 16.9 / 16.8 -> 14.4 / 14.4 / 14.2, down 28.7 / 31.7 / 31.2 ->
+#   20.6 / 22.8 / 20.5 (cuBLAS on bf16: o 8.1, down 18.5 at 256).
+# - Not where the tiles fill more or K is short: the 6B's q/k/v (60 tiles, 0.45) at 256 tokens
+#   26.0 / 25.8 / 24.4 (128 x 192 tiles) -> 2 slabs 24.8 / 25.0 / 24.5, at 128 tokens 22.0 / 23.5 /
+#   23.5 -> 24.3 / 26.8 / 23.3; the 300M's o_proj (K 960, 8 tiles) 10.8 -> 11.3, its q/k/v
+#   (23 tiles) 11.2 -> 12.6, its gate/up (40) 11.7 -> 15.3, while its down_proj (K 2560) 21.5 ->
+#   12.3 at 256 tokens and 22.3 -> 18.1 at 1024 (32 tiles, 0.24).
+SPLIT_K_BELOW_FILL = 0.3
+SPLIT_K_MIN_K = 2048
+SPLIT_K_MIN_SLAB = 256
+SPLITS_ENV = "ESMC_MLX_CUTLASS_SPLITS"  # split-K's slab count, where it runs (benchmarks)
 # The kernel takes each weight in the layout of the .cu's ReorderAtom (each thread's eight values
 # of a k-block side by side: one shared-memory load where MLX's layout took four sub-word ones),
 # a copy made on the layer's first call and kept beside MLX's (which mx.quantized_matmul, the
@@ -282,20 +304,47 @@ def wave_fill(rows: int, tokens: int, sms: int) -> float:
     return tiles(rows, tokens) / (waves(rows, tokens, sms) * sms)
 
 
-def sm_fill(rows: int, tokens: int) -> float:
-    """wave_fill on this GPU's SMs."""
-    return wave_fill(rows, tokens, _extension().sm_count())
+def sm_fill(rows: int, tokens: int, k: int = 0, unit: int = TILE_K) -> float:
+    """The share of this GPU's SMs' waves a call of ``tokens`` rows through a (rows x k) weight
+    keeps busy: wave_fill, each tile counted once per slab where ``schedule`` splits K."""
+    fill = wave_fill(rows, tokens, _extension().sm_count())
+    if schedule(rows, tokens, k, unit) == "split-k":
+        fill *= splits(rows, tokens, k, unit)
+    return fill
 
 
-def schedule(rows: int, tokens: int, k: int) -> str:
+def split_unit(layer: nn.Module) -> int:
+    """What each of split-K's slabs of K must be a multiple of: whole K tiles and whole scale
+    groups (mxfp4's scale pairs: 64)."""
+    return TILE_K if layer.mode == "mxfp4" else max(TILE_K, layer.group_size)
+
+
+def splits(rows: int, tokens: int, k: int, unit: int = TILE_K) -> int:
+    """How many slabs split-K cuts a (rows x k) weight's K into for ``tokens`` rows: the most
+    whose whole tiles still take one wave of the SMs, each a multiple of ``unit`` and at least
+    SPLIT_K_MIN_SLAB; 1 where none fits. ``SPLITS_ENV`` forces a count wherever it cuts K into
+    whole units (elsewhere 1: a forward's other weights keep whole tiles)."""
+    forced = os.environ.get(SPLITS_ENV, "")
+    if forced.isdigit() and int(forced) >= 1:
+        return int(forced) if k % (int(forced) * unit) == 0 else 1
+    most = _extension().sm_count() // tiles(rows, tokens)
+    fitting = [s for s in range(2, most + 1) if k % (s * unit) == 0 and k // s >= SPLIT_K_MIN_SLAB]
+    return max(fitting, default=1)
+
+
+def schedule(rows: int, tokens: int, k: int, unit: int = TILE_K) -> str:
     """Which of SCHEDULES a call of ``tokens`` rows through a (rows x k) weight takes
-    (``SCHEDULE_ENV`` forces one): stream-K where the wide tiles leave the last wave short (in
-    a single wave, a third of it idle) and there is K to share, else the narrow tile where it
-    takes no more waves, else whole wide tiles."""
+    (``SCHEDULE_ENV`` forces one): split-K where whole tiles fill less than SPLIT_K_BELOW_FILL
+    of one wave, K is at least SPLIT_K_MIN_K and splits (``splits``, slabs a multiple of
+    ``unit``), else stream-K where the
+    wide tiles leave the last wave short (in a single wave, a third of it idle) and there is K to
+    share, else the narrow tile where it takes no more waves, else whole wide tiles."""
     chosen = os.environ.get(SCHEDULE_ENV, "")
     if chosen in SCHEDULES:
         return chosen
     sms = _extension().sm_count()
+    if tiles(rows, tokens) < SPLIT_K_BELOW_FILL * sms and k >= SPLIT_K_MIN_K and splits(rows, tokens, k, unit) > 1:
+        return "split-k"
     iterations = tiles(rows, tokens) * -(-k // TILE_K)
     below = STREAM_K_BELOW_FILL if waves(rows, tokens, sms) > 1 else STREAM_K_ONE_WAVE_BELOW_FILL
     if iterations >= STREAM_K_MIN_ITERATIONS and wave_fill(rows, tokens, sms) < below:
@@ -309,16 +358,17 @@ def matmul(layer: nn.Module, x: mx.array, tokens: int) -> mx.array:
     """``x @ dequantize(layer's weight).T`` (+ its bias) by CUTLASS; x in bfloat16, ``tokens``
     rows of it (quantized.token_count)."""
     scales = kernel_scales(layer)
-    chosen = schedule(layer["weight"].shape[0], tokens, x.shape[-1])
+    rows, k, unit = layer["weight"].shape[0], x.shape[-1], split_unit(layer)
+    chosen = schedule(rows, tokens, k, unit)
     tile_tokens = NARROW_TILE_TOKENS if chosen == "persistent-192" else TILE_TOKENS
+    parts = splits(rows, tokens, k, unit) if chosen == "split-k" else 1
     reordered = reorders(layer)
     weight = reordered_weight(layer) if reordered else layer["weight"]
+    how = (chosen == "stream-k", tile_tokens, reordered, parts)
     if layer.mode == "mxfp4":
-        y = _extension().mxfp4_matmul(x, weight, *scales, chosen == "stream-k", tile_tokens, reordered)
+        y = _extension().mxfp4_matmul(x, weight, *scales, *how)
     else:
-        y = _extension().quantized_matmul(
-            x, weight, *scales, layer.bits, layer.group_size, chosen == "stream-k", tile_tokens, reordered
-        )
+        y = _extension().quantized_matmul(x, weight, *scales, layer.bits, layer.group_size, *how)
     return y + layer["bias"] if "bias" in layer else y
 
 

@@ -41,12 +41,13 @@ def fused_norm_enabled() -> bool:
 
 def kernel_choices() -> tuple:
     """What a compiled trace bakes in besides the shapes: the forced quantized-matmul path, the
-    forced warp tile and split waves of the fused kernel, CUTLASS's forced use, schedule and weight
-    layout, and which custom kernels are on."""
+    forced warp tile and split waves of the fused kernel, CUTLASS's forced use, schedule, slab count
+    and weight layout, and which custom kernels are on."""
     return (
         os.environ.get(quantized.POLICY_ENV, "auto"),
         os.environ.get(cutlass_qmm.ENV, ""),
         os.environ.get(cutlass_qmm.SCHEDULE_ENV, ""),
+        os.environ.get(cutlass_qmm.SPLITS_ENV, ""),
         os.environ.get(cutlass_qmm.REORDER_ENV, ""),
         os.environ.get(kernels.QMM_TILE_ENV, ""),
         os.environ.get(kernels.QMM_WAVES_ENV, ""),

@@ -158,8 +158,9 @@ SMALL_WIDTH = 2048
 # Every mode now ends where affine's does.
 CUTLASS_TOKENS = {"cuda": 2048, "cuda-small": 4096}
 # Per table, (fewest tokens, least fill): from that many tokens CUTLASS also takes the calls of
-# the fused kernel's windows (FUSED_TOKENS) for a weight whose whole 128 x 256 tiles keep at least
-# that share of the SMs busy (cutlass_qmm.sm_fill); on a table not named, never. CUTLASS's tile
+# the fused kernel's windows (FUSED_TOKENS) for a weight whose tiles keep at least that share of
+# the SMs busy, each counted once per slab where split-K cuts K (cutlass_qmm.sm_fill); on a table
+# not named, never. CUTLASS's tile
 # runs near an SM's peak but leaves the other SMs idle; the fused kernel splits K to fill them,
 # at a slower pace. Whole forwards at B=1, H200, the time with CUTLASS / with the fused kernel,
 # affine4 and affine8, the sides interleaved (thirty-fifth issue-16 session, python -m
@@ -183,6 +184,12 @@ CUTLASS_TOKENS = {"cuda": 2048, "cuda-small": 4096}
 #   fused,shipped, one process a machine, host-bound: bf16 15-21 ms): 1x256 0.90 -> 0.88, 1.00
 #   -> 0.94, 1.00 -> 0.94, again 0.91 -> 0.89, 0.99 -> 0.93, 1.02 -> 0.98; 1x128 1.19 -> 0.99,
 #   0.97 -> 0.90, 0.98 -> 0.90 (mxfp4, affine4, affine8).
+# - With split-K (forty-third session) the o_proj and down_proj's 20 tiles run in 5 and 6 slabs
+#   (0.76 and 0.91 of the SMs) and CUTLASS takes them too: at 256 tokens o_proj 18.1 / 25.2 /
+#   18.1 -> 15.9 / 16.0 / 15.8 us, down_proj 29.9 / 32.1 / 29.7 -> 22.8 / 22.9 / 22.5 (affine4 /
+#   affine8 / mxfp4). Four 6B layers' kernels at 1x256 1.23 / 1.33 / 1.23 -> 1.15 / 1.18 / 1.15x
+#   bf16's; whole forwards on two machines (cutlass_qmm_ab --sides no-split,shipped; host-bound:
+#   the quantized forwards 14.0-19.6 ms) took 0.89-0.99 of the time before at 1x128 and 1x256.
 CUTLASS_OVER_FUSED = {"cuda-small": (128, 0.0), "cuda": (128, 0.4)}
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
 # fused where kernels.quantized_matmul runs, else the table); "auto" or unset uses the tables.
@@ -328,7 +335,8 @@ class QuantizedLinear(nn.QuantizedLinear):
             return False
         width = kernels.weight_width(self["weight"], self.bits)
         fewest, fill = CUTLASS_OVER_FUSED.get(table_name(width), (math.inf, 0.0))
-        return tokens >= fewest and cutlass_qmm.sm_fill(self["weight"].shape[0], tokens) >= fill
+        rows, k = self["weight"].shape[0], self["weight"].shape[1] * 32 // self.bits
+        return tokens >= fewest and cutlass_qmm.sm_fill(rows, tokens, k, cutlass_qmm.split_unit(self)) >= fill
 
     def takes_dequantize(self, tokens: int, dtype: mx.Dtype = mx.bfloat16) -> bool:
         """True when ``tokens`` rows of ``dtype`` through this layer go by dequantize + matmul
