@@ -64,6 +64,7 @@ TABLE_SIDES = {
     "split-every-weight": {quantized: SIX_B_EVERY_WEIGHT, cutlass_qmm: {"SPLIT_K_BELOW_FILL": 0.5, "SPLIT_K_MIN_K": 0}},
     # and on its o_proj and down_proj only (shipped on the 6B)
     "split-o-down": {quantized: SIX_B_EVERY_WEIGHT, cutlass_qmm: {"SPLIT_K_BELOW_FILL": 0.2}},
+    "no-128": {cutlass_qmm: {"NARROW_TILES": (192,)}},  # no 128 x 128 tile, as before it
 }
 
 

@@ -171,7 +171,7 @@ def test_bfloat16_calls_go_to_the_extension_with_transposed_scales(
     monkeypatch.delenv(cutlass_qmm.ENV)  # on by default where built
     assert m.takes_cutlass(10) and not m.takes_dequantize(10)  # no block dequantize made for it
     on = m(x)
-    assert stand_in.calls == [((2, 5, 128), bits, group_size, False, 192)]  # the C++ side flattens; one narrow tile
+    assert stand_in.calls == [((2, 5, 128), bits, group_size, False, 128)]  # the C++ side flattens; one narrow tile
     assert on.shape == (2, 5, 64)
     np.testing.assert_array_equal(np.array(on.astype(mx.float32)), np.array(reference(m, x).astype(mx.float32)))
     np.testing.assert_allclose(np.array(on.astype(mx.float32)), np.array(off.astype(mx.float32)), rtol=2e-2, atol=2e-2)
@@ -299,8 +299,9 @@ def test_schedule_stream_k_for_a_short_last_wave_else_the_narrow_tile_where_it_t
     (K 6912: 8640) and the gate/up (17280), not the o_proj (K 2560: 3200). The 128 x 192 tile
     takes the o_proj (120 tiles, still one wave) and the 300M's gate/up (5120 x 960: 2400
     iterations; 160 or 240 tiles, two waves either way), not the 6B's q/k/v (360 tiles: three
-    waves) nor anything at 2048 tokens, where it would take more waves. The environment forces
-    any schedule, and the layer hands the choice to the kernel."""
+    waves) nor anything at 2048 tokens, where it would take more waves; the 128 x 128 tile takes
+    what it fits in as few waves (at 128-256 tokens). The environment forces any schedule, and
+    the layer hands the choice to the kernel."""
     assert cutlass_qmm.wave_fill(2560, 1024, 132) == pytest.approx(80 / 132)
     assert cutlass_qmm.wave_fill(7680, 1024, 132) == pytest.approx(240 / 264)
     assert cutlass_qmm.wave_fill(13824, 1024, 132) == pytest.approx(432 / 528)
@@ -322,7 +323,8 @@ def test_schedule_stream_k_for_a_short_last_wave_else_the_narrow_tile_where_it_t
     ]
     # One wave: stream-K only where whole tiles leave at least STREAM_K_ONE_WAVE_BELOW_FILL idle.
     assert cutlass_qmm.schedule(13824, 256, 2560) == "persistent"  # 108 tiles (0.82), 4320 iterations
-    assert cutlass_qmm.schedule(13824, 128, 2560) == "persistent-192"  # as many narrow tiles
+    assert cutlass_qmm.schedule(13824, 128, 2560) == "persistent-128"  # as many narrowest tiles
+    assert cutlass_qmm.schedule(7680, 256, 2560) == "persistent-128"  # 120 of 128 tokens: one wave
     assert cutlass_qmm.schedule(2560, 1024, 6912) == "stream-k"  # 80 tiles (0.61)
     for forced in cutlass_qmm.SCHEDULES:
         monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, forced)
@@ -339,10 +341,11 @@ def test_schedule_stream_k_for_a_short_last_wave_else_the_narrow_tile_where_it_t
         (False, 256),
         (True, 256),
         (False, 192),
+        (False, 128),
         (False, 256),
         (True, 256),
     ]
-    assert stand_in.splits == [1] * 5
+    assert stand_in.splits == [1] * 6
 
 
 def test_split_k_cuts_k_into_as_many_slabs_as_still_fill_one_wave(stand_in, monkeypatch, on_cpu):
@@ -360,14 +363,14 @@ def test_split_k_cuts_k_into_as_many_slabs_as_still_fill_one_wave(stand_in, monk
     assert cutlass_qmm.splits(960, 256, 960) == 3  # the 300M's o_proj: 5 slabs would be 192 of K
     assert cutlass_qmm.splits(2560, 256, 384) == 1  # two slabs of 192: too short
     assert cutlass_qmm.schedule(2560, 256, 2560) == "split-k"
-    assert cutlass_qmm.schedule(2560, 256, 384) == "persistent-192"  # nothing to split
+    assert cutlass_qmm.schedule(2560, 256, 384) == "persistent-128"  # nothing to split
     assert cutlass_qmm.schedule(13824, 256, 2560) == "persistent"
     monkeypatch.setenv(cutlass_qmm.SPLITS_ENV, "4")
     assert cutlass_qmm.splits(2560, 256, 6912) == 4
     assert cutlass_qmm.splits(2560, 256, 6912, unit=128) == 1  # 4 x 128 does not divide 6912
     monkeypatch.delenv(cutlass_qmm.SPLITS_ENV)
-    assert cutlass_qmm.schedule(960, 256, 960) == "persistent-192"  # K too short to pay for the slabs
-    assert cutlass_qmm.schedule(7680, 256, 2560) == "persistent-192"  # the tiles fill 0.45
+    assert cutlass_qmm.schedule(960, 256, 960) == "persistent-128"  # K too short to pay for the slabs
+    assert cutlass_qmm.schedule(7680, 256, 2560) == "persistent-128"  # the tiles fill 0.45
     for mode, bits, group_size in [("affine", 4, 64), ("affine", 8, 128), ("mxfp4", 4, 32)]:
         m = layer(bits, group_size, mode, in_dims=2048, out_dims=256)  # 2 tiles: 8 slabs of 256
         x = mx.random.normal((1, 10, 2048), key=mx.random.key(3)).astype(mx.bfloat16)
@@ -647,7 +650,7 @@ def test_extension_dequantizes_as_mx_dequantize_on_cuda(mode, bits, group_size, 
 @pytest.mark.parametrize(
     "arguments,says",
     [
-        ({"tile_tokens": 128}, "tile_tokens must be 192 or 256"),
+        ({"tile_tokens": 64}, "tile_tokens must be 128, 192 or 256"),
         ({"tile_tokens": 192, "stream_k": True}, "stream-K runs 256-token tiles only"),
         ({"group_size": 32}, "group_size must be 64 or 128"),
         ({"splits": 3}, "split-K needs K a multiple of splits x 64"),

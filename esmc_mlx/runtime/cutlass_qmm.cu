@@ -15,8 +15,8 @@
 // order: deterministic) and "split-k" (K cut into ``splits`` equal slabs run as a batch of
 // whole-tile GEMMs side by side, each writing its fp32 partial product, then summed in order by a
 // second kernel: no SM waits on another, where stream-K's and CUTLASS's split-K fix-ups are
-// serial); and two tiles, 128 x 256 and 128 x 192 (weight rows x tokens), the narrow one
-// persistent only. Which a call takes is cutlass_qmm.schedule's. The weight comes in
+// serial); and three tiles, 128 x 256, 128 x 192 and 128 x 128 (weight rows x tokens), the
+// narrow ones persistent only. Which a call takes is cutlass_qmm.schedule's. The weight comes in
 // MLX's layout or, as the layers hand it over, reordered (ReorderAtom below; cutlass_qmm.reorder):
 // 0.84-0.95x the time a call in MLX's layout took for affine 4-bit weights, 0.93-0.99x for 8-bit,
 // 0.89-0.96x for mxfp4 (the forty-second issue-16 session, docs/benchmarks.md).
@@ -142,6 +142,8 @@ using QmmTile = Shape<_128, _256, _64>;  // weight rows, tokens, K: ahead of 128
 // Where whole tiles of either width take as many waves of the SMs, the narrower ones finish
 // sooner: the 6B's o_proj at 1024 tokens, 80 or 120 tiles on 132 SMs, 32 -> 28 us.
 using QmmTile192 = Shape<_128, _192, _64>;
+// And for few tokens: 128 wide, where whole tiles of it still take one wave.
+using QmmTile128 = Shape<_128, _128, _64>;
 
 // A 16 x 16 block of the weight (rows, K) -> its elements' places among the block's 256, such that
 // the eight values each thread of a warp holds in wgmma's A register fragment for one k-block
@@ -319,6 +321,8 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
         launch<Quant, cutlass::gemm::StreamKScheduler, QmmTile, WeightLayout>(inputs, out, group_size_, 1, encoder);
       else if (tile_tokens_ == 192)
         launch<Quant, PersistentScheduler, QmmTile192, WeightLayout>(inputs, out, group_size_, 1, encoder);
+      else if (tile_tokens_ == 128)
+        launch<Quant, PersistentScheduler, QmmTile128, WeightLayout>(inputs, out, group_size_, 1, encoder);
       else
         launch<Quant, PersistentScheduler, QmmTile, WeightLayout>(inputs, out, group_size_, 1, encoder);
     };
@@ -372,8 +376,9 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
 };
 
 void check_tiles(bool stream_k, int tile_tokens, int splits) {
-  if (tile_tokens != 192 && tile_tokens != 256) throw std::invalid_argument("[cutlass_qmm] tile_tokens must be 192 or 256");
-  // Built for the wide tile only: the narrow one is for calls whose whole tiles fit the waves.
+  if (tile_tokens != 128 && tile_tokens != 192 && tile_tokens != 256)
+    throw std::invalid_argument("[cutlass_qmm] tile_tokens must be 128, 192 or 256");
+  // Built for the wide tile only: the narrow ones are for calls whose whole tiles fit the waves.
   if (stream_k && tile_tokens != 256) throw std::invalid_argument("[cutlass_qmm] stream-K runs 256-token tiles only");
   if (splits < 1) throw std::invalid_argument("[cutlass_qmm] splits must be at least 1");
   if (splits > 1 && (stream_k || tile_tokens != 256))
@@ -436,7 +441,7 @@ NB_MODULE(_cutlass_qmm, m) {
         nb::arg("bits"), nb::arg("group_size"), nb::arg("stream_k") = false, nb::arg("tile_tokens") = 256,
         nb::arg("reordered") = false, nb::arg("splits") = 1,
         "x @ dequantize(q).T by CUTLASS's Hopper mixed-input GEMM; scales and biases transposed to [K / group, N];\n"
-        "stream_k: the tiles' K shared among the SMs (else whole tiles each); tile_tokens: 256 or 192;\n"
+        "stream_k: the tiles' K shared among the SMs (else whole tiles each); tile_tokens: 256, 192 or 128;\n"
         "reordered: q in cutlass_qmm.reorder's layout (ReorderAtom), not MLX's; splits: K in that many\n"
         "slabs, each a batch of whole tiles, their fp32 partial products summed by a second kernel.");
   m.def("mxfp4_matmul", &esmc_qmm::mxfp4_matmul, nb::arg("x"), nb::arg("q"), nb::arg("scale_pairs"),

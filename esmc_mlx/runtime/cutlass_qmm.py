@@ -66,12 +66,19 @@ MODULE = "_cutlass_qmm"
 # tokens it beat the 128 x 128 tile on every 6B weight (0.71-0.94x its time, standalone) and in
 # whole forwards (thirty-second session).
 TILE_ROWS, TILE_TOKENS, TILE_K = 128, 256, 64
-# Its narrower tile (QmmTile192), whole tiles, where they take no more waves of the SMs than the
-# 256-token ones: each finishes sooner. The 6B's o_proj at 1024 tokens (80 or 120 tiles on 132
-# SMs) 32.1 -> 27.7 us (cuBLAS on bf16 22.2); on weights where it takes an extra wave it lost
-# (q/k/v 62 -> 75, gate/up 117 -> 125; Nsight Compute, thirty-fourth issue-16 session).
-NARROW_TILE_TOKENS = 192
-SCHEDULES = ("persistent", "stream-k", "persistent-192", "split-k")
+# Its narrower tiles (QmmTile128, QmmTile192), whole tiles, the narrowest whose tiles take no
+# more waves of the SMs than the 256-token ones: each finishes sooner. The 6B's o_proj at 1024
+# tokens (80 or 120 tiles on 132 SMs) 32.1 -> 27.7 us with 192 (cuBLAS on bf16 22.2); on weights
+# where it takes an extra wave it lost (q/k/v 62 -> 75, gate/up 117 -> 125; Nsight Compute,
+# thirty-fourth issue-16 session). The 128-token tile (forty-third session, reordered weights; us,
+# 192 -> 128, affine4 / affine8 / mxfp4): the 6B's q/k/v at 256 tokens 24.4 / 24.7 / 24.5 ->
+# 19.8 / 21.1 / 21.5, at 128 tokens 22.0 / 23.6 / 23.4 -> 19.3 / 20.2 / 20.8, its gate/up at 128
+# tokens 23.2 / 24.6 / 24.3 -> 20.0 / 21.1 / 21.3; the 300M's weights at 128-256 tokens 10-15%
+# less. Four 6B layers' kernels at 1x256 1.160 / 1.171 / 1.157 -> 1.124 / 1.146 / 1.142x bf16's.
+# (The thirty-ninth session tried it with a 64-token tile, in MLX's layout and without split-K,
+# and dropped it: the o_proj and down_proj then ran 64-wide tiles.)
+NARROW_TILES = (128, 192)  # tokens, narrowest first
+SCHEDULES = ("persistent", "stream-k", "persistent-192", "persistent-128", "split-k")
 SCHEDULE_ENV = "ESMC_MLX_CUTLASS_SCHEDULE"  # one of SCHEDULES: every call so (benchmarks)
 # Stream-K (every output tile's K iterations shared evenly among the SMs, partial sums fixed up
 # in a fixed order) for a call whose whole tiles would fill less than STREAM_K_BELOW_FILL of the
@@ -338,7 +345,7 @@ def schedule(rows: int, tokens: int, k: int, unit: int = TILE_K) -> str:
     of one wave, K is at least SPLIT_K_MIN_K and splits (``splits``, slabs a multiple of
     ``unit``), else stream-K where the
     wide tiles leave the last wave short (in a single wave, a third of it idle) and there is K to
-    share, else the narrow tile where it takes no more waves, else whole wide tiles."""
+    share, else the narrowest tile that takes no more waves, else whole wide tiles."""
     chosen = os.environ.get(SCHEDULE_ENV, "")
     if chosen in SCHEDULES:
         return chosen
@@ -349,8 +356,9 @@ def schedule(rows: int, tokens: int, k: int, unit: int = TILE_K) -> str:
     below = STREAM_K_BELOW_FILL if waves(rows, tokens, sms) > 1 else STREAM_K_ONE_WAVE_BELOW_FILL
     if iterations >= STREAM_K_MIN_ITERATIONS and wave_fill(rows, tokens, sms) < below:
         return "stream-k"
-    if waves(rows, tokens, sms, NARROW_TILE_TOKENS) <= waves(rows, tokens, sms):
-        return "persistent-192"
+    for narrow in NARROW_TILES:
+        if waves(rows, tokens, sms, narrow) <= waves(rows, tokens, sms):
+            return f"persistent-{narrow}"
     return "persistent"
 
 
@@ -360,7 +368,8 @@ def matmul(layer: nn.Module, x: mx.array, tokens: int) -> mx.array:
     scales = kernel_scales(layer)
     rows, k, unit = layer["weight"].shape[0], x.shape[-1], split_unit(layer)
     chosen = schedule(rows, tokens, k, unit)
-    tile_tokens = NARROW_TILE_TOKENS if chosen == "persistent-192" else TILE_TOKENS
+    narrow = chosen.removeprefix("persistent-")
+    tile_tokens = int(narrow) if narrow.isdigit() else TILE_TOKENS
     parts = splits(rows, tokens, k, unit) if chosen == "split-k" else 1
     reordered = reorders(layer)
     weight = reordered_weight(layer) if reordered else layer["weight"]

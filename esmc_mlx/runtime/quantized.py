@@ -188,7 +188,7 @@ CUTLASS_TOKENS = {"cuda": 2048, "cuda-small": 4096}
 #   (0.76 and 0.91 of the SMs) and CUTLASS takes them too: at 256 tokens o_proj 18.1 / 25.2 /
 #   18.1 -> 15.9 / 16.0 / 15.8 us, down_proj 29.9 / 32.1 / 29.7 -> 22.8 / 22.9 / 22.5 (affine4 /
 #   affine8 / mxfp4). Four 6B layers' kernels at 1x256 1.23 / 1.33 / 1.23 -> 1.15 / 1.18 / 1.15x
-#   bf16's; whole forwards on two machines (cutlass_qmm_ab --sides no-split,shipped; host-bound:
+#   bf16's (1.12 / 1.15 / 1.14 with the 128 x 128 tile, cutlass_qmm.NARROW_TILES); whole forwards on two machines (cutlass_qmm_ab --sides no-split,shipped; host-bound:
 #   the quantized forwards 14.0-19.6 ms) took 0.89-0.99 of the time before at 1x128 and 1x256.
 CUTLASS_OVER_FUSED = {"cuda-small": (128, 0.0), "cuda": (128, 0.4)}
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
