@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--modes", default="affine4,mxfp4,affine8", help=f"of {', '.join(QUANT)}")
     p.add_argument(
         "--paths",
-        default="fused,persistent,persistent-192,stream-k",
+        default="fused,persistent,persistent-192,persistent-128,stream-k,split-k",
         help="fused, dequantize, cutlass (its schedule's choice) or CUTLASS schedules (split-k:N: N slabs)",
     )
     p.add_argument("--weights", default="qkv,o,gate_up,down", help="a layer's weights, comma-separated")

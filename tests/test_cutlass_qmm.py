@@ -354,7 +354,7 @@ def test_split_k_cuts_k_into_as_many_slabs_as_still_fill_one_wave(stand_in, monk
     (``unit``) and at least SPLIT_K_MIN_SLAB. The 6B at 256 tokens: o_proj and down_proj 20 tiles
     (0.15 of the wave), q/k/v 60 (0.45), gate/up 108 (0.82). The layer hands the count to the
     kernel."""
-    assert cutlass_qmm.splits(2560, 256, 2560) == 5  # 6 would fit the wave, but 2560 is not 6 x 64s
+    assert cutlass_qmm.splits(2560, 256, 2560) == 5  # 6 would fit the wave, but 2560 is no multiple of 6 x 64
     assert cutlass_qmm.splits(2560, 256, 6912) == 6
     assert cutlass_qmm.splits(2560, 256, 6912, unit=128) == 6
     assert cutlass_qmm.splits(2560, 256, 2560, unit=128) == 5

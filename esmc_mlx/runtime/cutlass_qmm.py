@@ -343,9 +343,9 @@ def schedule(rows: int, tokens: int, k: int, unit: int = TILE_K) -> str:
     """Which of SCHEDULES a call of ``tokens`` rows through a (rows x k) weight takes
     (``SCHEDULE_ENV`` forces one): split-K where whole tiles fill less than SPLIT_K_BELOW_FILL
     of one wave, K is at least SPLIT_K_MIN_K and splits (``splits``, slabs a multiple of
-    ``unit``), else stream-K where the
-    wide tiles leave the last wave short (in a single wave, a third of it idle) and there is K to
-    share, else the narrowest tile that takes no more waves, else whole wide tiles."""
+    ``unit``), else stream-K where the wide tiles leave the last wave short (in a single wave, a
+    third of it idle) and there is K to share, else the narrowest of NARROW_TILES that takes no
+    more waves, else whole wide tiles."""
     chosen = os.environ.get(SCHEDULE_ENV, "")
     if chosen in SCHEDULES:
         return chosen

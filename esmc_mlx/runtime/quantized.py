@@ -160,9 +160,8 @@ CUTLASS_TOKENS = {"cuda": 2048, "cuda-small": 4096}
 # Per table, (fewest tokens, least fill): from that many tokens CUTLASS also takes the calls of
 # the fused kernel's windows (FUSED_TOKENS) for a weight whose tiles keep at least that share of
 # the SMs busy, each counted once per slab where split-K cuts K (cutlass_qmm.sm_fill); on a table
-# not named, never. CUTLASS's tile
-# runs near an SM's peak but leaves the other SMs idle; the fused kernel splits K to fill them,
-# at a slower pace. Whole forwards at B=1, H200, the time with CUTLASS / with the fused kernel,
+# not named, never. CUTLASS's tile runs near an SM's peak but leaves the other SMs idle; the
+# fused kernel splits K to fill them, at a slower pace. Whole forwards at B=1, H200, the time with CUTLASS / with the fused kernel,
 # affine4 and affine8, the sides interleaved (thirty-fifth issue-16 session, python -m
 # benchmarks.cutlass_qmm_ab --sides dequantize,fused,cutlass; docs/benchmarks.md):
 # - 300M and 600M ("cuda-small"), every weight: from 128 tokens CUTLASS was ahead in 19 of 22
@@ -188,8 +187,9 @@ CUTLASS_TOKENS = {"cuda": 2048, "cuda-small": 4096}
 #   (0.76 and 0.91 of the SMs) and CUTLASS takes them too: at 256 tokens o_proj 18.1 / 25.2 /
 #   18.1 -> 15.9 / 16.0 / 15.8 us, down_proj 29.9 / 32.1 / 29.7 -> 22.8 / 22.9 / 22.5 (affine4 /
 #   affine8 / mxfp4). Four 6B layers' kernels at 1x256 1.23 / 1.33 / 1.23 -> 1.15 / 1.18 / 1.15x
-#   bf16's (1.12 / 1.15 / 1.14 with the 128 x 128 tile, cutlass_qmm.NARROW_TILES); whole forwards on two machines (cutlass_qmm_ab --sides no-split,shipped; host-bound:
-#   the quantized forwards 14.0-19.6 ms) took 0.89-0.99 of the time before at 1x128 and 1x256.
+#   bf16's (1.12 / 1.15 / 1.14 with the 128 x 128 tile, cutlass_qmm.NARROW_TILES); whole
+#   forwards on two machines (cutlass_qmm_ab --sides no-split,shipped; host-bound: the quantized
+#   forwards 14.0-19.6 ms) took 0.89-0.99 of the time before at 1x128 and 1x256.
 CUTLASS_OVER_FUSED = {"cuda-small": (128, 0.0), "cuda": (128, 0.4)}
 # ESMC_MLX_QUANT_MATMUL=quantized|dequantize|fused forces one path (benchmarks, debugging;
 # fused where kernels.quantized_matmul runs, else the table); "auto" or unset uses the tables.
