@@ -10,8 +10,9 @@ SMs), ``persistent-192`` (whole 128 x 192 tiles), ``split-k`` (K in slabs side b
 ``cutlass`` (cutlass_qmm.schedule's choice among them), and ``shipped`` (the tables as they
 stand); TABLE_SIDES run the shipped settings with some of quantized's and cutlass_qmm's tables
 replaced (``small-fill-0.1``: CUTLASS_OVER_FUSED's least fill on the small models' table;
-``no-split``: split-K off, as before the forty-third session). Where a CUTLASS side wins is what quantized.CUTLASS_TOKENS,
-quantized.CUTLASS_OVER_FUSED and cutlass_qmm.schedule should hold.
+``no-split``: split-K off, as before the forty-third session). Where a CUTLASS side wins is
+what quantized.CUTLASS_TOKENS, quantized.CUTLASS_OVER_FUSED and cutlass_qmm.schedule should
+hold.
 
 Per-kernel GPU times are Nsight Compute's (benchmarks.host_overhead --profile), not timed here:
 calls evaluated together run concurrently in MLX's CUDA graph (its nodes wait only for their

@@ -57,7 +57,7 @@ import mlx.nn as nn
 
 from ..errors import EsmcMlxError, EsmcMlxWarning
 from ..hashes import cache_root
-from . import kernel_cache
+from . import kernel_cache, kernels
 
 ENV = "ESMC_MLX_CUTLASS_QMM"
 SOURCE = Path(__file__).with_name("cutlass_qmm.cu")
@@ -268,8 +268,7 @@ def reorder(q: mx.array, bits: int) -> mx.array:
     innermost both ways, is a byte's two 4-bit values, so the transpose moves bytes, never nibbles."""
     if bits not in (4, 8):
         raise ValueError(f"the kernel takes 4- and 8-bit weights, not {bits}-bit")
-    rows, words = q.shape
-    k = words * 32 // bits
+    rows, k = kernels.dequantized_shape(q, bits)
     if rows % REORDER_BLOCK or k % REORDER_BLOCK:
         raise ValueError(f"a reordered weight's rows and K must be multiples of {REORDER_BLOCK}: {rows} x {k}")
     v0 = 2 if bits == 8 else 1  # its own axis, or inside the byte
@@ -311,7 +310,7 @@ def wave_fill(rows: int, tokens: int, sms: int) -> float:
     return tiles(rows, tokens) / (waves(rows, tokens, sms) * sms)
 
 
-def sm_fill(rows: int, tokens: int, k: int = 0, unit: int = TILE_K) -> float:
+def sm_fill(rows: int, tokens: int, k: int, unit: int = TILE_K) -> float:
     """The share of this GPU's SMs' waves a call of ``tokens`` rows through a (rows x k) weight
     keeps busy: wave_fill, each tile counted once per slab where ``schedule`` splits K."""
     fill = wave_fill(rows, tokens, _extension().sm_count())

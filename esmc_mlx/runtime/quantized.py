@@ -161,9 +161,10 @@ CUTLASS_TOKENS = {"cuda": 2048, "cuda-small": 4096}
 # the fused kernel's windows (FUSED_TOKENS) for a weight whose tiles keep at least that share of
 # the SMs busy, each counted once per slab where split-K cuts K (cutlass_qmm.sm_fill); on a table
 # not named, never. CUTLASS's tile runs near an SM's peak but leaves the other SMs idle; the
-# fused kernel splits K to fill them, at a slower pace. Whole forwards at B=1, H200, the time with CUTLASS / with the fused kernel,
-# affine4 and affine8, the sides interleaved (thirty-fifth issue-16 session, python -m
-# benchmarks.cutlass_qmm_ab --sides dequantize,fused,cutlass; docs/benchmarks.md):
+# fused kernel splits K to fill them, at a slower pace. Whole forwards at B=1, H200, the time
+# with CUTLASS / with the fused kernel, affine4 and affine8, the sides interleaved (thirty-fifth
+# issue-16 session, python -m benchmarks.cutlass_qmm_ab --sides dequantize,fused,cutlass;
+# docs/benchmarks.md):
 # - 300M and 600M ("cuda-small"), every weight: from 128 tokens CUTLASS was ahead in 19 of 22
 #   cells (geometric means 0.87 and 0.94 on the 300M, 0.97 and 0.92 on the 600M; the three
 #   behind 1.01-1.04, at 256 and 768 tokens); at 32-96 in 7 of 12 (0.83-1.20 of the time).
@@ -335,7 +336,7 @@ class QuantizedLinear(nn.QuantizedLinear):
             return False
         width = kernels.weight_width(self["weight"], self.bits)
         fewest, fill = CUTLASS_OVER_FUSED.get(table_name(width), (math.inf, 0.0))
-        rows, k = self["weight"].shape[0], self["weight"].shape[1] * 32 // self.bits
+        rows, k = kernels.dequantized_shape(self["weight"], self.bits)
         return tokens >= fewest and cutlass_qmm.sm_fill(rows, tokens, k, cutlass_qmm.split_unit(self)) >= fill
 
     def takes_dequantize(self, tokens: int, dtype: mx.Dtype = mx.bfloat16) -> bool:
