@@ -10,7 +10,8 @@ SMs), ``persistent-192`` (whole 128 x 192 tiles), ``split-k`` (K in slabs side b
 ``cutlass`` (cutlass_qmm.schedule's choice among them), and ``shipped`` (the tables as they
 stand); TABLE_SIDES run the shipped settings with some of quantized's and cutlass_qmm's tables
 replaced (``small-fill-0.1``: CUTLASS_OVER_FUSED's least fill on the small models' table;
-``no-split``: split-K off, as before the forty-third session). Where a CUTLASS side wins is
+``no-split``: split-K off, as before the forty-third session); ``ops-residual`` adds each residual
+stream by MLX's ops instead of in split-K's sum (as before the forty-fourth). Where a CUTLASS side wins is
 what quantized.CUTLASS_TOKENS, quantized.CUTLASS_OVER_FUSED and cutlass_qmm.schedule should
 hold.
 
@@ -42,6 +43,7 @@ from benchmarks.crossover_forward import RECORDS
 from benchmarks.forward_args import add_forward_arguments, parse_forward_arguments, random_bf16
 from esmc_mlx.bench import environment, forward_fns, machine, mlx_model, parse_shapes, rel_l2, time_interleaved
 from esmc_mlx.runtime import cutlass_qmm, quantized
+from esmc_mlx.runtime.model import FUSED_NORM_ENV
 
 EVERY_CALL = {cutlass_qmm.ENV: "1", quantized.POLICY_ENV: "dequantize"}  # CUTLASS at every token count
 SIDES = {
@@ -52,6 +54,9 @@ SIDES = {
     "shipped": {},
     "mlx-layout": {cutlass_qmm.REORDER_ENV: "0"},  # shipped, CUTLASS's weights in MLX's layout
     "cutlass-mlx-layout": {**EVERY_CALL, cutlass_qmm.REORDER_ENV: "0"},
+    # shipped, each residual add by MLX's ops, not in split-K's sum (nor kernels.add_layer_norm,
+    # which takes only inputs of MIN_VALUES or more: not the B=1 shapes)
+    "ops-residual": {FUSED_NORM_ENV: "0"},
 }
 # Sides that run the shipped settings with some of quantized's and cutlass_qmm's tables replaced:
 # a table's A/B (forty-first issue-16 session: the small models' least fill, not adopted;
@@ -66,6 +71,8 @@ TABLE_SIDES = {
     # and on its o_proj and down_proj only (shipped on the 6B)
     "split-o-down": {quantized: SIX_B_EVERY_WEIGHT, cutlass_qmm: {"SPLIT_K_BELOW_FILL": 0.2}},
     "no-128": {cutlass_qmm: {"NARROW_TILES": (192,)}},  # no 128 x 128 tile, as before it
+    # products added to the residual stream split K from 2048 as the others (the 300M's o_proj whole)
+    "added-min-k-2048": {cutlass_qmm: {"SPLIT_K_MIN_K_ADDED": 2048}},
 }
 
 

@@ -14,13 +14,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from mlx.utils import tree_flatten
 
 from esmc_mlx import testing
 from esmc_mlx.cli import main
 from esmc_mlx.errors import EsmcMlxError, EsmcMlxWarning
 from esmc_mlx.runtime import cutlass_qmm, kernels
 from esmc_mlx.runtime import quantized as rq
-from tests.test_kernels import unpack
+from tests.test_kernels import assert_same_forwards_either_way, unpack
 
 EXTENSION_SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 
@@ -29,28 +30,35 @@ class StandIn:
     """The extension's contract on any device: scales and biases come as [K / group, N]."""
 
     def __init__(self):
-        self.calls, self.reordered, self.splits = [], [], []
+        self.calls, self.reordered, self.splits, self.residuals = [], [], [], []
 
-    def quantized_matmul(self, x, q, scales_t, biases_t, bits, group_size, stream_k, tile_tokens, reordered, splits):
+    def quantized_matmul(
+        self, x, q, scales_t, biases_t, bits, group_size, stream_k, tile_tokens, reordered, splits, **added
+    ):
         self.calls.append((x.shape, bits, group_size, stream_k, tile_tokens))
         w = mx.dequantize(self.weight(q, bits, reordered), scales_t.T, biases_t.T, group_size=group_size, bits=bits)
-        return self.product(x, w, splits)
+        return self.product(x, w, splits, **added)
 
-    def mxfp4_matmul(self, x, q, scale_pairs, stream_k, tile_tokens, reordered, splits):
+    def mxfp4_matmul(self, x, q, scale_pairs, stream_k, tile_tokens, reordered, splits, **added):
         """mxfp4's scale pairs ([K / 64, N], two bf16 2^(e-1) each) decoded back to e8m0."""
         self.calls.append((x.shape, 4, 32, stream_k, tile_tokens))
         q = self.weight(q, 4, reordered)
         e = mx.where(pair_halves(scale_pairs) == 0x7FC0, 255, (pair_halves(scale_pairs) >> 7) - 126)
-        return self.product(x, mx.dequantize(q, e.astype(mx.uint8), group_size=32, bits=4, mode="mxfp4"), splits)
+        w = mx.dequantize(q, e.astype(mx.uint8), group_size=32, bits=4, mode="mxfp4")
+        return self.product(x, w, splits, **added)
 
-    def product(self, x, w, splits):
-        """x @ w.T, or split-K's: K's slabs' products in fp32, summed in order, rounded once."""
+    def product(self, x, w, splits, residual=None, scale=1.0):
+        """x @ w.T, or split-K's: K's slabs' products in fp32, summed in order, rounded once; with a
+        residual (split-K only), residual + that / scale."""
         self.splits.append(splits)
+        self.residuals.append(None if residual is None else (residual.shape, scale))
         if splits == 1:
+            assert residual is None, "a residual is added by split-K's sum only"
             return x @ w.T
         assert x.shape[-1] % splits == 0
         parts = zip(mx.split(x.astype(mx.float32), splits, axis=-1), mx.split(w.astype(mx.float32), splits, axis=-1))
-        return sum(a @ b.T for a, b in parts).astype(x.dtype)
+        y = sum(a @ b.T for a, b in parts).astype(x.dtype)
+        return y if residual is None else residual + y / scale
 
     def sm_count(self):
         return 132  # an H100 or H200 (SXM)
@@ -171,7 +179,7 @@ def test_bfloat16_calls_go_to_the_extension_with_transposed_scales(
     monkeypatch.delenv(cutlass_qmm.ENV)  # on by default where built
     assert m.takes_cutlass(10) and not m.takes_dequantize(10)  # no block dequantize made for it
     on = m(x)
-    assert stand_in.calls == [((2, 5, 128), bits, group_size, False, 128)]  # the C++ side flattens; one narrow tile
+    assert stand_in.calls == [((2, 5, 128), bits, group_size, False, 128)]  # x as given; one narrow tile
     assert on.shape == (2, 5, 64)
     np.testing.assert_array_equal(np.array(on.astype(mx.float32)), np.array(reference(m, x).astype(mx.float32)))
     np.testing.assert_allclose(np.array(on.astype(mx.float32)), np.array(off.astype(mx.float32)), rtol=2e-2, atol=2e-2)
@@ -370,6 +378,9 @@ def test_split_k_cuts_k_into_as_many_slabs_as_still_fill_one_wave(stand_in, monk
     assert cutlass_qmm.splits(2560, 256, 6912, unit=128) == 1  # 4 x 128 does not divide 6912
     monkeypatch.delenv(cutlass_qmm.SPLITS_ENV)
     assert cutlass_qmm.schedule(960, 256, 960) == "persistent-128"  # K too short to pay for the slabs
+    # unless the slabs' sum adds the residual stream (the 300M's o_proj): it replaces the add's kernel
+    assert cutlass_qmm.schedule(960, 256, 960, added=True) == "split-k"
+    assert cutlass_qmm.schedule(960, 256, 384, added=True) == "persistent-128"  # K under SPLIT_K_MIN_K_ADDED
     assert cutlass_qmm.schedule(7680, 256, 2560) == "persistent-128"  # the tiles fill 0.45
     for mode, bits, group_size in [("affine", 4, 64), ("affine", 8, 128), ("mxfp4", 4, 32)]:
         m = layer(bits, group_size, mode, in_dims=2048, out_dims=256)  # 2 tiles: 8 slabs of 256
@@ -379,6 +390,58 @@ def test_split_k_cuts_k_into_as_many_slabs_as_still_fill_one_wave(stand_in, monk
         np.testing.assert_allclose(
             np.array(y.astype(mx.float32)), np.array(reference(m, x).astype(mx.float32)), rtol=2e-2, atol=2e-2
         )
+
+
+SCALE_6B = (80 / 36) ** 0.5  # ESMC's residual scale: sqrt(layers / 36)
+
+
+def test_split_k_adds_the_residual_stream_in_its_sum(stand_in, monkeypatch, on_cpu):
+    """QuantizedLinear.added_to hands the residual stream to the kernel where the call runs
+    split-K (residual + product / scale from its sum: the ops' values), and returns None for
+    every other call: whole tiles, a bias, a residual of another dtype, another path."""
+    x = mx.random.normal((1, 10, 2048), key=mx.random.key(4)).astype(mx.bfloat16)
+    r = mx.random.normal((1, 10, 256), key=mx.random.key(5)).astype(mx.bfloat16)
+    for mode, bits, group_size in [("affine", 4, 64), ("affine", 8, 128), ("mxfp4", 4, 32)]:
+        m = layer(bits, group_size, mode, in_dims=2048, out_dims=256)  # 2 tiles: 8 slabs
+        assert cutlass_qmm.adds_residual(m, 10)
+        got = m.added_to(r, x, SCALE_6B)
+        assert stand_in.splits[-1] == 8 and stand_in.residuals[-1] == ((1, 10, 256), SCALE_6B)
+        assert mx.array_equal(got, r + m(x) / SCALE_6B).item()
+    whole = layer(in_dims=2048, out_dims=256)
+    calls = len(stand_in.calls)
+    assert whole.added_to(r, mx.zeros((1, 10, 2048), mx.bfloat16), 1.0) is not None
+    monkeypatch.setenv(cutlass_qmm.SPLITS_ENV, "1")  # whole tiles
+    assert not cutlass_qmm.adds_residual(whole, 10) and whole.added_to(r, x, 1.0) is None
+    monkeypatch.delenv(cutlass_qmm.SPLITS_ENV)
+    biased = layer(in_dims=2048, out_dims=256, bias=True)
+    assert biased.added_to(r, x, 1.0) is None
+    with pytest.raises(ValueError, match="without bias only"):
+        cutlass_qmm.matmul(biased, x, 10, r)
+    assert whole.added_to(r.astype(mx.float32), x, 1.0) is None
+    assert whole.added_to(r, x.astype(mx.float16), 1.0) is None  # CUTLASS takes bfloat16 only
+    monkeypatch.setenv(cutlass_qmm.ENV, "0")
+    assert whole.added_to(r, x, 1.0) is None
+    assert len(stand_in.calls) == calls + 1  # None costs no call
+
+
+def test_the_layer_adds_its_residual_in_the_split_k_sum(stand_in, monkeypatch, on_cpu):
+    """A block whose o_proj and down_proj run split-K (hidden 2048: 16 tiles, 8 slabs) hands each
+    its residual stream; the outputs are those of the ops (ESMC_MLX_FUSED_NORM=0)."""
+    from esmc_mlx.bench import mlx_model
+    from esmc_mlx.runtime.model import FUSED_NORM_ENV
+
+    config = testing.tiny_config(hidden_size=2048, intermediate_size=2048, num_attention_heads=32, num_hidden_layers=2)
+    weights = dict(tree_flatten(testing.random_mlx_model(config).parameters()))
+    model = mlx_model(config, weights, fuse=True, quant={"mode": "affine", "bits": 4, "group_size": 64})
+    ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(1, 12)))
+    out = model(ids, output_hidden_states=True)
+    added = [r for r in stand_in.residuals if r is not None]
+    assert len(added) == 4 and all(r == ((1, 12, 2048), config.residual_scale) for r in added)  # 2 a block
+    monkeypatch.setenv(FUSED_NORM_ENV, "0")
+    ref = model(ids, output_hidden_states=True)
+    assert len([r for r in stand_in.residuals if r is not None]) == 4
+    for got, want in zip((out.logits, *out.hidden_states), (ref.logits, *ref.hidden_states), strict=True):
+        assert mx.array_equal(got, want).item()
 
 
 def test_not_on_other_gpus(stand_in, monkeypatch, tmp_path):
@@ -626,6 +689,76 @@ def test_a_reordered_weight_gives_the_same_bits_on_cuda(bits, group_size, mode, 
 
 @pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
 @pytest.mark.parametrize("mode,bits,group_size", [("mxfp4", 4, 32), ("affine", 4, 64), ("affine", 8, 128)])
+@pytest.mark.parametrize("rows", [1, 77, 256])
+@pytest.mark.parametrize("scale", [SCALE_6B, (30 / 36) ** 0.5, 1.0])  # the 6B's, the 300M's, none
+def test_the_residual_added_in_split_k_s_sum_is_the_ops_bit_for_bit_on_cuda(
+    mode, bits, group_size, rows, scale, monkeypatch
+):
+    """residual + x @ w.T / scale from the kernel that sums the slabs equals MLX's ops on the
+    kernel's own product, bit for bit, eager and compiled (the 6B's o_proj and down_proj)."""
+    monkeypatch.setenv(cutlass_qmm.ENV, "1")
+    monkeypatch.setenv(rq.POLICY_ENV, "dequantize")  # CUTLASS at every row count
+    for k in (2560, 6912):
+        m = layer(bits, group_size, mode, in_dims=k, out_dims=2560)
+        x = mx.random.normal((1, rows, k), key=mx.random.key(rows)).astype(mx.bfloat16)
+        r = (4 * mx.random.normal((1, rows, 2560), key=mx.random.key(k))).astype(mx.bfloat16)
+        assert cutlass_qmm.adds_residual(m, rows) and m.path(rows) == "cutlass"
+        want = r + m(x) / scale
+        compiled = mx.compile(lambda a, b: m.added_to(a, b, scale))  # noqa: B023
+        for got in (m.added_to(r, x, scale), compiled(r, x), compiled(r, x)):
+            assert got.shape == want.shape and got.dtype == mx.bfloat16
+            assert mx.array_equal(got, want).item(), (k, int(mx.sum(got != want).item()))
+
+
+@pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
+@pytest.mark.parametrize("schedule", ["persistent-128", "split-k"])
+def test_the_extension_copies_strided_and_broadcast_inputs_on_cuda(schedule, monkeypatch):
+    """x and the residual go to the primitive as given, with no reshape or contiguous() node; a
+    transposed x, a strided slice of one and a broadcast residual give what their contiguous
+    copies give, bit for bit (the primitive copies them itself), and 1-D and 4-D x keep their
+    shape."""
+    monkeypatch.setenv(cutlass_qmm.ENV, "1")
+    monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, schedule)
+    monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
+    m = layer(4, 64, "affine", in_dims=2048, out_dims=256)
+    transposed = mx.random.normal((2048, 20), key=mx.random.key(6)).astype(mx.bfloat16).T[None]
+    sliced = mx.random.normal((1, 40, 2048), key=mx.random.key(7)).astype(mx.bfloat16)[:, ::2]
+    for x in (transposed, sliced):
+        assert mx.array_equal(m(x), m(mx.contiguous(x))).item()
+    four_d = mx.contiguous(transposed).reshape(2, 2, 5, 2048)
+    assert m(four_d).shape == (2, 2, 5, 256) and m(transposed[0, 3]).shape == (256,)
+    assert mx.array_equal(m(four_d).reshape(1, 20, 256), m(transposed)).item()
+    if schedule == "split-k":
+        r = mx.broadcast_to(mx.random.normal((256,), key=mx.random.key(8)).astype(mx.bfloat16), (1, 20, 256))
+        got = m.added_to(r, transposed, SCALE_6B)
+        assert mx.array_equal(got, m.added_to(mx.contiguous(r), mx.contiguous(transposed), SCALE_6B)).item()
+
+
+@pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
+@pytest.mark.parametrize("mode", ["affine4", "mxfp4"])
+def test_forward_with_the_residual_in_split_k_s_sum_on_cuda(mode, monkeypatch):
+    """A quantized model whose o_proj and down_proj run split-K gives the same logits and hidden
+    states with the residual added in the slabs' sum as with MLX's ops: eager, compiled, and
+    evaluated block by block."""
+    from esmc_mlx.bench import mlx_model
+    from esmc_mlx.runtime.model import FUSED_NORM_ENV
+
+    config = testing.tiny_config(hidden_size=2048, intermediate_size=2048, num_attention_heads=32, num_hidden_layers=3)
+    weights = dict(tree_flatten(testing.random_mlx_model(config).parameters()))
+    quant = (
+        {"mode": "affine", "bits": 4, "group_size": 64}
+        if mode == "affine4"
+        else {"mode": "mxfp4", "bits": 4, "group_size": 32}
+    )
+    model = mlx_model(config, weights, fuse=True, quant=quant)
+    ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(1, 200)))
+    o_proj = model.esmc.layers[0].self_attn.o_proj
+    assert o_proj.path(200) == "cutlass" and cutlass_qmm.adds_residual(o_proj, 200)
+    assert_same_forwards_either_way(model, ids, FUSED_NORM_ENV, monkeypatch)
+
+
+@pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
+@pytest.mark.parametrize("mode,bits,group_size", [("mxfp4", 4, 32), ("affine", 4, 64), ("affine", 8, 128)])
 def test_extension_dequantizes_as_mx_dequantize_on_cuda(mode, bits, group_size, monkeypatch):
     """Each weight the kernel multiplies is mx.dequantize's, bit for bit: x the identity makes
     y = w.T, every output one product and a sum of zeros (exact in the fp32 accumulators). For
@@ -656,6 +789,9 @@ def test_extension_dequantizes_as_mx_dequantize_on_cuda(mode, bits, group_size, 
         ({"splits": 3}, "split-K needs K a multiple of splits x 64"),
         ({"splits": 2, "stream_k": True}, "split-K runs whole 256-token tiles only"),
         ({"splits": 2, "tile_tokens": 192}, "split-K runs whole 256-token tiles only"),
+        ({"residual": mx.zeros((8, 64), dtype=mx.bfloat16)}, "a residual is added by split-K's sum"),
+        ({"splits": 2, "residual": mx.zeros((8, 32), dtype=mx.bfloat16)}, "the residual must be bfloat16 and shaped"),
+        ({"splits": 2, "residual": mx.zeros((8, 64))}, "the residual must be bfloat16 and shaped"),
     ],
 )
 def test_extension_refuses_what_it_was_not_built_for(arguments, says):

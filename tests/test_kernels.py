@@ -597,18 +597,24 @@ def test_forward_with_and_without_norm_kernel_on_cuda(monkeypatch, dtype):
     config = testing.tiny_config(hidden_size=256, num_attention_heads=4, num_hidden_layers=3)
     model = testing.random_mlx_model(config, FLOATS[dtype]).fuse()
     ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(2, 40)))
-    monkeypatch.setenv(FUSED_NORM_ENV, "0")
+    assert_same_forwards_either_way(model, ids, FUSED_NORM_ENV, monkeypatch)
+
+
+def assert_same_forwards_either_way(model, ids, switch: str, monkeypatch):
+    """``model`` gives the same logits and hidden states with ``switch`` (an environment
+    variable) at "1" as at "0": eager, compiled, and evaluated block by block."""
+    monkeypatch.setenv(switch, "0")
     ref = model(ids, output_hidden_states=True)
-    monkeypatch.setenv(FUSED_NORM_ENV, "1")
+    monkeypatch.setenv(switch, "1")
     out = model(ids, output_hidden_states=True)
     for g, r in zip((out.logits, *out.hidden_states), (ref.logits, *ref.hidden_states), strict=True):
         assert mx.array_equal(g, r).item()
     for every in (None, 1):  # one graph, and evaluated block by block (compiled blocks)
         runs = {}
-        for fused in "01":
-            monkeypatch.setenv(FUSED_NORM_ENV, fused)
+        for on in "01":
+            monkeypatch.setenv(switch, on)
             model.chunk_layers(every).compile()
-            runs[fused] = [model(ids).logits for _ in range(3)]  # eager, traced, trace reused
+            runs[on] = [model(ids).logits for _ in range(3)]  # eager, traced, trace reused
         for call, (got, want) in enumerate(zip(runs["1"], runs["0"], strict=True)):
             assert mx.array_equal(got, want).item(), (every, call)
 

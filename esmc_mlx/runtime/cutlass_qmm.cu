@@ -6,21 +6,29 @@
 //
 // y[M, N] = x[M, K] @ (scales * q + biases)[N, K]^T: x bfloat16, q MLX's packed weight (4 or 8
 // bits, K contiguous), scales and biases bfloat16 and transposed to [K / group, N] (CUTLASS wants
-// them N-major), groups of 64 or 128. The caller hands in scales and biases already row-contiguous
-// (cutlass_qmm.matmul makes them so once per layer): a contiguous() here would add two graph nodes
-// to every call; eval_gpu refuses any input that is not.
+// them N-major), groups of 64 or 128. x and the output keep their leading dimensions (no reshape)
+// and no contiguous() is added: each such graph node costs MLX's host a few us a call, on every
+// call (docs/benchmarks.md, "Forty-fourth issue-16 session"). The layers hand over row-contiguous
+// arrays (cutlass_qmm.matmul makes the scales so once per layer); eval_gpu copies any other input
+// with a kernel of its own (MLX's copy is not exported to extensions).
 //
 // Three schedules: "persistent" (each SM takes whole output tiles), "stream-k" (the tiles' K
 // iterations shared evenly among the SMs, partial sums fixed up through a workspace in a fixed
 // order: deterministic) and "split-k" (K cut into ``splits`` equal slabs run as a batch of
 // whole-tile GEMMs side by side, each writing its fp32 partial product, then summed in order by a
 // second kernel: no SM waits on another, where stream-K's and CUTLASS's split-K fix-ups are
-// serial); and three tiles, 128 x 256, 128 x 192 and 128 x 128 (weight rows x tokens), the
+// serial; that kernel also adds the residual stream when handed one, the o_proj's and
+// down_proj's ``x + h / scale``); and three tiles, 128 x 256, 128 x 192 and 128 x 128 (weight rows x tokens), the
 // narrow ones persistent only. Which a call takes is cutlass_qmm.schedule's. The weight comes in
 // MLX's layout or, as the layers hand it over, reordered (ReorderAtom below; cutlass_qmm.reorder):
 // 0.84-0.95x the time a call in MLX's layout took for affine 4-bit weights, 0.93-0.99x for 8-bit,
 // 0.89-0.96x for mxfp4 (the forty-second issue-16 session, docs/benchmarks.md).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+
+#include <bit>
+#include <limits>
+#include <optional>
 
 #include "mlx/array.h"
 #include "mlx/ops.h"
@@ -190,8 +198,11 @@ int sm_count() {
 }
 
 // y = the sum of ``splits`` fp32 partial products [splits][count], in order, rounded once to bf16
-// (as the epilogue rounds a whole-K tile); four values a thread.
-__global__ void sum_splits(const float4* __restrict__ parts, uint2* __restrict__ y, int quads, int splits) {
+// (as the epilogue rounds a whole-K tile); four values a thread. With a ``residual`` r, y = r + that
+// sum / scale instead: ESMC's scaled residual add, each operation a bf16 one as MLX's ops compute
+// ``r + h / scale`` (its Divide and Add), so the values are theirs bit for bit.
+__global__ void sum_splits(const float4* __restrict__ parts, const uint2* __restrict__ residual, uint2* __restrict__ y,
+                           int quads, int splits, unsigned short scale_bits) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= quads) return;
   float4 s = parts[i];
@@ -199,8 +210,16 @@ __global__ void sum_splits(const float4* __restrict__ parts, uint2* __restrict__
     float4 v = parts[i + int64_t(p) * quads];
     s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
   }
-  __nv_bfloat162 lo = __floats2bfloat162_rn(s.x, s.y), hi = __floats2bfloat162_rn(s.z, s.w);
-  y[i] = make_uint2(reinterpret_cast<uint32_t&>(lo), reinterpret_cast<uint32_t&>(hi));
+  __nv_bfloat16 h[4] = {__float2bfloat16_rn(s.x), __float2bfloat16_rn(s.y), __float2bfloat16_rn(s.z),
+                        __float2bfloat16_rn(s.w)};
+  if (residual) {
+    const uint2 packed = residual[i];
+    const __nv_bfloat16* r = reinterpret_cast<const __nv_bfloat16*>(&packed);
+    const __nv_bfloat16 scale = __ushort_as_bfloat16(scale_bits);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) h[j] = r[j] + h[j] / scale;
+  }
+  y[i] = *reinterpret_cast<const uint2*>(h);
 }
 
 // The driver's handle of one of this library's kernels, for MLX's graph: this library links its
@@ -213,6 +232,55 @@ CUfunction driver_handle(const void* kernel) {
   return reinterpret_cast<CUfunction>(f);
 }
 
+// A strided (or broadcast) array's shape and strides, in elements, for strided_copy.
+struct Strided {
+  static constexpr int max_dims = 8;
+  int ndim;
+  int64_t shape[max_dims], strides[max_dims];
+};
+
+// out[i] = the i-th element of ``in`` in row-major order: a row-contiguous copy, one element a thread.
+template <class T>
+__global__ void strided_copy(const T* __restrict__ in, T* __restrict__ out, int64_t size, Strided dims) {
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= size) return;
+  int64_t at = 0, rest = i;
+  for (int d = dims.ndim - 1; d >= 0; --d) {
+    at += (rest % dims.shape[d]) * dims.strides[d];
+    rest /= dims.shape[d];
+  }
+  out[i] = in[at];
+}
+
+// ``a`` itself where it is row-contiguous (every array the layers hand over), else a row-contiguous
+// copy made by strided_copy ahead of the kernels that read it.
+mx::array row_contiguous(const mx::array& a, mx::cu::CommandEncoder& encoder) {
+  if (a.flags().row_contiguous) return a;
+  if (a.ndim() > Strided::max_dims) throw std::invalid_argument("[cutlass_qmm] inputs of at most 8 dimensions");
+  Strided dims{static_cast<int>(a.ndim()), {}, {}};
+  for (int d = 0; d < dims.ndim; ++d) dims.shape[d] = a.shape(d), dims.strides[d] = a.strides(d);
+  mx::array copy(a.shape(), a.dtype(), nullptr, {});
+  copy.set_data(mx::allocator::malloc(copy.nbytes()));
+  encoder.add_temporary(copy);
+  encoder.set_input_array(a);
+  encoder.set_output_array(copy);
+  int64_t size = a.size();
+  constexpr int threads = 256;
+  dim3 blocks(static_cast<unsigned>((size + threads - 1) / threads));
+  auto go = [&]<class T>() {
+    static CUfunction f = driver_handle(reinterpret_cast<const void*>(&strided_copy<T>));
+    encoder.add_kernel_node_ex(f, blocks, dim3(threads), dim3{}, 0, mx::gpu_ptr<T>(a), mx::gpu_ptr<T>(copy), size,
+                               dims);
+  };
+  switch (a.itemsize()) {
+    case 1: go.template operator()<uint8_t>(); break;
+    case 2: go.template operator()<uint16_t>(); break;
+    case 4: go.template operator()<uint32_t>(); break;
+    default: throw std::invalid_argument("[cutlass_qmm] inputs of 1, 2 or 4 bytes an element");
+  }
+  return copy;
+}
+
 // ``inputs``: x, q, then the scales and biases, or mxfp4's scale pairs (one per 64 along K).
 // ``out``: [M, N] (Out bf16), or [splits, M, N] (fp32): K's ``splits`` slabs as the GEMM's batch.
 template <class Quant, class Scheduler, class Tile, class WeightLayout, class Out = Bf16>
@@ -223,7 +291,7 @@ void launch(const std::vector<mx::array>& inputs, mx::array& out, int group_size
   const mx::array &x = inputs[0], &q = inputs[1], &scales = inputs[2];
   using Kernel = typename MixedGemm<Quant, Scheduler, Tile, WeightLayout, Out>::Kernel;
   constexpr bool stream_k = std::is_same_v<Scheduler, cutlass::gemm::StreamKScheduler>;
-  int m = x.shape(0), k = x.shape(1), n = out.shape(-1), slab = k / splits;
+  int k = x.shape(-1), m = static_cast<int>(x.size() / k), n = out.shape(-1), slab = k / splits;
   // Slab l of K: columns l * slab on of x and of the weight; in the reordered weight the 16 x 16
   // blocks run rows first, then K, so a slab is a contiguous run of them.
   auto stride_q = [&] {
@@ -294,7 +362,7 @@ void launch(const std::vector<mx::array>& inputs, mx::array& out, int group_size
 class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
  public:
   CutlassQuantizedMatmul(mx::Stream stream, bool mxfp4, int bits, int group_size, bool stream_k, int tile_tokens,
-                         bool reordered, int splits)
+                         bool reordered, int splits, bool residual, float scale)
       : mx::UnaryPrimitive(stream),
         mxfp4_(mxfp4),
         bits_(bits),
@@ -302,21 +370,25 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
         stream_k_(stream_k),
         tile_tokens_(tile_tokens),
         reordered_(reordered),
-        splits_(splits) {}
+        splits_(splits),
+        residual_(residual),
+        scale_(scale) {}
 
   void eval_cpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("[cutlass_qmm] runs on a CUDA GPU only");
   }
 
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    for (auto& a : inputs)
-      if (!a.flags().row_contiguous) throw std::runtime_error("[cutlass_qmm] inputs must be row-contiguous");
+  // ``given``: the GEMM's inputs, then the residual where one is added.
+  void eval_gpu(const std::vector<mx::array>& given, mx::array& out) override {
     auto& encoder = mx::cu::get_command_encoder(stream());
+    std::vector<mx::array> all_inputs;
+    for (auto& a : given) all_inputs.push_back(row_contiguous(a, encoder));
+    const std::vector<mx::array> inputs(all_inputs.begin(), all_inputs.end() - residual_);
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto go = [&]<class Quant, class WeightLayout>() {
       using cutlass::gemm::PersistentScheduler;
       if (splits_ > 1)
-        split_k<Quant, WeightLayout>(inputs, out, encoder);
+        split_k<Quant, WeightLayout>(inputs, residual_ ? &all_inputs.back() : nullptr, out, encoder);
       else if (stream_k_)
         launch<Quant, cutlass::gemm::StreamKScheduler, QmmTile, WeightLayout>(inputs, out, group_size_, 1, encoder);
       else if (tile_tokens_ == 192)
@@ -346,14 +418,18 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const CutlassQuantizedMatmul&>(other);
     return mxfp4_ == o.mxfp4_ && bits_ == o.bits_ && group_size_ == o.group_size_ && stream_k_ == o.stream_k_ &&
-           tile_tokens_ == o.tile_tokens_ && reordered_ == o.reordered_ && splits_ == o.splits_;
+           tile_tokens_ == o.tile_tokens_ && reordered_ == o.reordered_ && splits_ == o.splits_ &&
+           residual_ == o.residual_ && scale_ == o.scale_;
   }
 
  private:
-  // The slabs' partial products into a temporary fp32 [splits, M, N], then their sum into out.
+  // The slabs' partial products into a temporary fp32 [splits, M, N], then their sum (added to
+  // ``residual`` when given) into out.
   template <class Quant, class WeightLayout>
-  void split_k(const std::vector<mx::array>& inputs, mx::array& out, mx::cu::CommandEncoder& encoder) {
-    mx::array parts({splits_, out.shape(0), out.shape(1)}, mx::float32, nullptr, {});
+  void split_k(const std::vector<mx::array>& inputs, const mx::array* residual, mx::array& out,
+               mx::cu::CommandEncoder& encoder) {
+    const int n = out.shape(-1);
+    mx::array parts({splits_, static_cast<int>(out.size() / n), n}, mx::float32, nullptr, {});
     parts.set_data(mx::allocator::malloc(parts.nbytes()));
     encoder.add_temporary(parts);
     launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile, WeightLayout, float>(inputs, parts, group_size_,
@@ -362,9 +438,13 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
     int quads = static_cast<int>(out.size() / 4);  // N is a multiple of 8
     constexpr int threads = 256;
     encoder.set_input_array(parts);
+    if (residual) encoder.set_input_array(*residual);
     encoder.set_output_array(out);
+    // MLX's own rounding of a Python float to bf16 (as ``h / scale`` rounds the scalar).
+    unsigned short scale_bits = std::bit_cast<unsigned short>(mx::bfloat16_t(scale_));
     encoder.add_kernel_node_ex(sum, dim3((quads + threads - 1) / threads), dim3(threads), dim3{}, 0,
-                               mx::gpu_ptr<float4>(parts), mx::gpu_ptr<uint2>(out), quads, splits_);
+                               mx::gpu_ptr<float4>(parts), residual ? mx::gpu_ptr<uint2>(*residual) : nullptr,
+                               mx::gpu_ptr<uint2>(out), quads, splits_, scale_bits);
   }
 
   bool mxfp4_;
@@ -373,6 +453,8 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
   int tile_tokens_;
   bool reordered_;
   int splits_;
+  bool residual_;
+  float scale_;
 };
 
 void check_tiles(bool stream_k, int tile_tokens, int splits) {
@@ -385,9 +467,12 @@ void check_tiles(bool stream_k, int tile_tokens, int splits) {
     throw std::invalid_argument("[cutlass_qmm] split-K runs whole 256-token tiles only (not stream-K)");
 }
 
-// x [..., K] @ the weight's transpose, by a CutlassQuantizedMatmul over ``scales_etc`` after x and q.
+// x [..., K] @ the weight's transpose, [..., N], by a CutlassQuantizedMatmul over ``scales_etc`` after
+// x and q; with a ``residual`` [..., N], residual + that / scale (split-K's sum adds it).
 mx::array run(const mx::array& x, const mx::array& q, std::vector<mx::array> scales_etc, bool mxfp4, int bits,
-              int group_size, bool stream_k, int tile_tokens, bool reordered, int splits) {
+              int group_size, bool stream_k, int tile_tokens, bool reordered, int splits,
+              const std::optional<mx::array>& residual, float scale) {
+  if (x.ndim() < 1 || x.shape(-1) < 1) throw std::invalid_argument("[cutlass_qmm] x must be [..., K] with K > 0");
   int k = x.shape(-1), n = q.shape(0);
   if (reordered && (n % 16 != 0 || k % 16 != 0))
     throw std::invalid_argument("[cutlass_qmm] a reordered weight's rows and K must be multiples of 16");
@@ -395,20 +480,27 @@ mx::array run(const mx::array& x, const mx::array& q, std::vector<mx::array> sca
   int unit = std::max(64, mxfp4 ? 64 : group_size);
   if (k % (splits * unit) != 0)
     throw std::invalid_argument("[cutlass_qmm] split-K needs K a multiple of splits x " + std::to_string(unit));
-  auto lead = x.shape();
-  lead.back() = n;
-  auto x2 = mx::contiguous(mx::reshape(x, {-1, k}));
-  scales_etc.insert(scales_etc.begin(), {x2, q});
-  auto y = mx::array({x2.shape(0), n}, mx::bfloat16,
-                     std::make_shared<CutlassQuantizedMatmul>(mx::default_stream(mx::Device::gpu), mxfp4, bits,
-                                                              group_size, stream_k, tile_tokens, reordered, splits),
-                     std::move(scales_etc));
-  return mx::reshape(y, lead);
+  if (x.size() / k > std::numeric_limits<int>::max())
+    throw std::invalid_argument("[cutlass_qmm] x must have fewer than 2^31 rows");
+  auto shape = x.shape();
+  shape.back() = n;
+  scales_etc.insert(scales_etc.begin(), {x, q});
+  if (residual) {
+    if (splits < 2) throw std::invalid_argument("[cutlass_qmm] a residual is added by split-K's sum: splits must be 2 or more");
+    if (residual->shape() != shape || residual->dtype() != mx::bfloat16)
+      throw std::invalid_argument("[cutlass_qmm] the residual must be bfloat16 and shaped as the product");
+    scales_etc.push_back(*residual);
+  }
+  return mx::array(shape, mx::bfloat16,
+                   std::make_shared<CutlassQuantizedMatmul>(mx::default_stream(mx::Device::gpu), mxfp4, bits, group_size,
+                                                            stream_k, tile_tokens, reordered, splits,
+                                                            residual.has_value(), scale),
+                   std::move(scales_etc));
 }
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& q, const mx::array& scales_t,
                            const mx::array& biases_t, int bits, int group_size, bool stream_k, int tile_tokens,
-                           bool reordered, int splits) {
+                           bool reordered, int splits, const std::optional<mx::array>& residual, float scale) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("[cutlass_qmm] bits must be 4 or 8");
   if (group_size != 64 && group_size != 128) throw std::invalid_argument("[cutlass_qmm] group_size must be 64 or 128");
   check_tiles(stream_k, tile_tokens, splits);
@@ -418,11 +510,13 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& q, const mx::arr
   if (q.ndim() != 2 || q.shape(1) * 32 / bits != k) throw std::invalid_argument("[cutlass_qmm] weight and x disagree");
   if (scales_t.shape(0) != k / group_size || scales_t.shape(1) != n || biases_t.shape() != scales_t.shape())
     throw std::invalid_argument("[cutlass_qmm] scales and biases must be [K / group_size, N]");
-  return run(x, q, {scales_t, biases_t}, false, bits, group_size, stream_k, tile_tokens, reordered, splits);
+  return run(x, q, {scales_t, biases_t}, false, bits, group_size, stream_k, tile_tokens, reordered, splits, residual,
+             scale);
 }
 
 mx::array mxfp4_matmul(const mx::array& x, const mx::array& q, const mx::array& scale_pairs, bool stream_k,
-                       int tile_tokens, bool reordered, int splits) {
+                       int tile_tokens, bool reordered, int splits, const std::optional<mx::array>& residual,
+                       float scale) {
   check_tiles(stream_k, tile_tokens, splits);
   if (x.dtype() != mx::bfloat16 || scale_pairs.dtype() != mx::uint32)
     throw std::invalid_argument("[cutlass_qmm] x must be bfloat16 and the scale pairs uint32");
@@ -430,7 +524,7 @@ mx::array mxfp4_matmul(const mx::array& x, const mx::array& q, const mx::array& 
   if (q.ndim() != 2 || q.shape(1) * 8 != k) throw std::invalid_argument("[cutlass_qmm] weight and x disagree");
   if (k % 64 != 0 || scale_pairs.ndim() != 2 || scale_pairs.shape(0) != k / 64 || scale_pairs.shape(1) != n)
     throw std::invalid_argument("[cutlass_qmm] scale pairs must be [K / 64, N]");
-  return run(x, q, {scale_pairs}, true, 4, 32, stream_k, tile_tokens, reordered, splits);
+  return run(x, q, {scale_pairs}, true, 4, 32, stream_k, tile_tokens, reordered, splits, residual, scale);
 }
 
 }  // namespace esmc_qmm
@@ -439,14 +533,16 @@ NB_MODULE(_cutlass_qmm, m) {
   nb::module_::import_("mlx.core");
   m.def("quantized_matmul", &esmc_qmm::quantized_matmul, nb::arg("x"), nb::arg("q"), nb::arg("scales_t"), nb::arg("biases_t"),
         nb::arg("bits"), nb::arg("group_size"), nb::arg("stream_k") = false, nb::arg("tile_tokens") = 256,
-        nb::arg("reordered") = false, nb::arg("splits") = 1,
+        nb::arg("reordered") = false, nb::arg("splits") = 1, nb::arg("residual").none() = nb::none(),
+        nb::arg("scale") = 1.0f,
         "x @ dequantize(q).T by CUTLASS's Hopper mixed-input GEMM; scales and biases transposed to [K / group, N];\n"
         "stream_k: the tiles' K shared among the SMs (else whole tiles each); tile_tokens: 256, 192 or 128;\n"
         "reordered: q in cutlass_qmm.reorder's layout (ReorderAtom), not MLX's; splits: K in that many\n"
-        "slabs, each a batch of whole tiles, their fp32 partial products summed by a second kernel.");
+        "slabs, each a batch of whole tiles, their fp32 partial products summed by a second kernel;\n"
+        "residual (splits > 1 only): residual + the product / scale, from that kernel.");
   m.def("mxfp4_matmul", &esmc_qmm::mxfp4_matmul, nb::arg("x"), nb::arg("q"), nb::arg("scale_pairs"),
         nb::arg("stream_k") = false, nb::arg("tile_tokens") = 256, nb::arg("reordered") = false,
-        nb::arg("splits") = 1,
+        nb::arg("splits") = 1, nb::arg("residual").none() = nb::none(), nb::arg("scale") = 1.0f,
         "x @ dequantize(q, mode='mxfp4').T by the same GEMM; scale_pairs [K / 64, N] uint32, each two groups'\n"
         "scales as bf16 (the even group's in the low half).");
   m.def("sm_count", &esmc_qmm::sm_count, "The GPU's streaming multiprocessors (the waves tiles fill).");

@@ -117,8 +117,12 @@ STREAM_K_MIN_ITERATIONS = 4096
 #   23.5 -> 24.3 / 26.8 / 23.3; the 300M's o_proj (K 960, 8 tiles) 10.8 -> 11.3, its q/k/v
 #   (23 tiles) 11.2 -> 12.6, its gate/up (40) 11.7 -> 15.3, while its down_proj (K 2560) 21.5 ->
 #   12.3 at 256 tokens and 22.3 -> 18.1 at 1024 (32 tiles, 0.24).
+# A product added to the residual stream (``matmul``'s ``residual``: the o_proj and down_proj)
+# splits from a shorter K, SPLIT_K_MIN_K_ADDED: its slabs' sum then does the add, whose own
+# kernel and graph node it replaces (forty-fourth session, below ``adds_residual``).
 SPLIT_K_BELOW_FILL = 0.3
 SPLIT_K_MIN_K = 2048
+SPLIT_K_MIN_K_ADDED = 512
 SPLIT_K_MIN_SLAB = 256
 SPLITS_ENV = "ESMC_MLX_CUTLASS_SPLITS"  # split-K's slab count, where it runs (benchmarks)
 # The kernel takes each weight in the layout of the .cu's ReorderAtom (each thread's eight values
@@ -338,18 +342,20 @@ def splits(rows: int, tokens: int, k: int, unit: int = TILE_K) -> int:
     return max(fitting, default=1)
 
 
-def schedule(rows: int, tokens: int, k: int, unit: int = TILE_K) -> str:
+def schedule(rows: int, tokens: int, k: int, unit: int = TILE_K, added: bool = False) -> str:
     """Which of SCHEDULES a call of ``tokens`` rows through a (rows x k) weight takes
     (``SCHEDULE_ENV`` forces one): split-K where whole tiles fill less than SPLIT_K_BELOW_FILL
-    of one wave, K is at least SPLIT_K_MIN_K and splits (``splits``, slabs a multiple of
-    ``unit``), else stream-K where the wide tiles leave the last wave short (in a single wave, a
-    third of it idle) and there is K to share, else the narrowest of NARROW_TILES that takes no
-    more waves, else whole wide tiles."""
+    of one wave, K is at least SPLIT_K_MIN_K (SPLIT_K_MIN_K_ADDED for a product ``added`` to a
+    residual stream) and splits (``splits``, slabs a multiple of ``unit``), else stream-K where
+    the wide tiles leave the last wave short (in a single wave, a third of it idle) and there is
+    K to share, else the narrowest of NARROW_TILES that takes no more waves, else whole wide
+    tiles."""
     chosen = os.environ.get(SCHEDULE_ENV, "")
     if chosen in SCHEDULES:
         return chosen
     sms = _extension().sm_count()
-    if tiles(rows, tokens) < SPLIT_K_BELOW_FILL * sms and k >= SPLIT_K_MIN_K and splits(rows, tokens, k, unit) > 1:
+    min_k = SPLIT_K_MIN_K_ADDED if added else SPLIT_K_MIN_K
+    if tiles(rows, tokens) < SPLIT_K_BELOW_FILL * sms and k >= min_k and splits(rows, tokens, k, unit) > 1:
         return "split-k"
     iterations = tiles(rows, tokens) * -(-k // TILE_K)
     below = STREAM_K_BELOW_FILL if waves(rows, tokens, sms) > 1 else STREAM_K_ONE_WAVE_BELOW_FILL
@@ -361,22 +367,55 @@ def schedule(rows: int, tokens: int, k: int, unit: int = TILE_K) -> str:
     return "persistent"
 
 
-def matmul(layer: nn.Module, x: mx.array, tokens: int) -> mx.array:
+# The residual add in split-K's sum (QuantizedLinear.added_to; model.residual_norm hands each
+# o_proj and down_proj its residual stream). H200, forty-fourth issue-16 session, the add by
+# MLX's ops -> in the sum (docs/benchmarks.md):
+# - Kernels of four 6B layers at 1x256 (Nsight Compute, python -m benchmarks.host_overhead
+#   --layers 4 --profile, ESMC_MLX_FUSED_NORM=0 for the side before): affine4 0.563 -> 0.544 ms,
+#   affine8 0.573 -> 0.546 (bf16 0.498): 1.13 / 1.15 -> 1.09 / 1.10x. The add's kernel (3.2 us a
+#   call) is gone; the sum takes 4.8 us a call instead of 4.3.
+# - Whole forwards, quantized / bf16 (python -m benchmarks.cutlass_qmm_ab --sides
+#   ops-residual,shipped; a host-bound machine, the 6B's bf16 twin at 15.8-22.4 ms): 6B 1x256
+#   0.88 -> 0.79 (affine4), 0.91 -> 0.82 (affine8), 0.91 -> 0.86 (mxfp4); 1x128 0.90 -> 0.88,
+#   0.92 -> 0.85, 0.86 -> 0.80. The graph node it saves (two a block) is host time there.
+# - SPLIT_K_MIN_K_ADDED 512 against 2048 (the 300M's o_proj, K 960, in 3 slabs against whole
+#   128 x 128 tiles and the add's kernel; sides added-min-k-2048,shipped, another host-bound
+#   machine): the 300M at 1x128, 1x256 and 1x1024 ahead in 7 of 9 cells (0.965-0.992 of the
+#   time; affine4 behind at 1x256, 1.011, level at 1x1024); its eight layers' kernels at 1x256
+#   affine4 1.21 -> 1.19x bf16's, affine8 1.23 -> 1.24.
+def adds_residual(layer: nn.Module, tokens: int) -> bool:
+    """True when the call of ``tokens`` rows through ``layer`` can add a residual stream in the
+    kernel that sums its split-K slabs (``matmul``'s ``residual``): split-K runs for it, in two
+    slabs or more, and the layer has no bias (which would come before the division)."""
+    rows, k = kernels.dequantized_shape(layer["weight"], layer.bits)
+    unit = split_unit(layer)
+    split = schedule(rows, tokens, k, unit, added=True) == "split-k" and splits(rows, tokens, k, unit) > 1
+    return split and "bias" not in layer
+
+
+def matmul(
+    layer: nn.Module, x: mx.array, tokens: int, residual: mx.array | None = None, scale: float = 1.0
+) -> mx.array:
     """``x @ dequantize(layer's weight).T`` (+ its bias) by CUTLASS; x in bfloat16, ``tokens``
-    rows of it (quantized.token_count)."""
+    rows of it (quantized.token_count). With ``residual`` (where ``adds_residual``): ``residual +
+    that / scale``, from the kernel that sums the slabs, each operation rounded to bf16 as MLX's
+    ops round it."""
+    if residual is not None and "bias" in layer:
+        raise ValueError("[cutlass_qmm] a residual is added to a product without bias only")
     scales = kernel_scales(layer)
     rows, k, unit = layer["weight"].shape[0], x.shape[-1], split_unit(layer)
-    chosen = schedule(rows, tokens, k, unit)
+    chosen = schedule(rows, tokens, k, unit, added=residual is not None)
     narrow = chosen.removeprefix("persistent-")
     tile_tokens = int(narrow) if narrow.isdigit() else TILE_TOKENS
     parts = splits(rows, tokens, k, unit) if chosen == "split-k" else 1
     reordered = reorders(layer)
     weight = reordered_weight(layer) if reordered else layer["weight"]
     how = (chosen == "stream-k", tile_tokens, reordered, parts)
+    added = {} if residual is None else {"residual": residual, "scale": scale}
     if layer.mode == "mxfp4":
-        y = _extension().mxfp4_matmul(x, weight, *scales, *how)
+        y = _extension().mxfp4_matmul(x, weight, *scales, *how, **added)
     else:
-        y = _extension().quantized_matmul(x, weight, *scales, layer.bits, layer.group_size, *how)
+        y = _extension().quantized_matmul(x, weight, *scales, layer.bits, layer.group_size, *how, **added)
     return y + layer["bias"] if "bias" in layer else y
 
 

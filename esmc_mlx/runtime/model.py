@@ -56,11 +56,19 @@ def kernel_choices() -> tuple:
     )
 
 
-def residual_norm(x: mx.array, h: mx.array, scale: float, norm: nn.LayerNorm) -> tuple[mx.array, mx.array]:
-    """The residual stream ``x + h / scale`` and ``norm`` of it (kernels.add_layer_norm on a
-    CUDA GPU: one kernel instead of an add and a LayerNorm reading it back; same values)."""
-    args = (x, h, scale, norm.weight, norm.get("bias"), norm.eps)
-    return kernels.add_layer_norm(*args) if fused_norm_enabled() else kernels.add_layer_norm_reference(*args)
+def residual_norm(
+    x: mx.array, linear: nn.Module, h: mx.array, scale: float, norm: nn.LayerNorm
+) -> tuple[mx.array, mx.array]:
+    """The residual stream ``x + linear(h) / scale`` and ``norm`` of it, on a CUDA GPU with fewer
+    launches, the same values: a quantized linear whose CUTLASS call splits K adds x in the kernel
+    that sums its slabs (QuantizedLinear.added_to); else kernels.add_layer_norm, one kernel
+    instead of an add and a LayerNorm reading it back."""
+    if not fused_norm_enabled():
+        return kernels.add_layer_norm_reference(x, linear(h), scale, norm.weight, norm.get("bias"), norm.eps)
+    added = linear.added_to(x, h, scale) if isinstance(linear, quantized.QuantizedLinear) else None
+    if added is not None:
+        return added, norm(added)
+    return kernels.add_layer_norm(x, linear(h), scale, norm.weight, norm.get("bias"), norm.eps)
 
 
 @dataclasses.dataclass
@@ -169,6 +177,11 @@ class Attention(nn.Module):
         return kernels.qkv_heads(*args) if kernels.qkv_heads_supported(*args) else None
 
     def __call__(self, x: mx.array, mask: mx.array | None, return_weights: bool = False):
+        out, weights = self.attend(x, mask, return_weights)
+        return self.o_proj(out), weights
+
+    def attend(self, x: mx.array, mask: mx.array | None, return_weights: bool = False):
+        """The heads' attention output (B, L, d) before o_proj, and the weights (or None)."""
         B, L, _ = x.shape
         heads = None if return_weights else self._fused_heads(x)
         if heads is not None:
@@ -189,8 +202,7 @@ class Attention(nn.Module):
             out = weights @ v
         else:
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out), weights
+        return out.transpose(0, 2, 1, 3).reshape(B, L, -1), weights
 
 
 class MLP(nn.Module):
@@ -202,11 +214,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.gated(x))
+
+    def gated(self, x: mx.array) -> mx.array:
+        """SwiGLU's product, the input of down_proj."""
         if "gate_up_proj" in self:  # fused at load time (ESMC.fuse)
             gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(nn.silu(gate) * up)
+        return nn.silu(gate) * up
 
 
 class Layer(nn.Module):
@@ -229,13 +245,14 @@ class Layer(nn.Module):
         new stream, ``next_norm`` of it (the next block's input LayerNorm or the final one,
         computed with the residual add; None when ``next_norm`` is None) and the attention
         weights. ESMC's residual adds are scaled: ``x + h / residual_scale``."""
+        attn, mlp, scale = self.self_attn, self.mlp, self.residual_scale
         with quantized.dequantized_together(self, normed):
-            attn, weights = self.self_attn(normed, mask, return_weights)
-            x, y = residual_norm(x, attn, self.residual_scale, self.post_attention_layernorm)
-            h = self.mlp(y)
-        if next_norm is None:
-            return x + h / self.residual_scale, None, weights
-        x, normed = residual_norm(x, h, self.residual_scale, next_norm)
+            out, weights = attn.attend(normed, mask, return_weights)
+            x, y = residual_norm(x, attn.o_proj, out, scale, self.post_attention_layernorm)
+            h = mlp.gated(y)
+            if next_norm is None:
+                return x + mlp.down_proj(h) / scale, None, weights
+            x, normed = residual_norm(x, mlp.down_proj, h, scale, next_norm)
         return x, normed, weights
 
 
