@@ -230,6 +230,9 @@ NCU_CSV = """==PROF== Connected to process 992 (/usr/bin/python3.12)
 "3","992","python3.12","127.0.0.1","mlx::custom_kernel_esmc_dequantize_mxfp4_4_32_bfloat16_t_4_32_1(const unsigned int *)","1","14","(256, 1, 1)","(1056, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","us","72.0"
 "4","992","python3.12","127.0.0.1","cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_32","1","14","(384, 1, 1)","(80, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","7,392"
 "5","992","python3.12","127.0.0.1","mlx::custom_kernel_esmc_qkv_heads_bfloat16_t_40(const __nv_bfloat16 *)","1","14","(320, 1, 1)","(256, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","5,408"
+"6","992","python3.12","127.0.0.1","void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int, int, int, int>>>(T1::Params)","1","14","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","us","15.5"
+"7","992","python3.12","127.0.0.1","esmc_qmm::sum_splits(const float4 *, const uint2 *, uint2 *, int, int, unsigned short)","1","14","(256, 1, 1)","(640, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","4,768"
+"8","992","python3.12","127.0.0.1","void mlx::gather<__nv_bfloat16, long long, 1, 2, int>(const T1 *, T1 *)","1","14","(256, 1, 1)","(640, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","us","155.0"
 ==PROF== Disconnected from process 992
 """
 
@@ -240,8 +243,10 @@ def test_host_overhead_groups_nsight_compute_kernel_times(tmp_path):
     csv = tmp_path / "k.csv"
     csv.write_text(NCU_CSV)
     table = host_overhead.main(["--kernels", str(csv), "--json", str(tmp_path / "k.json")])[str(csv)]
-    assert table["kernels"] == 6
-    assert table["total_ms"] == pytest.approx((41664 + 9856 + 28500 + 72000 + 7392 + 5408) * 1e-6)
+    assert table["kernels"] == 9
+    without = (41664 + 9856 + 28500 + 72000 + 7392 + 5408 + 15500 + 4768) * 1e-6
+    assert table["without_gather_ms"] == pytest.approx(without)
+    assert table["total_ms"] == pytest.approx(without + 155000e-6)
     ms = {k: round(v["ms"] * 1e6) for k, v in table["groups"].items()}
     assert ms == {
         "fused qmm": 41664,
@@ -250,8 +255,10 @@ def test_host_overhead_groups_nsight_compute_kernel_times(tmp_path):
         "dequantize": 72000,
         "attention": 7392,
         "row kernels": 5408,
+        "cutlass qmm": 15500 + 4768,  # the extension's GEMM and its split-K sum
+        "embedding gather": 155000,
     }
-    assert table["top"][0]["name"].startswith("mlx::custom_kernel_esmc_dequantize_mxfp4")
+    assert table["top"][0]["name"].startswith("void mlx::gather")
     out = host_overhead.main(
         [
             "--model",
