@@ -63,12 +63,12 @@ def residual_norm(
     launches, the same values: a quantized linear whose CUTLASS call splits K adds x in the kernel
     that sums its slabs (QuantizedLinear.added_to); else kernels.add_layer_norm, one kernel
     instead of an add and a LayerNorm reading it back."""
-    if not fused_norm_enabled():
-        return kernels.add_layer_norm_reference(x, linear(h), scale, norm.weight, norm.get("bias"), norm.eps)
-    added = linear.added_to(x, h, scale) if isinstance(linear, quantized.QuantizedLinear) else None
+    fused = fused_norm_enabled()
+    added = linear.added_to(x, h, scale) if fused and isinstance(linear, quantized.QuantizedLinear) else None
     if added is not None:
         return added, norm(added)
-    return kernels.add_layer_norm(x, linear(h), scale, norm.weight, norm.get("bias"), norm.eps)
+    add_norm = kernels.add_layer_norm if fused else kernels.add_layer_norm_reference
+    return add_norm(x, linear(h), scale, norm.weight, norm.get("bias"), norm.eps)
 
 
 @dataclasses.dataclass
