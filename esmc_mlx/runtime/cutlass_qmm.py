@@ -317,10 +317,7 @@ def wave_fill(rows: int, tokens: int, sms: int) -> float:
 def sm_fill(rows: int, tokens: int, k: int, unit: int = TILE_K) -> float:
     """The share of this GPU's SMs' waves a call of ``tokens`` rows through a (rows x k) weight
     keeps busy: wave_fill, each tile counted once per slab where ``schedule`` splits K."""
-    fill = wave_fill(rows, tokens, _extension().sm_count())
-    if schedule(rows, tokens, k, unit) == "split-k":
-        fill *= splits(rows, tokens, k, unit)
-    return fill
+    return wave_fill(rows, tokens, _extension().sm_count()) * plan(rows, tokens, k, unit)[1]
 
 
 def split_unit(layer: nn.Module) -> int:
@@ -367,6 +364,12 @@ def schedule(rows: int, tokens: int, k: int, unit: int = TILE_K, added: bool = F
     return "persistent"
 
 
+def plan(rows: int, tokens: int, k: int, unit: int = TILE_K, added: bool = False) -> tuple[str, int]:
+    """``schedule``'s choice for a call and its slab count: ``splits`` under split-K, else 1."""
+    chosen = schedule(rows, tokens, k, unit, added)
+    return chosen, splits(rows, tokens, k, unit) if chosen == "split-k" else 1
+
+
 # The residual add in split-K's sum (QuantizedLinear.added_to; model.residual_norm hands each
 # o_proj and down_proj its residual stream). H200, forty-fourth issue-16 session, the add by
 # MLX's ops -> in the sum (docs/benchmarks.md):
@@ -388,9 +391,7 @@ def adds_residual(layer: nn.Module, tokens: int) -> bool:
     kernel that sums its split-K slabs (``matmul``'s ``residual``): split-K runs for it, in two
     slabs or more, and the layer has no bias (which would come before the division)."""
     rows, k = kernels.dequantized_shape(layer["weight"], layer.bits)
-    unit = split_unit(layer)
-    split = schedule(rows, tokens, k, unit, added=True) == "split-k" and splits(rows, tokens, k, unit) > 1
-    return split and "bias" not in layer
+    return plan(rows, tokens, k, split_unit(layer), added=True)[1] > 1 and "bias" not in layer
 
 
 def matmul(
@@ -403,11 +404,9 @@ def matmul(
     if residual is not None and "bias" in layer:
         raise ValueError("[cutlass_qmm] a residual is added to a product without bias only")
     scales = kernel_scales(layer)
-    rows, k, unit = layer["weight"].shape[0], x.shape[-1], split_unit(layer)
-    chosen = schedule(rows, tokens, k, unit, added=residual is not None)
+    chosen, parts = plan(layer["weight"].shape[0], tokens, x.shape[-1], split_unit(layer), residual is not None)
     narrow = chosen.removeprefix("persistent-")
     tile_tokens = int(narrow) if narrow.isdigit() else TILE_TOKENS
-    parts = splits(rows, tokens, k, unit) if chosen == "split-k" else 1
     reordered = reorders(layer)
     weight = reordered_weight(layer) if reordered else layer["weight"]
     how = (chosen == "stream-k", tile_tokens, reordered, parts)
