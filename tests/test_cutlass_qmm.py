@@ -688,6 +688,26 @@ def test_a_reordered_weight_gives_the_same_bits_on_cuda(bits, group_size, mode, 
 
 
 @pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
+@pytest.mark.parametrize("splits", [2, 5, 10])  # 10: more slabs than the sum's kernel loads at once
+def test_split_k_in_any_number_of_slabs_on_cuda(splits, monkeypatch):
+    """Split-K in as many slabs as it is handed gives x @ dequantize(w).T within the bf16 matmul's
+    own error of the float32 product, and its sum adds the residual as MLX's ops do, bit for bit."""
+    monkeypatch.setenv(cutlass_qmm.ENV, "1")
+    monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, "split-k")
+    monkeypatch.setenv(cutlass_qmm.SPLITS_ENV, str(splits))
+    monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
+    m = layer(4, 64, "affine", in_dims=2560, out_dims=1024)
+    x = mx.random.normal((1, 77, 2560), key=mx.random.key(splits)).astype(mx.bfloat16)
+    assert cutlass_qmm.plan(1024, 77, 2560, cutlass_qmm.split_unit(m)) == ("split-k", splits)
+    got = m(x)
+    exact = reference(m, x.astype(mx.float32))
+    bf16_err = float(mx.abs(reference(m, x).astype(mx.float32) - exact).max())
+    assert float(mx.abs(got.astype(mx.float32) - exact).max()) <= 2 * bf16_err + 1e-3
+    r = mx.random.normal((1, 77, 1024), key=mx.random.key(99)).astype(mx.bfloat16)
+    assert mx.array_equal(m.added_to(r, x, SCALE_6B), r + got / SCALE_6B).item()
+
+
+@pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
 @pytest.mark.parametrize("mode,bits,group_size", [("mxfp4", 4, 32), ("affine", 4, 64), ("affine", 8, 128)])
 @pytest.mark.parametrize("rows", [1, 77, 256])
 @pytest.mark.parametrize("scale", [SCALE_6B, (30 / 36) ** 0.5, 1.0])  # the 6B's, the 300M's, none

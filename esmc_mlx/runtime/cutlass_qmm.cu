@@ -192,6 +192,9 @@ struct MixedGemm {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue, Scheduler>;
 };
 
+// The K one row of the scales covers: a group, or mxfp4's pair of 32-wide groups (Mxfp4Scales).
+constexpr int scale_row_k(bool mxfp4, int group_size) { return mxfp4 ? 64 : group_size; }
+
 int sm_count() {
   static int count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
   return count;
@@ -200,7 +203,9 @@ int sm_count() {
 // y = the sum of ``splits`` fp32 partial products [splits][count], in order, rounded once to bf16
 // (as the epilogue rounds a whole-K tile); four values a thread. With a ``residual`` r, y = r + that
 // sum / scale instead: ESMC's scaled residual add, each operation a bf16 one as MLX's ops compute
-// ``r + h / scale`` (its Divide and Add), so the values are theirs bit for bit.
+// ``r + h / scale`` (its Divide and Add), so the values are theirs bit for bit. A version issuing
+// every slab's load before the first add took the same time (4.8 us a 6B call at 256 tokens,
+// forty-fifth issue-16 session): nvcc's unrolled loop already overlaps them.
 __global__ void sum_splits(const float4* __restrict__ parts, const uint2* __restrict__ residual, uint2* __restrict__ y,
                            int quads, int splits, unsigned short scale_bits) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -306,7 +311,7 @@ void launch(const std::vector<mx::array>& inputs, mx::array& out, int group_size
   get<2>(stride_y) = int64_t(m) * n;
   typename Kernel::CollectiveMainloop::StrideScale stride_s{};
   get<1>(stride_s) = int64_t(n);
-  get<2>(stride_s) = int64_t(slab / (mxfp4 ? 64 : group_size)) * n;  // a slab's rows of scales
+  get<2>(stride_s) = int64_t(slab / scale_row_k(mxfp4, group_size)) * n;  // a slab's rows of scales
   cutlass::KernelHardwareInfo hw{0, sm_count()};
   typename Kernel::CollectiveMainloop::Arguments mainloop;
   if constexpr (mxfp4)
@@ -477,7 +482,7 @@ mx::array run(const mx::array& x, const mx::array& q, std::vector<mx::array> sca
   if (reordered && (n % 16 != 0 || k % 16 != 0))
     throw std::invalid_argument("[cutlass_qmm] a reordered weight's rows and K must be multiples of 16");
   // Each slab whole K tiles (64) and whole scale groups (mxfp4's pairs: 64).
-  int unit = std::max(64, mxfp4 ? 64 : group_size);
+  int unit = std::max(64, scale_row_k(mxfp4, group_size));
   if (k % (splits * unit) != 0)
     throw std::invalid_argument("[cutlass_qmm] split-K needs K a multiple of splits x " + std::to_string(unit));
   if (x.size() / k > std::numeric_limits<int>::max())
