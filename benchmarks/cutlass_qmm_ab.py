@@ -73,6 +73,9 @@ TABLE_SIDES = {
     "no-128": {cutlass_qmm: {"NARROW_TILES": (192,)}},  # no 128 x 128 tile, as before it
     # products added to the residual stream split K from 2048 as the others (the 300M's o_proj whole)
     "added-min-k-2048": {cutlass_qmm: {"SPLIT_K_MIN_K_ADDED": 2048}},
+    # split-K's slabs in 256-token tiles only (as before the forty-sixth session), or a tie to the narrower
+    "split-k-256": {cutlass_qmm: {"SPLIT_K_TILES": (cutlass_qmm.TILE_TOKENS,)}},
+    "split-k-ties-128": {cutlass_qmm: {"SPLIT_K_TILES": (128, cutlass_qmm.TILE_TOKENS)}},
 }
 
 

@@ -55,10 +55,15 @@ def call(m: nn.Module, x: mx.array, path: str) -> mx.array:
         return cutlass_qmm.matmul(m, x, x.shape[0])
 
 
-def takes(m: nn.Module, k: int, path: str) -> bool:
-    """Whether ``path`` can run on ``m``: a forced slab count must cut K into whole units."""
+def takes(m: nn.Module, x: mx.array, path: str) -> bool:
+    """Whether ``path`` runs as named on ``m``: split-K takes a forced slab count only where it
+    cuts K into whole units (cutlass_qmm.splits; elsewhere it would time whole tiles)."""
     parts = path.partition(":")[2]
-    return not parts or k % (int(parts) * cutlass_qmm.split_unit(m)) == 0
+    if not parts:
+        return True
+    with environment({cutlass_qmm.SPLITS_ENV: parts}):
+        rows, (tokens, k) = m["weight"].shape[0], x.shape
+        return cutlass_qmm.splits(rows, tokens, k, cutlass_qmm.split_unit(m)) == int(parts)
 
 
 def profile(a) -> None:
@@ -74,7 +79,7 @@ def profile(a) -> None:
                 mode, bits, group = QUANT[quant]
                 m = quantized.QuantizedLinear.from_linear(linear, group, bits, mode)
                 mx.eval(m.parameters(), cutlass_qmm.kernel_scales(m))
-                for path in filter(lambda path: takes(m, k, path), a.paths.split(",")):
+                for path in filter(lambda path: takes(m, x, path), a.paths.split(",")):
                     labels.append(f"{tokens} {name} {quant} {path}")
                     calls.append(lambda m=m, x=x, path=path: call(m, x, path))
             labels.append(f"{tokens} {name} bf16 cublas")

@@ -74,6 +74,30 @@ def test_bench_says_when_quantized_layers_use_cutlass(tmp_path, monkeypatch):
     assert "CUTLASS mixed-input GEMM built (quantized layers use it)" in lines[0]
 
 
+def test_bench_says_why_a_hopper_gpu_runs_quantized_layers_without_cutlass(tmp_path, monkeypatch):
+    """On a Hopper GPU without the extension (not built for this MLX, or turned off) a bench of
+    quantized twins says so and names the fix: their ratios are the slower path's. Said for
+    quantized twins only, and nowhere the kernel cannot run."""
+    monkeypatch.setattr(bench, "_side", lambda kind, job, log: {"rows": [], "agreement": {}, "quantized": []})
+    monkeypatch.setattr(bench.mx, "is_available", lambda device: True)
+    monkeypatch.setattr(cutlass_qmm, "_extension", lambda: None)  # not built
+
+    def header(quant=("affine4",), device="gpu"):
+        lines = []
+        bench.run(("tiny",), [(1, 8)], device, quant=quant, with_torch=False, out_dir=tmp_path, log=lines.append)
+        return lines[0]
+
+    monkeypatch.setattr(cutlass_qmm, "runs_here", lambda: True)
+    assert header().endswith(
+        "quantized layers without CUTLASS's mixed-input GEMM: not built for this MLX and esmc-mlx (esmc-mlx build-cutlass builds it)"
+    )
+    monkeypatch.setenv(cutlass_qmm.ENV, "0")
+    assert header().endswith(f"without CUTLASS's mixed-input GEMM: turned off ({cutlass_qmm.ENV}=0)")
+    assert "CUTLASS" not in header(quant=()) and "CUTLASS" not in header(device="cpu")
+    monkeypatch.setattr(cutlass_qmm, "runs_here", lambda: False)  # no Hopper GPU: nothing to build
+    assert "CUTLASS" not in header()
+
+
 def test_bench_says_when_the_float_model_moved_across_the_run(tmp_path, monkeypatch, capsys):
     """Each quantized row carries the float model's lowest and highest median at its shape over
     the whole run; past FLOAT_SPREAD the shape is named as one whose ratios move with the

@@ -351,9 +351,10 @@ def test_schedule_stream_k_for_a_short_last_wave_else_the_narrow_tile_where_it_t
         (False, 192),
         (False, 128),
         (False, 256),
+        (False, 128),
         (True, 256),
     ]
-    assert stand_in.splits == [1] * 6
+    assert stand_in.splits == [1] * 7
 
 
 def test_split_k_cuts_k_into_as_many_slabs_as_still_fill_one_wave(stand_in, monkeypatch, on_cpu):
@@ -379,7 +380,7 @@ def test_split_k_cuts_k_into_as_many_slabs_as_still_fill_one_wave(stand_in, monk
     monkeypatch.delenv(cutlass_qmm.SPLITS_ENV)
     assert cutlass_qmm.schedule(960, 256, 960) == "persistent-128"  # K too short to pay for the slabs
     # unless the slabs' sum adds the residual stream (the 300M's o_proj): it replaces the add's kernel
-    assert cutlass_qmm.schedule(960, 256, 960, added=True) == "split-k"
+    assert cutlass_qmm.schedule(960, 256, 960, added=True) == "split-k-128"  # in 128-token tiles (below)
     assert cutlass_qmm.schedule(960, 256, 384, added=True) == "persistent-128"  # K under SPLIT_K_MIN_K_ADDED
     assert cutlass_qmm.schedule(7680, 256, 2560) == "persistent-128"  # the tiles fill 0.45
     for mode, bits, group_size in [("affine", 4, 64), ("affine", 8, 128), ("mxfp4", 4, 32)]:
@@ -390,6 +391,32 @@ def test_split_k_cuts_k_into_as_many_slabs_as_still_fill_one_wave(stand_in, monk
         np.testing.assert_allclose(
             np.array(y.astype(mx.float32)), np.array(reference(m, x).astype(mx.float32)), rtol=2e-2, atol=2e-2
         )
+
+
+def test_split_k_runs_the_tiles_that_leave_each_the_least_work(stand_in, on_cpu):
+    """Split-K's tiles are 128 tokens wide where their slabs leave each tile less K x tokens than
+    the 256-token tiles' (SPLIT_K_TILES; the wider on a tie), and the layer hands the kernel that
+    width with the slab count for it."""
+    # The 300M's o_proj and down_proj at 256 tokens: 48 tiles of 128 tokens x 320 of K against 24
+    # of 256 x 320; 128 of 128 x 320 against 80 of 256 x 256
+    assert cutlass_qmm.plan(960, 256, 960, added=True) == ("split-k-128", 3)
+    assert cutlass_qmm.plan(960, 256, 2560, added=True) == ("split-k-128", 8)
+    # The 6B's: 100 of 256 x 512 against 80 of 128 x 1280 (3 slabs do not divide 2560 into 64s);
+    # a tie, 120 of 256 x 1152 and 120 of 128 x 2304, keeps the wider
+    assert cutlass_qmm.plan(2560, 256, 2560, added=True) == ("split-k", 5)
+    assert cutlass_qmm.plan(2560, 256, 6912, added=True) == ("split-k", 6)
+    # At 128 tokens or fewer a 256-token tile is half empty: as many slabs of 128-token tiles
+    assert cutlass_qmm.plan(2560, 128, 6912, added=True) == ("split-k-128", 6)
+    assert cutlass_qmm.plan(960, 1024, 2560, added=True) == ("split-k", 4)  # 4 x 256 x 640 = 2 x 128 x 1280
+    assert cutlass_qmm.tile_width("split-k-128") == 128 and cutlass_qmm.tile_width("split-k") == 256
+    # the SMs it keeps busy: 16 tiles of 128 tokens in 8 slabs
+    assert cutlass_qmm.sm_fill(960, 256, 2560) == pytest.approx(128 / 132)
+    m = layer(in_dims=2560, out_dims=960)
+    x = mx.random.normal((256, 2560), key=mx.random.key(5)).astype(mx.bfloat16)
+    np.testing.assert_allclose(
+        np.array(m(x).astype(mx.float32)), np.array(reference(m, x).astype(mx.float32)), rtol=2e-2, atol=2e-2
+    )
+    assert stand_in.calls[-1][-2:] == (False, 128) and stand_in.splits[-1] == 8
 
 
 SCALE_6B = (80 / 36) ** 0.5  # ESMC's residual scale: sqrt(layers / 36)
@@ -689,16 +716,18 @@ def test_a_reordered_weight_gives_the_same_bits_on_cuda(bits, group_size, mode, 
 
 @pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
 @pytest.mark.parametrize("splits", [2, 5, 10])  # 10: more slabs than the sum's kernel loads at once
-def test_split_k_in_any_number_of_slabs_on_cuda(splits, monkeypatch):
-    """Split-K in as many slabs as it is handed gives x @ dequantize(w).T within the bf16 matmul's
-    own error of the float32 product, and its sum adds the residual as MLX's ops do, bit for bit."""
+@pytest.mark.parametrize("schedule", ["split-k", "split-k-128"])
+def test_split_k_in_any_number_of_slabs_on_cuda(splits, schedule, monkeypatch):
+    """Split-K in as many slabs as it is handed, in either tile, gives x @ dequantize(w).T within
+    the bf16 matmul's own error of the float32 product, and its sum adds the residual as MLX's
+    ops do, bit for bit."""
     monkeypatch.setenv(cutlass_qmm.ENV, "1")
-    monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, "split-k")
+    monkeypatch.setenv(cutlass_qmm.SCHEDULE_ENV, schedule)
     monkeypatch.setenv(cutlass_qmm.SPLITS_ENV, str(splits))
     monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
     m = layer(4, 64, "affine", in_dims=2560, out_dims=1024)
     x = mx.random.normal((1, 77, 2560), key=mx.random.key(splits)).astype(mx.bfloat16)
-    assert cutlass_qmm.plan(1024, 77, 2560, cutlass_qmm.split_unit(m)) == ("split-k", splits)
+    assert cutlass_qmm.plan(1024, 77, 2560, cutlass_qmm.split_unit(m)) == (schedule, splits)
     got = m(x)
     exact = reference(m, x.astype(mx.float32))
     bf16_err = float(mx.abs(reference(m, x).astype(mx.float32) - exact).max())
@@ -807,8 +836,8 @@ def test_extension_dequantizes_as_mx_dequantize_on_cuda(mode, bits, group_size, 
         ({"tile_tokens": 192, "stream_k": True}, "stream-K runs 256-token tiles only"),
         ({"group_size": 32}, "group_size must be 64 or 128"),
         ({"splits": 3}, "split-K needs K a multiple of splits x 64"),
-        ({"splits": 2, "stream_k": True}, "split-K runs whole 256-token tiles only"),
-        ({"splits": 2, "tile_tokens": 192}, "split-K runs whole 256-token tiles only"),
+        ({"splits": 2, "stream_k": True}, "split-K runs whole 256- or 128-token tiles only"),
+        ({"splits": 2, "tile_tokens": 192}, "split-K runs whole 256- or 128-token tiles only"),
         ({"residual": mx.zeros((8, 64), dtype=mx.bfloat16)}, "a residual is added by split-K's sum"),
         ({"splits": 2, "residual": mx.zeros((8, 32), dtype=mx.bfloat16)}, "the residual must be bfloat16 and shaped"),
         ({"splits": 2, "residual": mx.zeros((8, 64))}, "the residual must be bfloat16 and shaped"),

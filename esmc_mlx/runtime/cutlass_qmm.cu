@@ -19,7 +19,7 @@
 // second kernel: no SM waits on another, where stream-K's and CUTLASS's split-K fix-ups are
 // serial; that kernel also adds the residual stream when handed one, the o_proj's and
 // down_proj's ``x + h / scale``); and three tiles, 128 x 256, 128 x 192 and 128 x 128 (weight rows x tokens), the
-// narrow ones persistent only. Which a call takes is cutlass_qmm.schedule's. The weight comes in
+// 192-token one persistent only, the 128-token one persistent or split-K. Which a call takes is cutlass_qmm.schedule's. The weight comes in
 // MLX's layout or, as the layers hand it over, reordered (ReorderAtom below; cutlass_qmm.reorder):
 // 0.84-0.95x the time a call in MLX's layout took for affine 4-bit weights, 0.93-0.99x for 8-bit,
 // 0.89-0.96x for mxfp4 (the forty-second issue-16 session, docs/benchmarks.md).
@@ -437,8 +437,12 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
     mx::array parts({splits_, static_cast<int>(out.size() / n), n}, mx::float32, nullptr, {});
     parts.set_data(mx::allocator::malloc(parts.nbytes()));
     encoder.add_temporary(parts);
-    launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile, WeightLayout, float>(inputs, parts, group_size_,
-                                                                                     splits_, encoder);
+    if (tile_tokens_ == 128)
+      launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile128, WeightLayout, float>(inputs, parts, group_size_,
+                                                                                          splits_, encoder);
+    else
+      launch<Quant, cutlass::gemm::PersistentScheduler, QmmTile, WeightLayout, float>(inputs, parts, group_size_,
+                                                                                       splits_, encoder);
     static CUfunction sum = driver_handle(reinterpret_cast<const void*>(&sum_splits));
     int quads = static_cast<int>(out.size() / 4);  // N is a multiple of 8
     constexpr int threads = 256;
@@ -465,11 +469,12 @@ class CutlassQuantizedMatmul : public mx::UnaryPrimitive {
 void check_tiles(bool stream_k, int tile_tokens, int splits) {
   if (tile_tokens != 128 && tile_tokens != 192 && tile_tokens != 256)
     throw std::invalid_argument("[cutlass_qmm] tile_tokens must be 128, 192 or 256");
-  // Built for the wide tile only: the narrow ones are for calls whose whole tiles fit the waves.
+  // Built for the tiles cutlass_qmm.schedule gives each: the narrow ones are for calls whose whole
+  // tiles fit the waves.
   if (stream_k && tile_tokens != 256) throw std::invalid_argument("[cutlass_qmm] stream-K runs 256-token tiles only");
   if (splits < 1) throw std::invalid_argument("[cutlass_qmm] splits must be at least 1");
-  if (splits > 1 && (stream_k || tile_tokens != 256))
-    throw std::invalid_argument("[cutlass_qmm] split-K runs whole 256-token tiles only (not stream-K)");
+  if (splits > 1 && (stream_k || tile_tokens == 192))
+    throw std::invalid_argument("[cutlass_qmm] split-K runs whole 256- or 128-token tiles only (not stream-K)");
 }
 
 // x [..., K] @ the weight's transpose, [..., N], by a CutlassQuantizedMatmul over ``scales_etc`` after
@@ -543,7 +548,8 @@ NB_MODULE(_cutlass_qmm, m) {
         "x @ dequantize(q).T by CUTLASS's Hopper mixed-input GEMM; scales and biases transposed to [K / group, N];\n"
         "stream_k: the tiles' K shared among the SMs (else whole tiles each); tile_tokens: 256, 192 or 128;\n"
         "reordered: q in cutlass_qmm.reorder's layout (ReorderAtom), not MLX's; splits: K in that many\n"
-        "slabs, each a batch of whole tiles, their fp32 partial products summed by a second kernel;\n"
+        "slabs, each a batch of whole tiles (256 or 128 tokens), their fp32 partial products summed by a\n"
+        "second kernel;\n"
         "residual (splits > 1 only): residual + the product / scale, from that kernel.");
   m.def("mxfp4_matmul", &esmc_qmm::mxfp4_matmul, nb::arg("x"), nb::arg("q"), nb::arg("scale_pairs"),
         nb::arg("stream_k") = false, nb::arg("tile_tokens") = 256, nb::arg("reordered") = false,

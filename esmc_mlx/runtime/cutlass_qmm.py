@@ -78,7 +78,7 @@ TILE_ROWS, TILE_TOKENS, TILE_K = 128, 256, 64
 # (The thirty-ninth session tried it with a 64-token tile, in MLX's layout and without split-K,
 # and dropped it: the o_proj and down_proj then ran 64-wide tiles.)
 NARROW_TILES = (128, 192)  # tokens, narrowest first
-SCHEDULES = ("persistent", "stream-k", "persistent-192", "persistent-128", "split-k")
+SCHEDULES = ("persistent", "stream-k", "persistent-192", "persistent-128", "split-k", "split-k-128")
 SCHEDULE_ENV = "ESMC_MLX_CUTLASS_SCHEDULE"  # one of SCHEDULES: every call so (benchmarks)
 # Stream-K (every output tile's K iterations shared evenly among the SMs, partial sums fixed up
 # in a fixed order) for a call whose whole tiles would fill less than STREAM_K_BELOW_FILL of the
@@ -124,6 +124,20 @@ SPLIT_K_BELOW_FILL = 0.3
 SPLIT_K_MIN_K = 2048
 SPLIT_K_MIN_K_ADDED = 512
 SPLIT_K_MIN_SLAB = 256
+# Split-K's tiles: of these token widths, the one whose slabs leave each tile the least K x tokens
+# (``split_tile``), the first on a tie. 128-token tiles against 256 (Nsight Compute, forty-sixth
+# issue-16 session; us, affine4 / affine8 / mxfp4, the slabs' sum included):
+# - The 300M at 256 tokens: o_proj (3 slabs) 11.4 / 11.5 / 11.4 -> 9.2 / 9.3 / 9.4, down_proj (10
+#   slabs -> 8) 12.5 / 12.5 / 12.4 -> 10.8 / 11.2 / 11.0; its eight layers' kernels at 1x256 affine4
+#   0.604 -> 0.576 ms, affine8 0.621 -> 0.592 (bf16 0.504): 1.20 / 1.23 -> 1.14 / 1.18x bf16's.
+# - The 6B at 128 tokens (a 256-token tile half empty): o_proj 14.1 / 14.3 / 14.0 -> 11.2 / 11.6 /
+#   11.6, down_proj 21.0 / 22.7 / 20.7 -> 15.5 / 16.3 / 16.4. Whole forwards (host-bound) at 1x128
+#   to 1x512: 0.93-0.99 of the time before in all 11 cells (benchmarks.cutlass_qmm_ab --sides
+#   split-k-256,shipped).
+# - Ties: the 6B's down_proj at 256 tokens (6 slabs of 256 or 3 of 128) 23.4 / 23.2 / 22.8 against
+#   22.8 / 24.0 / 24.3, so the wider; the 300M's down_proj at 512 and 1024 tokens would take 13-17%
+#   and 3-8% less with the narrower, which whole forwards there (host-bound) did not show: left.
+SPLIT_K_TILES = (TILE_TOKENS, 128)
 SPLITS_ENV = "ESMC_MLX_CUTLASS_SPLITS"  # split-K's slab count, where it runs (benchmarks)
 # The kernel takes each weight in the layout of the .cu's ReorderAtom (each thread's eight values
 # of a k-block side by side: one shared-memory load where MLX's layout took four sub-word ones),
@@ -197,6 +211,17 @@ def runs_here() -> bool:
 def enabled() -> bool:
     """Built for this MLX and Python, on a Hopper GPU, and not turned off (``ESMC_MLX_CUTLASS_QMM=0``)."""
     return os.environ.get(ENV) != "0" and runs_here() and _extension() is not None
+
+
+def why_unused() -> str | None:
+    """Why quantized layers on this Hopper GPU do without the extension: turned off, or not built
+    for this MLX and cutlass_qmm.cu (the bench says so beside its ratios, which move with it);
+    None where they take it, or where it cannot run."""
+    if not runs_here() or enabled():
+        return None
+    if os.environ.get(ENV) == "0":
+        return f"turned off ({ENV}=0)"
+    return "not built for this MLX and esmc-mlx (esmc-mlx build-cutlass builds it)"
 
 
 def forced() -> bool:
@@ -308,16 +333,18 @@ def waves(rows: int, tokens: int, sms: int, tile_tokens: int = TILE_TOKENS) -> i
     return -(-tiles(rows, tokens, tile_tokens) // sms)
 
 
-def wave_fill(rows: int, tokens: int, sms: int) -> float:
+def wave_fill(rows: int, tokens: int, sms: int, tile_tokens: int = TILE_TOKENS) -> float:
     """The share of ``sms`` SMs' waves that whole tiles of a (rows x tokens) output keep busy: 80
     tiles on 132 SMs (the 6B's 2560-row weights at 1024 tokens) fill 0.61."""
-    return tiles(rows, tokens) / (waves(rows, tokens, sms) * sms)
+    return tiles(rows, tokens, tile_tokens) / (waves(rows, tokens, sms, tile_tokens) * sms)
 
 
 def sm_fill(rows: int, tokens: int, k: int, unit: int = TILE_K) -> float:
     """The share of this GPU's SMs' waves a call of ``tokens`` rows through a (rows x k) weight
-    keeps busy: wave_fill, each tile counted once per slab where ``schedule`` splits K."""
-    return wave_fill(rows, tokens, _extension().sm_count()) * plan(rows, tokens, k, unit)[1]
+    keeps busy: wave_fill of the tiles ``schedule`` picks, each counted once per slab where it
+    splits K."""
+    chosen, parts = plan(rows, tokens, k, unit)
+    return wave_fill(rows, tokens, _extension().sm_count(), tile_width(chosen)) * parts
 
 
 def split_unit(layer: nn.Module) -> int:
@@ -326,34 +353,48 @@ def split_unit(layer: nn.Module) -> int:
     return TILE_K if layer.mode == "mxfp4" else max(TILE_K, layer.group_size)
 
 
-def splits(rows: int, tokens: int, k: int, unit: int = TILE_K) -> int:
+def tile_width(chosen: str) -> int:
+    """The token width of the tiles schedule ``chosen`` (one of SCHEDULES) runs."""
+    width = chosen.rpartition("-")[2]
+    return int(width) if width.isdigit() else TILE_TOKENS
+
+
+def splits(rows: int, tokens: int, k: int, unit: int = TILE_K, tile_tokens: int = TILE_TOKENS) -> int:
     """How many slabs split-K cuts a (rows x k) weight's K into for ``tokens`` rows: the most
-    whose whole tiles still take one wave of the SMs, each a multiple of ``unit`` and at least
-    SPLIT_K_MIN_SLAB; 1 where none fits. ``SPLITS_ENV`` forces a count wherever it cuts K into
-    whole units (elsewhere 1: a forward's other weights keep whole tiles)."""
+    whose whole tiles (``tile_tokens`` wide) still take one wave of the SMs, each a multiple of
+    ``unit`` and at least SPLIT_K_MIN_SLAB; 1 where none fits. ``SPLITS_ENV`` forces a count
+    wherever it cuts K into whole units (elsewhere 1: a forward's other weights keep whole tiles)."""
     forced = os.environ.get(SPLITS_ENV, "")
     if forced.isdigit() and int(forced) >= 1:
         return int(forced) if k % (int(forced) * unit) == 0 else 1
-    most = _extension().sm_count() // tiles(rows, tokens)
+    most = _extension().sm_count() // tiles(rows, tokens, tile_tokens)
     fitting = [s for s in range(2, most + 1) if k % (s * unit) == 0 and k // s >= SPLIT_K_MIN_SLAB]
     return max(fitting, default=1)
 
 
+def split_tile(rows: int, tokens: int, k: int, unit: int = TILE_K) -> int:
+    """Split-K's tile width for a call, of SPLIT_K_TILES: the one whose slabs (``splits``) leave
+    each tile the least of K x tokens, the first on a tie; only widths that split K count."""
+    split = {t: splits(rows, tokens, k, unit, t) for t in SPLIT_K_TILES}
+    return min((t for t in SPLIT_K_TILES if split[t] > 1), key=lambda t: t / split[t], default=TILE_TOKENS)
+
+
 def schedule(rows: int, tokens: int, k: int, unit: int = TILE_K, added: bool = False) -> str:
     """Which of SCHEDULES a call of ``tokens`` rows through a (rows x k) weight takes
-    (``SCHEDULE_ENV`` forces one): split-K where whole tiles fill less than SPLIT_K_BELOW_FILL
-    of one wave, K is at least SPLIT_K_MIN_K (SPLIT_K_MIN_K_ADDED for a product ``added`` to a
-    residual stream) and splits (``splits``, slabs a multiple of ``unit``), else stream-K where
-    the wide tiles leave the last wave short (in a single wave, a third of it idle) and there is
-    K to share, else the narrowest of NARROW_TILES that takes no more waves, else whole wide
-    tiles."""
+    (``SCHEDULE_ENV`` forces one): split-K, in ``split_tile``'s tiles, where whole tiles fill
+    less than SPLIT_K_BELOW_FILL of one wave, K is at least SPLIT_K_MIN_K (SPLIT_K_MIN_K_ADDED
+    for a product ``added`` to a residual stream) and splits (``splits``, slabs a multiple of
+    ``unit``), else stream-K where the wide tiles leave the last wave short (in a single wave, a
+    third of it idle) and there is K to share, else the narrowest of NARROW_TILES that takes no
+    more waves, else whole wide tiles."""
     chosen = os.environ.get(SCHEDULE_ENV, "")
     if chosen in SCHEDULES:
         return chosen
     sms = _extension().sm_count()
     min_k = SPLIT_K_MIN_K_ADDED if added else SPLIT_K_MIN_K
     if tiles(rows, tokens) < SPLIT_K_BELOW_FILL * sms and k >= min_k and splits(rows, tokens, k, unit) > 1:
-        return "split-k"
+        width = split_tile(rows, tokens, k, unit)
+        return "split-k" if width == TILE_TOKENS else f"split-k-{width}"
     iterations = tiles(rows, tokens) * -(-k // TILE_K)
     below = STREAM_K_BELOW_FILL if waves(rows, tokens, sms) > 1 else STREAM_K_ONE_WAVE_BELOW_FILL
     if iterations >= STREAM_K_MIN_ITERATIONS and wave_fill(rows, tokens, sms) < below:
@@ -365,9 +406,10 @@ def schedule(rows: int, tokens: int, k: int, unit: int = TILE_K, added: bool = F
 
 
 def plan(rows: int, tokens: int, k: int, unit: int = TILE_K, added: bool = False) -> tuple[str, int]:
-    """``schedule``'s choice for a call and its slab count: ``splits`` under split-K, else 1."""
+    """``schedule``'s choice for a call and its slab count: ``splits`` of its tiles under split-K,
+    else 1."""
     chosen = schedule(rows, tokens, k, unit, added)
-    return chosen, splits(rows, tokens, k, unit) if chosen == "split-k" else 1
+    return chosen, splits(rows, tokens, k, unit, tile_width(chosen)) if chosen.startswith("split-k") else 1
 
 
 # The residual add in split-K's sum (QuantizedLinear.added_to; model.residual_norm hands each
@@ -405,11 +447,9 @@ def matmul(
         raise ValueError("[cutlass_qmm] a residual is added to a product without bias only")
     scales = kernel_scales(layer)
     chosen, parts = plan(layer["weight"].shape[0], tokens, x.shape[-1], split_unit(layer), residual is not None)
-    narrow = chosen.removeprefix("persistent-")
-    tile_tokens = int(narrow) if narrow.isdigit() else TILE_TOKENS
     reordered = reorders(layer)
     weight = reordered_weight(layer) if reordered else layer["weight"]
-    how = (chosen == "stream-k", tile_tokens, reordered, parts)
+    how = (chosen == "stream-k", tile_width(chosen), reordered, parts)
     added = {} if residual is None else {"residual": residual, "scale": scale}
     if layer.mode == "mxfp4":
         y = _extension().mxfp4_matmul(x, weight, *scales, *how, **added)
