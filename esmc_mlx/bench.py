@@ -433,10 +433,10 @@ def run(
         "quantized": [],
         "isolation": "each side in its own process",
     }
-    cutlass, unused = "", cutlass_qmm.why_unused() if device == "gpu" and quant else None
+    cutlass = ""
     if results["machine"].get("cutlass_qmm"):
         cutlass = "; CUTLASS mixed-input GEMM built (quantized layers use it)"
-    elif unused:
+    elif device == "gpu" and quant and (unused := cutlass_qmm.why_unused()):
         cutlass = f"; quantized layers without CUTLASS's mixed-input GEMM: {unused}"
     log(
         f"backend {device}, {dtype}, mlx {mx.__version__}; torch {'in its own process' if with_torch else 'absent'}{cutlass}"

@@ -372,11 +372,12 @@ def splits(rows: int, tokens: int, k: int, unit: int = TILE_K, tile_tokens: int 
     return max(fitting, default=1)
 
 
-def split_tile(rows: int, tokens: int, k: int, unit: int = TILE_K) -> int:
-    """Split-K's tile width for a call, of SPLIT_K_TILES: the one whose slabs (``splits``) leave
-    each tile the least of K x tokens, the first on a tie; only widths that split K count."""
-    split = {t: splits(rows, tokens, k, unit, t) for t in SPLIT_K_TILES}
-    return min((t for t in SPLIT_K_TILES if split[t] > 1), key=lambda t: t / split[t], default=TILE_TOKENS)
+def split_tile(rows: int, tokens: int, k: int, unit: int = TILE_K) -> tuple[int, int]:
+    """Split-K's tile width for a call, of SPLIT_K_TILES, and its slab count (``splits``): the
+    width whose slabs leave each tile the least of K x tokens, the first on a tie, of those that
+    split K; (TILE_TOKENS, 1) where none does."""
+    split = [(t, splits(rows, tokens, k, unit, t)) for t in SPLIT_K_TILES]
+    return min((ts for ts in split if ts[1] > 1), key=lambda ts: ts[0] / ts[1], default=(TILE_TOKENS, 1))
 
 
 def schedule(rows: int, tokens: int, k: int, unit: int = TILE_K, added: bool = False) -> str:
@@ -392,9 +393,10 @@ def schedule(rows: int, tokens: int, k: int, unit: int = TILE_K, added: bool = F
         return chosen
     sms = _extension().sm_count()
     min_k = SPLIT_K_MIN_K_ADDED if added else SPLIT_K_MIN_K
-    if tiles(rows, tokens) < SPLIT_K_BELOW_FILL * sms and k >= min_k and splits(rows, tokens, k, unit) > 1:
-        width = split_tile(rows, tokens, k, unit)
-        return "split-k" if width == TILE_TOKENS else f"split-k-{width}"
+    if tiles(rows, tokens) < SPLIT_K_BELOW_FILL * sms and k >= min_k:
+        width, parts = split_tile(rows, tokens, k, unit)
+        if parts > 1:
+            return "split-k" if width == TILE_TOKENS else f"split-k-{width}"
     iterations = tiles(rows, tokens) * -(-k // TILE_K)
     below = STREAM_K_BELOW_FILL if waves(rows, tokens, sms) > 1 else STREAM_K_ONE_WAVE_BELOW_FILL
     if iterations >= STREAM_K_MIN_ITERATIONS and wave_fill(rows, tokens, sms) < below:
