@@ -11,7 +11,8 @@ SMs), ``persistent-192`` (whole 128 x 192 tiles), ``split-k`` (K in slabs side b
 stand); TABLE_SIDES run the shipped settings with some of quantized's and cutlass_qmm's tables
 replaced (``small-fill-0.1``: CUTLASS_OVER_FUSED's least fill on the small models' table;
 ``no-split``: split-K off, as before the forty-third session); ``ops-residual`` adds each residual
-stream by MLX's ops instead of in split-K's sum (as before the forty-fourth). Where a CUTLASS side wins is
+stream by MLX's ops instead of in split-K's sum (as before the forty-fourth), ``norm-after-sum``
+leaves the LayerNorm after it to MLX (as before the forty-seventh). Where a CUTLASS side wins is
 what quantized.CUTLASS_TOKENS, quantized.CUTLASS_OVER_FUSED and cutlass_qmm.schedule should
 hold.
 
@@ -76,6 +77,8 @@ TABLE_SIDES = {
     # split-K's slabs in 256-token tiles only (as before the forty-sixth session), or a tie to the narrower
     "split-k-256": {cutlass_qmm: {"SPLIT_K_TILES": (cutlass_qmm.TILE_TOKENS,)}},
     "split-k-ties-128": {cutlass_qmm: {"SPLIT_K_TILES": (128, cutlass_qmm.TILE_TOKENS)}},
+    # the LayerNorm after the residual add by MLX, not in split-K's sum (as before the forty-seventh session)
+    "norm-after-sum": {cutlass_qmm: {"NORM_IN_SUM": False}},
 }
 
 

@@ -7,10 +7,12 @@ what they hand it. The GPU tests run the real one where it has been built
 """
 
 import importlib.machinery
+import re
 import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -30,7 +32,7 @@ class StandIn:
     """The extension's contract on any device: scales and biases come as [K / group, N]."""
 
     def __init__(self):
-        self.calls, self.reordered, self.splits, self.residuals = [], [], [], []
+        self.calls, self.reordered, self.splits, self.residuals, self.norms = [], [], [], [], []
 
     def quantized_matmul(
         self, x, q, scales_t, biases_t, bits, group_size, stream_k, tile_tokens, reordered, splits, **added
@@ -47,18 +49,23 @@ class StandIn:
         w = mx.dequantize(q, e.astype(mx.uint8), group_size=32, bits=4, mode="mxfp4")
         return self.product(x, w, splits, **added)
 
-    def product(self, x, w, splits, residual=None, scale=1.0):
+    def product(self, x, w, splits, residual=None, scale=1.0, norm_weight=None, norm_bias=None, eps=1e-5):
         """x @ w.T, or split-K's: K's slabs' products in fp32, summed in order, rounded once; with a
-        residual (split-K only), residual + that / scale."""
+        residual (split-K only), residual + that / scale; with a LayerNorm's weight too, that and
+        its LayerNorm."""
         self.splits.append(splits)
         self.residuals.append(None if residual is None else (residual.shape, scale))
+        self.norms.append(None if norm_weight is None else (norm_weight, norm_bias, eps))
         if splits == 1:
             assert residual is None, "a residual is added by split-K's sum only"
             return x @ w.T
         assert x.shape[-1] % splits == 0
         parts = zip(mx.split(x.astype(mx.float32), splits, axis=-1), mx.split(w.astype(mx.float32), splits, axis=-1))
         y = sum(a @ b.T for a, b in parts).astype(x.dtype)
-        return y if residual is None else residual + y / scale
+        if residual is None:
+            return y
+        y = residual + y / scale
+        return y if norm_weight is None else (y, mx.fast.layer_norm(y, norm_weight, norm_bias, eps))
 
     def sm_count(self):
         return 132  # an H100 or H200 (SXM)
@@ -422,33 +429,76 @@ def test_split_k_runs_the_tiles_that_leave_each_the_least_work(stand_in, on_cpu)
 SCALE_6B = (80 / 36) ** 0.5  # ESMC's residual scale: sqrt(layers / 36)
 
 
+def layer_norm(width, bias=True, dtype=mx.bfloat16, seed=0):
+    """An nn.LayerNorm of random weight (and bias) in ``dtype``, as a converted model holds one."""
+    norm = nn.LayerNorm(width, bias=bias)
+    norm.update({k: mx.random.normal(v.shape, key=mx.random.key(seed + i)) for i, (k, v) in enumerate(norm.items())})
+    norm.set_dtype(dtype)
+    return norm
+
+
 def test_split_k_adds_the_residual_stream_in_its_sum(stand_in, monkeypatch, on_cpu):
-    """QuantizedLinear.added_to hands the residual stream to the kernel where the call runs
-    split-K (residual + product / scale from its sum: the ops' values), and returns None for
-    every other call: whole tiles, a bias, a residual of another dtype, another path."""
+    """QuantizedLinear.added_to hands the residual stream and the LayerNorm after it to the kernel
+    where the call runs split-K (residual + product / scale and its LayerNorm from its sum: the
+    ops' values), and returns None for every other call: whole tiles, a bias, a residual of
+    another dtype, another path."""
     x = mx.random.normal((1, 10, 2048), key=mx.random.key(4)).astype(mx.bfloat16)
     r = mx.random.normal((1, 10, 256), key=mx.random.key(5)).astype(mx.bfloat16)
+    norm = layer_norm(256)
     for mode, bits, group_size in [("affine", 4, 64), ("affine", 8, 128), ("mxfp4", 4, 32)]:
         m = layer(bits, group_size, mode, in_dims=2048, out_dims=256)  # 2 tiles: 8 slabs
         assert cutlass_qmm.adds_residual(m, 10)
-        got = m.added_to(r, x, SCALE_6B)
+        added, normed = m.added_to(r, x, SCALE_6B, norm)
         assert stand_in.splits[-1] == 8 and stand_in.residuals[-1] == ((1, 10, 256), SCALE_6B)
-        assert mx.array_equal(got, r + m(x) / SCALE_6B).item()
+        assert stand_in.norms[-1][0] is norm.weight and stand_in.norms[-1][1:] == (norm.bias, norm.eps)
+        assert mx.array_equal(added, r + m(x) / SCALE_6B).item()
+        assert mx.array_equal(normed, norm(added)).item()
     whole = layer(in_dims=2048, out_dims=256)
     calls = len(stand_in.calls)
-    assert whole.added_to(r, mx.zeros((1, 10, 2048), mx.bfloat16), 1.0) is not None
+    assert whole.added_to(r, mx.zeros((1, 10, 2048), mx.bfloat16), 1.0, norm) is not None
     monkeypatch.setenv(cutlass_qmm.SPLITS_ENV, "1")  # whole tiles
-    assert not cutlass_qmm.adds_residual(whole, 10) and whole.added_to(r, x, 1.0) is None
+    assert not cutlass_qmm.adds_residual(whole, 10) and whole.added_to(r, x, 1.0, norm) is None
     monkeypatch.delenv(cutlass_qmm.SPLITS_ENV)
     biased = layer(in_dims=2048, out_dims=256, bias=True)
-    assert biased.added_to(r, x, 1.0) is None
+    assert biased.added_to(r, x, 1.0, norm) is None
     with pytest.raises(ValueError, match="without bias only"):
         cutlass_qmm.matmul(biased, x, 10, r)
-    assert whole.added_to(r.astype(mx.float32), x, 1.0) is None
-    assert whole.added_to(r, x.astype(mx.float16), 1.0) is None  # CUTLASS takes bfloat16 only
+    with pytest.raises(ValueError, match="with a residual only"):
+        cutlass_qmm.matmul(whole, x, 10, norm=norm)
+    assert whole.added_to(r.astype(mx.float32), x, 1.0, norm) is None
+    assert whole.added_to(r, x.astype(mx.float16), 1.0, norm) is None  # CUTLASS takes bfloat16 only
     monkeypatch.setenv(cutlass_qmm.ENV, "0")
-    assert whole.added_to(r, x, 1.0) is None
+    assert whole.added_to(r, x, 1.0, norm) is None
     assert len(stand_in.calls) == calls + 1  # None costs no call
+
+
+@pytest.mark.parametrize(
+    "norm,why",
+    [
+        (layer_norm(256, dtype=mx.float32), "an fp32 weight: mx.fast.layer_norm's output would not be bf16"),
+        (layer_norm(256, bias=False), None),
+        (nn.LayerNorm(256, affine=False), "no weight"),
+        (layer_norm(128), "another width"),
+        ("NORM_IN_SUM", "turned off"),
+    ],
+)
+def test_split_k_s_sum_normalizes_where_the_kernel_can(norm, why, stand_in, monkeypatch, on_cpu):
+    """The kernel takes the LayerNorm where it computes mx.fast.layer_norm's values (a bf16 weight,
+    with or without a bf16 bias, of the product's width); otherwise the sum adds only and MLX
+    normalizes, with the same outputs either way."""
+    if norm == "NORM_IN_SUM":
+        monkeypatch.setattr(cutlass_qmm, "NORM_IN_SUM", False)
+        norm = layer_norm(256)
+    m = layer(in_dims=2048, out_dims=256)
+    x = mx.random.normal((1, 10, 2048), key=mx.random.key(4)).astype(mx.bfloat16)
+    r = mx.random.normal((1, 10, 256), key=mx.random.key(5)).astype(mx.bfloat16)
+    assert cutlass_qmm.norms_in_sum(norm, 256) is (why is None)
+    if norm.get("weight") is not None and norm.weight.shape != (256,):
+        return  # a mismatched LayerNorm is the caller's error: the ops raise too
+    added, normed = m.added_to(r, x, SCALE_6B, norm)
+    assert (stand_in.norms[-1] is None) is (why is not None)
+    assert mx.array_equal(added, r + m(x) / SCALE_6B).item()
+    assert normed.dtype == norm(added).dtype and mx.array_equal(normed, norm(added)).item()
 
 
 def test_the_layer_adds_its_residual_in_the_split_k_sum(stand_in, monkeypatch, on_cpu):
@@ -464,6 +514,12 @@ def test_the_layer_adds_its_residual_in_the_split_k_sum(stand_in, monkeypatch, o
     out = model(ids, output_hidden_states=True)
     added = [r for r in stand_in.residuals if r is not None]
     assert len(added) == 4 and all(r == ((1, 12, 2048), config.residual_scale) for r in added)  # 2 a block
+    # each with the LayerNorm after it: post-attention, the next block's input, the final one (no bias)
+    blocks = model.esmc.layers
+    norms = [blocks[0].post_attention_layernorm, blocks[1].input_layernorm, blocks[1].post_attention_layernorm]
+    passed = [n[0] for n in stand_in.norms if n is not None]
+    wanted = [n.weight for n in [*norms, model.esmc.norm]]
+    assert len(passed) == 4 and all(a is b for a, b in zip(passed, wanted, strict=True))
     monkeypatch.setenv(FUSED_NORM_ENV, "0")
     ref = model(ids, output_hidden_states=True)
     assert len([r for r in stand_in.residuals if r is not None]) == 4
@@ -562,6 +618,23 @@ def test_off_unless_built(monkeypatch, tmp_path):
             cutlass_qmm.build()
     finally:
         cutlass_qmm._extension.cache_clear()
+
+
+def test_the_build_is_named_by_its_source_and_every_header_of_ours_it_includes(monkeypatch, tmp_path):
+    """A change to a header cutlass_qmm.cu includes from this package (layer_norm_rows.cuh, which
+    kernels.py's row kernels share) names another build, as a change to the .cu does: an old
+    build is never loaded against new arithmetic. HEADERS lists every such include."""
+    included = re.findall(r'^#include "([^/"]+)"', cutlass_qmm.SOURCE.read_text(), flags=re.MULTILINE)
+    assert included and sorted(included) == sorted(h.name for h in cutlass_qmm.HEADERS)
+    assert all(h.parent == cutlass_qmm.SOURCE.parent and h.exists() for h in cutlass_qmm.HEADERS)
+    monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path))
+    shipped = cutlass_qmm.build_dir()
+    header = tmp_path / "layer_norm_rows.cuh"
+    header.write_bytes(kernels.ROW_HEADER_FILE.read_bytes() + b"// changed\n")
+    monkeypatch.setattr(cutlass_qmm, "HEADERS", (header,))
+    assert cutlass_qmm.build_dir() != shipped and cutlass_qmm.build_dir().parent == shipped.parent
+    header.write_bytes(kernels.ROW_HEADER_FILE.read_bytes())
+    assert cutlass_qmm.build_dir() == shipped
 
 
 def test_a_build_that_does_not_load_says_so(monkeypatch, tmp_path):
@@ -733,7 +806,9 @@ def test_split_k_in_any_number_of_slabs_on_cuda(splits, schedule, monkeypatch):
     bf16_err = float(mx.abs(reference(m, x).astype(mx.float32) - exact).max())
     assert float(mx.abs(got.astype(mx.float32) - exact).max()) <= 2 * bf16_err + 1e-3
     r = mx.random.normal((1, 77, 1024), key=mx.random.key(99)).astype(mx.bfloat16)
-    assert mx.array_equal(m.added_to(r, x, SCALE_6B), r + got / SCALE_6B).item()
+    norm = layer_norm(1024)
+    added, normed = m.added_to(r, x, SCALE_6B, norm)
+    assert mx.array_equal(added, r + got / SCALE_6B).item() and mx.array_equal(normed, norm(added)).item()
 
 
 @pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
@@ -743,20 +818,25 @@ def test_split_k_in_any_number_of_slabs_on_cuda(splits, schedule, monkeypatch):
 def test_the_residual_added_in_split_k_s_sum_is_the_ops_bit_for_bit_on_cuda(
     mode, bits, group_size, rows, scale, monkeypatch
 ):
-    """residual + x @ w.T / scale from the kernel that sums the slabs equals MLX's ops on the
-    kernel's own product, bit for bit, eager and compiled (the 6B's o_proj and down_proj)."""
+    """residual + x @ w.T / scale from the kernel that sums the slabs, and mx.fast.layer_norm of
+    it from the same kernel, equal MLX's ops on the kernel's own product, bit for bit, eager and
+    compiled: the 6B's o_proj and down_proj (2560 wide) and products as wide as the 300M's (960)
+    and the 600M's (1152), each with a LayerNorm with a bias and one without (the final one)."""
     monkeypatch.setenv(cutlass_qmm.ENV, "1")
     monkeypatch.setenv(rq.POLICY_ENV, "dequantize")  # CUTLASS at every row count
-    for k in (2560, 6912):
-        m = layer(bits, group_size, mode, in_dims=k, out_dims=2560)
+    for k, n in ((2560, 2560), (6912, 2560), (2560, 960), (2560, 1152)):
+        m = layer(bits, group_size, mode, in_dims=k, out_dims=n)
         x = mx.random.normal((1, rows, k), key=mx.random.key(rows)).astype(mx.bfloat16)
-        r = (4 * mx.random.normal((1, rows, 2560), key=mx.random.key(k))).astype(mx.bfloat16)
+        r = (4 * mx.random.normal((1, rows, n), key=mx.random.key(k))).astype(mx.bfloat16)
         assert cutlass_qmm.adds_residual(m, rows) and m.path(rows) == "cutlass"
         want = r + m(x) / scale
-        compiled = mx.compile(lambda a, b: m.added_to(a, b, scale))  # noqa: B023
-        for got in (m.added_to(r, x, scale), compiled(r, x), compiled(r, x)):
-            assert got.shape == want.shape and got.dtype == mx.bfloat16
-            assert mx.array_equal(got, want).item(), (k, int(mx.sum(got != want).item()))
+        for norm in (layer_norm(n, seed=k), layer_norm(n, bias=False, seed=n)):
+            assert cutlass_qmm.norms_in_sum(norm, n)
+            compiled = mx.compile(lambda a, b: m.added_to(a, b, scale, norm))  # noqa: B023
+            for got in (m.added_to(r, x, scale, norm), compiled(r, x), compiled(r, x)):
+                for g, w in zip(got, (want, norm(want)), strict=True):
+                    assert g.shape == w.shape and g.dtype == mx.bfloat16
+                    assert mx.array_equal(g, w).item(), (k, n, int(mx.sum(g != w).item()))
 
 
 @pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
@@ -778,9 +858,14 @@ def test_the_extension_copies_strided_and_broadcast_inputs_on_cuda(schedule, mon
     assert m(four_d).shape == (2, 2, 5, 256) and m(transposed[0, 3]).shape == (256,)
     assert mx.array_equal(m(four_d).reshape(1, 20, 256), m(transposed)).item()
     if schedule == "split-k":
-        r = mx.broadcast_to(mx.random.normal((256,), key=mx.random.key(8)).astype(mx.bfloat16), (1, 20, 256))
-        got = m.added_to(r, transposed, SCALE_6B)
-        assert mx.array_equal(got, m.added_to(mx.contiguous(r), mx.contiguous(transposed), SCALE_6B)).item()
+        norm = layer_norm(256)
+        broadcast = mx.broadcast_to(mx.random.normal((256,), key=mx.random.key(8)).astype(mx.bfloat16), (1, 20, 256))
+        # row-contiguous, 2 bytes past a 16-byte boundary: the sum reads it a value at a time
+        offset = mx.random.normal((20 * 256 + 1,), key=mx.random.key(9)).astype(mx.bfloat16)[1:].reshape(1, 20, 256)
+        for r in (broadcast, offset):
+            got = m.added_to(r, transposed, SCALE_6B, norm)
+            want = m.added_to(mx.contiguous(r), mx.contiguous(transposed), SCALE_6B, norm)
+            assert all(mx.array_equal(g, w).item() for g, w in zip(got, want, strict=True))
 
 
 @pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
@@ -803,6 +888,8 @@ def test_forward_with_the_residual_in_split_k_s_sum_on_cuda(mode, monkeypatch):
     ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(1, 200)))
     o_proj = model.esmc.layers[0].self_attn.o_proj
     assert o_proj.path(200) == "cutlass" and cutlass_qmm.adds_residual(o_proj, 200)
+    assert cutlass_qmm.norms_in_sum(model.esmc.layers[0].post_attention_layernorm, 2048)
+    assert cutlass_qmm.norms_in_sum(model.esmc.norm, 2048)  # no bias
     assert_same_forwards_either_way(model, ids, FUSED_NORM_ENV, monkeypatch)
 
 
@@ -828,6 +915,9 @@ def test_extension_dequantizes_as_mx_dequantize_on_cuda(mode, bits, group_size, 
     assert np.array_equal(np.array(got.T.astype(mx.float32)), np.array(w.astype(mx.bfloat16).astype(mx.float32)))
 
 
+ADDED = {"splits": 2, "residual": mx.zeros((8, 64), mx.bfloat16)}  # a residual the sum adds
+
+
 @pytest.mark.skipif(not BUILT, reason="needs MLX on a CUDA GPU and the extension built (esmc-mlx build-cutlass)")
 @pytest.mark.parametrize(
     "arguments,says",
@@ -841,6 +931,11 @@ def test_extension_dequantizes_as_mx_dequantize_on_cuda(mode, bits, group_size, 
         ({"residual": mx.zeros((8, 64), dtype=mx.bfloat16)}, "a residual is added by split-K's sum"),
         ({"splits": 2, "residual": mx.zeros((8, 32), dtype=mx.bfloat16)}, "the residual must be bfloat16 and shaped"),
         ({"splits": 2, "residual": mx.zeros((8, 64))}, "the residual must be bfloat16 and shaped"),
+        ({"splits": 2, "norm_weight": mx.ones((64,), mx.bfloat16)}, "normalizes the residual stream it adds"),
+        ({**ADDED, "norm_bias": mx.zeros((64,), mx.bfloat16)}, "a LayerNorm bias needs its weight"),
+        ({**ADDED, "norm_weight": mx.ones((32,), mx.bfloat16)}, "weight and bias must be bfloat16 \\[N\\]"),
+        ({**ADDED, "norm_weight": mx.ones((64,))}, "weight and bias must be bfloat16 \\[N\\]"),
+        ({**ADDED, "norm_weight": mx.ones((64,), mx.bfloat16), "eps": 0.0}, "eps must be positive"),
     ],
 )
 def test_extension_refuses_what_it_was_not_built_for(arguments, says):

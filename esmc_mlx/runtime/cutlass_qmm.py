@@ -31,7 +31,9 @@ dequantize + matmul (QuantizedLinear.policy), at token counts up to its table's
 CUTLASS_TOKENS (``ESMC_MLX_CUTLASS_QMM=1``: at every count, for benchmarks), and inside the
 fused kernel's windows from its table's CUTLASS_OVER_FUSED, weight by weight (from 128 tokens:
 every weight of the 300M, the 600M and the 6B; the 6B's o_proj and down_proj since split-K,
-``schedule``, runs their few tiles in slabs of K side by side).
+``schedule``, runs their few tiles in slabs of K side by side; the kernel that sums those slabs
+also adds the residual stream and computes the LayerNorm after it, ``matmul``'s ``residual``
+and ``norm``).
 It keeps a copy of its scales and biases transposed to [K / group, N], as CUTLASS wants them
 (1/16 of a byte a weight at groups of 64: 0.4 GB for the 6B; mxfp4's pairs 1/16 too), and one
 of its packed weight in the order the kernel's threads read it (``reorder``: 5-16% off a call
@@ -61,6 +63,7 @@ from . import kernel_cache, kernels
 
 ENV = "ESMC_MLX_CUTLASS_QMM"
 SOURCE = Path(__file__).with_name("cutlass_qmm.cu")
+HEADERS = (kernels.ROW_HEADER_FILE,)  # what SOURCE includes from this package
 MODULE = "_cutlass_qmm"
 # CUTLASS's tile (cutlass_qmm.cu): 128 weight rows by 256 tokens by 64 of K. At 1024 and 4096
 # tokens it beat the 128 x 128 tile on every 6B weight (0.71-0.94x its time, standalone) and in
@@ -164,10 +167,10 @@ class BuildError(EsmcMlxError, RuntimeError):
 def build_dir() -> Path | None:
     """Where the extension for this MLX and this source lives: it links MLX's C++ library, so a
     build serves one MLX version only, and a build of an older cutlass_qmm.cu (another function
-    signature) is not loaded: until ``esmc-mlx build-cutlass`` runs again, calls keep dequantize
-    + matmul."""
+    signature, or another of the headers it includes) is not loaded: until ``esmc-mlx
+    build-cutlass`` runs again, calls keep dequantize + matmul."""
     root = cache_root()
-    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    source = hashlib.sha256(b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))).hexdigest()[:12]
     return None if root is None else root / "cutlass_qmm" / f"mlx-{mx.__version__}-{source}"
 
 
@@ -430,6 +433,32 @@ def plan(rows: int, tokens: int, k: int, unit: int = TILE_K, added: bool = False
 #   machine): the 300M at 1x128, 1x256 and 1x1024 ahead in 7 of 9 cells (0.965-0.992 of the
 #   time; affine4 behind at 1x256, 1.011, level at 1x1024); its eight layers' kernels at 1x256
 #   affine4 1.21 -> 1.19x bf16's, affine8 1.23 -> 1.24.
+# The LayerNorm after the residual add in the same kernel (sum_splits_norm in the .cu): the
+# o_proj's post-attention LayerNorm and the down_proj's next input LayerNorm (or the final one)
+# without a kernel and graph node of their own. MLX's LayerNorm took 4.1-4.6 us a call at 256
+# tokens, while the sum went 2.7-3.9 -> 3.5-4.9 us (300M) with it. H200, forty-seventh issue-16
+# session (Nsight Compute, python -m benchmarks.host_overhead --profile; the side before ran
+# with NORM_IN_SUM False), layers' kernels over bf16's, affine4 / affine8 / mxfp4:
+# - the 300M's eight layers at 1x256 1.137 / 1.164 / 1.155 -> 1.004 / 1.056 / 1.024; at 1x1024
+#   affine4 1.175 -> 1.069;
+# - the 6B's four layers at 1x256 affine4 1.082 -> 0.989, mxfp4 1.098 -> 0.997.
+# Whole forwards (host-bound; benchmarks.cutlass_qmm_ab --sides norm-after-sum,shipped): the 6B
+# at 1x256 0.736 -> 0.686 (affine4), 0.739 -> 0.717 (mxfp4); the 300M at 1x256 and 1x1024 level
+# or ahead in 5 of 6 cells (affine8 at 1x256 0.698 -> 0.738; bf16's 1x256 twin read 8.0-11.2 ms in that run).
+NORM_IN_SUM = True  # False: MLX's LayerNorm after the sum (benchmarks.cutlass_qmm_ab's "norm-after-sum")
+MAX_NORM_WIDTH = 8 * 1024  # sum_splits_norm: a block a row, eight values a thread
+
+
+def norms_in_sum(norm: nn.Module, width: int) -> bool:
+    """Whether split-K's sum can hand back ``norm`` (an nn.LayerNorm) of the residual stream it
+    makes as well, as mx.fast.layer_norm computes it: a bfloat16 weight (and bias, if any) of the
+    product's ``width``, at most MAX_NORM_WIDTH."""
+    weight, bias = norm.get("weight"), norm.get("bias")
+    if not NORM_IN_SUM or weight is None or width > MAX_NORM_WIDTH or not norm.eps > 0:
+        return False
+    return all(a.dtype == mx.bfloat16 and a.shape == (width,) for a in (weight, bias) if a is not None)
+
+
 def adds_residual(layer: nn.Module, tokens: int) -> bool:
     """True when the call of ``tokens`` rows through ``layer`` can add a residual stream in the
     kernel that sums its split-K slabs (``matmul``'s ``residual``): split-K runs for it, in two
@@ -439,24 +468,37 @@ def adds_residual(layer: nn.Module, tokens: int) -> bool:
 
 
 def matmul(
-    layer: nn.Module, x: mx.array, tokens: int, residual: mx.array | None = None, scale: float = 1.0
-) -> mx.array:
+    layer: nn.Module,
+    x: mx.array,
+    tokens: int,
+    residual: mx.array | None = None,
+    scale: float = 1.0,
+    norm: nn.Module | None = None,
+):
     """``x @ dequantize(layer's weight).T`` (+ its bias) by CUTLASS; x in bfloat16, ``tokens``
     rows of it (quantized.token_count). With ``residual`` (where ``adds_residual``): ``residual +
     that / scale``, from the kernel that sums the slabs, each operation rounded to bf16 as MLX's
-    ops round it."""
+    ops round it; with ``norm`` too (an nn.LayerNorm), that and ``norm`` of it, the LayerNorm from
+    the same kernel where ``norms_in_sum``."""
     if residual is not None and "bias" in layer:
         raise ValueError("[cutlass_qmm] a residual is added to a product without bias only")
+    if norm is not None and residual is None:
+        raise ValueError("[cutlass_qmm] a LayerNorm comes with a residual only")
     scales = kernel_scales(layer)
     chosen, parts = plan(layer["weight"].shape[0], tokens, x.shape[-1], split_unit(layer), residual is not None)
     reordered = reorders(layer)
     weight = reordered_weight(layer) if reordered else layer["weight"]
     how = (chosen == "stream-k", tile_width(chosen), reordered, parts)
     added = {} if residual is None else {"residual": residual, "scale": scale}
+    in_sum = norm is not None and norms_in_sum(norm, layer["weight"].shape[0])
+    if in_sum:
+        added |= {"norm_weight": norm.weight, "norm_bias": norm.get("bias"), "eps": norm.eps}
     if layer.mode == "mxfp4":
         y = _extension().mxfp4_matmul(x, weight, *scales, *how, **added)
     else:
         y = _extension().quantized_matmul(x, weight, *scales, layer.bits, layer.group_size, *how, **added)
+    if norm is not None:
+        return y if in_sum else (y, norm(y))
     return y + layer["bias"] if "bias" in layer else y
 
 

@@ -56,8 +56,10 @@ Everything else (CPU, Metal, other group sizes, odd sizes, fp64) is ``mx.dequant
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import math
 import os
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -1486,83 +1488,11 @@ QKV_HEAD_DIM = 64
 GRID_X_THREADS = 2**31 - 1  # the most threads along a grid's x axis (an int32)
 MAX_THREADS = 1024  # per block
 
-# Shared by the row kernels below. They lay a row out as mlx/backend/cuda/layer_norm.cu (0.32.x)
-# does: thread t owns the N = 16 / sizeof(T) columns N*t .. N*t+N-1 (MLX's N_READS: 8 for
-# bf16/fp16, 4 for fp32), so that the LayerNorm sums are added in MLX's order.
-_ROW_HEADER = """
-#include <cooperative_groups/reduce.h>
-
-// One thread's N = 16 / sizeof(T) consecutive values: one 128-bit access when both addresses
-// are 16-byte aligned, else element by element. Register arrays passed here are __align__(16).
-template <int N, typename T>
-__device__ __forceinline__ void move(T* to, const T* from) {
-  static_assert(N * sizeof(T) == 16);
-  if (((reinterpret_cast<uintptr_t>(to) | reinterpret_cast<uintptr_t>(from)) & 15) == 0) {
-    *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < N; ++i) to[i] = from[i];
-}
-
-// K block sums in MLX's layer_norm order (BlockBroadcastReduce): a cg::reduce per warp, the
-// warp results through shared memory (0 past the last warp), a cg::reduce of those.
-template <int K>
-__device__ __forceinline__ void block_sum(float (&v)[K], float (&tmp)[K][32]) {
-  auto block = cooperative_groups::this_thread_block();
-  auto warp = cooperative_groups::tiled_partition<32>(block);
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    v[k] = cooperative_groups::reduce(warp, v[k], cooperative_groups::plus<float>());
-    if (warp.thread_rank() == 0) tmp[k][warp.meta_group_rank()] = v[k];
-  }
-  block.sync();
-  const bool has = warp.thread_rank() < warp.meta_group_size();
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    v[k] = has ? tmp[k][warp.thread_rank()] : 0.0f;
-    v[k] = cooperative_groups::reduce(warp, v[k], cooperative_groups::plus<float>());
-  }
-}
-
-// This block's row: blocks run along x, then on to further rows of blocks along y (a grid past
-// 2^31 threads); the last row of blocks may run past the rows (the kernel returns there).
-__device__ __forceinline__ size_t block_row() {
-  return size_t(blockIdx.y) * gridDim.x + blockIdx.x;
-}
-
-// LayerNorm statistics of K rows of D values, this thread holding N of each (zeros past the
-// row's end), as mlx/backend/cuda/layer_norm.cu computes them: the mean from an fp32 block
-// sum, the variance as a second pass over (x - mean)^2, then rsqrt(var / D + eps).
-template <int K, int N, int D, typename T>
-__device__ __forceinline__ void row_stats(
-    const T (&x)[K][N], bool active, float eps, float (&tmp)[2][K][32], float (&mean)[K], float (&rstd)[K]) {
-  float sums[K];
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    sums[k] = 0;
-#pragma unroll
-    for (int i = 0; i < N; ++i) sums[k] += static_cast<float>(x[k][i]);
-  }
-  block_sum<K>(sums, tmp[0]);
-  float vars[K];
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    mean[k] = sums[k] / D;
-    vars[k] = 0;
-    if (active) {
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        float t = static_cast<float>(x[k][i]) - mean[k];
-        vars[k] += t * t;
-      }
-    }
-  }
-  block_sum<K>(vars, tmp[1]);
-#pragma unroll
-  for (int k = 0; k < K; ++k) rstd[k] = rsqrt(vars[k] / D + eps);
-}
-"""
+# Shared by the row kernels below and by cutlass_qmm.cu: MLX's layer_norm.cu row layout and
+# LayerNorm statistics, in MLX's order (the file says how).
+# The package's file (also for a kernels.py loaded from elsewhere: benchmarks.kernels_ab's).
+ROW_HEADER_FILE = Path(str(importlib.resources.files(__package__) / "layer_norm_rows.cuh"))
+_ROW_HEADER = ROW_HEADER_FILE.read_text()
 
 
 def _per_thread(dtype: mx.Dtype) -> int:
@@ -1622,7 +1552,7 @@ _QKV_SOURCE = """
   }
 
   float mean[2], rstd[2];
-  row_stats<2, N, D>(x, active, eps, red, mean, rstd);
+  row_stats<2, N>(x, active, D, eps, red, mean, rstd);
 
   // Normalized, times the weight, plus MLX's zero bias: rounded to T as mx.fast.layer_norm
   // writes it; RoPE reads those rounded values back as fp32.
@@ -1808,7 +1738,7 @@ _ADD_NORM_SOURCE = """
 
   // mx.fast.layer_norm of it.
   float mean[1], rstd[1];
-  row_stats<1, N, D>(r, active, eps, red, mean, rstd);
+  row_stats<1, N>(r, active, D, eps, red, mean, rstd);
   if (active) {
     __align__(16) T ws[N], bs[N], out[N];
     move<N>(ws, weight + c);
@@ -1867,7 +1797,7 @@ def add_layer_norm(
 
     Written as MLX's own arithmetic: ``scale`` is rounded to x's dtype as MLX rounds a Python
     scalar, the add and the division are T operations (MLX's Divide and Add functors), and the
-    LayerNorm is the qkv_heads kernel's copy of mlx/backend/cuda/layer_norm.cu with the bias
+    LayerNorm is layer_norm_rows.cuh's copy of mlx/backend/cuda/layer_norm.cu with the bias
     (zero when None, as mx.fast.layer_norm adds it). Inputs of fewer than MIN_VALUES values
     take MLX's ops (faster there).
 

@@ -60,13 +60,13 @@ def residual_norm(
     x: mx.array, linear: nn.Module, h: mx.array, scale: float, norm: nn.LayerNorm
 ) -> tuple[mx.array, mx.array]:
     """The residual stream ``x + linear(h) / scale`` and ``norm`` of it, on a CUDA GPU with fewer
-    launches, the same values: a quantized linear whose CUTLASS call splits K adds x in the kernel
-    that sums its slabs (QuantizedLinear.added_to); else kernels.add_layer_norm, one kernel
-    instead of an add and a LayerNorm reading it back."""
+    launches, the same values: a quantized linear whose CUTLASS call splits K adds x, and
+    normalizes the sum, in the kernel that sums its slabs (QuantizedLinear.added_to); else
+    kernels.add_layer_norm, one kernel instead of an add and a LayerNorm reading it back."""
     fused = fused_norm_enabled()
-    added = linear.added_to(x, h, scale) if fused and isinstance(linear, quantized.QuantizedLinear) else None
+    added = linear.added_to(x, h, scale, norm) if fused and isinstance(linear, quantized.QuantizedLinear) else None
     if added is not None:
-        return added, norm(added)
+        return added
     add_norm = kernels.add_layer_norm if fused else kernels.add_layer_norm_reference
     return add_norm(x, linear(h), scale, norm.weight, norm.get("bias"), norm.eps)
 

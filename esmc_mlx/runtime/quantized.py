@@ -345,15 +345,20 @@ class QuantizedLinear(nn.QuantizedLinear):
         own weight)."""
         return self.path(tokens, dtype) == "dequantize"
 
-    def added_to(self, residual: mx.array, x: mx.array, scale: float) -> mx.array | None:
-        """``residual + self(x) / scale`` (ESMC's scaled residual add after a projection) from the
-        kernel that sums CUTLASS's split-K slabs, where this call runs it
-        (cutlass_qmm.adds_residual): MLX's values bit for bit, without a launch of its own for the
-        add. None for any other call: the caller adds."""
+    def added_to(
+        self, residual: mx.array, x: mx.array, scale: float, norm: nn.Module
+    ) -> tuple[mx.array, mx.array] | None:
+        """``residual + self(x) / scale`` (ESMC's scaled residual add after a projection) and
+        ``norm`` (an nn.LayerNorm) of it, from the kernel that sums CUTLASS's split-K slabs, where
+        this call runs it (cutlass_qmm.adds_residual; the LayerNorm there too where
+        cutlass_qmm.norms_in_sum): MLX's values bit for bit, without a launch of its own for the
+        add or the LayerNorm. None for any other call: the caller adds."""
         tokens = token_count(x)
         if residual.dtype != x.dtype or self.path(tokens, x.dtype) != "cutlass":
             return None
-        return cutlass_qmm.matmul(self, x, tokens, residual, scale) if cutlass_qmm.adds_residual(self, tokens) else None
+        if not cutlass_qmm.adds_residual(self, tokens):
+            return None
+        return cutlass_qmm.matmul(self, x, tokens, residual, scale, norm)
 
     def __call__(self, x: mx.array) -> mx.array:
         tokens = token_count(x)
