@@ -445,6 +445,8 @@ def test_split_k_adds_the_residual_stream_in_its_sum(stand_in, monkeypatch, on_c
     x = mx.random.normal((1, 10, 2048), key=mx.random.key(4)).astype(mx.bfloat16)
     r = mx.random.normal((1, 10, 256), key=mx.random.key(5)).astype(mx.bfloat16)
     norm = layer_norm(256)
+    # the kernel's LayerNorm runs a block a row: up to 8192 bf16 values (1024 threads of 8)
+    assert cutlass_qmm.norms_in_sum(layer_norm(8192), 8192) and not cutlass_qmm.norms_in_sum(layer_norm(8200), 8200)
     for mode, bits, group_size in [("affine", 4, 64), ("affine", 8, 128), ("mxfp4", 4, 32)]:
         m = layer(bits, group_size, mode, in_dims=2048, out_dims=256)  # 2 tiles: 8 slabs
         assert cutlass_qmm.adds_residual(m, 10)

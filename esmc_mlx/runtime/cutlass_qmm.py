@@ -446,15 +446,14 @@ def plan(rows: int, tokens: int, k: int, unit: int = TILE_K, added: bool = False
 # at 1x256 0.736 -> 0.686 (affine4), 0.739 -> 0.717 (mxfp4); the 300M at 1x256 and 1x1024 level
 # or ahead in 5 of 6 cells (affine8 at 1x256 0.698 -> 0.738; bf16's 1x256 twin read 8.0-11.2 ms in that run).
 NORM_IN_SUM = True  # False: MLX's LayerNorm after the sum (benchmarks.cutlass_qmm_ab's "norm-after-sum")
-MAX_NORM_WIDTH = 8 * 1024  # sum_splits_norm: a block a row, eight values a thread
 
 
 def norms_in_sum(norm: nn.Module, width: int) -> bool:
     """Whether split-K's sum can hand back ``norm`` (an nn.LayerNorm) of the residual stream it
     makes as well, as mx.fast.layer_norm computes it: a bfloat16 weight (and bias, if any) of the
-    product's ``width``, at most MAX_NORM_WIDTH."""
+    product's ``width``, a row that fits the kernel's one block (kernels.fits_a_block)."""
     weight, bias = norm.get("weight"), norm.get("bias")
-    if not NORM_IN_SUM or weight is None or width > MAX_NORM_WIDTH or not norm.eps > 0:
+    if not NORM_IN_SUM or weight is None or not kernels.fits_a_block(width, mx.bfloat16) or not norm.eps > 0:
         return False
     return all(a.dtype == mx.bfloat16 and a.shape == (width,) for a in (weight, bias) if a is not None)
 

@@ -1508,7 +1508,10 @@ def _row_launch(rows: int, width: int, dtype: mx.Dtype) -> dict:
     return {"grid": (nx * threads, -(-rows // nx), 1), "threadgroup": (threads, 1, 1)}
 
 
-def _fits_a_block(width: int, dtype: mx.Dtype) -> bool:
+def fits_a_block(width: int, dtype: mx.Dtype) -> bool:
+    """Whether a row of ``width`` values of ``dtype`` fits layer_norm_rows.cuh's layout, one block
+    a row (at most MAX_THREADS threads of 16 bytes each): the row kernels here and cutlass_qmm's
+    split-K sum with its LayerNorm."""
     return width % _per_thread(dtype) == 0 and width <= _per_thread(dtype) * MAX_THREADS
 
 
@@ -1633,7 +1636,7 @@ def qkv_heads_supported(
         and k_norm_weight.dtype == qkv.dtype
         and q_norm_weight.shape == (d,)
         and k_norm_weight.shape == (d,)
-        and _fits_a_block(d, qkv.dtype)
+        and fits_a_block(d, qkv.dtype)
         and qkv.size > 0
         and 0 < eps < math.inf
         and 1 < rope_theta < math.inf
@@ -1776,7 +1779,7 @@ def add_layer_norm_supported(x: mx.array, h: mx.array, weight: mx.array, bias: m
         and weight.dtype == x.dtype
         and weight.shape == (d,)
         and (bias is None or (bias.dtype == x.dtype and bias.shape == (d,)))
-        and _fits_a_block(d, x.dtype)
+        and fits_a_block(d, x.dtype)
         and x.size > 0
         and 0 < eps < math.inf
     )
