@@ -27,7 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from esmc_mlx.bench import QUANT_MODES, mlx_model
-from esmc_mlx.runtime.model import layers_per_eval
+from esmc_mlx.runtime.execution import layers_per_eval
 from esmc_mlx.testing import SHAPES, random_mlx_model, tiny_config
 
 MODES = {"chunked": "auto", "layer": 1, "whole": None}  # ESMC.chunk_layers argument

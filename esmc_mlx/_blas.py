@@ -34,6 +34,8 @@ import time
 import warnings
 from pathlib import Path
 
+from . import settings
+
 ENV_VAR = "ESMC_MLX_BLAS"  # a path to an OpenBLAS-compatible library, or "none"
 CORETYPE_VAR = "ESMC_MLX_BLAS_CORETYPE"  # an OpenBLAS kernel name for MLX's copy, e.g. SkylakeX
 SYSTEM_CANDIDATES = (
@@ -122,7 +124,7 @@ def _check_cuda_build() -> None:
 # --- finding and opening the library --------------------------------------------------------
 def _candidates() -> list[tuple[str, str, str]]:
     """(path, symbol prefix, where it came from), best first."""
-    chosen = os.environ.get(ENV_VAR)
+    chosen = settings.current().blas
     if chosen:
         return [] if chosen.lower() == "none" else [(chosen, _prefix_of(chosen), ENV_VAR)]
     out = []
@@ -340,9 +342,9 @@ def load_fast_blas() -> str | None:
     global loaded_path
     if loaded_path or not sys.platform.startswith("linux"):
         return loaded_path
-    if os.environ.get(ENV_VAR, "").lower() == "none":
+    if (settings.current().blas or "").lower() == "none":
         return None
-    forced = os.environ.get(CORETYPE_VAR) or None
+    forced = settings.current().blas_coretype
     kernel = cpu_kernel()
     for path, prefix, source in _candidates():
         try:

@@ -22,7 +22,8 @@ from .convert import quantize_directory
 from .errors import EsmcMlxError, EsmcMlxWarning
 from .hub.push import push_artifact
 from .pipeline import convert_validate_many, convert_validate_push
-from .runtime import cutlass_qmm
+from .runtime.cuda import cutlass_qmm
+from .runtime.load import plan as plan_model
 from .tasks.distributed import World
 from .tasks.jobs import embed_fasta, scan_job, score_csv
 from .tasks.scoring import DEFAULT_WINDOW
@@ -339,20 +340,77 @@ def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size)
     click.echo(f"Wrote {output}")
 
 
-@main.command(
-    help="Describe MODEL_DIR, an MLX model directory: architecture, parameters, dtype or "
-    "quantization, bits per weight, size on disk.\n\n\b\nExample:\n  esmc-mlx info esmc-tiny-mlx"
-)
+INFO_HELP = """Describe MODEL_DIR, an MLX model directory: architecture, parameters, dtype or
+quantization, bits per weight, size on disk.
+
+With --plan, say what runs for each kind of layer at each token count (--tokens) on this
+machine's default device, or on another (--device cpu, metal or cuda:sm_XY, e.g. cuda:sm_80 for
+an A100, cuda:sm_89 for an L40 or RTX 4090, cuda:sm_90a for an H100 or H200): the path, the
+kernels it launches with the oldest GPU architecture each needs (none: MLX's own op), and why.
+A device without a measured table runs MLX's own ops. For another device than this one,
+CUTLASS counts as built.
+
+\b
+Examples:
+  esmc-mlx info esmc-tiny-mlx
+  esmc-mlx info ESMC-6B-mxfp4 --plan --tokens 1,256,1024
+  esmc-mlx info ESMC-6B-mxfp4 --plan --device cuda:sm_80 --json
+"""
+
+
+def _token_counts(text: str) -> list[int]:
+    try:
+        counts = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise click.BadParameter(
+            f"{text!r}: give token counts >= 1, comma-separated (1,256,1024)", param_hint="--tokens"
+        )
+    return counts
+
+
+@main.command(help=INFO_HELP)
 @click.argument("model_dir", type=InputPath(exists=True, file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def info(model_dir, as_json):
-    facts = describe(model_dir)
-    if as_json:
-        click.echo(json.dumps(facts, indent=2))
+@click.option("--plan", is_flag=True, help="Say what runs for each kind of layer, and why.")
+@click.option("--tokens", default="1,256,1024", show_default=True, help="Token counts for --plan (batch x length).")
+@click.option(
+    "--device", "device_name", default=None, help="For --plan: cpu, metal or cuda:sm_XY [default: this machine's]."
+)
+def info(model_dir, as_json, plan, tokens, device_name):
+    if not plan:
+        if device_name is not None or tokens != "1,256,1024":
+            raise click.UsageError("--tokens and --device go with --plan")
+        facts = describe(model_dir)
+        if as_json:
+            click.echo(json.dumps(facts, indent=2))
+            return
+        width = max(map(len, facts))
+        for key, value in facts.items():
+            click.echo(f"{key:<{width}}  {value}")
         return
-    width = max(map(len, facts))
-    for key, value in facts.items():
-        click.echo(f"{key:<{width}}  {value}")
+    try:
+        target, rows = plan_model(model_dir, _token_counts(tokens), device_name)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--device") from None
+    device = target.device
+    if as_json:
+        described = {"backend": device.backend, "arch": device.arch, "sms": device.sms}
+        click.echo(json.dumps({"device": described, "plan": rows}, indent=2))
+        return
+    tuning = target.tuning
+    click.echo(
+        f"device: {device.backend}"
+        + (f" {device.arch}" if device.arch else "")
+        + (f", {device.sms} SMs" if device.sms else "")
+    )
+    click.echo(f"tables: {tuning.measured_on if tuning else 'none measured here: MLX own ops'}")
+    for row in rows:
+        kernels = ", ".join(f"{k['name']}" + (f" ({k['requires']})" if k["requires"] else "") for k in row["kernels"])
+        extra = f" [{row['tile']}, {row['splits']} split{'s' if row['splits'] > 1 else ''}]" if "tile" in row else ""
+        click.echo(f"{row['tokens']:>6}  {row['layer']:<38} {row['path']}{extra}: {kernels}")
+        click.echo(f"{'':>8}{row['reason']}")
 
 
 VALIDATE_HELP = """Validate an MLX model directory against the original checkpoint.
@@ -953,11 +1011,12 @@ def bench(models, shapes, device, dtype, variants, quant, no_torch, out_dir):
     )
 
 
-BUILD_CUTLASS_HELP = f"""Build CUTLASS's Hopper mixed-input GEMM (an MLX extension) for this MLX and Python
-into esmc-mlx's cache, in about 2 minutes. On a Hopper GPU (H100, H200) affine 4/8-bit and mxfp4
-models then run it instead of dequantize + matmul where it was measured faster;
-{cutlass_qmm.ENV}=0 turns it off. Needs nvcc (CUDA 13), nanobind 3.0/3.1
-(pip install 'esmc-mlx[cutlass]') and fmt's headers (torch's copy, libfmt-dev or $FMT_INCLUDE).
+BUILD_CUTLASS_HELP = """Build CUTLASS's Hopper mixed-input GEMM (an MLX extension) for this MLX and Python
+into esmc-mlx's cache (a few minutes: docs/quantization.md gives the measured time). On a Hopper
+GPU (H100, H200) affine 4/8-bit and mxfp4 models then run it where it was measured faster
+(esmc-mlx info MODEL --plan shows where); ESMC_MLX_KERNELS=0 turns every custom kernel off.
+Needs nvcc (CUDA 13), nanobind 3.0/3.1 (pip install 'esmc-mlx[cutlass]') and fmt's headers
+(torch's copy, libfmt-dev or $FMT_INCLUDE).
 """
 
 
@@ -965,7 +1024,7 @@ models then run it instead of dequantize + matmul where it was measured faster;
 @click.option("--nvcc", default="nvcc", show_default=True, help="The CUDA compiler to run.")
 def build_cutlass(nvcc):
     path = cutlass_qmm.build(nvcc, log=click.echo)
-    click.echo(f"Built {path}. Quantized models use it from now on ({cutlass_qmm.ENV}=0 turns it off).")
+    click.echo(f"Built {path}. Quantized models use it from now on (esmc-mlx info MODEL --plan shows where).")
 
 
 if __name__ == "__main__":

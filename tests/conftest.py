@@ -42,6 +42,16 @@ def default_device_kept():
     mx.set_default_device(device)
 
 
+@pytest.fixture(autouse=True)
+def settings_as_the_environment_says():
+    """esmc-mlx reads its settings once a process: a test that changes ESMC_MLX_* variables
+    reloads them, and they are read again once its monkeypatch has put the environment back."""
+    from esmc_mlx import settings
+
+    yield
+    settings.reload()
+
+
 @pytest.fixture
 def on_cpu():
     """MLX's default device set to the CPU for one test (``default_device_kept`` puts it back):

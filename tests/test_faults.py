@@ -33,7 +33,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import esmc_mlx
-from esmc_mlx import outputs, pipeline, testing
+from esmc_mlx import outputs, pipeline, settings, testing
 from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
 from esmc_mlx.errors import ConvertError, EsmcMlxWarning, OutputError, SequenceError, ValidationError
@@ -967,6 +967,7 @@ def test_a_damaged_hash_memo_only_costs_the_hashing(checkpoints, tmp_path, monke
     """The memo of source hashes (<cache>/hashes.json) holding a JSON list made every conversion
     fail with a TypeError traceback; the memo is a cache: it is started again."""
     monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path / "cache"))
+    settings.reload()  # read once per process: this test changes it
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "hashes.json").write_text(text, errors="surrogateescape")
     result = convert_cli(checkpoints["published"], "-o", tmp_path / "out", "--no-validate")

@@ -10,7 +10,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from esmc_mlx.errors import ScoringError
-from esmc_mlx.runtime.model import ESMC, layer_activation_bytes, layers_per_eval
+from esmc_mlx.runtime.execution import layer_activation_bytes, layers_per_eval
+from esmc_mlx.runtime.model import ESMC
 from esmc_mlx.testing import SHAPES, random_mlx_model, tiny_config
 
 

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import requires_torch
 
+from esmc_mlx import settings
 from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
 from esmc_mlx.resolve import PACKAGED
@@ -28,6 +29,7 @@ TINY = PACKAGED / "esmc-tiny"
 def reference_cache(tmp_path, monkeypatch):
     """Every test its own cache of the original's outputs (none in the user's ~/.cache)."""
     monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path / "cache"))
+    settings.reload()  # read once per process: this test changes it
     return tmp_path / "cache"
 
 

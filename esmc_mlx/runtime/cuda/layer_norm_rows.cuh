@@ -1,4 +1,4 @@
-// Row kernels' shared parts: runtime/kernels.py's qkv_heads and add_layer_norm (compiled by
+// Row kernels' shared parts: rows.cu's qkv_heads and add_layer_norm (compiled by
 // mx.fast.cuda_kernel, which reads this file as their header) and cutlass_qmm.cu's split-K sum
 // with its LayerNorm (compiled by nvcc, which includes it). They lay a row out as
 // mlx/backend/cuda/layer_norm.cu (0.32.x) does: thread t owns the N = 16 / sizeof(T) columns

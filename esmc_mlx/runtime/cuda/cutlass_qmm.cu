@@ -1,14 +1,14 @@
 // An MLX primitive for affine-quantized matmuls on Hopper GPUs: CUTLASS's mixed-input GEMM (the
 // weight dequantized in registers on its way to the tensor cores; TMA copies; warp-specialized),
 // added to MLX's CUDA graph as MLX adds its own kernels. Built on the machine by
-// `esmc-mlx build-cutlass` (esmc_mlx/runtime/cutlass_qmm.py says why C++ and what was measured);
+// `esmc-mlx build-cutlass` (cutlass_qmm.py beside this says why C++);
 // CUTLASS's headers come with MLX's CUDA wheel.
 //
 // y[M, N] = x[M, K] @ (scales * q + biases)[N, K]^T: x bfloat16, q MLX's packed weight (4 or 8
 // bits, K contiguous), scales and biases bfloat16 and transposed to [K / group, N] (CUTLASS wants
 // them N-major), groups of 64 or 128. x and the output keep their leading dimensions (no reshape)
 // and no contiguous() is added: each such graph node costs MLX's host a few us a call, on every
-// call (docs/benchmarks.md, "Forty-fourth issue-16 session"). The layers hand over row-contiguous
+// call. The layers hand over row-contiguous
 // arrays (cutlass_qmm.matmul makes the scales so once per layer); eval_gpu copies any other input
 // with a kernel of its own (MLX's copy is not exported to extensions).
 //
@@ -20,10 +20,9 @@
 // serial; that kernel also adds the residual stream when handed one, the o_proj's and
 // down_proj's ``x + h / scale``, and the LayerNorm after it when handed its weights); and three tiles, 128 x 256, 128 x 192 and 128 x 128 (weight rows x
 // tokens), stream-K in the 256-token one only, split-K in the 256- or 128-token one. Which a call
-// takes is cutlass_qmm.schedule's. The weight comes in
-// MLX's layout or, as the layers hand it over, reordered (ReorderAtom below; cutlass_qmm.reorder):
-// 0.84-0.95x the time a call in MLX's layout took for affine 4-bit weights, 0.93-0.99x for 8-bit,
-// 0.89-0.96x for mxfp4 (the forty-second issue-16 session, docs/benchmarks.md).
+// takes is runtime/dispatch.py's (cutlass_schedule). The weight comes in MLX's layout or, as the
+// layers hand it over, reordered (ReorderAtom below; cutlass_qmm.reorder): 0.84-0.95x a call's
+// time in MLX's layout for affine 4-bit weights, 0.93-0.99x for 8-bit, 0.89-0.96x for mxfp4.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/tuple.h>
@@ -49,7 +48,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 
-#include "layer_norm_rows.cuh"  // MLX's LayerNorm row layout and sums, shared with kernels.py's row kernels
+#include "layer_norm_rows.cuh"  // MLX's LayerNorm row layout and sums, shared with rows.cu
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
@@ -101,7 +100,7 @@ struct MixedInputUtils<CollectiveMma<Policy, Tile, cute::tuple<float_e2m1_t, esm
   // subnormal 2^-127), its sign bit the sign. Each product below is two shifted copies of the
   // byte that do not overlap, so it adds nothing; the masks keep the bits wanted. The scales
   // carry the 2^126 back (cutlass_qmm.scale_pairs: 2^(e-1), not 2^(e-127)). The byte-permute
-  // tables this replaced (still the fused kernel's, kernels.py's mxfp4_pairs_bf16) made the main
+  // tables this replaced (still the fused kernel's, octets.cuh's mxfp4_pairs_bf16) made the main
   // loop 217 instructions a K tile against 180 (affine4's 177; nvcc 13, sm_90a).
   CUTLASS_DEVICE static uint32_t e2m1_pair(uint32_t byte) {
     const uint32_t magnitudes = byte * 0x40040u;  // bits 0-2 to 6-8, bits 4-6 to 22-24
@@ -210,9 +209,8 @@ int sm_count() {
 // y = the sum of ``splits`` fp32 partial products [splits][count], in order, rounded once to bf16
 // (as the epilogue rounds a whole-K tile); four values a thread. With a ``residual`` r, y = r + that
 // sum / scale instead: ESMC's scaled residual add, each operation a bf16 one as MLX's ops compute
-// ``r + h / scale`` (its Divide and Add), so the values are theirs bit for bit. A version issuing
-// every slab's load before the first add took the same time (4.8 us a 6B call at 256 tokens,
-// forty-fifth issue-16 session): nvcc's unrolled loop already overlaps them.
+// ``r + h / scale`` (its Divide and Add), so the values are theirs bit for bit. nvcc's unrolled
+// loop already overlaps the slabs' loads (issuing them all first took the same time).
 __global__ void sum_splits(const float4* __restrict__ parts, const uint2* __restrict__ residual, uint2* __restrict__ y,
                            int quads, int splits, unsigned short scale_bits) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -237,7 +235,7 @@ __global__ void sum_splits(const float4* __restrict__ parts, const uint2* __rest
 // sum_splits' residual stream, y = r + (the slabs' sum) / scale, and mx.fast.layer_norm of it
 // (``weight``, ``bias`` or none, ``eps``) into ``normed`` in the same pass: one block a row of
 // ``n``, thread t holding columns 8t .. 8t + 7, the statistics by layer_norm_rows.cuh's row_stats
-// (MLX's layer_norm.cu in its order, as kernels.py's add_layer_norm), so both outputs are MLX's
+// (MLX's layer_norm.cu in its order, as rows.cu's add_layer_norm), so both outputs are MLX's
 // ops' values bit for bit. It spares the LayerNorm's own kernel and graph node after each o_proj
 // and down_proj that runs split-K.
 __global__ void sum_splits_norm(const float* __restrict__ parts, const __nv_bfloat16* __restrict__ residual,

@@ -5,7 +5,7 @@ in its disk cache first (``MLX_PTX_CACHE_DIR``, which esmc_mlx points at ``<cach
 never writes custom kernels there (mlx/backend/cuda/custom_kernel.cpp asks its JIT for no disk
 copy). So every process paid the compiler again for each kernel of runtime/kernels.py it used:
 on the H200, 2.4-2.9 s at a 300M's first forward (the q/k/v kernel) and 5 s at a quantized
-6B's (benchmarks/compile_cost.py, ``ESMC_MLX_KERNEL_CACHE=0``).
+6B's.
 
 Here, the first time a process uses a kernel instantiation, the source MLX generates for it
 (``verbose=True`` prints it) is compiled with NVRTC and the options MLX uses, and written where
@@ -22,7 +22,7 @@ includes and its ``Shape`` type, so ``DEVICE_HEADER`` stands in for it (``Shape`
 MLX's installed ``config.h``). NVRTC, the very library MLX has loaded, is called through
 ctypes: MLX's dependencies have no binding for it. Whatever fails here (no NVRTC library, MLX
 printing its source differently, a compile error, a cache that cannot be written) leaves MLX
-to compile the kernel as it always did; ``ESMC_MLX_KERNEL_CACHE=0`` does that on purpose.
+to compile the kernel as it always did; so does ``ESMC_MLX_CACHE=off``.
 
 MLX also hashes a kernel's whole source again on *every* call, on the host (custom_kernel.cpp's
 eval_gpu names the module by ``std::hash`` of it): 0.14 ns a byte on an EPYC host, 3.6-3.9 us
@@ -30,9 +30,8 @@ for the 27 KB of the warpgroup tile's header and body, in forwards that are host
 B=1. So each kernel's header and body are written once to files beside the compiled modules
 (``<MLX_PTX_CACHE_DIR>/esmc-include``, named by the sha256 of what they hold) and MLX is
 handed two ``#include`` lines instead (``by_include``): ~170 bytes that compile to the same
-code, and whose module name still changes whenever the code does. H200, whole forwards in the
-shipped policy against the whole text (benchmarks.kernels_ab, both ways round, logits
-identical): 300M 0.86-0.87x at 1x256 and 1x1024, 6B 0.87-0.90x at 1x256, 16x256 unchanged.
+code, and whose module name still changes whenever the code does (whole forwards 0.86-0.90x
+the time at B=1 on the H200; docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -48,27 +47,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..errors import OutputError
-from ..outputs import atomic_file
+from ... import settings
+from ...errors import OutputError
+from ...outputs import atomic_file
+from . import device, source
 
-ENV_VAR = "ESMC_MLX_KERNEL_CACHE"
 MAX_NAME = 245  # MLX's longest cache file name (jit_module.cpp get_ptx_path); longer: not seeded
 
-DEVICE_HEADER = """#pragma once
-#include "mlx/backend/cuda/device/config.h"
-#define LIBCUDACXX_ENABLE_SIMPLIFIED_COMPLEX_OPERATIONS
-#include <cuda/std/complex>
-#include <cuda/std/type_traits>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda/std/array>
-#include <cuda/std/limits>
-#include <cuda/std/tuple>
-namespace mlx::core::cu {
-using Shape = cuda::std::array<int32_t, MAX_NDIM>;
-using Strides = cuda::std::array<int64_t, MAX_NDIM>;
-}  // namespace mlx::core::cu
-"""
+DEVICE_HEADER = source.text("mlx_device_utils.cuh")  # stands in for MLX's in-memory header
 DEVICE_HEADER_NAME = "mlx/backend/cuda/device/utils.cuh"
 GENERATED = re.compile(r"Generated source code for `([^`]+)`:\n```\n(.*)\n```\n", re.S)
 
@@ -99,17 +85,6 @@ def mlx_cache_dir() -> Path | None:
     <cache>/ptx (unless it was set already); None with ESMC_MLX_CACHE=off: nothing is kept."""
     chosen = os.environ.get("MLX_PTX_CACHE_DIR")
     return Path(chosen) if chosen else None
-
-
-@functools.cache
-def device_arch() -> str | None:
-    """NVRTC's --gpu-architecture for the default GPU, as MLX picks it (sm_XY, with the
-    arch-specific 'a' from compute capability 9 on)."""
-    info = mx.device_info()
-    major, minor = info.get("compute_capability_major"), info.get("compute_capability_minor")
-    if major is None or minor is None:
-        return None
-    return f"sm_{int(major)}{int(minor)}{'a' if int(major) >= 9 else ''}"
 
 
 @functools.cache
@@ -222,9 +197,7 @@ def seed(make) -> str:
     """Put the compiled kernel of the call ``make`` (a ``mx.fast.cuda_kernel`` call taking
     ``verbose``) where MLX will read it. Returns what happened: "cached" (already there),
     "seeded", or why not."""
-    if os.environ.get(ENV_VAR, "1") == "0":
-        return "off"
-    arch, directory = device_arch(), mlx_cache_dir()
+    arch, directory = device.arch(), mlx_cache_dir()
     if arch is None:
         return "no CUDA device"
     if directory is None:
@@ -237,6 +210,7 @@ def seed(make) -> str:
         return "MLX printed no source"
     name, source = generated
     module = f"{name}_{std_hash(source.encode()):x}"
+    GENERATED[module] = (name, source)
     if len(module) + len(".ptx") > MAX_NAME:
         return "name too long"
     ptx, txt = directory / f"{module}.ptx", directory / f"{module}.txt"
@@ -254,6 +228,10 @@ def seed(make) -> str:
         return f"not compiled: {e}"
     return "seeded"
 
+
+# Module name -> (kernel name, source) of every instantiation this process seeded: what MLX
+# compiles, which tests/test_gpu_plans.py compiles again for other architectures.
+GENERATED: dict[str, tuple[str, str]] = {}
 
 INCLUDE_DIR = "esmc-include"
 _PATH_SAFE = re.compile(r"[A-Za-z0-9_./ +=@,-]+")  # what an #include "..." line can hold as it is
@@ -281,7 +259,7 @@ def by_include(kernel_args: dict) -> dict:
     ``_strides`` and ``_ndim`` arguments it uses: MLX passes those only when the source's text
     names them."""
     directory = mlx_cache_dir()
-    if os.environ.get(ENV_VAR, "1") == "0" or directory is None:
+    if directory is None:
         return kernel_args
     directory = directory.resolve() / INCLUDE_DIR
     if not _PATH_SAFE.fullmatch(str(directory)):
@@ -321,6 +299,6 @@ class Kernel:
         if key not in self.seen:
             by_include(self.kernel_args)  # a new instantiation is compiled: its files must be there
             self.seen[key] = seed(lambda verbose: self._kernel(**call_args, verbose=verbose))
-            if os.environ.get("ESMC_MLX_DEBUG"):
+            if settings.current().debug:
                 print(f"esmc-mlx: kernel {self.name}: {self.seen[key]}", file=sys.stderr)
         return self._kernel(**call_args)
