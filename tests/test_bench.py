@@ -12,17 +12,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import requires_torch
 
-from benchmarks import (
-    after_other,
-    crossover_forward,
-    dequant_cost,
-    gemm_values,
-    host_overhead,
-    kernels_ab,
-    min_values_ab,
-    side_order,
-    twin_pairing,
-)
+from benchmarks import crossover_forward, dequant_cost, host_overhead, kernels_ab
 from benchmarks.crossover_forward import crossover
 from esmc_mlx import bench
 from esmc_mlx.cli import main
@@ -186,47 +176,6 @@ def test_crossover_forward_times_the_bf16_model_beside_a_path(tmp_path):
         crossover_forward.main([*argv, "--sides", "bf16,dequantise"])
 
 
-def test_twin_pairing_times_bf16_alone_and_beside_each_partner_in_reversed_rounds(tmp_path):
-    """A CPU smoke run: every partner in every round (the second in reverse order), the bf16
-    side always timed, the partner's only when there is one, the JSON on disk."""
-    out = tmp_path / "pairing.json"
-    argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--partners", "none,affine4", "--budget", "0.05"]
-    result = twin_pairing.main([*argv, "--json", str(out)])
-    assert json.loads(out.read_text()) == result
-    assert [(r["round"], r["partner"]) for r in result["rows"]] == [
-        (0, "none"),
-        (0, "affine4"),
-        (1, "affine4"),
-        (1, "none"),
-    ]
-    assert all(r["bf16_ms"] > 0 for r in result["rows"])
-    assert [r["partner_ms"] is None for r in result["rows"]] == [True, False, False, True]
-
-
-def test_min_values_ab_compares_the_gate_with_identical_logits(tmp_path):
-    """A CPU smoke run: both quantized sides and the bf16 model timed, the logits of the two
-    quantized sides identical (on the CPU both run mx.dequantize; on CUDA the kernel is
-    bit-exact), the JSON on disk; each gate restored after every call."""
-    gates = {name: (owner, getattr(owner, name)) for owner, name in min_values_ab.GATES.values()}
-    out = tmp_path / "ab.json"
-    argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--modes", "affine4", "--budget", "0.05"]
-    result = min_values_ab.main([*argv, "--json", str(out)])
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row == result["rows"][0] and row["logits_identical"]
-    assert row["shipped_ms"] > 0 < row["other_ms"] and row["bf16_ms"] > 0
-    assert (result["gate"], result["other"]) == ("MIN_VALUES", 0)
-    result = min_values_ab.main([*argv, "--gate", "dequantize", "--value", "4096"])
-    assert (result["gate"], result["shipped"], result["other"]) == (
-        "DEQUANTIZE_MIN_WIDTH",
-        kernels.DEQUANTIZE_MIN_WIDTH,
-        4096,
-    )
-    assert result["rows"][0]["logits_identical"]
-    result = min_values_ab.main([*argv, "--gate", "small-width", "--value", "7"])
-    assert (result["gate"], result["shipped"], result["other"]) == ("SMALL_WIDTH", quantized.SMALL_WIDTH, 7)
-    assert all(getattr(owner, name) == value for name, (owner, value) in gates.items())
-
-
 def test_kernels_ab_sees_whether_the_other_kernels_give_the_same_logits(tmp_path):
     """A CPU smoke run: this checkout's kernels.py against an identical copy gives the same
     logits, against one whose dequantize doubles the weights it does not; runtime/quantized.py
@@ -370,65 +319,6 @@ def test_time_interleaved_times_each_fn_right_after_its_own_call_and_rotates_the
     for name in "abc":
         assert [r.index(name) for r in rounds].count(0) == 2
     assert all(result[name]["reps"] == 6 for name in "abc")
-
-
-def test_side_order_times_two_identical_models_in_both_orders_and_in_blocks(tmp_path):
-    out = tmp_path / "order.json"
-    argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--modes", "affine4", "--budget", "0.05"]
-    result = side_order.main([*argv, "--json", str(out)])
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row == result["rows"][0]
-    for key in ("bf16,qa,qb", "qb,qa,bf16"):
-        assert set(row[key]) == {"bf16", "qa", "qb"} and min(row[key].values()) > 0
-    assert set(row["blocked"]) == {"bf16", "qa"} and min(row["blocked"].values()) > 0
-
-
-def test_after_other_times_each_model_right_after_the_one_its_pair_names(tmp_path):
-    """Every timed call comes right after a call of the fn its pair names, with the clock read
-    around it; main writes every pair for the quantized model and the bf16 one."""
-    calls = []
-    fns = {
-        name: (lambda name=name: calls.append(name)) for name in {name for pair in after_other.PAIRS for name in pair}
-    }
-    readings = []
-
-    class Clock:
-        def read(self):
-            readings.append(len(calls))
-            return 1500 + len(calls), len(calls) % 2 == 0
-
-    t = after_other.time_pairs(fns, 3, Clock())
-    assert len(calls) == 2 * 3 * len(after_other.PAIRS)
-    pairs = list(zip(calls[::2], calls[1::2], strict=True))
-    assert sorted(pairs) == sorted(after_other.PAIRS * 3)
-    assert readings == [n for i in range(len(pairs)) for n in (2 * i + 1, 2 * i + 2)]  # around each timed call
-    assert set(t) == {f"{timed} after {first}" for first, timed in after_other.PAIRS}
-    out = tmp_path / "after.json"
-    argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--modes", "affine4", "--rounds", "1"]
-    result = after_other.main([*argv, "--json", str(out)])
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row == result["rows"][0] and len(row["pairs"]) == len(after_other.PAIRS)
-    assert min(v["median_ms"] for v in row["pairs"].values()) > 0
-
-
-def test_gemm_values_weights_differ_only_in_their_values(tmp_path, monkeypatch):
-    """The weights gemm_values times side by side: one shape; mxfp4's values and the cleared
-    normal keep at most bf16's top mantissa bit (what the power-limit reading rests on), the
-    normal weight more; each variant is timed and written."""
-    import mlx.core as mx
-    import numpy as np
-
-    monkeypatch.setattr(gemm_values, "N", 64)
-    monkeypatch.setattr(gemm_values, "K", 128)
-    ws = gemm_values.weights()
-    low_bits = {name: np.array(w.view(mx.uint16)) & 0x3F for name, w in ws.items()}  # mantissa bits 2-7
-    assert {w.shape for w in ws.values()} == {(64, 128)}
-    assert not low_bits["mxfp4"].any() and not low_bits["normal_m1"].any()
-    assert low_bits["normal"].any() and low_bits["affine8"].any()
-    out = gemm_values.main(["--tokens", "16", "--gemms", "10", "--rounds", "2", "--json", str(tmp_path / "g.json")])
-    assert [r["weight"] for r in out["rows"]] == ["normal", "mxfp4", "affine4", "affine8", "normal_m1"]
-    assert out["rows"][0]["vs_normal"] == 1.0 and all(r["ms"] > 0 for r in out["rows"])
-    assert json.loads((tmp_path / "g.json").read_text())["rows"] == out["rows"]
 
 
 def test_forward_fns_sets_a_side_s_environment_for_its_call_only(monkeypatch):
