@@ -123,7 +123,7 @@ def test_package_modules_are_imported_at_the_top():
 
 
 def test_every_command_explains_its_options_and_arguments():
-    """`--help` of every command says what each option and argument is (rule 3 of issue 12)."""
+    """`--help` of every command says what each option and argument is."""
     commands = [("esmc-convert", convert_main)] + [(f"esmc-mlx {n}", c) for n, c in main.commands.items()]
     missing = []
     for name, command in commands:

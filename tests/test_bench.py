@@ -47,8 +47,8 @@ def test_bench_without_torch_times_mlx_alone(tmp_path):
 
 def test_bench_says_when_quantized_layers_use_cutlass(tmp_path, monkeypatch):
     """Its ratios move with the extension, so the bench records and prints whether it is on: on
-    a GPU job where it is built, never on a CPU job (a Hopper machine's CPU job recorded it
-    before the thirty-third session: the GPU beside it had it)."""
+    a GPU job where it is built, never on a CPU job (not even on a Hopper machine's CPU, whose
+    GPU beside it has it)."""
     monkeypatch.setattr(cutlass_qmm, "enabled", lambda: True)
     out = CliRunner().invoke(
         main, ["bench", "--model", "tiny", "--shapes", "1x8", "--device", "cpu", "--no-torch", "-o", str(tmp_path)]
@@ -126,8 +126,8 @@ def test_bench_into_an_impossible_folder_fails_before_timing(tmp_path, monkeypat
 
 
 def test_bench_on_a_gpu_mlx_has_not_fails_before_timing(tmp_path, monkeypatch):
-    # before round 11 (on a CPU-only MLX): the torch side timed, then the MLX child's traceback
-    # ("Cannot set gpu device without gpu backend") and "the mlx side of the benchmark failed"
+    # on a CPU-only MLX: one line before any timing, not the torch side timed and then the MLX
+    # child's traceback ("Cannot set gpu device without gpu backend")
     monkeypatch.setattr(bench.mx, "is_available", lambda device: device != bench.mx.gpu)
     monkeypatch.setattr(bench, "_side", lambda *a, **k: pytest.fail("timed first"))
     out = CliRunner().invoke(main, ["bench", "--model", "tiny", "--device", "gpu", "-o", str(tmp_path / "b")])

@@ -292,8 +292,8 @@ def test_group_size_that_does_not_divide_the_width(tmp_path):
 
 
 def test_api_group_size_not_an_int_is_named(converted, tmp_path):
-    # before round 11: group_size="64" gave "--group-size 64 is not one of 32, 64, 128", "32" with
-    # mxfp4 "fixed group size of 32; got --group-size 32", and 64.0 went through as a float
+    # a group size that is not an int is named as such (not "64 is not one of 32, 64, 128"), and
+    # 64.0 is not taken as 64
     for q, bad in (("4", "64"), ("mixed_3_6", "64"), ("4", 64.0), ("4", True), ("mxfp4", "32")):
         with pytest.raises(QuantizeError, match=r"group_size=.*: give an int, one of 32, 64, 128"):
             quantize(converted, tmp_path / "q", q, group_size=bad, progress=False)
@@ -400,8 +400,7 @@ def test_a_blocks_dequantizes_go_in_one_call(spec, quantized, monkeypatch, on_cp
 def test_quantized_linear_keys_the_tables_by_its_smaller_dimension(in_dims, out_dims, monkeypatch, on_cpu):
     """QuantizedLinear hands the policy the weight's smaller dimension (the unpacked input width
     or the output width), whichever it is, and its output does not change with that. (On the
-    CPU: on the H200 the 64-192 case read two different outputs for the same call, twenty-ninth
-    issue-16 session, MLX's quantized_matmul failing at one group's width: see the test below.)"""
+    CPU: on CUDA MLX's quantized_matmul fails at one group's width, see the test below.)"""
     layer = rq.QuantizedLinear(in_dims, out_dims, bias=False, group_size=64, bits=4)
     x = mx.ones((1, 3, in_dims))
     expected = layer(x)
