@@ -57,7 +57,7 @@ DIARY = [
 ]
 PROSE_ONLY = [  # in docs: in code these name real things (validate reads the load average)
     ("a load average", r"\bload average"),
-    ("a test count", r"\b\d[\d,]* (?:tests|passed)\b"),
+    ("a test count", r"\b\d[\d,]* (?:tests|passed)\b(?![/.\w])"),  # not "-n 8 tests/test_x.py"
 ]
 
 
@@ -147,6 +147,8 @@ def test_the_checker_reads_json_strings_but_not_dates_and_keeps_prose_rules_to_d
     doc = tmp_path / "x.md"
     doc.write_text("Measured at load average 8; 853 tests passed.\n")
     assert len(file_findings(doc, "x.md")) == 2
+    doc.write_text("python -m pytest -n 8 tests/test_kernels.py\n")
+    assert file_findings(doc, "x.md") == []
 
 
 def test_the_checker_leaves_ordinary_words_alone(tmp_path):
