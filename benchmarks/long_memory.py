@@ -1,4 +1,4 @@
-"""Activation memory and time of one long forward, chunked by layers vs one lazy graph (issue 16).
+"""Activation memory and time of one long forward, chunked by layers vs one lazy graph.
 
     python -m benchmarks.long_memory --shape 6B --json OUT.json [--lengths 4096 8192] [--batch 1]
     python -m benchmarks.long_memory --shape 6B --quant mxfp4 --modes chunked   # a quantized model

@@ -9,7 +9,7 @@ symbols in front of every library loaded later: torch's own ``sgemm_`` calls wen
 a 300M torch forward took 10.8 s instead of 1.2 s in a process that had imported esmc_mlx. So
 the BLAS is opened RTLD_LOCAL (no other library can see its symbols) and libmlx.so's three
 import slots (its GOT entries, found from its relocation table) are pointed at it. Nothing else
-in the process changes, and the order of ``import mlx.core`` no longer matters.
+in the process changes, and the order of ``import mlx.core`` does not matter.
 
 Which BLAS: ``$ESMC_MLX_BLAS`` (a path, or ``none``), else the ``scipy-openblas32`` wheel (a
 dependency on Linux; OpenBLAS 0.3.34, LP64, symbols prefixed ``scipy_``), else the system's

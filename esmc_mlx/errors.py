@@ -1,8 +1,8 @@
 """Every exception esmc-mlx raises on purpose, as one tree (as huggingface_hub's ``errors.py``).
 
 The CLI prints an ``EsmcMlxError``'s message as one ``Error:`` line and exits non-zero; nothing
-else is printed. Messages name the file, tensor, option or sequence at fault. Classes that
-callers used to catch as ``ValueError`` still are ``ValueError``s.
+else is printed. Messages name the file, tensor, option or sequence at fault. Classes whose
+errors callers may catch as ``ValueError`` are ``ValueError``s too.
 """
 
 

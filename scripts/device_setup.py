@@ -5,7 +5,7 @@ That machine has Python 3.12, torch, transformers and nvcc, no registry and no M
 carries at most 64 MiB with the working tree (~25 MB). So MLX's CUDA wheel (90 MB) travels in
 three parts, one call each, into ``~/stash``, while the machine stays warm (it is given back
 30 s after a call ends: fire the calls back to back), and a fourth call installs it and runs
-the session's measurements. The CUTLASS extension is built here, where the build costs no
+the measurements. The CUTLASS extension is built here, where the build costs no
 device time (about 3 minutes), with ``cutlass_qmm.build_command``'s flags against the CUDA
 wheel's headers and the machine's CPython 3.12 headers (pyenv's here).
 
@@ -21,7 +21,7 @@ On the machine (``run`` calls; each line one call, its ``carry`` first)::
     [".whl/d"]   python3 scripts/device_setup.py stash
     [".whl/c", ".whl/cache", ...]
                  python3 scripts/device_setup.py install && export PYTHONPATH=~/site:$PWD \\
-                     ESMC_MLX_CACHE=~/cache PYTHONUNBUFFERED=1 && <the session's script>
+                     ESMC_MLX_CACHE=~/cache PYTHONUNBUFFERED=1 && <the measurements>
 
 While the machine stays warm, later calls need only the ``export``. ``stash`` and ``install``
 run on the machine's Python before MLX is there, so this script imports MLX and esmc_mlx only

@@ -1,7 +1,8 @@
-"""The fault battery of issue 12, "Nothing lost, nothing leaked": each case asserts the exit code,
-the message and the state of the disk afterwards (old output byte-identical, no debris).
+"""The fault battery of docs/reliability.md ("Nothing lost, nothing leaked"): each case asserts
+the exit code, the message and the state of the disk afterwards (old output byte-identical, no
+debris).
 
-Sections follow the issue's rules: 1 --force, 2 old output until proven, 3 locks, 4 the index,
+Sections follow its rules: 1 --force, 2 old output until proven, 3 locks, 4 the index,
 5 bad numbers, 6 debris (with a real SIGKILL), 7 one Error line, 8 real inputs and the umask.
 docs/reliability.md has the table.
 """
@@ -168,8 +169,8 @@ def test_force_refuses_the_source_itself_and_a_folder_holding_it(old_output, che
 
 @pytest.mark.parametrize("command", ["convert", "quantize"])
 def test_an_output_inside_its_input_is_refused(old_output, command):
-    # before round 12, `quantize OUT -o OUT/sub` wrote a model inside the model it read: a
-    # folder that later loads, uploads and hashes of OUT would carry along
+    # `quantize OUT -o OUT/sub` must not write a model inside the model it reads: a folder
+    # that later loads, uploads and hashes of OUT would carry along
     out, before = old_output
     entries = sorted(out.rglob("*"))
     for inner in (out / "sub", out / "a" / "b"):
@@ -307,7 +308,7 @@ def test_ctrl_c_during_conversion_keeps_the_old_output(old_output, checkpoints, 
 
 
 def test_ctrl_c_between_the_two_renames_puts_the_old_output_back(old_output, checkpoints, tmp_path, monkeypatch):
-    """The swap is two renames (old aside, new in): an interrupt between them used to leave OUT
+    """The swap is two renames (old aside, new in): an interrupt between them must not leave OUT
     missing, the old output hidden as .out.old-* until a later run on that path."""
     out, before = old_output
     replace = os.replace
@@ -434,7 +435,7 @@ def test_score_and_embed_take_the_lock_too(converted, tmp_path, locked_by_other_
 
 
 def test_validate_takes_the_artifacts_lock(old_output, checkpoints, tmp_path, locked_by_other_process):
-    """A conversion replacing OUT holds OUT's lock; validate used to write its report into OUT
+    """A conversion replacing OUT holds OUT's lock; validate must not write its report into OUT
     meanwhile (a report of the old weights beside the new ones, which push would publish)."""
     out, before = old_output
     pid = locked_by_other_process(out)
@@ -500,7 +501,7 @@ def test_quantize_info_validate_and_load_refuse_a_stray_file_in_an_artifact(old_
 
 def _copy_into_the_last_shard(directory: Path) -> str:
     """Put a tensor of the first shard, changed, into the last one too (the index still names the
-    first): which copy a reader takes used to depend on the order it read the files in."""
+    first): which copy a reader takes must not depend on the order it reads the files in."""
     shards = sorted(directory.glob("model-*.safetensors"))
     assert len(shards) > 1
     first, last = load_file(str(shards[0])), load_file(str(shards[-1]))
@@ -1483,7 +1484,7 @@ def test_nonsense_job_options(converted, tmp_path, command):
     ],
 )
 def test_dash_as_an_output_is_refused(converted, tmp_path, monkeypatch, command):
-    """Before round 11 `-o -` (stdout to many tools) made a file or folder named '-' (score: the
+    """`-o -` (stdout to many tools) is refused, not made a file or folder named '-' (score: the
     CSV, rc 0)."""
     (tmp_path / "in.fasta").write_text(f">a\n{SEQ}\n")
     (tmp_path / "m.csv").write_text("mutant\nM1A\n")

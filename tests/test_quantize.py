@@ -261,8 +261,8 @@ def test_group_size_that_does_not_divide_the_width(tmp_path):
 
 
 def test_api_group_size_not_an_int_is_named(converted, tmp_path):
-    # before round 11: group_size="64" gave "--group-size 64 is not one of 32, 64, 128", "32" with
-    # mxfp4 "fixed group size of 32; got --group-size 32", and 64.0 went through as a float
+    # a group size that is not an int is named as such (not "64 is not one of 32, 64, 128"), and
+    # 64.0 is not taken as 64
     for q, bad in (("4", "64"), ("mixed_3_6", "64"), ("4", 64.0), ("4", True), ("mxfp4", "32")):
         with pytest.raises(QuantizeError, match=r"group_size=.*: give an int, one of 32, 64, 128"):
             quantize(converted, tmp_path / "q", q, group_size=bad, progress=False)

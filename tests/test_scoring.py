@@ -286,9 +286,9 @@ def test_embed_job_resumes_without_recomputing(model, tmp_path):
 
 
 def test_embed_resumes_only_with_the_model_that_made_the_store(converted, tmp_path):
-    """Before round 12 a model of the same shape passed the settings check, so a rerun with
-    another checkpoint (or a folder converted again in place) added its embeddings to the
-    first model's; now the weights' fingerprint decides, wherever the model is loaded from."""
+    """A model of the same shape passes the settings check, so the weights' fingerprint decides:
+    a rerun with another checkpoint (or a folder converted again in place) must not add its
+    embeddings to the first model's, wherever the model is loaded from."""
     import shutil
 
     import mlx.core as mx
@@ -387,9 +387,8 @@ def test_score_csv_errors_name_file_and_line(model, tmp_path):
 
 
 def test_score_csv_checks_joint_windows_before_the_model(tmp_path):
-    # before round 11: a joint mutant wider than --window and an unknown multi= failed only after
-    # the model had loaded (here: a missing model's error instead), and the message named no
-    # mutant ("sites 1..33 span more than the window of 20 residues")
+    # a joint mutant wider than --window and an unknown multi= fail before the model loads (here
+    # a missing model's error would come instead), and the message names the mutant
     csv = tmp_path / "joint.csv"
     csv.write_text("mutant\nA4G\nM1A:Q33A\n")
     missing = tmp_path / "no-model"
@@ -405,8 +404,8 @@ def test_score_csv_checks_joint_windows_before_the_model(tmp_path):
 
 
 def test_embed_per_residue_adds_to_the_pools_given(model, tmp_path):
-    # before round 11 model.embed(S, pools="max", per_residue=True) dropped per_residue without a
-    # word (emb.per_residue was None), where the CLI's --pool max --per-residue stores both
+    # model.embed(S, pools="max", per_residue=True) stores both, as the CLI's --pool max
+    # --per-residue does (per_residue is not dropped without a word)
     emb = model.embed([WT, "MKV"], pools="max", per_residue=True)
     assert emb.get("max").shape == (2, model.config.hidden_size)
     assert [r.shape[0] for r in emb.per_residue] == [len(WT), 3]
@@ -419,8 +418,8 @@ def test_embed_per_residue_adds_to_the_pools_given(model, tmp_path):
 
 
 def test_embed_layer_and_layers_together_are_refused(model, tmp_path):
-    # before round 11 model.embed(S, layer=2, layers="1") / embed_fasta(...) used layers=1 and
-    # ignored layer=2 without a word (the CLI refuses --layer 2 --layers 1)
+    # model.embed(S, layer=2, layers="1") / embed_fasta(...) must not use layers=1 and ignore
+    # layer=2 without a word (the CLI refuses --layer 2 --layers 1)
     with pytest.raises(ScoringError, match=r"give layer=2 or layers='1', not both"):
         model.embed([WT], layer=2, layers="1")
     fasta = tmp_path / "in.fasta"
@@ -511,7 +510,7 @@ def test_cli_score_and_embed(converted, model, tmp_path):
     assert stored.ids == ["ok", "fine"] and stored.mean.dtype == np.float16
     np.testing.assert_allclose(stored.mean.astype(np.float32), model.embed(["MKV", "MKLV"], layer=1).mean, atol=2e-3)
 
-    # one of a thing is not "1 things" (before round 12: "Scored 1 mutants (...; 1 forward passes)")
+    # one of a thing is not "1 things" (not "Scored 1 mutants (...; 1 forward passes)")
     (tmp_path / "one.csv").write_text(f"mutant\n{MUTANTS[0]}\n")
     args = ["score", str(converted), "--sequence", WT, "--mutations", str(tmp_path / "one.csv"), "--no-progress"]
     result = runner.invoke(cli, [*args, "--method", "wt-marginal"])
@@ -537,7 +536,7 @@ def test_runtime_imports_neither_torch_nor_transformers():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-# --- the public API's arguments (round 10b) ----------------------------------------------------
+# --- the public API's arguments ------------------------------------------------------------------
 
 
 def test_forward_refuses_ids_it_would_read_wrongly(model):

@@ -442,7 +442,7 @@ def test_api_arguments_are_checked_before_any_work(converted, tmp_path, kwargs, 
 
 
 def test_a_report_folder_holding_the_users_files_of_those_names_is_refused(converted, tmp_path):
-    # before round 11 `validate --report DIR` replaced DIR/report.json (or report.md) whatever it was
+    # `validate --report DIR` replaces DIR/report.json (or report.md) only when esmc-mlx wrote it
     from esmc_mlx.errors import ConvertError
 
     folder = tmp_path / "mine"

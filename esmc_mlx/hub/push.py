@@ -150,8 +150,8 @@ def check_validation(model_dir: Path, repo_id: str, allow_unvalidated: bool) -> 
 
 def check_private(model_dir: Path, card: str | None, tokens: list[str]) -> None:
     """Refuse to send a text file of the artifact (or the generated card) that holds a token, the
-    home directory, an absolute path, the user or the host name. esmc-mlx writes none of these
-    since issue 12; an artifact from an older version, or a copied tokenizer file, can."""
+    home directory, an absolute path, the user or the host name. esmc-mlx writes none of these;
+    an artifact from an older version, or a copied tokenizer file, can."""
     texts = {p.relative_to(model_dir).as_posix(): p for pattern in TEXT_FILES for p in sorted(model_dir.glob(pattern))}
     for name, path in texts.items():
         found = private_findings(path.read_text(errors="replace"), tokens)

@@ -171,7 +171,7 @@ def scan_settings(
 
 def safe_name(name: str) -> str:
     """A FASTA ID as a file name stem (``sp|P69905|HBA_HUMAN`` -> ``sp_P69905_HBA_HUMAN``, ``αβ`` ->
-    ``αβ``: before round 11 every non-ASCII letter was dropped, so ``--name αβ`` wrote sequence_*)."""
+    ``αβ``: letters of any script stay, so ``--name αβ`` does not become ``sequence``)."""
     return re.sub(r"[^\w.-]+", "_", name).strip("._") or "sequence"  # \w: letters of any script stay
 
 

@@ -49,8 +49,8 @@ FORMATS = ("npy", "safetensors", "h5")
 FLUSH_BYTES = 256 << 20  # also flush once this much is buffered (per-residue outputs of big models)
 SHARD_BYTES = 1 << 30  # largest safetensors shard
 # what the stored arrays depend on: a rerun with other values is refused. model_weights is
-# ``ESMC.fingerprint``; a manifest from before round 12 lacks it and resumes as it always did
-# (nothing there can tell which model wrote it), recording it from then on.
+# ``ESMC.fingerprint``; a manifest without it resumes (nothing there can tell which model
+# wrote it) and records it from then on.
 SETTINGS_KEYS = ("layers", "pools", "dtype", "hidden_size", "num_hidden_layers", "storage", "model_weights")
 ST_INDEX = "embeddings.safetensors.index.json"
 H5_FILE = "embeddings.h5"
