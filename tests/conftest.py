@@ -23,6 +23,22 @@ from esmc_mlx import testing
 TORCH_REASON = "needs torch and transformers: pip install 'esmc-mlx[torch]'"
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu``: needs MLX on a CUDA GPU; ``@pytest.mark.cutlass``: and CUTLASS's
+    extension built for it (esmc-mlx build-cutlass). Elsewhere they are skipped with the reason."""
+    import mlx.core as mx
+
+    from esmc_mlx.runtime.cuda import cutlass_qmm
+
+    on_cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
+    built = on_cuda and cutlass_qmm.available()
+    for item in items:
+        if "gpu" in item.keywords and not on_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs MLX on a CUDA GPU"))
+        if "cutlass" in item.keywords and not built:
+            item.add_marker(pytest.mark.skip(reason="needs MLX on a Hopper GPU and CUTLASS's extension built (esmc-mlx build-cutlass)"))
+
+
 def requires_torch():
     """Skip the calling module (or test) unless torch and transformers import."""
     pytest.importorskip("torch", reason=TORCH_REASON)
