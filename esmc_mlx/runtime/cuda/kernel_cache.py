@@ -210,7 +210,7 @@ def seed(make) -> str:
         return "MLX printed no source"
     name, source = generated
     module = f"{name}_{std_hash(source.encode()):x}"
-    GENERATED[module] = (name, source)
+    INSTANTIATED[module] = (name, source)
     if len(module) + len(".ptx") > MAX_NAME:
         return "name too long"
     ptx, txt = directory / f"{module}.ptx", directory / f"{module}.txt"
@@ -229,9 +229,9 @@ def seed(make) -> str:
     return "seeded"
 
 
-# Module name -> (kernel name, source) of every instantiation this process seeded: what MLX
+# Module name -> (kernel name, source) of every instantiation this process ran: what MLX
 # compiles, which tests/test_gpu_plans.py compiles again for other architectures.
-GENERATED: dict[str, tuple[str, str]] = {}
+INSTANTIATED: dict[str, tuple[str, str]] = {}
 
 INCLUDE_DIR = "esmc-include"
 _PATH_SAFE = re.compile(r"[A-Za-z0-9_./ +=@,-]+")  # what an #include "..." line can hold as it is
