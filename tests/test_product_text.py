@@ -19,7 +19,6 @@ ROOT = Path(__file__).resolve().parent.parent
 TEMPORARY_ALLOW_LIST = (
     "README.md",
     "tests/test_kernels.py",
-    "tests/test_cutlass_qmm.py",
     "tests/test_runtime_optimize.py",
 )
 
