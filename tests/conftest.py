@@ -36,7 +36,11 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords and not on_cuda:
             item.add_marker(pytest.mark.skip(reason="needs MLX on a CUDA GPU"))
         if "cutlass" in item.keywords and not built:
-            item.add_marker(pytest.mark.skip(reason="needs MLX on a Hopper GPU and CUTLASS's extension built (esmc-mlx build-cutlass)"))
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="needs MLX on a Hopper GPU and CUTLASS's extension built (esmc-mlx build-cutlass)"
+                )
+            )
 
 
 def requires_torch():
