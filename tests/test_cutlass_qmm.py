@@ -448,6 +448,22 @@ def test_a_model_adds_each_residual_in_the_split_k_sum(stand_in):
         assert mx.array_equal(got, want).item()
 
 
+def test_a_layer_fused_after_its_parts_ran_makes_its_own_copies(stand_in):
+    """q/k/v fused into one layer after each ran CUTLASS (a model fused after use): the fused
+    layer makes its own scales and reordered weight, not the first part's."""
+    from esmc_mlx.runtime.execution import concat_linears
+
+    parts = [layer(4, 32, "mxfp4", in_dims=256) for _ in range(3)]
+    x = mx.random.normal((1, 300, 256), key=mx.random.key(7)).astype(mx.bfloat16)
+    with dispatch.use(hopper()):
+        for part in parts:
+            part(x)
+        fused = concat_linears(parts)
+        y = fused(x)
+    assert fused.cutlass_scales[0].shape == (256 // 64, 192) and fused.cutlass_weight.shape == fused.weight.shape
+    np.testing.assert_array_equal(as_f32(y), as_f32(reference(fused, x)))
+
+
 def test_other_inputs_and_weights_keep_their_path(stand_in):
     """Calls CUTLASS's kernel does not take never reach it, even forced: a float32 x, float16 x,
     weights of other modes, bits or groups, K not whole 64-wide tiles, mxfp4 scales past the
