@@ -316,7 +316,7 @@ def test_each_schedule_reaches_the_kernel_as_its_tile_and_stream_k(stand_in):
 
 @pytest.mark.parametrize("mode,bits,group_size", [("affine", 4, 64), ("affine", 8, 128), ("mxfp4", 4, 32)])
 def test_a_layer_hands_the_kernel_its_plan_s_split_k_slabs(mode, bits, group_size, stand_in):
-    """Two 128-token tiles and K 2048: split-K in the 128-token tile's 8 slabs of 256, summed as
+    """Two tiles of 128 rows and K 2048: split-K in 128-token tiles and 8 slabs of 256, summed as
     x @ dequantize(w).T."""
     m = layer(bits, group_size, mode, in_dims=2048, out_dims=256)
     x = mx.random.normal((1, 10, 2048), key=mx.random.key(3)).astype(mx.bfloat16)
