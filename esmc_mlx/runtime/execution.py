@@ -64,7 +64,10 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     if any(tuple(getattr(p, a, None) for a in kind) != tuple(getattr(first, a, None) for a in kind) for p in parts):
         return None
     fused = copy.copy(first)  # same class and quantization, new arrays
-    fused.__dict__.pop("_spec", None)  # a plan's view of the weight: the fused one is another
+    # What a layer derives from its weight on first use (the plans' view of it, CUTLASS's scales
+    # and reordered copy): a part's, not the fused weight's.
+    for derived in ("_spec", "_in_range", "cutlass_scales", "cutlass_weight"):
+        fused.__dict__.pop(derived, None)
     for key in _array_keys(first):
         fused[key] = mx.concatenate([p[key] for p in parts], axis=0)
     return fused
