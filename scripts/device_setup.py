@@ -117,7 +117,7 @@ def build_cutlass(download: Path, version: str) -> None:
     if not (site / "mlx" / "include" / "cutlass").is_dir() or not (site / "nanobind").is_dir():
         pip_install(python, site, download.glob("*.whl"))
     os.environ["ESMC_MLX_CACHE"] = str(WHEELS / "cache")
-    from esmc_mlx.runtime import cutlass_qmm
+    from esmc_mlx.runtime.cuda import cutlass_qmm
 
     sys.path.append(str(site))  # nanobind (pure Python) for build_command; MLX stays this venv's
     # That Python's headers and extension suffix, as cutlass_qmm.build reads its own.
