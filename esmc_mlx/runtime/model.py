@@ -582,6 +582,44 @@ class ESMC(nn.Module):
     def dtype(self) -> mx.Dtype:
         return self.esmc.norm.weight.dtype
 
+    def hidden_states_at(
+        self,
+        input_ids: mx.array,
+        layers,
+        attention_mask: mx.array | None = None,
+        sequence_id: mx.array | None = None,
+    ) -> dict[int, mx.array]:
+        """``{N: hidden_states[N]}`` for each N of ``layers`` (0 = token embeddings, i = after
+        block i, n_layers = after the final norm), as the full forward's ``hidden_states``
+        would give them, running the blocks only up to the deepest N asked for (lazy arrays;
+        inputs as ``__call__``'s, batched (B, L)). Raises SequenceError for bad inputs and
+        ScoringError for an N outside 0..n_layers."""
+        n = self.config.num_hidden_layers
+        wanted = set()
+        for i in layers:
+            if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i <= n:
+                raise ScoringError(f"hidden state {i!r}: this model has hidden states 0..{n}")
+            wanted.add(int(i))
+        input_ids = mx.array(input_ids)
+        check_inputs(input_ids, attention_mask, sequence_id, self.config.vocab_size)
+        mask = attention_mask_for(
+            None if attention_mask is None else mx.array(attention_mask),
+            None if sequence_id is None else mx.array(sequence_id),
+        )
+        mask = None if mask is None else additive_mask(mask, self.dtype)
+        x = self.esmc.embed_tokens(input_ids)
+        out = {0: x} if 0 in wanted else {}
+        blocks, norms = self.esmc.layers, self._next_norms()
+        normed = blocks[0].input_layernorm(x) if blocks else self.esmc.norm(x)
+        chunk = self._chunk_for(input_ids)
+        for i in range(max(wanted, default=0)):
+            x, normed, _ = blocks[i].step(x, normed, mask, norms[i])
+            if i + 1 in wanted:
+                out[i + 1] = normed if i + 1 == n else x
+            if chunk is not None and (i + 1) % chunk == 0:
+                mx.eval(x, normed)  # bounded activation memory, as the full forward's chunks
+        return out
+
     def __call__(
         self,
         input_ids: mx.array,
