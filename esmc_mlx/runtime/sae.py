@@ -93,10 +93,10 @@ class SAELayer:
             pre = self.preactivations(states[start : start + rows])
             top = mx.argpartition(-pre, kth=k - 1, axis=-1)[:, :k]
             vals = mx.take_along_axis(pre, top, axis=-1)
-            order = mx.argsort(-vals, axis=-1)
-            top, vals = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
             if normalize:
                 vals = vals / self.max[top] * self.idf[top]
+            order = mx.argsort(-vals, axis=-1)
+            top, vals = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
             top = top.astype(mx.int32)
             mx.async_eval(top, vals)
             indices.append(top)
