@@ -8,6 +8,7 @@ layout of the result is ``sae_artifact``'s. The caller stages the folder and val
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -40,26 +41,11 @@ def parse_sae_spec(spec: str, group_size: int | None = None) -> str | QuantParam
 def spec_config(config: SAEConfig, spec: str | QuantParams, layers: Iterable[int]) -> SAEConfig:
     """The config of the SAE ``spec`` makes from ``config`` (holding ``layers``)."""
     if isinstance(spec, str):
-        return SAEConfig(
-            config.d_model,
-            config.codebook_dim,
-            config.k,
-            tuple(layers),
-            config.use_residual_update_instead_of_states,
-            spec,
-        )
+        return dataclasses.replace(config, available_layers=tuple(layers), dtype=spec, quantization=None)
     for name, width in (("d_model", config.d_model), ("codebook_dim", config.codebook_dim)):
         if width % spec.group_size:
             raise QuantizeError(f"--group-size {spec.group_size} does not divide the SAE's {name} ({width})")
-    return SAEConfig(
-        config.d_model,
-        config.codebook_dim,
-        config.k,
-        tuple(layers),
-        config.use_residual_update_instead_of_states,
-        "float32",
-        spec.as_dict(),
-    )
+    return dataclasses.replace(config, available_layers=tuple(layers), dtype="float32", quantization=spec.as_dict())
 
 
 def layer_tensors(tensors: dict[str, mx.array], spec: str | QuantParams) -> dict[str, mx.array]:

@@ -91,7 +91,7 @@ class SAELayer:
         indices, values = [], []
         for start in range(0, states.shape[0], rows):
             pre = self.preactivations(states[start : start + rows])
-            top = mx.argpartition(-pre, kth=k - 1, axis=-1)[:, :k]
+            top = mx.argpartition(pre, kth=pre.shape[-1] - k, axis=-1)[:, -k:]  # (no negated copy)
             vals = mx.take_along_axis(pre, top, axis=-1)
             if normalize:
                 vals = vals / self.max[top] * self.idf[top]

@@ -32,11 +32,9 @@ import numpy as np
 from ..errors import JobError, ScoringError
 from ..outputs import atomic_file, locked
 from ..runtime.model import ESMC, additive_mask, attention_mask_for
-from ..vocab import check_sequence
 from .distributed import World
-from .fasta import iter_fasta
 from .heatmap import check_plotting
-from .jobs import _model, resolve_sequence
+from .jobs import _model, check_stems, input_records
 from .scan import ScanManifest, safe_name
 from .scoring import _pack, encode
 from .store import sequence_hash
@@ -50,20 +48,23 @@ class AttentionManifest(ScanManifest):
     TOOL = "attention"
 
 
+def _ints(value, option: str, example: str) -> list:
+    """``"1,2"``, an int or a list -> a list (its items checked by the caller)."""
+    if isinstance(value, str):
+        try:
+            return [int(x) for x in value.split(",") if x.strip()]
+        except ValueError:
+            raise ScoringError(f"{option} {value!r}: give comma-separated {example}") from None
+    return [value] if isinstance(value, numbers.Integral) else list(value)
+
+
 def resolve_blocks(layers, num_layers: int) -> tuple[int, ...]:
     """``None`` (all), ``"1,15,-1"``, an int or ints -> distinct block numbers 1..n (block N
     makes hidden state N; -1 is the last), in the order given."""
     if layers is None:
         return tuple(range(1, num_layers + 1))
-    if isinstance(layers, str):
-        try:
-            layers = [int(x) for x in layers.split(",") if x.strip()]
-        except ValueError:
-            raise ScoringError(f"layers {layers!r}: give comma-separated block numbers like 1,15,-1") from None
-    if isinstance(layers, numbers.Integral):
-        layers = [layers]
     out = []
-    for x in layers:
+    for x in _ints(layers, "layers", "block numbers like 1,15,-1"):
         if (
             isinstance(x, bool)
             or not isinstance(x, numbers.Integral)
@@ -80,13 +81,7 @@ def resolve_heads(heads, num_heads: int) -> tuple[int, ...]:
     """``None`` (all), ``"0,3"``, an int or ints -> distinct head indices 0..H-1, in order given."""
     if heads is None:
         return tuple(range(num_heads))
-    if isinstance(heads, str):
-        try:
-            heads = [int(x) for x in heads.split(",") if x.strip()]
-        except ValueError:
-            raise ScoringError(f"heads {heads!r}: give comma-separated head indices like 0,3,7") from None
-    if isinstance(heads, numbers.Integral):
-        heads = [heads]
+    heads = _ints(heads, "heads", "head indices like 0,3,7")
     for h in heads:
         if isinstance(h, bool) or not isinstance(h, numbers.Integral) or not 0 <= h < num_heads:
             raise ScoringError(f"head {h!r}: this model's heads are 0..{num_heads - 1}")
@@ -246,21 +241,8 @@ def attention_job(
         raise JobError(
             "attention runs in one process (its maps are written where they are computed); not under mlx.launch"
         )
-    if (sequence is None) == (fasta is None):
-        raise JobError("give exactly one of --sequence and --fasta")
-    if fasta is not None and name is not None:
-        raise JobError(f"--name {name!r} names --sequence's files; with --fasta each record's ID names its files")
-    if fasta is not None:
-        records = [(r.id, r.sequence) for r in iter_fasta(fasta)]
-    else:
-        records = [(name or "sequence", check_sequence(resolve_sequence(sequence), "--sequence", label="sequence"))]
-    stems: dict[str, str] = {}
-    for ident, _ in records:
-        other = stems.setdefault(safe_name(ident).lower(), ident)
-        if other != ident:
-            raise JobError(
-                f"{fasta}: the IDs {other!r} and {ident!r} would both be written as {safe_name(ident)}_*; rename one"
-            )
+    records = input_records(sequence, fasta, name)
+    check_stems([ident for ident, _ in records], fasta, "{}_*")
     if plot:
         check_plotting()
     Path(out).mkdir(parents=True, exist_ok=True)

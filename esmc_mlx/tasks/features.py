@@ -30,7 +30,6 @@ from ..errors import JobError
 from ..outputs import atomic_file, locked
 from ..runtime.model import ESMC
 from ..runtime.sae import SparseAutoencoder, load_sae
-from ..vocab import check_sequence
 from .distributed import World
 from .fasta import Record, iter_fasta
 from .heatmap import check_plotting
@@ -41,14 +40,16 @@ from .jobs import (
     RecordIndex,
     _model,
     check_fasta_file,
+    check_input_options,
+    check_stems,
     fill_store,
+    input_records,
     open_store,
-    resolve_sequence,
 )
 from .sae import SAEFeatures, iter_sae_features, probes
 from .scan import safe_name
 from .scoring import default_batch_tokens, positive_int
-from .store import EmbeddingStore
+from .store import EmbeddingStore, record_index
 
 DEFAULT_TOP = 10  # features per protein and layer in summary.csv and the heatmap
 SUMMARY = "summary.csv"
@@ -68,6 +69,7 @@ SUMMARY_COLUMNS = (
 class FeatureStore(EmbeddingStore):
     FORMAT = "esmc-mlx-sae-features"
     KIND = "SAE features"
+    COMMAND = "features"
     SETTINGS_KEYS = ("layers", "normalize", "storage", "model_weights", "sae_weights")
     OWNED = re.compile(r"summary\.csv|heatmap_.+\.png")
 
@@ -93,13 +95,8 @@ class StoredFeatures:
             layer = self.layers[0]
         if layer not in self.layers:
             raise JobError(f"no features of layer {layer!r} here (stored: layers {list(self.layers)})")
-        if isinstance(key, str):
-            if key not in self.ids:
-                raise JobError(f"no record {key!r} here")
-            key = self.ids.index(key)
-        if isinstance(key, bool) or not isinstance(key, int) or not -len(self.ids) <= key < len(self.ids):
-            raise JobError(f"record {key!r}: give an ID or an index below {len(self.ids)}")
-        a, b = self.offsets[key % len(self.ids)], self.offsets[key % len(self.ids) + 1]
+        i = record_index(self.ids, key)
+        a, b = self.offsets[i], self.offsets[i + 1]
         top = np.asarray(self.arrays[array_name(layer, "indices")][a:b])
         vals = np.asarray(self.arrays[array_name(layer, "values")][a:b])
         return SAEFeatures(top, vals, self.codebook_dim, layer, self.sae)
@@ -107,11 +104,7 @@ class StoredFeatures:
 
 def read_features(out: str | Path) -> StoredFeatures:
     """Open a completed ``esmc-mlx features`` directory. Raises JobError when it is not one."""
-    store = FeatureStore(out)
-    manifest = store.manifest()
-    merged = store._merged() if manifest else None
-    if not manifest or not manifest.get("complete") or merged is None:
-        raise JobError(f"{out}: no completed SAE features (run esmc-mlx features again to finish it)")
+    manifest, merged = FeatureStore(out).completed()
     return StoredFeatures(
         merged["ids"],
         tuple(manifest["layers"]),
@@ -136,14 +129,11 @@ class FeaturesSummary:
 
 def _records(sequence: str | None, fasta, name: str | None):
     """A fresh iterator over the input records (a --sequence is one record named ``name``)."""
-    if (sequence is None) == (fasta is None):
-        raise JobError("give exactly one of --sequence and --fasta")
+    check_input_options(sequence, fasta, name)
     if fasta is not None:
-        if name is not None:  # it would be ignored: say so instead
-            raise JobError(f"--name {name!r} names --sequence's record; with --fasta each record's ID names it")
         check_fasta_file(fasta, "features")
         return lambda: iter_fasta(fasta)
-    record = Record(name or "sequence", check_sequence(resolve_sequence(sequence), "--sequence", label="sequence"))
+    record = Record(*input_records(sequence, None, name)[0])
     return lambda: iter([record])
 
 
@@ -189,7 +179,7 @@ def features_job(
         check_plotting()
     index = RecordIndex.read(records())  # every record checked before the model loads
     if plot:
-        _check_stems(index.ids, fasta)
+        check_stems(index.ids, fasta, "heatmap_{}.png")
     model, model_name = _model(model, model_name)
     if not isinstance(sae, SparseAutoencoder):
         sae = load_sae(sae)
@@ -271,18 +261,6 @@ def _unpack(flat: np.ndarray, names: dict, k: int) -> dict[str, np.ndarray]:
         block = np.ascontiguousarray(flat[:, j * k : (j + 1) * k])
         out[n] = block.view(np.float32) if part == "values" else block
     return out
-
-
-def _check_stems(ids, fasta) -> None:
-    """JobError when two IDs would draw to one heatmap file (case-blind: macOS's file system is)."""
-    stems: dict[str, str] = {}
-    for ident in ids:
-        other = stems.setdefault(safe_name(ident).lower(), ident)
-        if other != ident:
-            raise JobError(
-                f"{fasta}: the IDs {other!r} and {ident!r} would both be drawn as heatmap_{safe_name(ident)}.png; "
-                "rename one of them (or pass --no-plot)"
-            )
 
 
 # --- summary and heatmaps ---------------------------------------------------------------------

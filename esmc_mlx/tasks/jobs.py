@@ -438,22 +438,8 @@ def scan_job(
     unless ``force``.
     Raises FastaError, ScoringError, JobError (matplotlib missing with ``plot``, a manifest of
     another tool)."""
-    if (sequence is None) == (fasta is None):
-        raise JobError("give exactly one of --sequence and --fasta")
-    if fasta is not None and name is not None:  # it would be ignored: say so instead
-        raise JobError(f"--name {name!r} names --sequence's files; with --fasta each record's ID names its files")
-    if fasta is not None:
-        records = [(r.id, r.sequence) for r in iter_fasta(fasta)]  # all checked before the model loads
-    else:
-        records = [(name or "sequence", resolve_sequence(sequence))]
-    stems: dict[str, str] = {}
-    for ident, _ in records:  # case-blind: macOS's file system is
-        other = stems.setdefault(safe_name(ident).lower(), ident)
-        if other != ident:
-            raise JobError(
-                f"{fasta}: the IDs {other!r} and {ident!r} would both be written as {safe_name(ident)}_*; "
-                "rename one of them"
-            )
+    records = input_records(sequence, fasta, name)  # all checked before the model loads
+    check_stems([ident for ident, _ in records], fasta, "{}_*")
     world = World.of(group)
     if plot and world.is_root:
         check_plotting()
@@ -497,6 +483,36 @@ def scan_job(
             manifest.record(safe_name(ident), entry, result.write(out, plot=plot, per_row=per_row))
         scanned.append((ident, len(result.positions), result.passes))
     return ScanSummary(Path(out), scanned, world.rank, world.size, skipped)
+
+
+def check_input_options(sequence, fasta, name) -> None:
+    """JobError unless exactly one of --sequence and --fasta is given, and --name only with --sequence."""
+    if (sequence is None) == (fasta is None):
+        raise JobError("give exactly one of --sequence and --fasta")
+    if fasta is not None and name is not None:  # it would be ignored: say so instead
+        raise JobError(f"--name {name!r} names --sequence's files; with --fasta each record's ID names its files")
+
+
+def input_records(sequence: str | None, fasta, name: str | None) -> list[tuple[str, str]]:
+    """(name, sequence) of ``sequence`` (a protein or a FASTA file of one; named ``name``, default
+    ``sequence``) or of every record of ``fasta``, all checked. Raises JobError, FastaError."""
+    check_input_options(sequence, fasta, name)
+    if fasta is not None:
+        return [(r.id, r.sequence) for r in iter_fasta(fasta)]
+    return [(name or "sequence", resolve_sequence(sequence))]
+
+
+def check_stems(ids, fasta, pattern: str) -> None:
+    """JobError when two IDs would name the same files (``pattern``: how a stem names them, e.g.
+    ``{}_*``), case-blind as macOS's file system is."""
+    stems: dict[str, str] = {}
+    for ident in ids:
+        other = stems.setdefault(safe_name(ident).lower(), ident)
+        if other != ident:
+            raise JobError(
+                f"{fasta}: the IDs {other!r} and {ident!r} would both be written as "
+                f"{pattern.format(safe_name(ident))}; rename one of them"
+            )
 
 
 # --- esmc-mlx score ---------------------------------------------------------------------------

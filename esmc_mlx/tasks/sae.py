@@ -23,7 +23,16 @@ from ..errors import ScoringError, SequenceError
 from ..runtime.model import ESMC
 from ..runtime.sae import SparseAutoencoder
 from ..vocab import as_sequences, item_names
-from .scoring import _TOKENIZER, PAD_MULTIPLE, _pack, _progress, default_batch_tokens, encode, length_batches
+from .scoring import (
+    _TOKENIZER,
+    PAD_MULTIPLE,
+    _pack,
+    _progress,
+    default_batch_tokens,
+    encode,
+    length_batches,
+    one_batch_ahead,
+)
 
 
 @dataclasses.dataclass
@@ -136,14 +145,7 @@ def iter_sae_features(
             out.append(list(zip(np.split(top, cuts), np.split(vals, cuts))))
         return rows, out
 
-    running = None
-    for rows in batches:
-        queued = start(rows)
-        if running is not None:
-            yield finish(*running)
-        running = queued
-    if running is not None:
-        yield finish(*running)
+    yield from one_batch_ahead(batches, start, finish)
 
 
 def sae_features(

@@ -198,6 +198,7 @@ class EmbeddingStore:
 
     FORMAT = FORMAT
     KIND = "embeddings"
+    COMMAND = "embed"  # what writes it
     SETTINGS_KEYS = SETTINGS_KEYS
     OWNED: re.Pattern | None = None
 
@@ -264,6 +265,14 @@ class EmbeddingStore:
                     "use another output directory or --force to start over"
                 )
         self._existing = existing
+
+    def completed(self) -> tuple[dict, dict]:
+        """(manifest, merged files) of a completed directory; JobError when it is not one."""
+        manifest = self.manifest()
+        merged = self._merged() if manifest else None
+        if not manifest or not manifest.get("complete") or merged is None:
+            raise JobError(f"{self.out}: no completed {self.KIND} (run esmc-mlx {self.COMMAND} again to finish it)")
+        return manifest, merged
 
     def begin(self, settings: dict) -> None:
         """Mark the directory as being written (``complete: false``), made if new."""
@@ -719,25 +728,25 @@ class StoredEmbeddings:
         """(L, d) rows of record ``key`` (an index, negative from the end, or an ID)."""
         if not any(map(is_per_residue, self.arrays)):
             raise JobError("this directory was written without per-residue embeddings")
-        n = len(self.ids)
-        if isinstance(key, str):
-            if key not in self.ids:
-                raise JobError(f"no record {key!r} here")
-            i = self.ids.index(key)
-        elif isinstance(key, numbers.Integral) and not isinstance(key, bool) and -n <= key < n:
-            i = int(key) % n  # offsets has n + 1 entries: a raw -1 read the slice offsets[-1]:offsets[0]
-        else:
-            raise JobError(f"record {key!r}: give an ID or an index in {-n}..{n - 1} ({n} records)")
+        i = record_index(self.ids, key)
         return np.asarray(self.get("per_residue", layer)[self.offsets[i] : self.offsets[i + 1]])
+
+
+def record_index(ids: list[str], key: int | str) -> int:
+    """The position of record ``key`` (an ID, or an index, negative from the end) in ``ids``."""
+    n = len(ids)
+    if isinstance(key, str):
+        if key not in ids:
+            raise JobError(f"no record {key!r} here")
+        return ids.index(key)
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool) and -n <= key < n:
+        return int(key) % n  # offsets has n + 1 entries: a raw -1 read the slice offsets[-1]:offsets[0]
+    raise JobError(f"record {key!r}: give an ID or an index in {-n}..{n - 1} ({n} records)")
 
 
 def read_embeddings(out: str | Path) -> StoredEmbeddings:
     """Open a completed ``esmc-mlx embed`` output directory (any of the three formats)."""
-    store = EmbeddingStore(out)
-    manifest = store.manifest()
-    merged = store._merged() if manifest else None
-    if not manifest or not manifest.get("complete") or merged is None:
-        raise JobError(f"{out}: no completed embeddings (run esmc-mlx embed again to finish it)")
+    manifest, merged = EmbeddingStore(out).completed()
     return StoredEmbeddings(
         merged["ids"],
         merged["arrays"],

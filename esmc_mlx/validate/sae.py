@@ -16,7 +16,6 @@ card and ``push``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -31,23 +30,15 @@ from ..runtime.sae import SparseAutoencoder
 from ..tasks.sae import Probe, iter_sae_features
 from ..tasks.scoring import PAD_MULTIPLE, encode, length_batches
 from . import thresholds as th
-from .core import Check, platform_info
+from .core import Check, Report, platform_info
 from .panel import build_panel
 
 UNMASKED = ("record", "two-chain")
 DENSE_ROWS = 256  # tokens scattered to dense rows at a time when comparing values
 
 
-@dataclasses.dataclass
-class SAEReport:
-    passed: bool
-    checks: list[Check]
-    data: dict
-    directory: Path | None = None
-
-    @property
-    def failed(self) -> list[Check]:
-        return [c for c in self.checks if c.enforced and not c.passed]
+class SAEReport(Report):
+    """A validation report whose ``data`` describes an SAE (the model report's fields differ)."""
 
     def summary(self) -> str:
         lines = [f"SAE validation: {'PASSED' if self.passed else 'FAILED'} ({self.data['precision']})"]
