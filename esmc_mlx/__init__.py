@@ -19,6 +19,7 @@ if "MLX_PTX_CACHE_DIR" not in os.environ and (_root := cache_root()) is not None
 
 from .errors import EsmcMlxError, EsmcMlxWarning, SequenceError, TokenizerError  # noqa: E402
 from .runtime import ESMC, ESMCOutput, ESMCTokenizer  # noqa: E402
+from .runtime.sae import SparseAutoencoder, load_sae  # noqa: E402
 from .tasks import ProteinModel, load  # noqa: E402
 
 __all__ = [
@@ -29,7 +30,9 @@ __all__ = [
     "EsmcMlxWarning",
     "ProteinModel",
     "SequenceError",
+    "SparseAutoencoder",
     "TokenizerError",
     "load",
+    "load_sae",
     "__version__",
 ]

@@ -16,15 +16,17 @@ from pathlib import Path
 import click
 
 from ._version import __version__
-from .artifact import describe, plural
+from .artifact import describe, human_size, plural
 from .bench import FLOAT_SPREAD, parse_shapes, run
 from .convert import quantize_directory
 from .errors import EsmcMlxError, EsmcMlxWarning
 from .hub.push import push_artifact
-from .pipeline import convert_validate_many, convert_validate_push
+from .pipeline import convert_validate_many, convert_validate_push, quantize_validate_sae
 from .runtime.cuda import cutlass_qmm
 from .runtime.load import plan as plan_model
+from .tasks.attention import attention_job
 from .tasks.distributed import World
+from .tasks.features import features_job
 from .tasks.jobs import embed_fasta, scan_job, score_csv
 from .tasks.scoring import DEFAULT_WINDOW
 from .validate import validate as run_validation
@@ -934,6 +936,217 @@ def scan(
                 f"Scanned {ident}: {plural(n, 'residue')} x 19 substitutions ({plural(passes, 'forward pass')}{ranks})"
             )
         click.echo(f"Wrote {s.out}")
+
+
+FEATURES_HELP = """Sparse autoencoder (SAE) features of every residue: the k active features of
+each residue's hidden state at --layer, from an SAE in the published ESMC format (a folder or a
+Hub repo such as biohub/esmc-6b-2024-12-sae-k64-codebook16384; only the layers used are
+downloaded). One forward pass per batch serves every --layer and stops at the deepest one.
+
+\b
+OUT holds (rerun the same command to resume; see docs/interpretability.md):
+  layer{N}_indices.npy, layer{N}_values.npy   (residues, k) int32 / float32, one row per
+                                              residue (offsets.npy, index.tsv: which record)
+  summary.csv        per protein and layer: its --top features, residues active, mean and
+                     max activation, where the maximum is, every residue it fires at
+  heatmap_<id>.png   the top features along the sequence (default: with --sequence only)
+
+Runs data-parallel under MLX's launcher, each rank taking a slice, rank 0 writing:
+
+\b
+  mlx.launch --hosts IP1,IP2 -- esmc-mlx features ...
+
+\b
+Examples:
+  esmc-mlx features esmc-6b-mlx --sae biohub/esmc-6b-2024-12-sae-k64-codebook16384 --layer 60 \\
+      --sequence MKTAYIAKQRQISFVKSHFSRQ -o feats
+  esmc-mlx features esmc-6b-mlx --sae my-sae --layer 36 --layer 60 --fasta proteome.fasta -o feats --normalize
+"""
+
+
+@main.command(help=FEATURES_HELP + "\n" + MODEL_HELP)
+@click.argument("model")
+@click.option("--sae", required=True, help="The SAE: a folder or a Hub repo id.")
+@click.option("--sequence", help="One protein, or a FASTA file holding one record.")
+@click.option(
+    "--fasta", type=InputPath(exists=True, dir_okay=False, path_type=Path), help="Every record of this FASTA file."
+)
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=OutputPath(file_okay=False, path_type=Path),
+    help="Output directory (created; an existing one is resumed).",
+)
+@click.option(
+    "--layer",
+    "layers",
+    type=int,
+    multiple=True,
+    help="Backbone hidden state the SAE reads (repeat for several). [default: the SAE's only layer]",
+)
+@click.option("--normalize", is_flag=True, help="Scale each feature by idf / max (esm's normalize_sae).")
+@click.option(
+    "--top", default=10, show_default=True, type=click.IntRange(1), help="Features per protein in summary and heatmap."
+)
+@click.option("--name", default=None, help="Record name for --sequence (default: sequence; not with --fasta).")
+@click.option("--plot/--no-plot", default=None, help="Draw heatmaps. [default: with --sequence only]")
+@click.option("--batch-tokens", type=click.IntRange(1), help="Padded tokens per forward pass (as embed's).")
+@click.option("--force", is_flag=True, help="Discard what OUT holds and start over.")
+@click.option("--drop-missing", is_flag=True, help="Drop the stored features of IDs that FASTA no longer holds.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def features(
+    model,
+    sae,
+    sequence,
+    fasta,
+    output,
+    layers,
+    normalize,
+    top,
+    name,
+    plot,
+    batch_tokens,
+    force,
+    drop_missing,
+    no_progress,
+):
+    s = features_job(
+        model,
+        sae,
+        output,
+        sequence=sequence,
+        fasta=fasta,
+        name=name,
+        layers=list(layers) or None,
+        normalize=normalize,
+        top=top,
+        plot=plot,
+        batch_tokens=batch_tokens,
+        force=force,
+        drop_missing=drop_missing,
+        group=World.current(),
+        progress=not no_progress,
+    )
+    if s.rank == 0:
+        ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
+        click.echo(
+            f"Encoded {plural(s.computed, 'sequence')}{ranks} ({s.skipped} already done, {s.total} in all) -> {s.out}"
+        )
+        if s.heatmaps:
+            click.echo(f"Drew {plural(s.heatmaps, 'heatmap')}")
+        if s.dropped:
+            click.echo(f"Dropped {plural(s.dropped, 'stored record')} of IDs not in {fasta}")
+
+
+ATTENTION_HELP = """Attention maps of a protein: every head of every --layers block, as
+model(..., output_attentions=True) gives them, and their mean made symmetric and APC-corrected
+over the residues (an unsupervised contact map). Blocks run one at a time and each block's maps
+are written a few heads at a time, so memory stays bounded for long proteins.
+
+\b
+OUT holds, per protein (<name> is its FASTA ID or --name; see docs/interpretability.md):
+  <name>_layer{N}.npy     (heads, T, T) float32 over every token (<cls>, residues, <eos>)
+  <name>_contacts.npy     (L, L) float32 over the residues; <name>_contacts.png
+A protein already in OUT with the same sequence, settings and model is skipped.
+The maps of one block take 4 x heads x (L + 2)^2 bytes: 240 MB for 2,000 residues on the 300M.
+
+\b
+Examples:
+  esmc-mlx attention esmc-300m-mlx --sequence MKTAYIAKQRQISFVKSHFSRQ -o attn
+  esmc-mlx attention esmc-300m-mlx --fasta designs.fasta -o attn --layers 20,25,-1 --heads 0,3
+"""
+
+
+@main.command(help=ATTENTION_HELP + "\n" + MODEL_HELP)
+@click.argument("model")
+@click.option("--sequence", help="The protein, or a FASTA file holding one record.")
+@click.option(
+    "--fasta", type=InputPath(exists=True, dir_okay=False, path_type=Path), help="Every record of this FASTA file."
+)
+@click.option(
+    "-o", "--output", required=True, type=OutputPath(file_okay=False, path_type=Path), help="Output directory."
+)
+@click.option("--layers", metavar="LIST", help="Blocks 1..n, e.g. 1,15,-1 (-1 = the last). [default: all]")
+@click.option("--heads", metavar="LIST", help="Heads 0..H-1, e.g. 0,3,7. [default: all]")
+@click.option("--apc/--no-apc", default=True, show_default=True, help="APC-correct the mean map.")
+@click.option("--name", default=None, help="File name stem for --sequence (default: sequence; not with --fasta).")
+@click.option("--no-plot", is_flag=True, help="No PNG (needs no matplotlib).")
+@click.option("--force", is_flag=True, help="Write again the proteins OUT already holds.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def attention(model, sequence, fasta, output, layers, heads, apc, name, no_plot, force, no_progress):
+    s = attention_job(
+        model,
+        output,
+        sequence=sequence,
+        fasta=fasta,
+        name=name,
+        layers=layers,
+        heads=heads,
+        use_apc=apc,
+        plot=not no_plot,
+        force=force,
+        progress=not no_progress,
+    )
+    for ident in s.skipped:
+        click.echo(f"Skipped {ident}: already in {s.out} with these settings (--force writes it again)")
+    for maps in s.written:
+        blocks = sum(kind.startswith("layer") for kind in maps.files)
+        click.echo(
+            f"Wrote {maps.name}: {plural(maps.residues, 'residue')}, {plural(blocks, 'layer')} of maps "
+            f"({human_size(maps.nbytes)})"
+        )
+    click.echo(f"Wrote {s.out}")
+
+
+QUANTIZE_SAE_HELP = """Store a sparse autoencoder's matrices in bfloat16 / float16 (--q bf16, fp16) or
+8-bit (--q 8), one layer at a time, and validate the result against the original on the
+validation panel through the backbone (--model): top-k agreement and value error per layer,
+bounded as docs/validation.md says. The report goes to OUT/validation/; OUT is put in place only
+when it passed. Publish it with `esmc-mlx push OUT ORG/NAME`.
+
+\b
+SAE: a folder in the published ESMC SAE format, or a Hub repo id.
+
+\b
+Examples:
+  esmc-mlx quantize-sae biohub/esmc-6b-2024-12-sae-k64-codebook16384 -o sae-6b-8bit --q 8 \\
+      --model esmc-6b-mlx --layers 60
+  esmc-mlx quantize-sae my-sae -o my-sae-bf16 --q bf16 --model esmc-300m-mlx
+"""
+
+
+@main.command(name="quantize-sae", help=QUANTIZE_SAE_HELP)
+@click.argument("sae")
+@click.option("-o", "--output", required=True, type=OutputPath(file_okay=False, path_type=Path), help="Output folder.")
+@click.option("--q", "q", metavar="SPEC", required=True, help="bf16, fp16 or 8.")
+@click.option("--model", help="The backbone (MLX model folder or Hub id) whose hidden states the SAE reads.")
+@click.option("--layers", metavar="LIST", help="Layers to keep, e.g. 36,60. [default: all]")
+@click.option("--group-size", type=int, help="Group size of --q 8: 32, 64 (default) or 128.")
+@click.option("--revision", help="Hub revision of SAE.")
+@click.option(
+    "--validate/--no-validate", "validate_output", default=True, show_default=True, help="Validate the result."
+)
+@force_option
+def quantize_sae(sae, output, q, model, layers, group_size, revision, validate_output, force):
+    try:
+        chosen = None if layers is None else [int(x) for x in layers.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"{layers!r}: give comma-separated layer numbers like 36,60", param_hint="--layers"
+        ) from None
+    quantize_validate_sae(
+        sae,
+        output,
+        q=q,
+        model=model,
+        group_size=group_size,
+        layers=chosen,
+        revision=revision,
+        force=force,
+        validate_output=validate_output,
+        log=click.echo,
+    )
 
 
 BENCH_HELP = """Time the MLX runtime against transformers on this machine: the same random weights,

@@ -27,6 +27,7 @@ LAYERS = [
         "config",
         "vocab",
         "artifact",
+        "sae_artifact",
         "hashes",
         "resolve",
         "privacy",

@@ -35,16 +35,17 @@ from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, Revi
 
 from .._version import __version__
 from ..artifact import REPORT_DIR, human_size, plural, precision_label, weight_files
-from ..errors import ConvertError, HubError
+from ..errors import ConfigError, ConvertError, HubError
 from ..outputs import locked
 from ..privacy import private_findings
-from .card import MARKER, Validation, base_model_of, read_validation, render_card
+from ..sae_artifact import is_sae_directory, sae_files
+from .card import MARKER, Validation, base_model_of, read_validation, render_card, render_sae_card
 from .repo_id import check_repo_id
 
 ATTEMPTS = 3  # tries of the whole commit on a transient failure (the client also retries each request)
 RETRY_WAITS = (5.0, 20.0)  # seconds before the 2nd and the 3rd attempt
 # Paths a push owns in the repo: deleted there when the artifact no longer has them.
-OWNED_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "validation/*")
+OWNED_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "layer_*.safetensors", "validation/*")
 SKIPPED_NAMES = {"__pycache__", ".DS_Store", ".git", ".cache", ".ipynb_checkpoints"}
 # The text files of an artifact (what esmc-mlx writes, and the tokenizer files it copies from the
 # source); checked for private data before a push sends them. A hand-written README.md is yours.
@@ -70,6 +71,7 @@ class PushResult:
     pr_url: str | None = None
     unchanged: bool = False  # the repo already held exactly this artifact: no commit
     notes: list[str] = dataclasses.field(default_factory=list)
+    loader: str = "load"  # the esmc_mlx function that reads it (load_sae for an SAE folder)
 
     @property
     def total_bytes(self) -> int:
@@ -96,7 +98,7 @@ class PushResult:
         lines.append("  model card: " + ("generated README.md" if self.card_generated else "your README.md (kept)"))
         lines += [f"  note: {n}" for n in self.notes]
         if not self.dry_run and not self.pr_url:
-            lines.append(f'  load it: esmc_mlx.load("{self.repo_id}")')
+            lines.append(f'  load it: esmc_mlx.{self.loader}("{self.repo_id}")')
         return "\n".join(lines)
 
 
@@ -123,6 +125,14 @@ def artifact_files(model_dir: Path) -> list[tuple[str, int]]:
     return files
 
 
+def sae_artifact_files(sae_dir: Path) -> list[tuple[str, int]]:
+    """The files a push of an SAE folder uploads (``sae_artifact.sae_files``)."""
+    try:
+        return sae_files(sae_dir)
+    except ConfigError as e:
+        raise HubError(f"incomplete SAE folder, refusing to push: {e}") from None
+
+
 def check_validation(model_dir: Path, repo_id: str, allow_unvalidated: bool) -> Validation:
     """The artifact's validation; raises HubError when it is missing or failed, unless allowed."""
     validation = read_validation(model_dir)
@@ -133,6 +143,9 @@ def check_validation(model_dir: Path, repo_id: str, allow_unvalidated: bool) -> 
     except (OSError, json.JSONDecodeError):
         meta = {}
     reference = base_model_of(meta) or (meta.get("source") or {}).get("id") or "SOURCE"
+    revalidate = f"esmc-mlx validate {model_dir} --reference {reference}"
+    if is_sae_directory(model_dir):
+        revalidate = f"esmc-mlx quantize-sae {reference} -o {model_dir} --q SPEC --model MODEL --force"
     anyway = f"esmc-mlx push {model_dir} {repo_id} --allow-unvalidated"
     if validation.state == "failed":
         report = Path(model_dir) / REPORT_DIR / "report.md"
@@ -143,7 +156,7 @@ def check_validation(model_dir: Path, repo_id: str, allow_unvalidated: bool) -> 
         )
     raise HubError(
         f"refusing to push {model_dir}: it is not validated ({validation.problem}).\n"
-        f"Validate it first:\n  esmc-mlx validate {model_dir} --reference {reference}\n"
+        f"Validate it first:\n  {revalidate}\n"
         f'or publish it anyway (its model card will say "not validated"):\n  {anyway}'
     )
 
@@ -290,11 +303,16 @@ def push_artifact(
     if revision is not None and (not isinstance(revision, str) or not revision.strip()):  # never main in its place
         raise HubError(f"--revision {revision!r}: give the branch to commit to (or leave the option out for main)")
     branch = revision or "main"
-    files = artifact_files(model_dir)
+    sae = is_sae_directory(model_dir)
+    files = sae_artifact_files(model_dir) if sae else artifact_files(model_dir)
     validation = check_validation(model_dir, repo_id, allow_unvalidated)
     readme = model_dir / "README.md"
     generated = not (readme.is_file() and MARKER not in readme.read_text(errors="replace"))
-    card = render_card(model_dir, repo_id) if generated else readme.read_text(errors="replace")
+    card = (
+        (render_sae_card if sae else render_card)(model_dir, repo_id)
+        if generated
+        else readme.read_text(errors="replace")
+    )
     _check_card(card, readme)
     check_private(model_dir, card if generated else None, [t for t in (token, get_token()) if t])
     if generated and not any(path == "README.md" for path, _ in files):
@@ -313,6 +331,7 @@ def push_artifact(
     result = PushResult(
         repo_id, url, branch, files, deletions, card, generated, validation, dry_run=dry_run, created=not exists
     )
+    result.loader = "load_sae" if sae else "load"
     if not generated:
         result.notes.append("README.md has no esmc-mlx marker line, so it was published as written")
     if not validation.passed:
@@ -328,7 +347,7 @@ def push_artifact(
     meta = config.get("esmc_mlx") or {}
     message = commit_message or (
         f"{'Update' if exists else 'Upload'} {repo_id.split('/')[1]}: "
-        f"ESMC {precision_label(config)} for MLX (esmc-mlx {__version__})"
+        f"ESMC {'sparse autoencoders, ' if sae else ''}{precision_label(config)} for MLX (esmc-mlx {__version__})"
     )
     description = "\n".join(
         filter(

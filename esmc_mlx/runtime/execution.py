@@ -18,7 +18,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..config import ESMCConfig
-from ..errors import ScoringError
+from ..errors import ScoringError, SequenceError
 from . import dispatch
 
 RUNTIME_DEFAULTS = {"gpu": {"fuse": True, "compile": True}, "cpu": {"fuse": False, "compile": False}}
@@ -71,6 +71,33 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     for key in _array_keys(first):
         fused[key] = mx.concatenate([p[key] for p in parts], axis=0)
     return fused
+
+
+def check_inputs(input_ids: mx.array, attention_mask, sequence_id, vocab_size: int) -> None:
+    """SequenceError for inputs the forward would read wrongly or fail on deep in MLX: ids that
+    are not integers, an empty batch, ids outside the embedding table (MLX's gather reads past
+    it), a mask or sequence_id of another shape than the ids."""
+    if input_ids.ndim != 2 or 0 in input_ids.shape:
+        raise SequenceError(
+            f"input_ids: expected a non-empty (batch, length) array of token ids, got shape {tuple(input_ids.shape)}"
+        )
+    if not mx.issubdtype(input_ids.dtype, mx.integer):
+        raise SequenceError(f"input_ids: token ids must be integers, got {input_ids.dtype}")
+    try:
+        ids = np.asarray(input_ids)  # the ids are small and usually made from numpy: no device wait
+    except ValueError:  # inside the caller's own mx.compile / vmap: values unknown while tracing
+        ids = None
+    if ids is not None:
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            raise SequenceError(
+                f"input_ids: token id {low if low < 0 else high} is outside the vocabulary (ids 0..{vocab_size - 1})"
+            )
+    for name, value in (("attention_mask", attention_mask), ("sequence_id", sequence_id)):
+        if value is not None and tuple(np.shape(value)) != tuple(input_ids.shape):
+            raise SequenceError(
+                f"{name}: shape {tuple(np.shape(value))} does not match input_ids' {tuple(input_ids.shape)}"
+            )
 
 
 class Execution:

@@ -18,8 +18,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import TRAINED_LENGTH, TRAINED_TOKENS, ESMCConfig
-from ..errors import EsmcMlxWarning, SequenceError
-from .execution import Execution
+from ..errors import EsmcMlxWarning, ScoringError
+from .execution import Execution, check_inputs
 
 
 @dataclasses.dataclass
@@ -48,33 +48,6 @@ def additive_mask(mask: mx.array, dtype: mx.Dtype) -> mx.array:
     """A boolean keep-mask as an additive bias (0 / dtype's lowest), same shape: MLX's CUDA
     attention expands a boolean mask to the full (B, H, L, L) first (1 GB more at L=4096)."""
     return mx.where(mask, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
-
-
-def check_inputs(input_ids: mx.array, attention_mask, sequence_id, vocab_size: int) -> None:
-    """SequenceError for inputs the forward would read wrongly or fail on deep in MLX: ids that
-    are not integers, an empty batch, ids outside the embedding table (MLX's gather reads past
-    it), a mask or sequence_id of another shape than the ids."""
-    if input_ids.ndim != 2 or 0 in input_ids.shape:
-        raise SequenceError(
-            f"input_ids: expected a non-empty (batch, length) array of token ids, got shape {tuple(input_ids.shape)}"
-        )
-    if not mx.issubdtype(input_ids.dtype, mx.integer):
-        raise SequenceError(f"input_ids: token ids must be integers, got {input_ids.dtype}")
-    try:
-        ids = np.asarray(input_ids)  # the ids are small and usually made from numpy: no device wait
-    except ValueError:  # inside the caller's own mx.compile / vmap: values unknown while tracing
-        ids = None
-    if ids is not None:
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= vocab_size:
-            raise SequenceError(
-                f"input_ids: token id {low if low < 0 else high} is outside the vocabulary (ids 0..{vocab_size - 1})"
-            )
-    for name, value in (("attention_mask", attention_mask), ("sequence_id", sequence_id)):
-        if value is not None and tuple(np.shape(value)) != tuple(input_ids.shape):
-            raise SequenceError(
-                f"{name}: shape {tuple(np.shape(value))} does not match input_ids' {tuple(input_ids.shape)}"
-            )
 
 
 class Ops:
@@ -245,22 +218,27 @@ class ESMC(Execution, nn.Module):
         layers = self.esmc.layers
         return [layer.input_layernorm for layer in layers[1:]] + [self.esmc.norm]
 
-    def forward(self, input_ids, mask, output_hidden_states=False, output_attentions=False, chunk=None, blocks=None):
+    def forward(
+        self, input_ids, mask, output_hidden_states=False, output_attentions=False, chunk=None, blocks=None, upto=None
+    ):
         """The forward as one lazy graph, or (``chunk``) evaluated every ``chunk`` blocks.
-        ``blocks``: per-block callables (x, normed, mask) -> (x, normed) in place of the blocks."""
+        ``blocks``: per-block callables (x, normed, mask) -> (x, normed) in place of the blocks.
+        ``upto``: stop after that many blocks (no logits unless every block ran);
+        ``output_hidden_states`` a set: only those hidden states kept (the others None)."""
         x = self.esmc.embed_tokens(input_ids)
-        hidden = [x] if output_hidden_states else None
+        keep = output_hidden_states if isinstance(output_hidden_states, set) else None  # only these are kept
+        hidden = [x if keep is None or 0 in keep else None] if output_hidden_states else None
         weights = [] if output_attentions else None
-        layers = self.esmc.layers
+        layers = self.esmc.layers[:upto]
         normed = layers[0].input_layernorm(x) if layers else self.esmc.norm(x)
         queued = None
-        for i, (layer, next_norm) in enumerate(zip(layers, self.next_norms(), strict=True)):
+        for i, (layer, next_norm) in enumerate(zip(layers, self.next_norms(), strict=False)):
             if blocks is not None:
                 (x, normed), w = blocks[i](x, normed, mask), None
             else:
                 x, normed, w = layer.step(x, normed, mask, next_norm, output_attentions, self.ops)
             if hidden is not None:
-                hidden.append(x)
+                hidden.append(x if keep is None or i + 1 in keep else None)
             if weights is not None:
                 weights.append(w)
             if chunk is not None and (i + 1) % chunk == 0:
@@ -274,11 +252,12 @@ class ESMC(Execution, nn.Module):
                 if queued is not None:
                     mx.eval(queued)
                 queued = (x, normed)
-        if hidden is not None:
+        complete = len(layers) == len(self.esmc.layers)
+        if hidden is not None and complete:
             hidden[-1] = normed
         return ESMCOutput(
-            logits=self.lm_head(normed),
-            last_hidden_state=normed,
+            logits=self.lm_head(normed) if complete else None,
+            last_hidden_state=normed if complete else x,
             hidden_states=tuple(hidden) if hidden is not None else None,
             attentions=tuple(weights) if weights is not None else None,
         )
@@ -298,22 +277,9 @@ class ESMC(Execution, nn.Module):
             )
         warnings.warn(message, EsmcMlxWarning, stacklevel=3)
 
-    def __call__(
-        self,
-        input_ids: mx.array,
-        attention_mask: mx.array | None = None,
-        sequence_id: mx.array | None = None,
-        output_hidden_states: bool = False,
-        output_attentions: bool = False,
-    ) -> ESMCOutput:
-        """Logits and hidden states for (B, L) token ids, right padded.
-
-        ``attention_mask`` (B, L): 1 for tokens, 0 for padding. ``sequence_id`` (B, L): chain
-        ids, -1 for padding; tokens attend only within their chain (``attention_mask`` is then
-        ignored). Positions are absolute from 0 across chains. ``output_attentions``: each
-        block's attention weights (B, H, L, L). Raises SequenceError for ids that are not
-        integers in the vocabulary, an empty batch, a mask of another shape.
-        """
+    def inputs(self, input_ids, attention_mask=None, sequence_id=None) -> tuple[mx.array, mx.array | None]:
+        """(B, L) ids and the additive mask they attend with, checked (SequenceError) and warned
+        about past ESMC's training length."""
         input_ids = mx.array(input_ids)
         if input_ids.ndim == 1:  # one unbatched sequence: its mask and chain ids too
             input_ids = input_ids[None]
@@ -333,6 +299,38 @@ class ESMC(Execution, nn.Module):
         )
         if mask is not None:
             mask = additive_mask(mask, self.dtype)  # once, not per layer
+        return input_ids, mask
+
+    def hidden_states_at(self, input_ids, layers, attention_mask=None, sequence_id=None) -> dict[int, mx.array]:
+        """``{N: hidden_states[N]}`` for each N of ``layers`` (0: the embeddings, i: after block i,
+        n_layers: after the final norm), as the full forward gives them, running the blocks only
+        up to the deepest asked for. Raises ScoringError for an N outside 0..n_layers."""
+        n = self.config.num_hidden_layers
+        for i in layers:
+            if isinstance(i, bool) or not isinstance(i, int | np.integer) or not 0 <= i <= n:
+                raise ScoringError(f"hidden state {i!r}: this model has hidden states 0..{n}")
+        input_ids, mask = self.inputs(input_ids, attention_mask, sequence_id)
+        wanted = {int(i) for i in layers}
+        out = self.forward(input_ids, mask, wanted, chunk=self.chunk_for(input_ids), upto=max(wanted, default=0))
+        return {int(i): out.hidden_states[i] for i in layers}
+
+    def __call__(
+        self,
+        input_ids: mx.array,
+        attention_mask: mx.array | None = None,
+        sequence_id: mx.array | None = None,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> ESMCOutput:
+        """Logits and hidden states for (B, L) token ids, right padded.
+
+        ``attention_mask`` (B, L): 1 for tokens, 0 for padding. ``sequence_id`` (B, L): chain
+        ids, -1 for padding; tokens attend only within their chain (``attention_mask`` is then
+        ignored). Positions are absolute from 0 across chains. ``output_attentions``: each
+        block's attention weights (B, H, L, L). Raises SequenceError for ids that are not
+        integers in the vocabulary, an empty batch, a mask of another shape.
+        """
+        input_ids, mask = self.inputs(input_ids, attention_mask, sequence_id)
         if not output_hidden_states and not output_attentions and self.use_compiled(input_ids, mask):
             logits, x = self.compiled_forward(input_ids, mask)
             return ESMCOutput(logits=logits, last_hidden_state=x)

@@ -124,19 +124,8 @@ def embed_fasta(
         require_h5py()
     pools = resolve_pools(pools, per_residue)
     layers = pick_layers(layer, layers)
-    if Path(fasta).exists() and not Path(fasta).is_file():  # iter_fasta names a missing one
-        raise JobError(
-            f"{fasta}: not a regular file. embed reads its FASTA twice (every record checked before the model "
-            "loads, then embedded), and a pipe can be read only once: write it to a file first (a gzip-compressed "
-            "FASTA is read as it is)"
-        )
-    # Compact per-record metadata (~70 bytes a record with IdIndex): ID, length, sha1.
-    ids, lengths, hashes = IdList(), array("q"), bytearray()
-    for r in iter_fasta(fasta):  # before loading a model: bad input fails fast
-        ids.append(r.id)
-        lengths.append(len(r.sequence))
-        hashes += sequence_hash(r.sequence).encode()
-    lengths, hashes = np.frombuffer(lengths, dtype=np.int64), np.frombuffer(bytes(hashes), dtype="S40")
+    check_fasta_file(fasta, "embed")
+    index = RecordIndex.read(iter_fasta(fasta))  # before loading a model: bad input fails fast
     model, model_name = _model(model, model_name)
     n_layers = model.config.num_hidden_layers
     layers = resolve_layers(layers, n_layers)
@@ -154,22 +143,92 @@ def embed_fasta(
         "model_weights": model.fingerprint(),  # what decides whether a rerun may resume
         "fasta": str(fasta),
     }
-    store, id_index = (EmbeddingStore(out) if world.is_root else None), None
-    # Rank 0 reads the directory; every rank learns what is left (and whether rank 0 failed).
-    status, failure = np.zeros(len(ids) + 1, dtype=np.int32), None
+    store = EmbeddingStore(out) if world.is_root else None
+    is_done, id_index = open_store(store, world, settings, index, force=force, drop_missing=drop_missing, source=fasta)
+    skipped = int(is_done.sum())
+    d, out_dtype = model.config.hidden_size, np.dtype(dtype)
+    computed = fill_store(
+        store,
+        world,
+        lambda: iter_fasta(fasta),
+        index,
+        is_done,
+        lambda encoded, batches: iter_embeddings(model, encoded, batches, layers=layers, pools=pools),
+        lambda held: _flatten(_merge(held, names), names, d),
+        lambda flat, lengths: {k: v.astype(out_dtype) for k, v in _unflatten(flat, names, lengths, d).items()},
+        every=gather_every(batch_tokens, d, names) if world.size > 1 else 1,  # alone: flush as before
+        batch_tokens=batch_tokens,
+        chunk_records=chunk_records,
+        flush_every=flush_every,
+        flush_seconds=flush_seconds,
+        progress=progress,
+        desc="embed",
+    )
+    world.barrier()
+    dropped = store.merge(index.ids, index.lengths, index.hashes, settings, id_index) if store is not None else 0
+    return EmbedSummary(Path(out), len(index.ids), skipped, computed, dropped, world.rank, world.size)
+
+
+# --- jobs that fill a store (embed, features) ---------------------------------------------------
+
+
+def check_fasta_file(fasta: str | Path, job: str) -> None:
+    """JobError for a FASTA that is not a regular file (a store job reads it twice)."""
+    if Path(fasta).exists() and not Path(fasta).is_file():  # iter_fasta names a missing one
+        raise JobError(
+            f"{fasta}: not a regular file. {job} reads its FASTA twice (every record checked before the model "
+            "loads, then computed), and a pipe can be read only once: write it to a file first (a gzip-compressed "
+            "FASTA is read as it is)"
+        )
+
+
+@dataclasses.dataclass
+class RecordIndex:
+    """Compact per-record metadata (~70 bytes a record with IdIndex): ID, residues, sha1."""
+
+    ids: IdList
+    lengths: np.ndarray
+    hashes: np.ndarray
+
+    @classmethod
+    def read(cls, records) -> RecordIndex:
+        ids, lengths, hashes = IdList(), array("q"), bytearray()
+        for r in records:
+            ids.append(r.id)
+            lengths.append(len(r.sequence))
+            hashes += sequence_hash(r.sequence).encode()
+        return cls(ids, np.frombuffer(lengths, dtype=np.int64), np.frombuffer(bytes(hashes), dtype="S40"))
+
+
+def open_store(
+    store: EmbeddingStore | None,
+    world: World,
+    settings: dict,
+    index: RecordIndex,
+    *,
+    force: bool,
+    drop_missing: bool,
+    source,
+) -> tuple[np.ndarray, IdIndex | None]:
+    """Rank 0 opens the store (``store``; None on the other ranks) with ``settings``; every rank
+    learns which records are done (bool per record) or that rank 0 failed. Also returns rank 0's
+    IdIndex of the records. Raises JobError for a store holding other settings, another sequence
+    under a record's ID, or records ``source`` lacks (unless ``drop_missing``)."""
+    status, failure, id_index = np.zeros(len(index.ids) + 1, dtype=np.int32), None, None
     if store is not None:
+        kind, out = store.KIND, store.out
         try:
             store.open(settings, force)
-            id_index = IdIndex(ids)
-            done, changed, missing = store.status(id_index, hashes)
+            id_index = IdIndex(index.ids)
+            done, changed, missing = store.status(id_index, index.hashes)
             if changed:
                 raise JobError(
-                    f"{out} holds an embedding of another sequence under the ID {changed[0]!r} "
+                    f"{out} holds {kind} of another sequence under the ID {changed[0]!r} "
                     f"({len(changed)} such IDs); use another output directory or --force"
                 )
-            if missing and not drop_missing:  # computed embeddings are not thrown away unasked
+            if missing and not drop_missing:  # computed results are not thrown away unasked
                 raise JobError(
-                    f"{out} holds embeddings of {plural(len(missing), 'ID')} that {fasta} lacks ({min(missing)!r} ...); "
+                    f"{out} holds {kind} of {plural(len(missing), 'ID')} that {source} lacks ({min(missing)!r} ...); "
                     "the merge would drop them: use another output directory, or --drop-missing"
                 )
             store.begin(settings)
@@ -181,10 +240,35 @@ def embed_fasta(
         raise failure
     if status[0]:
         raise JobError("rank 0 could not open the output directory (see its error)")
-    is_done = status[1:].astype(bool)
-    skipped = int(is_done.sum())
-    d, out_dtype = model.config.hidden_size, np.dtype(dtype)
-    every = gather_every(batch_tokens, d, names) if world.size > 1 else 1  # alone: flush as before
+    return status[1:].astype(bool), id_index
+
+
+def fill_store(
+    store: EmbeddingStore | None,
+    world: World,
+    records,
+    index: RecordIndex,
+    is_done: np.ndarray,
+    compute,
+    pack,
+    unpack,
+    *,
+    every: int,
+    batch_tokens: int,
+    chunk_records: int,
+    flush_every: int,
+    flush_seconds: float,
+    progress: bool,
+    desc: str,
+) -> int:
+    """Compute every record not ``is_done`` and write it into ``store`` in parts (rank 0);
+    returns how many records all ranks computed. ``records()``: a fresh iterator over the
+    records (read again here, ``chunk_records`` at a time, sorted by length within a chunk).
+    ``compute(encoded, batches)`` yields (rows, values) per batch; ``pack(list of values)`` makes
+    one 2-D array of several batches' values for ``World.gather`` (an empty list: no rows) and
+    ``unpack(array, residue lengths)`` the {array name: rows} that ``store.write_part`` takes.
+    Ranks gather every ``every`` batches."""
+    ids, lengths, hashes = index.ids, index.lengths, index.hashes
     buffer: list[tuple] = []
     buffered, buffered_bytes, last_flush, computed = 0, 0, time.monotonic(), 0
 
@@ -196,7 +280,7 @@ def embed_fasta(
                 [ids[i] for i in rows],
                 hashes[rows].astype(str).tolist(),
                 lengths[rows],
-                {name: np.concatenate([b[1][name] for b in buffer]).astype(out_dtype) for name in names.values()},
+                {name: np.concatenate([b[1][name] for b in buffer]) for name in buffer[0][1]},
             )
         buffer, buffered, buffered_bytes, last_flush = [], 0, 0, time.monotonic()
 
@@ -205,12 +289,12 @@ def embed_fasta(
     bar = tqdm(
         total=int((~is_done).sum()),
         unit="seq",
-        desc="embed",
+        desc=desc,
         disable=not (progress and world.is_root),
         dynamic_ncols=True,
     )
     try:
-        for first, chunk in _chunks(iter_fasta(fasta), chunk_records):
+        for first, chunk in _chunks(records(), chunk_records):
             pending = [k for k in range(len(chunk)) if not is_done[first + k]]
             if not pending:
                 continue
@@ -218,31 +302,32 @@ def embed_fasta(
             # a checked FASTA sequence holds residues only: one token each, plus <cls> and <eos>
             token_lengths = np.array([len(chunk[k].sequence) + 2 for k in pending])
             # The batches one process would run, dealt out round-robin (longest first, so every
-            # rank gets a similar mix): each sequence is embedded in the same batch, padded to
+            # rank gets a similar mix): each sequence is computed in the same batch, padded to
             # the same width, whatever the number of ranks, so the outputs are the same.
             batches = world.shard(length_batches(token_lengths, batch_tokens, PAD_MULTIPLE))
             encoded = [None] * len(pending)  # this rank tokenizes its own batches only
             for b in batches:
                 for i, e in zip(b, encode([chunk[pending[i]].sequence for i in b])):
                     encoded[i] = e
-            embeddings = iter_embeddings(model, encoded, batches, layers=layers, pools=pools)
+            results = compute(encoded, batches)
             rounds, held = world.max(len(batches)), []  # held: batches not yet gathered
             for step in range(rounds):
-                rows, values = next(embeddings, (np.zeros(0, np.int64), None))
+                rows, values = next(results, (np.zeros(0, np.int64), None))
                 held.append((record_of[rows], values))
                 if (step + 1) % every and step + 1 < rounds:
                     continue
-                rows, values = _merge(held, names)
+                rows = np.concatenate([r for r, _ in held])
+                flat = pack([v for _, v in held if v is not None])
                 held = []
                 ints = world.gather(rows.astype(np.int64))
-                floats = world.gather(_flatten(values, names, d))
-                for got_rows, flat in zip(ints, floats):
+                packed = world.gather(flat)
+                for got_rows, block in zip(ints, packed):
                     n = len(got_rows)
                     computed += n
                     if n and store is not None:
-                        buffer.append((got_rows, _unflatten(flat, names, lengths[got_rows], d)))
+                        buffer.append((got_rows, unpack(block, lengths[got_rows])))
                         buffered += n
-                        buffered_bytes += flat.nbytes
+                        buffered_bytes += block.nbytes
                         bar.update(n)
                 if (
                     buffered >= flush_every
@@ -253,9 +338,7 @@ def embed_fasta(
     finally:
         flush()  # keep what was computed, also on Ctrl-C
         bar.close()
-    world.barrier()
-    dropped = store.merge(ids, lengths, hashes, settings, id_index) if store is not None else 0
-    return EmbedSummary(Path(out), len(ids), skipped, computed, dropped, world.rank, world.size)
+    return computed
 
 
 def gather_every(batch_tokens: int, d: int, names: dict) -> int:
@@ -269,19 +352,17 @@ def gather_every(batch_tokens: int, d: int, names: dict) -> int:
     return max(1, min(GATHER_ROUNDS, GATHER_BYTES // round_bytes))
 
 
-def _merge(held: list[tuple], names: dict) -> tuple[np.ndarray, dict | None]:
-    """Several batches' (rows, values) as one batch's."""
-    rows = np.concatenate([r for r, _ in held])
-    parts = [v for _, v in held if v is not None]
+def _merge(parts: list[dict], names: dict) -> dict | None:
+    """Several batches' values as one batch's (None for none)."""
     if not parts:
-        return rows, None
+        return None
     merged = {}
     for key in names:
         if key[1] == "per_residue":
             merged[key] = [a for v in parts for a in v[key]]
         else:
             merged[key] = np.concatenate([v[key] for v in parts])
-    return rows, merged
+    return merged
 
 
 def _chunks(records, size: int):
@@ -357,22 +438,8 @@ def scan_job(
     unless ``force``.
     Raises FastaError, ScoringError, JobError (matplotlib missing with ``plot``, a manifest of
     another tool)."""
-    if (sequence is None) == (fasta is None):
-        raise JobError("give exactly one of --sequence and --fasta")
-    if fasta is not None and name is not None:  # it would be ignored: say so instead
-        raise JobError(f"--name {name!r} names --sequence's files; with --fasta each record's ID names its files")
-    if fasta is not None:
-        records = [(r.id, r.sequence) for r in iter_fasta(fasta)]  # all checked before the model loads
-    else:
-        records = [(name or "sequence", resolve_sequence(sequence))]
-    stems: dict[str, str] = {}
-    for ident, _ in records:  # case-blind: macOS's file system is
-        other = stems.setdefault(safe_name(ident).lower(), ident)
-        if other != ident:
-            raise JobError(
-                f"{fasta}: the IDs {other!r} and {ident!r} would both be written as {safe_name(ident)}_*; "
-                "rename one of them"
-            )
+    records = input_records(sequence, fasta, name)  # all checked before the model loads
+    check_stems([ident for ident, _ in records], fasta, "{}_*")
     world = World.of(group)
     if plot and world.is_root:
         check_plotting()
@@ -416,6 +483,36 @@ def scan_job(
             manifest.record(safe_name(ident), entry, result.write(out, plot=plot, per_row=per_row))
         scanned.append((ident, len(result.positions), result.passes))
     return ScanSummary(Path(out), scanned, world.rank, world.size, skipped)
+
+
+def check_input_options(sequence, fasta, name) -> None:
+    """JobError unless exactly one of --sequence and --fasta is given, and --name only with --sequence."""
+    if (sequence is None) == (fasta is None):
+        raise JobError("give exactly one of --sequence and --fasta")
+    if fasta is not None and name is not None:  # it would be ignored: say so instead
+        raise JobError(f"--name {name!r} names --sequence's files; with --fasta each record's ID names its files")
+
+
+def input_records(sequence: str | None, fasta, name: str | None) -> list[tuple[str, str]]:
+    """(name, sequence) of ``sequence`` (a protein or a FASTA file of one; named ``name``, default
+    ``sequence``) or of every record of ``fasta``, all checked. Raises JobError, FastaError."""
+    check_input_options(sequence, fasta, name)
+    if fasta is not None:
+        return [(r.id, r.sequence) for r in iter_fasta(fasta)]
+    return [(name or "sequence", resolve_sequence(sequence))]
+
+
+def check_stems(ids, fasta, pattern: str) -> None:
+    """JobError when two IDs would name the same files (``pattern``: how a stem names them, e.g.
+    ``{}_*``), case-blind as macOS's file system is."""
+    stems: dict[str, str] = {}
+    for ident in ids:
+        other = stems.setdefault(safe_name(ident).lower(), ident)
+        if other != ident:
+            raise JobError(
+                f"{fasta}: the IDs {other!r} and {ident!r} would both be written as "
+                f"{pattern.format(safe_name(ident))}; rename one of them"
+            )
 
 
 # --- esmc-mlx score ---------------------------------------------------------------------------

@@ -109,6 +109,7 @@ class ScanManifest:
 
     NAME = "scan-manifest.json"
     FORMAT = "esmc-mlx-scan/1"
+    TOOL = "scan"  # the command that writes it (a subclass's manifest is another command's)
 
     def __init__(self, out: str | Path):
         self.path = Path(out) / self.NAME
@@ -124,7 +125,7 @@ class ScanManifest:
             or data.get("format") != self.FORMAT
             or not isinstance(data.get("proteins"), dict)
         ):
-            raise JobError(f"{self.path} was not written by esmc-mlx scan; use another output directory")
+            raise JobError(f"{self.path} was not written by esmc-mlx {self.TOOL}; use another output directory")
         self.proteins = data["proteins"]
 
     def done(self, stem: str, settings: dict) -> bool:

@@ -255,9 +255,14 @@ def iter_embeddings(
             values[key] = [v[k, 1 : 1 + n].copy() for k, n in enumerate(lengths)] if key[1] == "per_residue" else v
         return rows, values
 
-    # One batch ahead: the next batch is packed and queued before this one is copied to host
-    # memory and handed on, so the device is not idle while the host copies, gathers and writes
-    # (the same graph is evaluated: the values are the same).
+    yield from one_batch_ahead(batches, start, finish)
+
+
+def one_batch_ahead(batches, start, finish):
+    """``finish(*start(rows))`` for each batch, with the next batch packed and queued
+    (``start``) before this one is copied to host memory and handed on (``finish``): the device
+    is not idle while the host copies, gathers and writes. The same graphs are evaluated: the
+    values are the same."""
     running = None
     for rows in batches:
         queued = start(rows)

@@ -67,6 +67,15 @@ _PART = re.compile(r"part-.+\.npz|\..+\.tmp(-\d+-[0-9a-f]+)?")
 _ARRAY = re.compile(r"[A-Za-z0-9_]+\.npy")
 
 
+def _array_layout(settings: dict, name: str, dtype, width: int, rows: int) -> tuple[np.dtype, tuple[int, int]]:
+    """(dtype, shape) of a stored array: ``settings["array_layouts"][name]`` = [width, dtype]
+    where given (arrays of other widths and dtypes than the embeddings'), else ``dtype``, ``width``."""
+    layout = (settings.get("array_layouts") or {}).get(name)
+    if layout is not None:
+        width, dtype = layout[0], np.dtype(layout[1])
+    return dtype, (rows, width)
+
+
 def _shown(value) -> str:
     """A setting in an error message; a model's sha256 by its first 12 digits, as git shows commits."""
     return repr(value[:12] + "...") if isinstance(value, str) and len(value) == 64 else repr(value)
@@ -162,8 +171,13 @@ def array_names(layers: Sequence[int], pools: Sequence[str]) -> dict[tuple[int, 
     return {(i, p): p if len(layers) == 1 else f"layer{i}_{p}" for i in layers for p in pools}
 
 
+# Arrays with a row per residue (the rest have a row per record): embed's per_residue, and the
+# sparse autoencoder features' indices and values (``tasks.features``).
+PER_RESIDUE_SUFFIXES = ("per_residue", "_indices", "_values")
+
+
 def is_per_residue(name: str) -> bool:
-    return name.endswith("per_residue")
+    return name.endswith(PER_RESIDUE_SUFFIXES)
 
 
 def require_h5py():
@@ -178,6 +192,16 @@ def require_h5py():
 
 
 class EmbeddingStore:
+    """A directory of per-record arrays that a job fills in parts and merges. Subclasses for
+    other jobs set what they write: FORMAT, KIND (its name in messages), SETTINGS_KEYS (the
+    settings a rerun must share) and OWNED (other entries the job writes into OUT)."""
+
+    FORMAT = FORMAT
+    KIND = "embeddings"
+    COMMAND = "embed"  # what writes it
+    SETTINGS_KEYS = SETTINGS_KEYS
+    OWNED: re.Pattern | None = None
+
     def __init__(self, out: str | Path):
         self.out = Path(out)
         self.parts = self.out / "parts"
@@ -193,8 +217,8 @@ class EmbeddingStore:
             data = json.loads(self.manifest_path.read_text())
         except (OSError, ValueError) as e:
             raise JobError(f"{self.manifest_path}: unreadable ({e}); use --force to start over") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT:  # another tool's manifest.json
-            raise JobError(f"{self.out}: not an esmc-mlx embeddings directory")
+        if not isinstance(data, dict) or data.get("format") != self.FORMAT:  # another tool's manifest.json
+            raise JobError(f"{self.out}: not an esmc-mlx {self.KIND} directory")
         if data.get("version") == 1 and "layer" in data:  # one layer, mean (+ per_residue), npy
             pools = ["mean"] + (["per_residue"] if data.get("per_residue") else [])
             data.update(layers=[data["layer"]], pools=pools, storage="npy", arrays=pools)
@@ -219,7 +243,7 @@ class EmbeddingStore:
         foreign = self._foreign() if self.out.exists() else []
         existing = self.manifest() if self.out.exists() and not (force and not foreign) else None
         if foreign and existing is None:
-            raise JobError(f"{self.out} exists, is not empty and is not an esmc-mlx embeddings directory")
+            raise JobError(f"{self.out} exists, is not empty and is not an esmc-mlx {self.KIND} directory")
         if force and self.out.exists():
             if foreign:
                 raise JobError(
@@ -232,15 +256,23 @@ class EmbeddingStore:
         if existing is not None:
             differ = [
                 f"{k}: {_shown(existing.get(k))} there, {_shown(settings[k])} now"
-                for k in SETTINGS_KEYS
+                for k in self.SETTINGS_KEYS
                 if existing.get(k) != settings[k] and not (k == "model_weights" and k not in existing)
             ]
             if differ:
                 raise JobError(
-                    f"{self.out} holds embeddings made with other settings ({'; '.join(differ)}); "
+                    f"{self.out} holds {self.KIND} made with other settings ({'; '.join(differ)}); "
                     "use another output directory or --force to start over"
                 )
         self._existing = existing
+
+    def completed(self) -> tuple[dict, dict]:
+        """(manifest, merged files) of a completed directory; JobError when it is not one."""
+        manifest = self.manifest()
+        merged = self._merged() if manifest else None
+        if not manifest or not manifest.get("complete") or merged is None:
+            raise JobError(f"{self.out}: no completed {self.KIND} (run esmc-mlx {self.COMMAND} again to finish it)")
+        return manifest, merged
 
     def begin(self, settings: dict) -> None:
         """Mark the directory as being written (``complete: false``), made if new."""
@@ -258,10 +290,10 @@ class EmbeddingStore:
         except FileNotFoundError:
             data = None
         except (OSError, ValueError):  # ours, cut short: its array names are unknown
-            data = {"format": FORMAT}
+            data = {"format": self.FORMAT}
         if isinstance(data, dict) and data.get("version") == 1 and "layer" in data:
             data = self.manifest()
-        ours = isinstance(data, dict) and data.get("format") == FORMAT
+        ours = isinstance(data, dict) and data.get("format") == self.FORMAT
         arrays = data.get("arrays") if ours else None
         if ours and isinstance(arrays, list):
             names = {f"{n}.npy" for n in arrays if isinstance(n, str)}
@@ -274,7 +306,7 @@ class EmbeddingStore:
             elif _ARRAY.fullmatch(p.name) and p.name != "offsets.npy":
                 mine = names is None or p.name in names
             else:
-                mine = bool(_OURS.fullmatch(p.name))
+                mine = bool(_OURS.fullmatch(p.name) or (self.OWNED and self.OWNED.fullmatch(p.name)))
             if mine and p.name == "parts":
                 mine = p.is_dir() and all(_PART.fullmatch(q.name) for q in p.iterdir())
             if not mine:
@@ -286,7 +318,7 @@ class EmbeddingStore:
             f.write(
                 json.dumps(
                     dict(
-                        format=FORMAT,
+                        format=self.FORMAT,
                         version=FORMAT_VERSION,
                         **{k: v for k, v in data.items() if k not in ("format", "version")},
                     ),
@@ -419,7 +451,10 @@ class EmbeddingStore:
     def _merge_into(self, staging, merged, ids, lengths, hashes, offsets, index, names, dtype, d, settings):
         """Write the merged files into ``staging``; return their names and the IDs dropped."""
         out = {
-            n: reserved_memmap(staging / f"{n}.npy", dtype, (int(offsets[-1]) if is_per_residue(n) else len(ids), d))
+            n: reserved_memmap(
+                staging / f"{n}.npy",
+                *_array_layout(settings, n, dtype, d, int(offsets[-1]) if is_per_residue(n) else len(ids)),
+            )
             for n in names
         }
         filled = np.zeros(len(ids), dtype=bool)
@@ -693,25 +728,25 @@ class StoredEmbeddings:
         """(L, d) rows of record ``key`` (an index, negative from the end, or an ID)."""
         if not any(map(is_per_residue, self.arrays)):
             raise JobError("this directory was written without per-residue embeddings")
-        n = len(self.ids)
-        if isinstance(key, str):
-            if key not in self.ids:
-                raise JobError(f"no record {key!r} here")
-            i = self.ids.index(key)
-        elif isinstance(key, numbers.Integral) and not isinstance(key, bool) and -n <= key < n:
-            i = int(key) % n  # offsets has n + 1 entries: a raw -1 read the slice offsets[-1]:offsets[0]
-        else:
-            raise JobError(f"record {key!r}: give an ID or an index in {-n}..{n - 1} ({n} records)")
+        i = record_index(self.ids, key)
         return np.asarray(self.get("per_residue", layer)[self.offsets[i] : self.offsets[i + 1]])
+
+
+def record_index(ids: list[str], key: int | str) -> int:
+    """The position of record ``key`` (an ID, or an index, negative from the end) in ``ids``."""
+    n = len(ids)
+    if isinstance(key, str):
+        if key not in ids:
+            raise JobError(f"no record {key!r} here")
+        return ids.index(key)
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool) and -n <= key < n:
+        return int(key) % n  # offsets has n + 1 entries: a raw -1 read the slice offsets[-1]:offsets[0]
+    raise JobError(f"record {key!r}: give an ID or an index in {-n}..{n - 1} ({n} records)")
 
 
 def read_embeddings(out: str | Path) -> StoredEmbeddings:
     """Open a completed ``esmc-mlx embed`` output directory (any of the three formats)."""
-    store = EmbeddingStore(out)
-    manifest = store.manifest()
-    merged = store._merged() if manifest else None
-    if not manifest or not manifest.get("complete") or merged is None:
-        raise JobError(f"{out}: no completed embeddings (run esmc-mlx embed again to finish it)")
+    manifest, merged = EmbeddingStore(out).completed()
     return StoredEmbeddings(
         merged["ids"],
         merged["arrays"],
