@@ -1005,7 +1005,13 @@ Examples:
 )
 @click.option("--sequence-column", default="sequence", show_default=True, help="CSV column of the sequences.")
 @click.option("--label-column", default="label", show_default=True, help="CSV column of the labels.")
-@click.option("--lora-rank", type=click.IntRange(1), default=FINETUNE_DEFAULTS["lora_rank"], show_default=True)
+@click.option(
+    "--lora-rank",
+    type=click.IntRange(1),
+    default=FINETUNE_DEFAULTS["lora_rank"],
+    show_default=True,
+    help="Rank of the low-rank update of each adapted projection.",
+)
 @click.option("--lora-layers", default="all", show_default=True, help="Adapt this many blocks from the top, or all.")
 @click.option(
     "--lora-scale",
@@ -1014,7 +1020,13 @@ Examples:
     show_default=True,
     help="Multiplier of the low-rank update (peft's alpha / rank).",
 )
-@click.option("--head", type=click.Choice(["linear", "mlp"]), default="linear", show_default=True)
+@click.option(
+    "--head",
+    type=click.Choice(["linear", "mlp"]),
+    default="linear",
+    show_default=True,
+    help="The task head: one linear layer, or linear-GELU-linear.",
+)
 @click.option(
     "--pool",
     type=click.Choice(["mean", "cls"]),
@@ -1022,8 +1034,20 @@ Examples:
     show_default=True,
     help="Sequence tasks: mean over the residues, or the <cls> token.",
 )
-@click.option("--epochs", type=click.IntRange(1), default=FINETUNE_DEFAULTS["epochs"], show_default=True)
-@click.option("--learning-rate", type=float, default=FINETUNE_DEFAULTS["learning_rate"], show_default=True)
+@click.option(
+    "--epochs",
+    type=click.IntRange(1),
+    default=FINETUNE_DEFAULTS["epochs"],
+    show_default=True,
+    help="Passes over the training CSV (at most: --patience may stop earlier).",
+)
+@click.option(
+    "--learning-rate",
+    type=float,
+    default=FINETUNE_DEFAULTS["learning_rate"],
+    show_default=True,
+    help="AdamW's learning rate, for the adapters and the head.",
+)
 @click.option(
     "--batch-tokens",
     type=click.IntRange(1),
@@ -1080,7 +1104,7 @@ def _int_option(text: str, option: str, what: str) -> int:
         raise click.BadParameter(f"{text!r}: give {what}", param_hint=option) from None
 
 
-PREDICT_HELP = """Predict with an adapter (a directory esmc-mlx finetune wrote, or its Hub repo) for
+PREDICT_HELP = """Predict with ADAPTER (a directory esmc-mlx finetune wrote, or its Hub repo) for
 one sequence, every record of a FASTA file, or every row of a CSV, and write PRED.csv: the
 input's rows with a prediction column (classification: also p_CLASS, each class's
 probability; per-residue: a label per residue). The base model is the one the adapter names,
@@ -1105,7 +1129,9 @@ Examples:
 @click.option("--csv", "csv_path", type=InputPath(exists=True, dir_okay=False, path_type=Path), help="A CSV file.")
 @click.option("--sequence-column", default="sequence", show_default=True, help="--csv's column of the sequences.")
 @click.option("-o", "--output", type=OutputPath(dir_okay=False, path_type=Path), help="The predictions CSV.")
-@click.option("--batch-tokens", type=click.IntRange(1), default=4096, show_default=True)
+@click.option(
+    "--batch-tokens", type=click.IntRange(1), default=4096, show_default=True, help="Padded tokens per forward pass."
+)
 @click.option("--base", help="The base model (a local directory or repo id) instead of the one the adapter names.")
 @click.option(
     "--fuse", "fuse_dir", type=OutputPath(file_okay=False, path_type=Path), help="Write the merged model here."

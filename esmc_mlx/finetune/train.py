@@ -293,6 +293,21 @@ def _write_arrays(path: Path, arrays: dict[str, mx.array], metadata: dict | None
     add_to_marker(path.parent, path.name)
 
 
+def training_step(model: AdaptedModel, optimizer: optim.Optimizer):
+    """``step(ids, attention, targets) -> (loss, outputs)``: one gradient step of the adapters
+    and the head. Compiled on a GPU, as ``load`` compiles the forward there (on the CPU a trace
+    JIT-builds C++ and measured no faster)."""
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+    state = [model.state, optimizer.state]
+
+    def step(ids, attention, targets):
+        (loss, outputs), grads = loss_and_grad(model, ids, attention, targets)
+        optimizer.update(model, grads)
+        return loss, outputs
+
+    return mx.compile(step, inputs=state, outputs=state) if mx.default_device() != mx.cpu else step
+
+
 def _set_leaves(tree, items) -> None:
     """Put each (dotted name, array) into ``tree`` where ``tree_flatten`` found it, in place:
     the optimizer's state keeps its structure (empty branches included, which flattening loses)."""
@@ -320,16 +335,7 @@ class Trainer:
         self.history: list[dict] = []
         self.epoch, self.batch, self.running = 0, 0, Running(self.labels)
         self.best_loss, self.best_epoch, self.stale, self.stopped = math.inf, None, 0, False
-        loss_and_grad = nn.value_and_grad(model, loss_fn)
-        state = [model.state, optimizer.state]
-
-        def step(ids, attention, targets):
-            (loss, outputs), grads = loss_and_grad(model, ids, attention, targets)
-            optimizer.update(model, grads)
-            return loss, outputs
-
-        # compiled on a GPU, as load() compiles the forward there; on the CPU a trace JIT-builds C++
-        self.step = mx.compile(step, inputs=state, outputs=state) if mx.default_device() != mx.cpu else step
+        self.step = training_step(model, optimizer)
 
     # --- checkpoint ---------------------------------------------------------------------------
     def _weights(self) -> dict[str, dict[str, mx.array]]:
