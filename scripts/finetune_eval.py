@@ -125,7 +125,11 @@ def main() -> None:
         f"held-out {len(task['test'])} (esmc-tiny's test split)"
     )
     truth = [f for _, f in task["test"]]
-    results = {"data": {k: len(v) for k, v in task.items()}, "classes": len(classes), "settings": dict(vars(args), out=str(args.out))}
+    results = {
+        "data": {k: len(v) for k, v in task.items()},
+        "classes": len(classes),
+        "settings": dict(vars(args), out=str(args.out)),
+    }
 
     majority = Counter(f for _, f in task["train"]).most_common(1)[0][0]
     results["majority"] = scores(truth, [majority] * len(truth))
@@ -169,7 +173,11 @@ def main() -> None:
 
     print(f"\nHeld-out ({len(truth)} sequences, {len(set(truth))} families):")
     print(f"  {'':28s} accuracy  macro-F1")
-    for name, key in (("majority class", "majority"), ("frozen embeddings + linear", "probe"), ("fine-tuned (LoRA)", "finetuned")):
+    for name, key in (
+        ("majority class", "majority"),
+        ("frozen embeddings + linear", "probe"),
+        ("fine-tuned (LoRA)", "finetuned"),
+    ):
         print(f"  {name:28s} {results[key]['accuracy']:8.3f}  {results[key]['macro_f1']:8.3f}")
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out / 'results.json'}")
