@@ -21,6 +21,7 @@ from .bench import FLOAT_SPREAD, parse_shapes, run
 from .convert import quantize_directory
 from .errors import EsmcMlxError, EsmcMlxWarning
 from .finetune import TASKS, finetune, fuse_adapter, predict_csv
+from .finetune.model import HEADS, POOLS
 from .finetune.train import DEFAULTS as FINETUNE_DEFAULTS
 from .hub.push import push_artifact
 from .pipeline import convert_validate_many, convert_validate_push
@@ -1022,14 +1023,14 @@ Examples:
 )
 @click.option(
     "--head",
-    type=click.Choice(["linear", "mlp"]),
+    type=click.Choice(HEADS),
     default="linear",
     show_default=True,
     help="The task head: one linear layer, or linear-GELU-linear.",
 )
 @click.option(
     "--pool",
-    type=click.Choice(["mean", "cls"]),
+    type=click.Choice(POOLS),
     default="mean",
     show_default=True,
     help="Sequence tasks: mean over the residues, or the <cls> token.",

@@ -34,6 +34,8 @@ import tiny_data  # noqa: E402
 
 from esmc_mlx import load, load_adapter  # noqa: E402
 from esmc_mlx.finetune import finetune  # noqa: E402
+from esmc_mlx.finetune.data import Labels  # noqa: E402
+from esmc_mlx.finetune.model import AdaptedModel, pack, residue_mask, token_batches  # noqa: E402
 
 SPLITS = {"train": "train", "val": "valid", "test": "test"}
 
@@ -102,6 +104,20 @@ def linear_probe(train_x, train_y, valid_x, valid_y, classes: int, seed: int) ->
     return (lambda x: np.array(probe(norm(x)).argmax(-1))), best[2]
 
 
+def mean_embeddings(model, sequences: list[str], batch_tokens: int) -> np.ndarray:
+    """Mean final hidden state over the residues (``model.embed``'s mean) through the
+    fine-tuning forward, whose batches are the fine-tuned model's."""
+    frozen = AdaptedModel(model, Labels("classification", classes=["-", "+"]))
+    encoded, batches = token_batches(sequences, batch_tokens)
+    out = np.zeros((len(sequences), model.config.hidden_size), np.float32)
+    for rows in batches:
+        ids, attention, _ = pack(encoded, rows, None, frozen.labels)
+        h = frozen.encode(ids, attention).astype(mx.float32)
+        inside = residue_mask(attention)[..., None]
+        out[rows] = np.array((h * inside).sum(1) / inside.sum(1))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("finetune-eval"))
@@ -135,9 +151,9 @@ def main() -> None:
     results["majority"] = scores(truth, [majority] * len(truth))
 
     started = time.perf_counter()
-    model, _ = load(args.model)
+    model, _ = load(args.model, fuse=False)
     index = {c: i for i, c in enumerate(classes)}
-    embed = {k: model.embed([s for s, _ in rows]).mean for k, rows in task.items()}
+    embed = {k: mean_embeddings(model, [s for s, _ in rows], args.batch_tokens) for k, rows in task.items()}
     labels = {k: np.array([index[f] for _, f in rows]) for k, rows in task.items()}
     predict, decay = linear_probe(
         embed["train"], labels["train"], embed["valid"], labels["valid"], len(classes), args.seed
