@@ -18,6 +18,7 @@ if "MLX_PTX_CACHE_DIR" not in os.environ and (_root := cache_root()) is not None
     os.environ["MLX_PTX_CACHE_DIR"] = str(_root / "ptx")
 
 from .errors import EsmcMlxError, EsmcMlxWarning, SequenceError, TokenizerError  # noqa: E402
+from .finetune import load_adapter  # noqa: E402
 from .runtime import ESMC, ESMCOutput, ESMCTokenizer  # noqa: E402
 from .runtime.sae import SparseAutoencoder, load_sae  # noqa: E402
 from .tasks import ProteinModel, load  # noqa: E402
@@ -33,6 +34,7 @@ __all__ = [
     "SparseAutoencoder",
     "TokenizerError",
     "load",
+    "load_adapter",
     "load_sae",
     "__version__",
 ]

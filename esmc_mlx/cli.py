@@ -20,6 +20,9 @@ from .artifact import describe, human_size, plural
 from .bench import FLOAT_SPREAD, parse_shapes, run
 from .convert import quantize_directory
 from .errors import EsmcMlxError, EsmcMlxWarning
+from .finetune import TASKS, finetune, fuse_adapter, predict_csv
+from .finetune.model import HEADS, POOLS
+from .finetune.train import DEFAULTS as FINETUNE_DEFAULTS
 from .hub.push import push_artifact
 from .pipeline import convert_validate_many, convert_validate_push, quantize_validate_sae
 from .runtime.cuda import cutlass_qmm
@@ -1222,6 +1225,211 @@ def bench(models, shapes, device, dtype, variants, quant, no_torch, out_dir):
         with_torch=not no_torch,
         log=click.echo,
     )
+
+
+FINETUNE_HELP = """Fine-tune MODEL on the labeled sequences of a CSV: LoRA adapters (mlx-lm's layers)
+and a task head, written to the adapter directory OUT (docs/finetune.md). MODEL may be float or
+quantized: a quantized base stays packed (QLoRA), adapters and head train in float32.
+
+\b
+--task classification  one label per sequence (any text); accuracy
+       regression      a number per sequence; Spearman's rho
+       per-residue     a label string as long as the sequence ("HHHEEC..."), or 1-based
+                       positions of class 1 ("3,17,18"; the others class 0); accuracy
+                       over residues
+
+OUT holds adapters.safetensors, head.safetensors, adapter_config.json (the base named by
+repo id, revision and sha256 of its weights; the settings), metrics.json and metrics.png
+(loss and metric per epoch) and a card. With --valid, the kept weights are those of the epoch
+with the lowest validation loss and training stops after --patience epochs without
+improvement. A checkpoint is written every epoch and every --save-every steps: run the same
+command again to resume a killed run.
+
+\b
+Examples:
+  esmc-mlx finetune 300M --train train.csv --valid valid.csv -o my-adapter
+  esmc-mlx finetune esmc-6b-4bit --train tm.csv --task regression --label-column tm -o tm-adapter
+  esmc-mlx finetune 300M --train ss.csv --task per-residue --lora-layers 8 --gradient-checkpointing -o ss
+  esmc-mlx predict my-adapter --fasta proteins.fasta -o predictions.csv
+"""
+
+
+@main.command(name="finetune", help=FINETUNE_HELP + "\n" + MODEL_HELP)
+@click.argument("model")
+@click.option(
+    "--train",
+    "train_csv",
+    required=True,
+    type=InputPath(exists=True, dir_okay=False, path_type=Path),
+    help="Training CSV.",
+)
+@click.option(
+    "--valid",
+    "valid_csv",
+    type=InputPath(exists=True, dir_okay=False, path_type=Path),
+    help="Validation CSV (early stopping, the kept epoch).",
+)
+@click.option(
+    "-o", "--output", type=OutputPath(file_okay=False, path_type=Path), required=True, help="Adapter directory."
+)
+@click.option(
+    "--task", type=click.Choice(TASKS), default="classification", show_default=True, help="What the labels are."
+)
+@click.option("--sequence-column", default="sequence", show_default=True, help="CSV column of the sequences.")
+@click.option("--label-column", default="label", show_default=True, help="CSV column of the labels.")
+@click.option(
+    "--lora-rank",
+    type=click.IntRange(1),
+    default=FINETUNE_DEFAULTS["lora_rank"],
+    show_default=True,
+    help="Rank of the low-rank update of each adapted projection.",
+)
+@click.option("--lora-layers", default="all", show_default=True, help="Adapt this many blocks from the top, or all.")
+@click.option(
+    "--lora-scale",
+    type=float,
+    default=FINETUNE_DEFAULTS["lora_scale"],
+    show_default=True,
+    help="Multiplier of the low-rank update (peft's alpha / rank).",
+)
+@click.option(
+    "--head",
+    type=click.Choice(HEADS),
+    default="linear",
+    show_default=True,
+    help="The task head: one linear layer, or linear-GELU-linear.",
+)
+@click.option(
+    "--pool",
+    type=click.Choice(POOLS),
+    default="mean",
+    show_default=True,
+    help="Sequence tasks: mean over the residues, or the <cls> token.",
+)
+@click.option(
+    "--epochs",
+    type=click.IntRange(1),
+    default=FINETUNE_DEFAULTS["epochs"],
+    show_default=True,
+    help="Passes over the training CSV (at most: --patience may stop earlier).",
+)
+@click.option(
+    "--learning-rate",
+    type=float,
+    default=FINETUNE_DEFAULTS["learning_rate"],
+    show_default=True,
+    help="AdamW's learning rate, for the adapters and the head.",
+)
+@click.option(
+    "--batch-tokens",
+    type=click.IntRange(1),
+    default=FINETUNE_DEFAULTS["batch_tokens"],
+    show_default=True,
+    help="Padded tokens per training step (rows x longest row).",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Adapter initialisation and batch order.")
+@click.option(
+    "--patience",
+    type=click.IntRange(0),
+    default=FINETUNE_DEFAULTS["patience"],
+    show_default=True,
+    help="With --valid: stop after this many epochs without a lower validation loss (0: never).",
+)
+@click.option(
+    "--gradient-checkpointing",
+    is_flag=True,
+    help="Recompute each block's activations in the backward pass: less memory for long inputs.",
+)
+@click.option(
+    "--save-every",
+    type=click.IntRange(0),
+    default=FINETUNE_DEFAULTS["save_every"],
+    show_default=True,
+    help="Also checkpoint every N steps within an epoch (0: at epoch ends only).",
+)
+@click.option("--revision", help="Hub revision of MODEL.")
+@click.option("--force", is_flag=True, help="Discard what OUT holds (a run with other settings) and start over.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def finetune_command(model, train_csv, valid_csv, output, lora_layers, no_progress, **options):
+    layers = lora_layers if lora_layers == "all" else _int_option(lora_layers, "--lora-layers", "a number or all")
+    s = finetune(model, train_csv, output, valid=valid_csv, lora_layers=layers, progress=not no_progress, **options)
+    if s.already_done:
+        click.echo(f"{s.out} already holds this finished run; nothing to train (--force starts over)")
+        return
+    resumed = f" (resumed at {s.resumed_from})" if s.resumed_from else ""
+    last = s.history[-1] if s.history else {}
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in last.items() if k != "epoch" and v is not None)
+    click.echo(
+        f"Trained {plural(len(s.history), 'epoch')}{resumed} -> {s.out}" + (f"; last epoch: {shown}" if shown else "")
+    )
+    if s.best_epoch is not None:
+        click.echo(
+            f"Kept the weights of epoch {s.best_epoch} (lowest validation loss)"
+            + (", stopped early" if s.stopped_early else "")
+        )
+
+
+def _int_option(text: str, option: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: give {what}", param_hint=option) from None
+
+
+PREDICT_HELP = """Predict with ADAPTER (a directory esmc-mlx finetune wrote, or its Hub repo) for
+one sequence, every record of a FASTA file, or every row of a CSV, and write PRED.csv: the
+input's rows with a prediction column (classification: also p_CLASS, each class's
+probability; per-residue: a label per residue). The base model is the one the adapter names,
+checked by sha256 (--base: a local copy of it).
+
+--fuse DIR writes the adapters merged into the base as a float MLX model directory (a
+quantized base is dequantized) that every other command loads; the task head stays in the
+adapter.
+
+\b
+Examples:
+  esmc-mlx predict my-adapter --sequence MKTAYIAKQRQISFVKSHFSRQ -o pred.csv
+  esmc-mlx predict my-org/esmc-300m-solubility --csv designs.csv -o designs-pred.csv
+  esmc-mlx predict my-adapter --fuse esmc-300m-adapted
+"""
+
+
+@main.command(help=PREDICT_HELP)
+@click.argument("adapter")
+@click.option("--sequence", help="One protein sequence.")
+@click.option("--fasta", type=InputPath(exists=True, dir_okay=False, path_type=Path), help="A FASTA file.")
+@click.option("--csv", "csv_path", type=InputPath(exists=True, dir_okay=False, path_type=Path), help="A CSV file.")
+@click.option("--sequence-column", default="sequence", show_default=True, help="--csv's column of the sequences.")
+@click.option("-o", "--output", type=OutputPath(dir_okay=False, path_type=Path), help="The predictions CSV.")
+@click.option(
+    "--batch-tokens", type=click.IntRange(1), default=4096, show_default=True, help="Padded tokens per forward pass."
+)
+@click.option("--base", help="The base model (a local directory or repo id) instead of the one the adapter names.")
+@click.option(
+    "--fuse", "fuse_dir", type=OutputPath(file_okay=False, path_type=Path), help="Write the merged model here."
+)
+@click.option("--force", is_flag=True, help="With --fuse: replace an existing directory esmc-mlx wrote.")
+def predict(adapter, sequence, fasta, csv_path, sequence_column, output, batch_tokens, base, fuse_dir, force):
+    inputs = [x for x in (sequence, fasta, csv_path) if x is not None]
+    if fuse_dir is None and output is None:
+        raise click.UsageError("give -o PRED.csv (with --sequence, --fasta or --csv), or --fuse DIR")
+    if output is not None or inputs:
+        if output is None:
+            raise click.UsageError("give -o PRED.csv for the predictions")
+        s = predict_csv(
+            adapter,
+            output,
+            sequence=sequence,
+            fasta=fasta,
+            csv_path=csv_path,
+            sequence_column=sequence_column,
+            batch_tokens=batch_tokens,
+            base=base,
+        )
+        click.echo(f"Predicted {plural(s.count, 'sequence')} ({s.task}) -> {s.out}")
+    if fuse_dir is not None:
+        path = fuse_adapter(adapter, fuse_dir, base=base, force=force)
+        click.echo(f"Wrote the adapted model (adapters merged into the base) -> {path}")
 
 
 BUILD_CUTLASS_HELP = """Build CUTLASS's Hopper mixed-input GEMM (an MLX extension) for this MLX and Python

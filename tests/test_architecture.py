@@ -37,7 +37,7 @@ LAYERS = [
     {"quantize"},
     {"convert"},
     {"runtime"},
-    {"tasks"},
+    {"tasks", "finetune"},
     {"validate", "hub"},
     {"pipeline", "testing", "bench"},
     {"cli"},

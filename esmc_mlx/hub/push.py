@@ -36,12 +36,16 @@ from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, Revi
 from .._version import __version__
 from ..artifact import REPORT_DIR, human_size, plural, precision_label, weight_files
 from ..errors import ConfigError, ConvertError, HubError
+from ..finetune import adapter_files, is_adapter
+from ..finetune import render_card as render_adapter_card
 from ..outputs import locked
 from ..privacy import private_findings
 from ..sae_artifact import is_sae_directory, sae_files
 from .card import MARKER, Validation, base_model_of, read_validation, render_card, render_sae_card
 from .repo_id import check_repo_id
 
+# What an adapter's push reports for validation: it has none of the model's kind.
+ADAPTER_VALIDATION = Validation("missing", problem="an adapter; its card holds its training metrics")
 ATTEMPTS = 3  # tries of the whole commit on a transient failure (the client also retries each request)
 RETRY_WAITS = (5.0, 20.0)  # seconds before the 2nd and the 3rd attempt
 # Paths a push owns in the repo: deleted there when the artifact no longer has them.
@@ -71,7 +75,7 @@ class PushResult:
     pr_url: str | None = None
     unchanged: bool = False  # the repo already held exactly this artifact: no commit
     notes: list[str] = dataclasses.field(default_factory=list)
-    loader: str = "load"  # the esmc_mlx function that reads it (load_sae for an SAE folder)
+    loader: str = "load"  # the esmc_mlx function that loads it (load_sae, load_adapter for those kinds)
 
     @property
     def total_bytes(self) -> int:
@@ -303,16 +307,15 @@ def push_artifact(
     if revision is not None and (not isinstance(revision, str) or not revision.strip()):  # never main in its place
         raise HubError(f"--revision {revision!r}: give the branch to commit to (or leave the option out for main)")
     branch = revision or "main"
-    sae = is_sae_directory(model_dir)
-    files = sae_artifact_files(model_dir) if sae else artifact_files(model_dir)
-    validation = check_validation(model_dir, repo_id, allow_unvalidated)
+    # An SAE folder and an adapter (esmc-mlx finetune's output) list their own files and cards; an
+    # adapter has no validation report (its card holds its metrics) and must name its base.
+    sae, adapter = is_sae_directory(model_dir), is_adapter(model_dir)
+    files = sae_artifact_files(model_dir) if sae else adapter_files(model_dir) if adapter else artifact_files(model_dir)
+    validation = ADAPTER_VALIDATION if adapter else check_validation(model_dir, repo_id, allow_unvalidated)
     readme = model_dir / "README.md"
     generated = not (readme.is_file() and MARKER not in readme.read_text(errors="replace"))
-    card = (
-        (render_sae_card if sae else render_card)(model_dir, repo_id)
-        if generated
-        else readme.read_text(errors="replace")
-    )
+    render = render_sae_card if sae else render_adapter_card if adapter else render_card
+    card = render(model_dir, repo_id) if generated else readme.read_text(errors="replace")
     _check_card(card, readme)
     check_private(model_dir, card if generated else None, [t for t in (token, get_token()) if t])
     if generated and not any(path == "README.md" for path, _ in files):
@@ -331,10 +334,10 @@ def push_artifact(
     result = PushResult(
         repo_id, url, branch, files, deletions, card, generated, validation, dry_run=dry_run, created=not exists
     )
-    result.loader = "load_sae" if sae else "load"
+    result.loader = "load_sae" if sae else "load_adapter" if adapter else "load"
     if not generated:
         result.notes.append("README.md has no esmc-mlx marker line, so it was published as written")
-    if not validation.passed:
+    if not validation.passed and not adapter:
         result.notes.append(f"published with --allow-unvalidated: the card says {validation.headline()}")
     if exists and head is None and not create_pr:
         result.notes.append(f"branch {branch} is new: it starts from main")
@@ -343,11 +346,14 @@ def push_artifact(
 
     if generated:
         readme.write_text(card)
-    config = json.loads((model_dir / "config.json").read_text())
+    config = json.loads((model_dir / ("adapter_config.json" if adapter else "config.json")).read_text())
     meta = config.get("esmc_mlx") or {}
+    if adapter:
+        what = f"LoRA adapter on {meta['base']['repo_id']}"
+    else:
+        what = f"ESMC {'sparse autoencoders, ' if sae else ''}{precision_label(config)}"
     message = commit_message or (
-        f"{'Update' if exists else 'Upload'} {repo_id.split('/')[1]}: "
-        f"ESMC {'sparse autoencoders, ' if sae else ''}{precision_label(config)} for MLX (esmc-mlx {__version__})"
+        f"{'Update' if exists else 'Upload'} {repo_id.split('/')[1]}: {what} for MLX (esmc-mlx {__version__})"
     )
     description = "\n".join(
         filter(
