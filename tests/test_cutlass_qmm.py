@@ -709,8 +709,9 @@ def test_the_build_is_named_by_its_source_and_every_header_of_ours_it_includes(m
     """A change to a header cutlass_qmm.cu includes from this package (layer_norm_rows.cuh, which
     the row kernels share) names another build, as a change to the .cu does: an old build is
     never loaded against new arithmetic. HEADERS lists every such include."""
-    included = re.findall(r'^#include "([^/"]+)"', cutlass_qmm.SOURCE.read_text(), flags=re.MULTILINE)
-    assert included and sorted(included) == sorted(h.name for h in cutlass_qmm.HEADERS)
+    compiled = (cutlass_qmm.SOURCE, cutlass_qmm.GEMM_SOURCE, cutlass_qmm.SOURCE.with_name("cutlass_qmm_gemm.cuh"))
+    included = {n for f in compiled for n in re.findall(r'^#include "([^/"]+)"', f.read_text(), flags=re.MULTILINE)}
+    assert included and included | {cutlass_qmm.GEMM_SOURCE.name} == {h.name for h in cutlass_qmm.HEADERS}
     assert all(h.parent == cutlass_qmm.SOURCE.parent and h.exists() for h in cutlass_qmm.HEADERS)
     shipped_header = cutlass_qmm.SOURCE.with_name(row_kernels.ROW_HEADER)
     assert shipped_header in cutlass_qmm.HEADERS
@@ -718,7 +719,9 @@ def test_the_build_is_named_by_its_source_and_every_header_of_ours_it_includes(m
         shipped = cutlass_qmm.build_dir()
         header = tmp_path / row_kernels.ROW_HEADER
         header.write_bytes(shipped_header.read_bytes() + b"// changed\n")
-        monkeypatch.setattr(cutlass_qmm, "HEADERS", (header,))
+        monkeypatch.setattr(
+            cutlass_qmm, "HEADERS", tuple(header if h == shipped_header else h for h in cutlass_qmm.HEADERS)
+        )
         assert cutlass_qmm.build_dir() != shipped and cutlass_qmm.build_dir().parent == shipped.parent
         header.write_bytes(shipped_header.read_bytes())
         assert cutlass_qmm.build_dir() == shipped
@@ -747,7 +750,7 @@ def test_a_build_that_does_not_load_says_so(monkeypatch, tmp_path, on_cpu):
 def test_build_names_what_is_missing(monkeypatch, tmp_path):
     out = tmp_path / "x.so"
     with pytest.raises(cutlass_qmm.BuildError, match="no-such-nvcc not found"):
-        cutlass_qmm.build_command(out, nvcc="no-such-nvcc")
+        cutlass_qmm.build_commands(out, tmp_path, nvcc="no-such-nvcc")
     monkeypatch.setattr(cutlass_qmm.shutil, "which", lambda name: "/usr/bin/" + name)
     cuda_mlx = tmp_path / "mlx"  # the layout of MLX's CUDA wheel
     (cuda_mlx / "include" / "cutlass").mkdir(parents=True)
@@ -755,16 +758,16 @@ def test_build_names_what_is_missing(monkeypatch, tmp_path):
     monkeypatch.setattr(cutlass_qmm.mx, "__file__", str(cuda_mlx / "__init__.py"))
     monkeypatch.setitem(sys.modules, "nanobind", None)  # not installed
     with pytest.raises(cutlass_qmm.BuildError, match="nanobind not found"):
-        cutlass_qmm.build_command(out)
+        cutlass_qmm.build_commands(out, tmp_path)
 
     class OldNanobind:
         __version__ = "2.9.2"
 
     monkeypatch.setitem(sys.modules, "nanobind", OldNanobind)
     with pytest.raises(cutlass_qmm.BuildError, match="nanobind 2.9.2 does not share"):
-        cutlass_qmm.build_command(out)
+        cutlass_qmm.build_commands(out, tmp_path)
     failed = cutlass_qmm.BuildError("nvcc failed: x")
-    monkeypatch.setattr(cutlass_qmm, "build", lambda nvcc, log: (_ for _ in ()).throw(failed))
+    monkeypatch.setattr(cutlass_qmm, "build", lambda nvcc, log, **kw: (_ for _ in ()).throw(failed))
     out = CliRunner().invoke(main, ["build-cutlass"])
     assert out.exit_code == 1 and out.output.strip().splitlines() == ["Error: nvcc failed: x"]
 
@@ -786,16 +789,45 @@ def test_build_command_can_target_another_mlx_and_python(monkeypatch, tmp_path):
         include_dir = staticmethod(lambda: str(tmp_path / "nanobind" / "include"))
 
     monkeypatch.setitem(sys.modules, "nanobind", Nanobind)
-    command = cutlass_qmm.build_command(tmp_path / "x.so", mlx_root=other, python_include="/py312/include")
-    assert f"-I{other / 'include'}" in command and f"-L{other / 'lib'}" in command
-    assert "-I/py312/include" in command and f"-arch={cutlass_qmm.HOPPER}" in command
-    assert str(cutlass_qmm.SOURCE) in command and command[-2:] == ["-o", str(tmp_path / "x.so")]
+    compiles, link = cutlass_qmm.build_commands(
+        tmp_path / "x.so", tmp_path / "work", mlx_root=other, python_include="/py312/include"
+    )
+    assert f"-L{other / 'lib'}" in link and link[-2:] == ["-o", str(tmp_path / "x.so")]
+    for command in compiles:
+        assert f"-I{other / 'include'}" in command and "-I/py312/include" in command
+        assert f"-arch={cutlass_qmm.HOPPER}" in command and command[-4] == "-c"
+    # the primitive, nanobind, and the GEMMs once per weight type and layout, each its own object
+    assert compiles[0][-3] == str(cutlass_qmm.SOURCE)
+    gemms = [c for c in compiles if str(cutlass_qmm.GEMM_SOURCE) in c]
+    assert len(gemms) == 6 and len({tuple(c) for c in gemms}) == 6
+    assert sorted(c[-1] for c in compiles) == sorted(a for a in link if a.endswith(".o"))
     here = str(Path(cutlass_qmm.mx.__file__).resolve().parent)
-    assert not [flag for flag in command if here in flag]
+    assert not [flag for command in [*compiles, link] for flag in command if here in flag]
+
+
+def test_the_build_runs_its_compiles_side_by_side_then_links(tmp_path):
+    """run_build starts up to ``jobs`` compiles at once, links once all of them succeeded, and
+    stops at the first that fails, naming nvcc's error, with no link."""
+    log = tmp_path / "log"
+
+    def step(name, seconds=0.3, fails=False):
+        code = f"import time,sys; open({str(log)!r},'a').write('start {name}\\n'); time.sleep({seconds}); "
+        code += f"open({str(log)!r},'a').write('end {name}\\n'); "
+        code += "sys.stderr.write('k.cu(3): error: bad\\n'); sys.exit(1)" if fails else "pass"
+        return [sys.executable, "-c", code]
+
+    cutlass_qmm.run_build([step("a"), step("b"), step("c")], step("link", 0))
+    lines = log.read_text().split()
+    assert lines.index("start") < lines.index("end") and " ".join(lines).startswith("start a start b")
+    assert " ".join(lines).endswith("start link end link")
+    log.unlink()
+    with pytest.raises(cutlass_qmm.BuildError, match="k.cu\\(3\\): error: bad"):
+        cutlass_qmm.run_build([step("a", 0, fails=True), step("b", 5)], step("link", 0), jobs=1)
+    assert "link" not in log.read_text() and "b" not in log.read_text()
 
 
 def test_build_cutlass_help_explains_without_building(monkeypatch):
-    monkeypatch.setattr(cutlass_qmm, "build", lambda nvcc, log: pytest.fail("--help built the extension"))
+    monkeypatch.setattr(cutlass_qmm, "build", lambda nvcc, log, **kw: pytest.fail("--help built the extension"))
     out = CliRunner().invoke(main, ["build-cutlass", "--help"])
     assert out.exit_code == 0
     text = " ".join(out.output.split())
@@ -805,7 +837,7 @@ def test_build_cutlass_help_explains_without_building(monkeypatch):
 
 def test_build_cutlass_passes_its_compiler_and_says_where_it_went(monkeypatch, tmp_path):
     made = tmp_path / "x.so"
-    monkeypatch.setattr(cutlass_qmm, "build", lambda nvcc, log: log(f"with {nvcc}") or made)
+    monkeypatch.setattr(cutlass_qmm, "build", lambda nvcc, log, **kw: log(f"with {nvcc}") or made)
     out = CliRunner().invoke(main, ["build-cutlass", "--nvcc", "/opt/cuda/bin/nvcc"])
     assert out.exit_code == 0, out.output
     assert out.output.splitlines() == [
@@ -821,7 +853,7 @@ def test_build_command_reads_mlx_s_cutlass_headers(monkeypatch, tmp_path):
     fake_mlx.mkdir()
     monkeypatch.setattr(cutlass_qmm.mx, "__file__", str(fake_mlx / "__init__.py"))
     with pytest.raises(cutlass_qmm.BuildError, match=f"{fake_mlx} has no CUTLASS headers"):
-        cutlass_qmm.build_command(tmp_path / "x.so")
+        cutlass_qmm.build_commands(tmp_path / "x.so", tmp_path)
 
 
 # ---- the real extension (a Hopper GPU, built) -----------------------------------------------

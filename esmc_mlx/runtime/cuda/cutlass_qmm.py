@@ -43,7 +43,9 @@ from ...hashes import cache_root
 from . import device, rows
 
 SOURCE = Path(__file__).with_name("cutlass_qmm.cu")
-HEADERS = (Path(__file__).with_name(rows.ROW_HEADER),)  # what SOURCE includes from this package
+GEMM_SOURCE = Path(__file__).with_name("cutlass_qmm_gemm.cu")
+# The rest of what the build compiles from this package (its name hashes all of them).
+HEADERS = (GEMM_SOURCE, Path(__file__).with_name("cutlass_qmm_gemm.cuh"), Path(__file__).with_name(rows.ROW_HEADER))
 MODULE = "_cutlass_qmm"
 HOPPER = "sm_90a"  # what the build targets; the kernel runs on nothing else
 REORDER_BLOCK = 16  # the .cu's ReorderAtom: rows and K of a block
@@ -253,13 +255,23 @@ def _fmt_include() -> Path:
     raise BuildError("fmt's headers (fmt/format.h) not found: set FMT_INCLUDE, or install torch or libfmt-dev")
 
 
-def build_command(
-    output: Path, nvcc: str = "nvcc", mlx_root: Path | None = None, python_include: str | None = None
-) -> list[str]:
-    """The nvcc command line that builds the extension into ``output``: against this process's
-    MLX and Python, or another's (``mlx_root``, an MLX CUDA install's ``mlx`` folder, and
-    ``python_include``, that Python's headers: scripts/device_setup.py builds here for the GPU
-    machine)."""
+# The weight types and layouts cutlass_qmm_gemm.cu is compiled for, one object each (the .cuh's
+# ESMC_QMM_EACH_WEIGHT): the 36 GEMM instantiations in six compiles that run side by side.
+WEIGHTS = [
+    (quant, layout)
+    for quant in ("cutlass::float_e2m1_t", "cutlass::uint4b_t", "uint8_t")
+    for layout in ("esmc_qmm::ReorderedWeight", "cutlass::layout::RowMajor")
+]
+
+
+def build_commands(
+    output: Path, work: Path, nvcc: str = "nvcc", mlx_root: Path | None = None, python_include: str | None = None
+) -> tuple[list[list[str]], list[str]]:
+    """(compile commands, link command) that build the extension into ``output``, objects in
+    ``work``: the primitive, nanobind, and cutlass_qmm_gemm.cu once per weight type and layout, each
+    its own nvcc (run side by side), then one link. Against this process's MLX and Python, or
+    another's (``mlx_root``, an MLX CUDA install's ``mlx`` folder, and ``python_include``, that
+    Python's headers: scripts/device_setup.py builds here for the GPU machine)."""
     found = shutil.which(nvcc)
     if found is None:
         raise BuildError(
@@ -281,8 +293,7 @@ def build_command(
             f"nanobind {nanobind.__version__} does not share MLX 0.32's binding ABI (nanobind 3.0 and 3.1 do): pip install 'esmc-mlx[cutlass]'"
         )
     nb_source = Path(nanobind.source_dir())
-    return [
-        found,
+    flags = [
         "-std=c++20",
         "-O3",
         "-DNDEBUG",  # CUTLASS's device asserts are calls that serialize the wgmma pipeline
@@ -293,26 +304,47 @@ def build_command(
         "--diag-suppress=186,997,2908",
         "-Xcompiler",
         "-fPIC,-fvisibility=hidden",
-        "-shared",
         f"-I{mlx_root / 'include'}",
         f"-I{_fmt_include()}",
         f"-I{nanobind.include_dir()}",
         f"-I{nb_source.parent / 'ext' / 'robin_map' / 'include'}",
         f"-I{python_include or sysconfig.get_paths()['include']}",
-        str(SOURCE),
-        str(nb_source / "nb_combined.cpp"),
-        f"-L{mlx_root / 'lib'}",
-        "-lmlx",
-        "-Xlinker",
-        f"-rpath,{mlx_root / 'lib'}",
-        "-o",
-        str(output),
     ]
+    units = [(SOURCE, []), (nb_source / "nb_combined.cpp", [])]
+    units += [(GEMM_SOURCE, [f"-DESMC_QMM_QUANT={q}", f"-DESMC_QMM_LAYOUT={lay}"]) for q, lay in WEIGHTS]
+    compiles, objects = [], []
+    for i, (unit, defines) in enumerate(units):
+        objects.append(str(work / f"unit{i}.o"))
+        compiles.append([found, *flags, *defines, "-c", str(unit), "-o", objects[-1]])
+    link = [found, f"-arch={HOPPER}", "-shared", *objects, f"-L{mlx_root / 'lib'}", "-lmlx"]
+    link += ["-Xlinker", f"-rpath,{mlx_root / 'lib'}", "-o", str(output)]
+    return compiles, link
 
 
-def build(nvcc: str = "nvcc", log=print) -> Path:
-    """Build the extension for this MLX and Python into ``build_dir()``; it is moved there only
-    once nvcc has finished."""
+def run_build(compiles: list[list[str]], link: list[str], jobs: int | None = None) -> None:
+    """The compiles, ``jobs`` at a time (default: one a CPU), then the link; BuildError with
+    nvcc's first errors when one fails."""
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    pending, running = list(compiles), []
+    while pending or running:
+        while pending and len(running) < jobs:
+            command = pending.pop(0)
+            running.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        done = running.pop(0)
+        _, stderr = done.communicate()
+        if done.returncode != 0:
+            for other in running:
+                other.kill()
+            errors = [line for line in stderr.splitlines() if " error" in line]
+            raise BuildError("nvcc failed: " + ("; ".join(errors[:3]) or stderr.strip()[-500:]))
+    done = subprocess.run(link, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise BuildError("linking the extension failed: " + done.stderr.strip()[-500:])
+
+
+def build(nvcc: str = "nvcc", log=print, jobs: int | None = None) -> Path:
+    """Build the extension for this MLX and Python into ``build_dir()``, its compiles ``jobs`` at
+    a time; it is moved there only once the link has finished."""
     folder = build_dir()
     if folder is None:
         raise BuildError("the esmc-mlx cache is off (ESMC_MLX_CACHE=off): the extension is kept there")
@@ -324,12 +356,10 @@ def build(nvcc: str = "nvcc", log=print) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as work:
         partial = Path(work) / target.name
-        command = build_command(partial, nvcc)
-        log(f"Building {target.name} (CUTLASS, a few minutes) ...")
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            errors = [line for line in done.stderr.splitlines() if " error" in line]
-            raise BuildError("nvcc failed: " + ("; ".join(errors[:3]) or done.stderr.strip()[-500:]))
+        compiles, link = build_commands(partial, Path(work), nvcc)
+        jobs = max(1, jobs or os.cpu_count() or 1)
+        log(f"Building {target.name} (CUTLASS: {len(compiles)} compiles, {min(jobs, len(compiles))} at a time) ...")
+        run_build(compiles, link, jobs)
         os.replace(partial, target)
     _extension.cache_clear()
     return target
