@@ -51,19 +51,22 @@ def planned_for(arch: str) -> dispatch.Target:
 # Runs one architecture's plans over every mode and shape, then compiles each kernel
 # instantiation they launched for that architecture with NVRTC; prints a JSON line.
 CHILD = """
-import json, sys
+import dataclasses, json, sys
 import mlx.core as mx, numpy as np
 from esmc_mlx.runtime import dispatch
 from esmc_mlx.runtime.cuda import kernel_cache
 sys.path.insert(0, "tests")
 import test_gpu_plans as t
 arch = sys.argv[1]
-with dispatch.use(t.planned_for(arch)):
-    for config in t.configs():
-        for model in t.models(config).values():
-            for batch, length in t.SHAPES:
-                ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(batch, length)))
-                mx.eval(model(ids).logits)
+planned = t.planned_for(arch)
+targets = [planned, dataclasses.replace(planned, cutlass=False)]  # with CUTLASS built, and before
+for target in targets:
+    with dispatch.use(target):
+        for config in t.configs():
+            for model in t.models(config).values():
+                for batch, length in t.SHAPES:
+                    ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(batch, length)))
+                    mx.eval(model(ids).logits)
 results = {}
 for module, (name, source) in sorted(kernel_cache.INSTANTIATED.items()):
     try:
