@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+import re
 import time
 from array import array
 from collections.abc import Sequence
@@ -24,21 +25,23 @@ from ..vocab import check_sequence
 from .distributed import World
 from .fasta import iter_fasta, read_fasta
 from .heatmap import check_plotting
-from .mutations import apply, parse_mutants
 from .scan import ScanManifest, safe_name, scan_settings
 from .scan import scan as run_scan
 from .scoring import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_WINDOW,
     PAD_MULTIPLE,
-    check_joint_windows,
+    NonstandardTally,
+    Rejected,
     check_multi_window,
+    check_mutants,
     default_batch_tokens,
     encode,
     iter_embeddings,
     length_batches,
     pick_layers,
     positive_int,
+    rejection_error,
     resolve_layers,
     resolve_methods,
     resolve_pools,
@@ -87,6 +90,7 @@ def embed_fasta(
     dtype: str = "float32",
     force: bool = False,
     drop_missing: bool = False,
+    keep_nonstandard: bool = False,
     flush_every: int = 256,
     flush_seconds: float = 60.0,
     chunk_records: int = CHUNK_RECORDS,
@@ -99,6 +103,8 @@ def embed_fasta(
     ``layers`` (``"all"``, ``"6,12,-1"`` or ints; default ``layer``) and ``pools`` (mean, max,
     cls, per_residue; default mean; ``per_residue`` adds per_residue) are all computed in
     one forward pass per batch. ``storage``: npy, safetensors or h5 (see ``tasks.store``).
+    Mean and max leave non-standard residues (X B Z U O) out, with one warning for the file,
+    unless ``keep_nonstandard`` (see ``tasks.scoring.embed``).
 
     The FASTA is read as a stream, twice: a first pass checks it and keeps each record's ID,
     length and sha1; the second embeds ``chunk_records`` records at a time (sorted by length
@@ -132,10 +138,14 @@ def embed_fasta(
         )
     # Compact per-record metadata (~70 bytes a record with IdIndex): ID, length, sha1.
     ids, lengths, hashes = IdList(), array("q"), bytearray()
+    tally = NonstandardTally(keep_nonstandard, pools)
     for r in iter_fasta(fasta):  # before loading a model: bad input fails fast
         ids.append(r.id)
         lengths.append(len(r.sequence))
         hashes += sequence_hash(r.sequence).encode()
+        tally.add(r.id, r.sequence)
+    if world.is_root:
+        tally.warn()
     lengths, hashes = np.frombuffer(lengths, dtype=np.int64), np.frombuffer(bytes(hashes), dtype="S40")
     model, model_name = _model(model, model_name)
     n_layers = model.config.num_hidden_layers
@@ -149,7 +159,10 @@ def embed_fasta(
         "hidden_size": model.config.hidden_size,
         "num_hidden_layers": n_layers,
         "arrays": list(names.values()),
-        "pooling": "mean and max over the tokens between <cls> and <eos>; cls = the <cls> token",
+        "pooling": "mean and max over the tokens between <cls> and <eos>"
+        + ("" if keep_nonstandard else ", non-standard residues (X B Z U O) left out")
+        + "; cls = the <cls> token",
+        "keep_nonstandard": keep_nonstandard,
         "model": model_name,
         "model_weights": model.fingerprint(),  # what decides whether a rerun may resume
         "fasta": str(fasta),
@@ -225,7 +238,9 @@ def embed_fasta(
             for b in batches:
                 for i, e in zip(b, encode([chunk[pending[i]].sequence for i in b])):
                     encoded[i] = e
-            embeddings = iter_embeddings(model, encoded, batches, layers=layers, pools=pools)
+            embeddings = iter_embeddings(
+                model, encoded, batches, layers=layers, pools=pools, keep_nonstandard=keep_nonstandard
+            )
             rounds, held = world.max(len(batches)), []  # held: batches not yet gathered
             for step in range(rounds):
                 rows, values = next(embeddings, (np.zeros(0, np.int64), None))
@@ -324,7 +339,7 @@ def _unflatten(flat: np.ndarray, names: dict, lengths: np.ndarray, d: int) -> di
 @dataclasses.dataclass
 class ScanSummary:
     out: Path
-    scanned: list[tuple[str, int, int]]  # (name, residues, forward passes) per protein
+    scanned: list[tuple[str, int, int, float]]  # (name, residues, forward passes, seconds) per protein
     rank: int = 0
     world_size: int = 1
     skipped: list[str] = dataclasses.field(default_factory=list)  # names already scanned in out
@@ -344,13 +359,15 @@ def scan_job(
     offset: int = 1,
     plot: bool = True,
     per_row: int = 100,
+    keep_nonstandard: bool = False,
     group=None,
     progress: bool = False,
     force: bool = False,
 ) -> ScanSummary:
     """Scan ``sequence`` (literal, or a FASTA file with one record; its files named ``name``,
-    default ``sequence``) or every record of ``fasta`` (named by their IDs) and write each
-    protein's files into ``out`` (see ``Scan.write``); rank 0 writes.
+    default the record's ID, else ``sequence``) or every record of ``fasta`` (named by their IDs)
+    and write each protein's files into ``out`` (see ``Scan.write``); rank 0 writes.
+    ``keep_nonstandard``: scan X B Z U O positions too (see ``tasks.scan.scan``).
 
     Resumes: a protein that ``out`` already holds, scanned from the same sequence with the same
     settings and model weights (``out/scan-manifest.json``; ``ESMC.fingerprint``), is skipped
@@ -364,7 +381,8 @@ def scan_job(
     if fasta is not None:
         records = [(r.id, r.sequence) for r in iter_fasta(fasta)]  # all checked before the model loads
     else:
-        records = [(name or "sequence", resolve_sequence(sequence))]
+        ident, seq = read_sequence_option(sequence)
+        records = [(name or ident or "sequence", seq)]
     stems: dict[str, str] = {}
     for ident, _ in records:  # case-blind: macOS's file system is
         other = stems.setdefault(safe_name(ident).lower(), ident)
@@ -389,7 +407,16 @@ def scan_job(
     model, _ = _model(model, None)
     weights = model.fingerprint()  # the same model: the same weights, wherever they were loaded from
     settings = [
-        scan_settings(seq, method=method, window=window, offset=offset, model=weights, plot=plot, per_row=per_row)
+        scan_settings(
+            seq,
+            method=method,
+            window=window,
+            offset=offset,
+            model=weights,
+            plot=plot,
+            per_row=per_row,
+            keep_nonstandard=keep_nonstandard,
+        )
         for _, seq in records
     ]
     done = np.zeros(len(records), dtype=np.int32)
@@ -401,6 +428,7 @@ def scan_job(
     for (ident, seq), entry, is_done in zip(records, settings, done):
         if is_done:
             continue
+        started = time.perf_counter()
         result = run_scan(
             model,
             seq,
@@ -409,12 +437,14 @@ def scan_job(
             window=window,
             offset=offset,
             name=ident,
+            keep_nonstandard=keep_nonstandard,
             group=world.group,
             progress=progress,
         )
+        seconds = time.perf_counter() - started  # the scoring, not the writing
         if manifest is not None:
             manifest.record(safe_name(ident), entry, result.write(out, plot=plot, per_row=per_row))
-        scanned.append((ident, len(result.positions), result.passes))
+        scanned.append((ident, len(result.positions), result.passes, seconds))
     return ScanSummary(Path(out), scanned, world.rank, world.size, skipped)
 
 
@@ -424,7 +454,7 @@ def scan_job(
 @dataclasses.dataclass
 class ScoreSummary:
     out: Path | None
-    count: int
+    count: int  # mutants scored (rows written with scores)
     methods: list[str]
     spearman: dict[str, tuple[float, int]]  # method -> (rho, rows with a DMS value)
     dms_column: str | None
@@ -432,6 +462,10 @@ class ScoreSummary:
     passes: int
     rank: int = 0
     world_size: int = 1
+    rejected: list[Rejected] = dataclasses.field(default_factory=list)  # with skip_invalid
+    rejects_out: Path | None = None  # where they were written
+    skipped: int = 0  # rows at non-standard residues, written with empty scores
+    seconds: float = 0.0  # scoring, the model's loading excluded
 
 
 def read_mutants_csv(path: str | Path, mutant_column: str = "mutant") -> tuple[list[str], list[dict], list[str]]:
@@ -468,16 +502,22 @@ FASTA_SUFFIXES = (".fa", ".fasta", ".faa", ".fas", ".fna", ".fsa", ".seq", ".txt
 
 def resolve_sequence(text: str) -> str:
     """A wild-type sequence given literally or as a FASTA file with one record."""
+    return read_sequence_option(text)[1]
+
+
+def read_sequence_option(text: str) -> tuple[str | None, str]:
+    """``--sequence``: (the record's FASTA ID, its sequence) for a FASTA file holding one record;
+    (None, the sequence checked) for a sequence given literally."""
     path = Path(text).expanduser()
     if _names_input(path):
         records = read_fasta(path)
         if len(records) != 1:
             raise JobError(f"{path}: holds {len(records)} records; the wild type must be a single sequence")
-        return records[0].sequence
+        return records[0].id, records[0].sequence
     stripped = text.strip()
     if "/" in stripped or stripped.lower().endswith(FASTA_SUFFIXES):
         raise JobError(f"--sequence {text}: no such file (give a protein sequence or an existing FASTA file)")
-    return check_sequence(stripped, "--sequence", label="sequence")
+    return None, check_sequence(stripped, "--sequence", label="sequence")
 
 
 def _names_input(path: Path) -> bool:
@@ -508,6 +548,8 @@ def score_csv(
     window: int | None = DEFAULT_WINDOW,
     mutant_column: str = "mutant",
     dms_column: str = "DMS_score",
+    skip_invalid: bool = False,
+    keep_nonstandard: bool = False,
     group=None,
     progress: bool = False,
 ) -> ScoreSummary:
@@ -515,32 +557,49 @@ def score_csv(
     ``sequence``: the wild type, or a FASTA file holding it. ``model``: a loaded ESMC, or a
     path / Hub id to load once the input has been checked.
 
+    Every row is checked before the model loads (``scoring.check_mutants``: malformed, wrong
+    wild type, out of range, a joint mutant wider than the window, a ``mutated_sequence`` column
+    that disagrees). Rows that fail are all reported at once (JobError, MutationError or
+    ScoringError); with ``skip_invalid`` the others are scored and the rejected rows, with their
+    line and reason, are written to ``rejects_path(out)``. Rows at a non-standard residue (X B
+    Z U O) are written with empty scores, with a warning, unless ``keep_nonstandard``.
+
     With a ``dms_column`` present, reports Spearman's rho of each method against it (rows with
-    an empty or non-numeric value left out). A ``mutated_sequence`` column, when present, must
-    agree with the mutant strings. Raises JobError, MutationError, FastaError, ScoringError.
+    an empty or non-numeric value, or no score, left out).
     """
     world = World.of(group)
     methods = resolve_methods(methods)
-    check_multi_window(multi, window)
+    check_multi_window(multi, window, methods)
+    rejects_out = rejects_path(out) if skip_invalid and out is not None and not written_in_place(out) else None
     if out is not None and world.is_root:
         # a missing or unwritable folder, or -o naming an input, fails now, not after the scoring
         wt_file = Path(sequence).expanduser()
-        check_file_target(out, sources=[mutations_csv, *([wt_file] if _names_input(wt_file) else [])])
+        sources = [mutations_csv, *([wt_file] if _names_input(wt_file) else [])]
+        for target in filter(None, (out, rejects_out)):
+            check_file_target(target, sources=sources)
     wt = resolve_sequence(sequence)
     columns, rows, where = read_mutants_csv(mutations_csv, mutant_column)
     mutants = [row[mutant_column] or "" for row in rows]
-    parsed = parse_mutants(mutants, wt, offset, where)  # before loading a model: bad input fails fast
-    if "masked_marginal" in methods and multi == "joint":
-        check_joint_windows(mutants, parsed, len(wt), window, where)
-    if "mutated_sequence" in columns:
-        for row, subs, prefix in zip(rows, parsed, where):
-            given = (row["mutated_sequence"] or "").strip().upper()
-            if given and given != apply(wt, subs):
-                raise JobError(
-                    f"{prefix}mutated_sequence does not match the mutant {row[mutant_column]!r} "
-                    "applied to the wild type (wrong --sequence or --offset?)"
-                )
+    joint = "masked_marginal" in methods and multi == "joint"
+    _, rejected = check_mutants(  # before loading a model: bad input fails fast, every bad row named
+        mutants,
+        wt,
+        offset,
+        where,
+        joint_window=window if joint else False,
+        mutated_sequences=[row["mutated_sequence"] for row in rows] if "mutated_sequence" in columns else None,
+    )
+    if rejected and not skip_invalid:
+        error = rejection_error(rejected, len(rows))
+        hint = "; --skip-invalid scores the other rows and writes these beside the output"
+        raise type(error)(f"{error}{hint}")
+    if len(rejected) == len(rows):
+        raise rejection_error(rejected, len(rows))
+    bad = {r.index for r in rejected}
+    rejected_rows = [rows[r.index] for r in rejected]
+    rows, where, mutants = ([x for i, x in enumerate(v) if i not in bad] for v in (rows, where, mutants))
     model, _ = _model(model, None)
+    started = time.perf_counter()
     result = score_mutations(
         model,
         wt,
@@ -550,15 +609,17 @@ def score_csv(
         offset=offset,
         multi=multi,
         window=window,
+        keep_nonstandard=keep_nonstandard,
         group=world.group,
         progress=progress,
         where=where,
     )
+    seconds = time.perf_counter() - started
     correlations = {}
     if dms_column in columns:
         measured = np.array([_float(row[dms_column]) for row in rows])
-        keep = ~np.isnan(measured)
         for method, values in result.scores.items():
+            keep = ~np.isnan(measured) & ~np.isnan(values)
             correlations[method] = (spearman(values[keep], measured[keep]), int(keep.sum()))
     out_path = Path(out) if out is not None else None
     if world.is_root and out_path is not None:
@@ -568,9 +629,11 @@ def score_csv(
             writer.writeheader()
             for i, row in enumerate(rows):
                 writer.writerow({**row, **{m: _fmt(v[i]) for m, v in result.scores.items()}})
+        if rejects_out is not None:
+            write_rejects(rejects_out, columns, rejected, rejected_rows)
     return ScoreSummary(
         out_path,
-        len(rows),
+        len(rows) - len(result.skipped),
         list(result.scores),
         correlations,
         dms_column if dms_column in columns else None,
@@ -578,7 +641,28 @@ def score_csv(
         result.passes,
         world.rank,
         world.size,
+        rejected,
+        rejects_out if world.is_root else None,
+        len(result.skipped),
+        seconds,
     )
+
+
+def rejects_path(out: str | Path) -> Path:
+    """Where ``score --skip-invalid`` writes the rows it could not score: beside ``out``,
+    ``scored.csv`` -> ``scored.rejected.csv``."""
+    out = Path(out)
+    return out.with_name(out.name.removesuffix(".csv") + ".rejected.csv")
+
+
+def write_rejects(path: Path, columns: list[str], rejected: Sequence[Rejected], rows: Sequence[dict]) -> None:
+    """The rejected ``rows`` as a CSV: ``line`` (of the input) and ``reason``, then the row as it was."""
+    with atomic_file(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=["line", "reason", *columns], extrasaction="ignore")
+        writer.writeheader()
+        for r, row in zip(rejected, rows):
+            line = re.search(r"line (\d+): $", r.where)  # read_mutants_csv's prefix
+            writer.writerow({**row, "line": line.group(1) if line else "", "reason": r.reason})
 
 
 def _float(text: str | None) -> float:
@@ -589,4 +673,4 @@ def _float(text: str | None) -> float:
 
 
 def _fmt(value: float) -> str:
-    return f"{value:.8g}"
+    return "" if math.isnan(value) else f"{value:.8g}"

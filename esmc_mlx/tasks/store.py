@@ -51,7 +51,19 @@ SHARD_BYTES = 1 << 30  # largest safetensors shard
 # what the stored arrays depend on: a rerun with other values is refused. model_weights is
 # ``ESMC.fingerprint``; a manifest from before round 12 lacks it and resumes as it always did
 # (nothing there can tell which model wrote it), recording it from then on.
-SETTINGS_KEYS = ("layers", "pools", "dtype", "hidden_size", "num_hidden_layers", "storage", "model_weights")
+SETTINGS_KEYS = (
+    "layers",
+    "pools",
+    "dtype",
+    "hidden_size",
+    "num_hidden_layers",
+    "storage",
+    "model_weights",
+    "keep_nonstandard",
+)
+# A setting a manifest may lack, and what the embeddings it describes were made with: before the
+# residue policy, mean and max pooled non-standard residues too.
+SETTINGS_BEFORE = {"keep_nonstandard": True}
 ST_INDEX = "embeddings.safetensors.index.json"
 H5_FILE = "embeddings.h5"
 COPY_ROWS = 1 << 16  # rows per copy when converting the merged arrays to safetensors / HDF5
@@ -231,9 +243,10 @@ class EmbeddingStore:
             existing = None
         if existing is not None:
             differ = [
-                f"{k}: {_shown(existing.get(k))} there, {_shown(settings[k])} now"
+                f"{k}: {_shown(existing.get(k, SETTINGS_BEFORE.get(k)))} there, {_shown(settings[k])} now"
                 for k in SETTINGS_KEYS
-                if existing.get(k) != settings[k] and not (k == "model_weights" and k not in existing)
+                if existing.get(k, SETTINGS_BEFORE.get(k)) != settings[k]
+                and not (k == "model_weights" and k not in existing)
             ]
             if differ:
                 raise JobError(
