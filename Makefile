@@ -6,8 +6,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -q
+# PyPI's Linux torch is the CUDA build (~530 MB, plus cuDNN, NCCL and the CUDA libraries). On Linux
+# without an NVIDIA GPU the CPU build comes from PyTorch's own index instead: an extra index, so
+# pip takes 2.13.0+cpu there over PyPI's 2.13.0, and a machine that cannot reach it still
+# installs (from PyPI, or a wheel at hand). `make install TORCH_INDEX=` turns it off.
+TORCH_INDEX ?= $(shell [ "$$(uname -s)" = Linux ] && ! nvidia-smi -L >/dev/null 2>&1 && echo https://download.pytorch.org/whl/cpu)
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install package clean
 
 demo: $(STAMP)
 	$(BIN)/esmc-convert tiny -o esmc-tiny-4bit --q 4 --force
@@ -24,13 +29,19 @@ lint: $(STAMP)
 
 install: $(STAMP)
 
-# torch first and pinned: with no torch present, an unpinned one pulls a multi-GB CUDA build.
+# torch first and pinned, from TORCH_INDEX where set: with no torch present, an unpinned one pulls a
+# multi-GB CUDA build. The second step finds it installed and leaves it.
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c .ci/constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install -q -c .ci/constraints.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==2.13.0
 	$(BIN)/python -m pip install -q -c .ci/constraints.txt -e ".[dev]"
 	touch $@
 
+# The sdist and the wheel (python -m build into dist/), twine's check, and the wheel installed in a
+# fresh venv running esmc-convert and esmc-mlx from outside the clone (scripts/check_package.py).
+package: $(STAMP)
+	$(BIN)/python scripts/check_package.py
+
 clean:
-	rm -rf $(VENV) esmc-tiny-4bit
+	rm -rf $(VENV) esmc-tiny-4bit dist

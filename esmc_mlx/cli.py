@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from ._version import __version__
-from .artifact import describe, plural
+from .artifact import describe, model_facts, plural
 from .bench import FLOAT_SPREAD, parse_shapes, run
 from .convert import quantize_directory
 from .errors import EsmcMlxError, EsmcMlxWarning
@@ -348,12 +348,17 @@ def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size)
     "quantization, bits per weight, size on disk.\n\n\b\nExample:\n  esmc-mlx info esmc-tiny-mlx"
 )
 @click.argument("model_dir", type=InputPath(exists=True, file_okay=False, path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON instead of text: numbers as numbers (parameters, bits_per_weight, size_bytes, shards).",
+)
 def info(model_dir, as_json):
-    facts = describe(model_dir)
     if as_json:
-        click.echo(json.dumps(facts, indent=2))
+        click.echo(json.dumps(model_facts(model_dir), indent=2))
         return
+    facts = describe(model_dir)
     width = max(map(len, facts))
     for key, value in facts.items():
         click.echo(f"{key:<{width}}  {value}")
@@ -931,7 +936,8 @@ def scan(
 
 BENCH_HELP = """Time the MLX runtime against transformers on this machine: the same random weights,
 the same inputs, each side in its own process; prints torch time / MLX time and writes
-OUT/bench.json and OUT/bench.png. Needs esmc-mlx[torch] for the torch side (without it, MLX alone).
+OUT/bench.json and OUT/bench.png (the plot needs matplotlib). Needs esmc-mlx[torch] for the torch side
+(without it, or with --no-torch, MLX alone: its times are plotted).
 
 \b
 Examples:

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import JobError
-from ..outputs import atomic_file, clean_leftovers
+from ..outputs import apply_umask, atomic_file, clean_leftovers
 
 FORMAT = "esmc-mlx-embeddings"
 FORMAT_VERSION = 2
@@ -412,6 +412,7 @@ class EmbeddingStore:
             files, dropped = self._merge_into(
                 staging, merged, ids, lengths, hashes, offsets, index, names, dtype, d, settings
             )
+            apply_umask(staging)  # safetensors writes its files 0600 whatever the umask
         except BaseException:  # a full disk, Ctrl-C: the parts stay and a rerun merges again
             shutil.rmtree(staging, ignore_errors=True)
             raise
