@@ -9,10 +9,12 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+import esmc_mlx
 from esmc_mlx import bench
 from esmc_mlx.artifact import human_size
 from esmc_mlx.cli import main as cli
@@ -146,3 +148,15 @@ def test_push_dry_run_works_offline_without_a_token(tiny, tmp_path):
         assert "--- README.md (model card) ---" in out and "library_name: mlx" in out
         assert ("offline mode is on" if not extra else "no Hugging Face token") in out
     assert not (artifact / "README.md").exists()  # a dry run writes nothing
+
+
+def test_model_cards_say_what_installs_and_what_esmc_tiny_is(tiny, tmp_path):
+    from esmc_mlx.hub.card import render_card
+
+    card = render_card(tiny, "me/esmc-tiny-mlx")
+    assert "pip install esmc-mlx" not in card and "pypi.org" not in card
+    assert "esmc-mlx is not published on PyPI" in card and "python -m build" in card
+    assert "not a model for biology" in card and "from EvolutionaryScale" not in card
+    assert "esmc-tiny, the demo model bundled with esmc-mlx" in card
+    packaged = (Path(esmc_mlx.__file__).parent / "data" / "esmc-tiny" / "README.md").read_text()
+    assert "It is not a model for biology." in packaged.replace("**", "")
