@@ -19,7 +19,7 @@ if "MLX_PTX_CACHE_DIR" not in os.environ and (_root := cache_root()) is not None
 
 from .errors import EsmcMlxError, EsmcMlxWarning, SequenceError, TokenizerError  # noqa: E402
 from .runtime import ESMC, ESMCOutput, ESMCTokenizer  # noqa: E402
-from .tasks import ProteinModel, load  # noqa: E402
+from .tasks import ProteinModel, load, read_embeddings  # noqa: E402
 
 __all__ = [
     "ESMC",
@@ -31,5 +31,6 @@ __all__ = [
     "SequenceError",
     "TokenizerError",
     "load",
+    "read_embeddings",
     "__version__",
 ]

@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 from . import _blas
 from .config import ESMCConfig
 from .convert.sources import torch_to_mlx
-from .errors import EsmcMlxError
+from .errors import EsmcMlxError, install_hint
 from .outputs import atomic_file, ensure_parent
 from .quantize import BLOCK_LINEAR  # what `esmc-convert --q` quantizes by default
 from .runtime import cutlass_qmm
@@ -434,7 +434,7 @@ def run(
     shapes = [tuple(s) for s in (shapes or (CPU_SHAPES if device == "cpu" else GPU_SHAPES))]
     torch_state = "in its own process" if with_torch else "not run (--no-torch)"
     if with_torch and not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "safetensors")):
-        log("torch is not installed: timing MLX only (pip install 'esmc-mlx[torch]' for the comparison)")
+        log(f"torch is not installed: timing MLX only ({install_hint('torch')} for the comparison)")
         with_torch, torch_state = False, "not installed"
     results = {
         "machine": machine(with_torch=False, device=device),

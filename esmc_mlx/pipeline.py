@@ -16,7 +16,7 @@ from .artifact import REPORT_DIR
 from .convert import prepare, write_artifact, write_artifacts
 from .convert.many import prepare_many, spec_label
 from .convert.writer import DEFAULT_SHARD_BYTES, check_shard_bytes
-from .errors import HubError, ValidationError
+from .errors import HubError, ValidationError, install_hint
 from .hub.push import PushResult, check_push_access, push_artifact
 from .outputs import StagedDirectory, check_target
 from .validate import Report, pick_device, prefetch_torch, validate, validation_available
@@ -73,7 +73,7 @@ def convert_validate_push(
         raise HubError("private=True (--private) applies to the repo that upload_repo creates; give upload_repo too")
     out = Path(output) if output else default_output(source, q, dtype, group_size)
     if validate_output and not validation_available():  # fail before an hour of converting
-        raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
+        raise ValidationError(f"--validate needs torch and transformers: {install_hint('torch')}")
     check_target(out, force)  # before downloading anything
     _check_reference_device(validate_output, reference_device)
     if upload_repo is not None:  # an empty or bad id, no token, a foreign namespace: fail before converting
@@ -128,7 +128,7 @@ def convert_validate_many(
     check_shard_bytes(shard_bytes)
     out = Path(output) if output else default_output(source, None, dtype)
     if validate_output and not validation_available():  # fail before an hour of converting
-        raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
+        raise ValidationError(f"--validate needs torch and transformers: {install_hint('torch')}")
     labels = [spec_label(q, dtype, group_size) for q in specs]
     for label in labels:
         check_target(out / label, force)  # before downloading anything

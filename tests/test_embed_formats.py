@@ -211,7 +211,9 @@ def test_missing_optional_dependencies_are_clear_errors(converted, tmp_path, mon
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     runner = CliRunner()
     r = runner.invoke(cli, ["embed", str(converted), str(fasta), "-o", str(tmp_path / "h5"), "--format", "h5"])
-    assert r.exit_code == 1 and "Error: --format h5 needs h5py: pip install 'esmc-mlx[h5]'" in r.output
+    assert (
+        r.exit_code == 1 and "Error: --format h5 needs h5py: pip install 'h5py>=3.8' (esmc-mlx's h5 extra)" in r.output
+    )
     r = runner.invoke(cli, ["scan", str(converted), "--sequence", "MKV", "-o", str(tmp_path / "scan")])
     assert r.exit_code == 1 and "Error: drawing the heatmap needs matplotlib" in r.output
     assert not (tmp_path / "scan").exists()

@@ -160,3 +160,20 @@ def test_model_cards_say_what_installs_and_what_esmc_tiny_is(tiny, tmp_path):
     assert "esmc-tiny, the demo model bundled with esmc-mlx" in card
     packaged = (Path(esmc_mlx.__file__).parent / "data" / "esmc-tiny" / "README.md").read_text()
     assert "It is not a model for biology." in packaged.replace("**", "")
+
+
+def test_missing_extras_are_named_by_what_pip_can_install(monkeypatch):
+    """'pip install esmc-mlx[plot]' asks PyPI for a package that is not there."""
+    import shutil
+
+    from esmc_mlx.errors import TORCH_CPU_INDEX, install_hint
+
+    assert install_hint("plot") == "pip install 'matplotlib>=3.8' (esmc-mlx's plot extra)"
+    assert install_hint("h5") == "pip install 'h5py>=3.8' (esmc-mlx's h5 extra)"
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no nvidia-smi: torch's CPU build
+    torch_hint = install_hint("torch")
+    assert "'torch>=2.4'" in torch_hint and "'transformers>=5.23'" in torch_hint and TORCH_CPU_INDEX in torch_hint
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    assert TORCH_CPU_INDEX not in install_hint("torch")
+    assert "esmc-mlx[" not in install_hint("plot") + torch_hint

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import JobError
+from ..errors import JobError, install_hint
 from ..outputs import atomic_file
 from .mutations import AMINO_ACIDS_20
 
@@ -40,9 +40,7 @@ def check_plotting() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise JobError(
-            "drawing the heatmap needs matplotlib: pip install 'esmc-mlx[plot]' (or pass --no-plot)"
-        ) from None
+        raise JobError(f"drawing the heatmap needs matplotlib: {install_hint('plot')}, or pass --no-plot") from None
 
 
 def colour_limit(scores: np.ndarray, wild_type: str) -> tuple[float, str]:

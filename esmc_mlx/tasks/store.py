@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import JobError
+from ..errors import JobError, install_hint
 from ..outputs import apply_umask, atomic_file, clean_leftovers
 
 FORMAT = "esmc-mlx-embeddings"
@@ -182,7 +182,7 @@ def require_h5py():
     try:
         import h5py
     except ImportError:
-        raise JobError("--format h5 needs h5py: pip install 'esmc-mlx[h5]'") from None
+        raise JobError(f"--format h5 needs h5py: {install_hint('h5')}") from None
     return h5py
 
 
