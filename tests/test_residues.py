@@ -139,6 +139,10 @@ def test_embed_job_records_the_policy_and_resumes_only_with_it(model, tmp_path):
     (tmp_path / "skip" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(JobError, match="keep_nonstandard: True there, False now"):
         embed_fasta(model, fasta, tmp_path / "skip")
+    # sequences of standard residues pool the same either way: their store resumes with either setting
+    fasta.write_text(">b\nMKTAYIAK\n>c\nGSHMSLFDKLG\n")
+    embed_fasta(model, fasta, tmp_path / "plain")
+    assert embed_fasta(model, fasta, tmp_path / "plain", keep_nonstandard=True).skipped == 2
     fasta.write_text(">none\nXXBZ\n")
     with pytest.raises(SequenceError, match="'none' holds only non-standard residues"):
         embed_fasta(model, fasta, tmp_path / "other")

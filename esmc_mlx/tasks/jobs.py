@@ -21,7 +21,7 @@ from ..errors import EsmcMlxError, JobError
 from ..outputs import atomic_file, check_file_target, locked, written_in_place
 from ..runtime.load import load
 from ..runtime.model import ESMC
-from ..vocab import check_sequence
+from ..vocab import check_sequence, nonstandard_positions
 from .distributed import World
 from .fasta import iter_fasta, read_fasta
 from .heatmap import check_plotting
@@ -138,12 +138,13 @@ def embed_fasta(
         )
     # Compact per-record metadata (~70 bytes a record with IdIndex): ID, length, sha1.
     ids, lengths, hashes = IdList(), array("q"), bytearray()
-    tally = NonstandardTally(keep_nonstandard, pools)
+    tally, any_nonstandard = NonstandardTally(keep_nonstandard, pools), False
     for r in iter_fasta(fasta):  # before loading a model: bad input fails fast
         ids.append(r.id)
         lengths.append(len(r.sequence))
         hashes += sequence_hash(r.sequence).encode()
         tally.add(r.id, r.sequence)
+        any_nonstandard = any_nonstandard or bool(nonstandard_positions(r.sequence))
     if world.is_root:
         tally.warn()
     lengths, hashes = np.frombuffer(lengths, dtype=np.int64), np.frombuffer(bytes(hashes), dtype="S40")
@@ -172,7 +173,8 @@ def embed_fasta(
     status, failure = np.zeros(len(ids) + 1, dtype=np.int32), None
     if store is not None:
         try:
-            store.open(settings, force)
+            # the policy changes nothing for sequences of standard residues: any store of them resumes
+            store.open(settings, force, moot=() if any_nonstandard else ("keep_nonstandard",))
             id_index = IdIndex(ids)
             done, changed, missing = store.status(id_index, hashes)
             if changed:

@@ -212,20 +212,20 @@ class EmbeddingStore:
             data.update(layers=[data["layer"]], pools=pools, storage="npy", arrays=pools)
         return data
 
-    def open(self, settings: dict, force: bool) -> None:
+    def open(self, settings: dict, force: bool, moot: tuple[str, ...] = ()) -> None:
         """Check that an existing directory holds the same settings (a new one is made by
-        ``begin``). With ``force``, clear an embeddings directory (also one a failed first run
+        ``begin``; ``moot``: settings that change nothing for these sequences, not compared). With ``force``, clear an embeddings directory (also one a failed first run
         left without a manifest); a directory holding anything else is never cleared. Nothing
         else changes until ``begin``, which the job calls once its own checks pass."""
         created = not self.out.exists()
         try:
-            self._open(settings, force)
+            self._open(settings, force, moot)
         except BaseException:
             if created:  # leave nothing behind a run that could not even start
                 shutil.rmtree(self.out, ignore_errors=True)
             raise
 
-    def _open(self, settings: dict, force: bool) -> None:
+    def _open(self, settings: dict, force: bool, moot: tuple[str, ...] = ()) -> None:
         if self.out.exists() and not self.out.is_dir():
             raise JobError(f"{self.out} is a file; give a directory for the embeddings")
         foreign = self._foreign() if self.out.exists() else []
@@ -245,7 +245,8 @@ class EmbeddingStore:
             differ = [
                 f"{k}: {_shown(existing.get(k, SETTINGS_BEFORE.get(k)))} there, {_shown(settings[k])} now"
                 for k in SETTINGS_KEYS
-                if existing.get(k, SETTINGS_BEFORE.get(k)) != settings[k]
+                if k not in moot
+                and existing.get(k, SETTINGS_BEFORE.get(k)) != settings[k]
                 and not (k == "model_weights" and k not in existing)
             ]
             if differ:
