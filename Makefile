@@ -8,9 +8,15 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -q
 # PyPI's Linux torch is the CUDA build (~530 MB, plus cuDNN, NCCL and the CUDA libraries). On Linux
 # without an NVIDIA GPU the CPU build comes from PyTorch's own index instead: an extra index, so
-# pip takes 2.13.0+cpu there over PyPI's 2.13.0, and a machine that cannot reach it still
-# installs (from PyPI, or a wheel at hand). `make install TORCH_INDEX=` turns it off.
-TORCH_INDEX ?= $(shell [ "$$(uname -s)" = Linux ] && ! nvidia-smi -L >/dev/null 2>&1 && echo https://download.pytorch.org/whl/cpu)
+# pip takes 2.13.0+cpu there over PyPI's 2.13.0. An index that does not answer is left out, with a
+# note (pip would retry it for every package and then go on without it): torch then comes from
+# PyPI, or a wheel at hand. Decided only when installing. `make install TORCH_INDEX=` turns it
+# off; scripts/check_torch_index.py shows what pip would download.
+CPU_TORCH_INDEX := https://download.pytorch.org/whl/cpu
+ANSWERS := import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=15)
+TORCH_INDEX ?= $(shell [ "$$(uname -s)" = Linux ] && ! nvidia-smi -L >/dev/null 2>&1 && { \
+  $(PYTHON) -c '$(ANSWERS)' $(CPU_TORCH_INDEX)/torch/ 2>/dev/null && echo $(CPU_TORCH_INDEX) \
+  || echo "$(CPU_TORCH_INDEX) does not answer: torch from PyPI or a wheel at hand" >&2; })
 
 .PHONY: demo test lint install package clean
 
