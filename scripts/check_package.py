@@ -1,8 +1,10 @@
 """What `make package` runs (and CI, .ci/run): build the sdist and the wheel, check them with twine,
 and prove the wheel works where the clone is not.
 
-1. ``python -m build`` into dist/ (the sdist, then a wheel built from that sdist, so a file
-   missing from the sdist fails here);
+1. ``python -m build`` into dist/ from a copy of the files git tracks, as a fresh clone holds
+   them (a file the build needs that git lacks fails here, whatever lies around in the working
+   tree; tracked files are copied as they are now, uncommitted edits included): the sdist, then
+   a wheel built from that sdist, so a file missing from the sdist fails here too;
 2. ``twine check --strict`` on both;
 3. the LICENSE, the packaged esmc-tiny and the CUDA sources are in the wheel;
 4. a fresh venv in a temporary directory, the wheel installed into it with the pinned versions
@@ -41,9 +43,25 @@ def step(name: str, command: list, **kwargs) -> subprocess.CompletedProcess:
     return done
 
 
+def clean_copy(dest: Path) -> Path:
+    """The files git tracks, copied into ``dest`` (what a clone holds); ROOT itself outside a git
+    checkout (an unpacked sdist holds only what it ships)."""
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True)
+    if listed.returncode:
+        return ROOT
+    for rel in filter(None, listed.stdout.decode().split("\0")):
+        source = ROOT / rel
+        if source.is_file():  # a tracked file deleted in the working tree is left out, as a commit would
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / rel)
+    return dest
+
+
 def main() -> None:
     shutil.rmtree(DIST, ignore_errors=True)
-    step("build", [sys.executable, "-m", "build", "--outdir", str(DIST), str(ROOT)])
+    with tempfile.TemporaryDirectory(prefix="esmc-mlx-clone-") as clone:
+        source = clean_copy(Path(clone))
+        step("build", [sys.executable, "-m", "build", "--outdir", str(DIST), str(source)])
     sdists, wheels = sorted(DIST.glob("*.tar.gz")), sorted(DIST.glob("*.whl"))
     if len(sdists) != 1 or len(wheels) != 1:
         sys.exit(f"build: expected one sdist and one wheel in {DIST}, found {[p.name for p in DIST.iterdir()]}")
