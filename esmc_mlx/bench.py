@@ -483,7 +483,10 @@ def run(
             results["agreement"].update(mlx_side["agreement"])
             results["quantized"] += mlx_side["quantized"]
     json_path, png = write(results, Path(out_dir), stem)
-    log(f"wrote {json_path}" + (f" and {png}" if png else ""))
+    if png is None and importlib.util.find_spec("matplotlib") is None:
+        log(f"wrote {json_path}; no plot: matplotlib is not installed ({install_hint('plot')})")
+    else:
+        log(f"wrote {json_path}" + (f" and {png}" if png else ""))
     return results
 
 

@@ -371,7 +371,7 @@ transformers' EsmcForMaskedLM in torch, then answers two questions: fidelity (ML
 on the weights the artifact holds, dequantized if quantized) and quality (the artifact against
 the original: KL, top-1, relative errors, embedding cosine, Spearman of variant scores). Writes
 report.json, report.md and a plot to MLX_DIR/validation/ (or --report DIR). Exit code 0 only
-when every enforced check passes. Needs esmc-mlx[torch].
+when every enforced check passes. Needs the torch extra (torch, transformers).
 
 \b
 Examples:
@@ -543,7 +543,7 @@ sequences are batched by length.
           token's row), per-residue (every residue's row); a comma list. --per-residue
           adds per-residue.
 --format  npy: NAME.npy per array (memory-mappable); safetensors: sharded
-          embeddings-*.safetensors + index; h5: embeddings.h5 (needs esmc-mlx[h5]).
+          embeddings-*.safetensors + index; h5: embeddings.h5 (needs h5py, the h5 extra).
           NAME is the pool for one layer, layer{i}_{pool} for several.
 
 Runs data-parallel under MLX's launcher, each rank taking a slice, rank 0 writing:
@@ -804,6 +804,10 @@ def score(
             click.echo(f"Left {plural(s.skipped, 'mutant')} at non-standard residues unscored (empty cells)")
         if s.rejects_out is not None:
             click.echo(f"Rejected {plural(len(s.rejected), 'invalid row')} -> {s.rejects_out}")
+        elif s.rejected:  # the output is a stream (-o /dev/stdout): nowhere beside it, so on stderr
+            click.echo(f"Rejected {plural(len(s.rejected), 'invalid row')}:", err=True)
+            for r in s.rejected:
+                click.echo(f"  {r}", err=True)
         if s.wt_pppl is not None:
             click.echo(f"Wild-type pseudo-perplexity: {s.wt_pppl:.4f}")
         for method, (rho, n) in s.spearman.items():
@@ -936,7 +940,7 @@ def scan(
 
 BENCH_HELP = """Time the MLX runtime against transformers on this machine: the same random weights,
 the same inputs, each side in its own process; prints torch time / MLX time and writes
-OUT/bench.json and OUT/bench.png (the plot needs matplotlib). Needs esmc-mlx[torch] for the torch side
+OUT/bench.json and OUT/bench.png (the plot needs matplotlib). Needs the torch extra for the torch side
 (without it, or with --no-torch, MLX alone: its times are plotted).
 
 \b

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[torch]' in the clone")
 from transformers import EsmcTokenizer
 
 from esmc_mlx import load

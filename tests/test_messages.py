@@ -110,9 +110,21 @@ def test_bench_rates_and_plot_without_torch(tmp_path):
     assert [r["impl"] for r in results["forward"]] == ["mlx"]
 
 
+def test_bench_says_why_it_drew_no_plot(tmp_path, monkeypatch):
+    from esmc_mlx.errors import install_hint
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    lines: list[str] = []
+    bench.run(models=("tiny",), shapes=[(1, 8)], device="cpu", with_torch=False, out_dir=tmp_path, log=lines.append)
+    assert (
+        lines[-1] == f"wrote {tmp_path / 'bench.json'}; no plot: matplotlib is not installed ({install_hint('plot')})"
+    )
+    assert not (tmp_path / "bench.png").exists()
+
+
 @pytest.mark.slow  # four child processes: over 5 s on the 2-core host
 def test_push_dry_run_works_offline_without_a_token(tiny, tmp_path):
-    """It needed a token and the Hub to show the card and the files: offline, it failed."""
+    """Offline, or without a token, a dry run shows the card and the files from the artifact alone."""
     artifact = convert("tiny", tmp_path / "tiny-4bit", q="4", progress=False)
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
@@ -177,3 +189,15 @@ def test_missing_extras_are_named_by_what_pip_can_install(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi")
     assert TORCH_CPU_INDEX not in install_hint("torch")
     assert "esmc-mlx[" not in install_hint("plot") + torch_hint
+
+
+def test_a_pth_without_torch_names_what_to_install(tmp_path, monkeypatch):
+    from esmc_mlx.errors import install_hint
+
+    pth = tmp_path / "esmc_300m_2024_12_v0.pth"
+    pth.write_bytes(b"PK\x05\x06" + bytes(18))  # an empty zip: torch would be asked to read it
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    result = CliRunner().invoke(cli, ["convert", str(pth), "-o", str(tmp_path / "out"), "--no-validate"])
+    assert result.exit_code == 1, result.output
+    assert f"reading a .pth checkpoint needs torch: {install_hint('torch')}" in result.output
+    assert not (tmp_path / "out").exists()

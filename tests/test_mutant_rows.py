@@ -5,6 +5,8 @@ beside the output. The packaged esmc-tiny, no torch."""
 from __future__ import annotations
 
 import csv
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -42,7 +44,10 @@ def test_every_bad_row_is_reported_at_once_before_the_model_loads(tmp_path):
     assert message.startswith("4 of 7 mutants cannot be scored:")
     for line, reason in BAD.items():
         assert f"{muts}, line {line}: {reason}" in message
-    assert "--skip-invalid" in message and not (tmp_path / "out.csv").exists()
+    assert message.endswith(
+        f"\n--skip-invalid scores the other rows and writes these to {tmp_path / 'out.rejected.csv'}"
+    )
+    assert not (tmp_path / "out.csv").exists()
 
 
 def test_the_validator_collects_windows_and_mutated_sequences_too():
@@ -62,7 +67,7 @@ def test_the_python_api_lists_every_bad_mutant(tmp_path):
         MutationError, match=r"2 of 3 mutants cannot be scored:\n  mutant 2: 'A3G'.*\n  mutant 3: 'M40A'"
     ):
         score_mutations(None, WT, ["K2A", "A3G", "M40A"])
-    with pytest.raises(MutationError, match=r"^mutant 2: 'A3G': wild-type residue A"):  # one: one line, as before
+    with pytest.raises(MutationError, match=r"^mutant 2: 'A3G': wild-type residue A"):  # one bad mutant: one line
         score_mutations(None, WT, ["K2A", "A3G"])
 
 
@@ -92,6 +97,28 @@ def test_skip_invalid_scores_the_rest_and_writes_the_rejects_beside(tiny, tmp_pa
         cli, ["score", str(tiny), "--sequence", WT, "--mutations", str(tmp_path / "bad.csv"), "--skip-invalid"]
     )
     assert result.exit_code == 1 and "2 of 2 mutants cannot be scored" in result.output
+
+
+def test_skip_invalid_into_a_stream_lists_the_rejects_on_stderr(tiny, tmp_path):
+    muts = tmp_path / "dms.csv"
+    muts.write_text(ROWS)
+    args = ["score", str(tiny), "--sequence", WT, "--mutations", str(muts), "-o", "/dev/stdout"]
+    done = subprocess.run(
+        [sys.executable, "-m", "esmc_mlx.cli", *args, "--skip-invalid", "--method", "wt-marginal", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "mutant,DMS_score,wt_marginal" and [x.split(",")[0] for x in lines[1:4]] == [
+        "K2A",
+        "T3G",
+        "Q33A",
+    ]
+    assert "Rejected 4 invalid rows:" in done.stderr
+    assert all(f"{muts}, line {line}: {reason}" in done.stderr for line, reason in BAD.items())
+    assert not list(tmp_path.glob("*.rejected.csv"))
 
 
 def test_joint_with_only_wt_marginal_is_refused(tiny, tmp_path):

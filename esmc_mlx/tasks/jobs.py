@@ -593,8 +593,10 @@ def score_csv(
     )
     if rejected and not skip_invalid:
         error = rejection_error(rejected, len(rows))
-        hint = "; --skip-invalid scores the other rows and writes these beside the output"
-        raise type(error)(f"{error}{hint}")
+        hint = "--skip-invalid scores the other rows" + (
+            f" and writes these to {rejects_path(out)}" if out is not None and not written_in_place(out) else ""
+        )
+        raise type(error)(f"{error}{chr(10) if len(rejected) > 1 else '; '}{hint}")
     if len(rejected) == len(rows):
         raise rejection_error(rejected, len(rows))
     bad = {r.index for r in rejected}
