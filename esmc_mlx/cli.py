@@ -10,6 +10,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -630,6 +631,7 @@ def embed(
     pool_list = pools.split(",") if pools is not None else ["mean"]  # --pool "": an error, not the default
     if per_residue:
         pool_list.append("per_residue")
+    started = time.perf_counter()
     s = embed_fasta(
         model,
         fasta,
@@ -648,7 +650,8 @@ def embed(
     if s.rank == 0:
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
         click.echo(
-            f"Embedded {plural(s.computed, 'sequence')}{ranks} ({s.skipped} already done, {s.total} in all) -> {s.out}"
+            f"Embedded {plural(s.computed, 'sequence')}{ranks} ({s.skipped} already done, {s.total} in all; "
+            f"{time.perf_counter() - started:.1f} s, the model's loading included) -> {s.out}"
         )
         if s.dropped:
             click.echo(f"Dropped {plural(s.dropped, 'stored embedding')} of IDs not in {fasta}")
