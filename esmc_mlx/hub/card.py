@@ -30,12 +30,17 @@ from ..artifact import GENERATED_CARD_LINE as MARKER  # the card's last line
 from ..errors import HubError
 from .repo_id import is_repo_id
 
-# What a card says about installing esmc-mlx: it is not on PyPI, so no `pip install esmc-mlx` line.
-INSTALL = (
-    "esmc-mlx is not published on PyPI. Install it from its source: `pip install .` in a checkout of "
-    "the esmc-mlx repository, or `pip install esmc_mlx-<version>-py3-none-any.whl` with a wheel built "
-    "there by `python -m build` (add `[cuda]` for NVIDIA GPUs on Linux)."
-)
+
+def install_text(version: str) -> str:
+    """What a card says about installing esmc-mlx (``version``: the one that converted the model):
+    it is not on PyPI, so no `pip install esmc-mlx` line."""
+    return (
+        "esmc-mlx is not published on PyPI. Install it from its source: `pip install .` in a checkout of "
+        f"the esmc-mlx repository, or `pip install esmc_mlx-{version}-py3-none-any.whl` with a wheel built "
+        "there by `python -m build` (add `[cuda]` for NVIDIA GPUs on Linux)."
+    )
+
+
 # The models that ship inside esmc-mlx (source ids ``esmc-mlx/<alias>``), as their cards describe them.
 BUNDLED = {
     "esmc-mlx/tiny": (
@@ -252,7 +257,7 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
         "",
         "## Usage",
         "",
-        INSTALL,
+        install_text(converter.get("version", __version__)),
         "",
         "```python",
         "from esmc_mlx import load",
