@@ -29,8 +29,8 @@ def tiny(tmp_path_factory):
 
 
 def test_every_warning_is_one_warning_line(tiny, monkeypatch):
-    """A library's plain UserWarning came out as Python prints it: the category, the file, the
-    line number and the source line; esmc-mlx's own as `Warning: ...`."""
+    """A library's plain UserWarning is one `Warning: ...` line too, as esmc-mlx's own: no
+    category, file, line number or source line."""
     from esmc_mlx import cli as cli_module
 
     original = cli_module.model_facts

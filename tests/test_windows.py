@@ -73,7 +73,7 @@ def test_a_long_wt_marginal_scan_runs_each_window_once():
     assert stub.rows == math.ceil((3000 - 500) / 250) + 1  # 11 windows
     stub = StubModel()
     scan(stub, wt, method="masked_marginal", batch_size=64)
-    assert stub.rows == 3000 and stub.calls == math.ceil(3000 / 64)  # a masked copy per residue, as before
+    assert stub.rows == 3000 and stub.calls == math.ceil(3000 / 64)  # a masked copy per residue
     # score: the unmasked windows that the mutated sites need, each once
     stub = StubModel()
     mutants = [f"{wt[p]}{p + 1}A" for p in (3, 10, 1500, 2990, 2999) if wt[p] != "A"]
@@ -93,9 +93,9 @@ def test_a_sequence_given_twice_is_computed_once(model):
 @pytest.mark.slow  # a forward pass per masked site: over 5 s on the 2-core host
 def test_windowed_scans_read_the_window_they_name(model):
     """Each row of a windowed scan is the model's own output over that row's window: masked
-    copies over the window centred on their site (unchanged), wt-marginal over the shared
+    copies over the window centred on their site, wt-marginal over the shared
     window; where the shared window is the centred one (the ends), the scores are the ones a
-    window centred on each site gave."""
+    window centred on each site gives."""
     wt = random_sequences(1, 40, 40, seed=3)[0]
     width = 16
     masked = scan(model, wt, method="masked_marginal", window=width, batch_size=16)
