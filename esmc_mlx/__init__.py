@@ -21,7 +21,7 @@ from .errors import EsmcMlxError, EsmcMlxWarning, SequenceError, TokenizerError 
 from .finetune import load_adapter  # noqa: E402
 from .runtime import ESMC, ESMCOutput, ESMCTokenizer  # noqa: E402
 from .runtime.sae import SparseAutoencoder, load_sae  # noqa: E402
-from .tasks import ProteinModel, load  # noqa: E402
+from .tasks import ProteinModel, load, read_embeddings  # noqa: E402
 
 __all__ = [
     "ESMC",
@@ -36,5 +36,6 @@ __all__ = [
     "load",
     "load_adapter",
     "load_sae",
+    "read_embeddings",
     "__version__",
 ]

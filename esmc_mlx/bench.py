@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten
 from . import _blas
 from .config import ESMCConfig
 from .convert.sources import torch_to_mlx
-from .errors import EsmcMlxError
+from .errors import EsmcMlxError, install_hint
 from .outputs import atomic_file, ensure_parent
 from .quantize import BLOCK_LINEAR  # what `esmc-convert --q` quantizes by default
 from .runtime import dispatch
@@ -234,6 +234,11 @@ def agreement(tmodel, model: ESMC, device: str, length: int = 64) -> float:
     return rel_l2(out, ref)
 
 
+def flop_rate(tflops: float) -> str:
+    """A rate with three significant digits: a tiny model's 0.0004 TFLOP/s reads 0.4 GFLOP/s."""
+    return f"{tflops:.3g} TFLOP/s" if tflops >= 0.1 else f"{tflops * 1e3:.3g} GFLOP/s"
+
+
 def compare_forward(
     tmodel,
     models: dict[str, ESMC],
@@ -263,7 +268,7 @@ def compare_forward(
             rows.append(row)
             log(
                 f"{label:>6} {batch:>3}x{length:<5} {name:<22} {t['median_ms']:10.2f} ms  (min {t['min_ms']:.2f}, "
-                f"{t['reps']} reps)  {row['tflops']:7.1f} TFLOP/s"
+                f"{t['reps']} reps)  {flop_rate(row['tflops']):>14}"
                 + (f"  torch/this {row['speedup_vs_torch']:.2f}x" if base else "")
             )
         mx.clear_cache()
@@ -312,8 +317,8 @@ def machine(with_torch: bool = True, device: str | None = None) -> dict:
 
 
 def plot(results: dict, path: Path, title: str | None = None) -> Path | None:
-    """Bar chart of torch-time / MLX-time per (model, shape) and implementation; None without
-    matplotlib."""
+    """Bar chart of torch-time / MLX-time per (model, shape) and implementation (without torch
+    rows: MLX's milliseconds); None without matplotlib."""
     try:
         import matplotlib
 
@@ -322,22 +327,29 @@ def plot(results: dict, path: Path, title: str | None = None) -> Path | None:
     except ImportError:
         return None
     rows = [r for r in results.get("forward", []) if r["impl"] != "torch" and r.get("speedup_vs_torch")]
+    versus_torch = bool(rows)
+    if not versus_torch:  # MLX alone (no torch): its own times
+        rows = [r for r in results.get("forward", []) if r["impl"] != "torch"]
     if not rows:
         return None
+    key = "speedup_vs_torch" if versus_torch else "median_ms"
     groups = list(dict.fromkeys(f"{r['model']}\n{r['batch']}x{r['length']}" for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     width = 0.8 / len(impls)
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(groups)), 4))
     for i, impl in enumerate(impls):
-        values = {f"{r['model']}\n{r['batch']}x{r['length']}": r["speedup_vs_torch"] for r in rows if r["impl"] == impl}
+        values = {f"{r['model']}\n{r['batch']}x{r['length']}": r[key] for r in rows if r["impl"] == impl}
         xs = [g + (i - (len(impls) - 1) / 2) * width for g in range(len(groups))]
         ax.bar(xs, [values.get(g, 0) for g in groups], width, label=impl)
-    ax.axhline(1.0, color="black", linewidth=0.8)
     target = results.get("target_speedup")
-    if target and target != 1.0:
+    if versus_torch:
+        ax.axhline(1.0, color="black", linewidth=0.8)
+    if versus_torch and target and target != 1.0:
         ax.axhline(target, color="red", linestyle="--", linewidth=0.8, label=f"target {target}x")
     ax.set_xticks(range(len(groups)), groups)
-    ax.set_ylabel("speedup over transformers (torch time / MLX time)")
+    ax.set_ylabel(
+        "speedup over transformers (torch time / MLX time)" if versus_torch else "ms per forward (median; no torch)"
+    )
     ax.set_title(title or f"ESMC forward, {results.get('backend', '')} {results.get('dtype', '')}")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -400,9 +412,10 @@ def run(
         raise EsmcMlxError("--device gpu: this MLX has no GPU backend (it runs on the CPU here); use --device cpu")
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     shapes = [tuple(s) for s in (shapes or (CPU_SHAPES if device == "cpu" else GPU_SHAPES))]
+    torch_state = "in its own process" if with_torch else "not run (--no-torch)"
     if with_torch and not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "safetensors")):
-        log("torch is not installed: timing MLX only (pip install 'esmc-mlx[torch]' for the comparison)")
-        with_torch = False
+        log(f"torch is not installed: timing MLX only ({install_hint('torch')} for the comparison)")
+        with_torch, torch_state = False, "not installed"
     results = {
         "machine": machine(with_torch=False, device=device),
         "backend": device,
@@ -418,9 +431,7 @@ def run(
         cutlass = "; CUTLASS mixed-input GEMM built (quantized layers use it)"
     elif device == "gpu" and quant and (unused := cutlass_qmm.why_unused()):
         cutlass = f"; quantized layers without CUTLASS's mixed-input GEMM: {unused}"
-    log(
-        f"backend {device}, {dtype}, mlx {mx.__version__}; torch {'in its own process' if with_torch else 'absent'}{cutlass}"
-    )
+    log(f"backend {device}, {dtype}, mlx {mx.__version__}; torch {torch_state}{cutlass}")
     with tempfile.TemporaryDirectory(prefix="esmc-bench-") as tmp:
         for name in models:
             job = {
@@ -452,7 +463,10 @@ def run(
             results["agreement"].update(mlx_side["agreement"])
             results["quantized"] += mlx_side["quantized"]
     json_path, png = write(results, Path(out_dir), stem)
-    log(f"wrote {json_path}" + (f" and {png}" if png else ""))
+    if png is None and importlib.util.find_spec("matplotlib") is None:
+        log(f"wrote {json_path}; no plot: matplotlib is not installed ({install_hint('plot')})")
+    else:
+        log(f"wrote {json_path}" + (f" and {png}" if png else ""))
     return results
 
 

@@ -10,13 +10,14 @@ import shlex
 import signal
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
 import click
 
 from ._version import __version__
-from .artifact import describe, human_size, plural
+from .artifact import describe, human_size, model_facts, plural
 from .bench import FLOAT_SPREAD, parse_shapes, run
 from .convert import quantize_directory
 from .errors import EsmcMlxError, EsmcMlxWarning
@@ -81,10 +82,8 @@ def _run(invoke, ctx):
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
-    if issubclass(category, EsmcMlxWarning):
-        click.echo(f"Warning: {message}", err=True)
-    else:
-        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+    """Every warning, esmc-mlx's and its libraries', as one ``Warning:`` line (no source line)."""
+    click.echo(f"Warning: {message}", err=True)
 
 
 class FriendlyErrors(click.Group):
@@ -139,6 +138,12 @@ force_option = click.option(
     "--force",
     is_flag=True,
     help="Replace an existing output directory that esmc-mlx wrote (never anything else; see docs/reliability.md).",
+)
+keep_nonstandard_option = click.option(
+    "--keep-nonstandard",
+    is_flag=True,
+    help="Also score (embed: also pool) the non-standard residues X B Z U O; by default they are skipped "
+    "with a warning (the model still reads them as context).",
 )
 shard_size_option = click.option(
     "--shard-size",
@@ -377,7 +382,12 @@ def _token_counts(text: str) -> list[int]:
 
 @main.command(help=INFO_HELP)
 @click.argument("model_dir", type=InputPath(exists=True, file_okay=False, path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON instead of text: numbers as numbers (parameters, bits_per_weight, size_bytes, shards).",
+)
 @click.option("--plan", is_flag=True, help="Say what runs for each kind of layer, and why.")
 @click.option("--tokens", default="1,256,1024", show_default=True, help="Token counts for --plan (batch x length).")
 @click.option(
@@ -387,10 +397,10 @@ def info(model_dir, as_json, plan, tokens, device_name):
     if not plan:
         if device_name is not None or tokens != "1,256,1024":
             raise click.UsageError("--tokens and --device go with --plan")
-        facts = describe(model_dir)
         if as_json:
-            click.echo(json.dumps(facts, indent=2))
+            click.echo(json.dumps(model_facts(model_dir), indent=2))
             return
+        facts = describe(model_dir)
         width = max(map(len, facts))
         for key, value in facts.items():
             click.echo(f"{key:<{width}}  {value}")
@@ -425,7 +435,7 @@ transformers' EsmcForMaskedLM in torch, then answers two questions: fidelity (ML
 on the weights the artifact holds, dequantized if quantized) and quality (the artifact against
 the original: KL, top-1, relative errors, embedding cosine, Spearman of variant scores). Writes
 report.json, report.md and a plot to MLX_DIR/validation/ (or --report DIR). Exit code 0 only
-when every enforced check passes. Needs esmc-mlx[torch].
+when every enforced check passes. Needs the torch extra (torch, transformers).
 
 \b
 Examples:
@@ -597,7 +607,7 @@ sequences are batched by length.
           token's row), per-residue (every residue's row); a comma list. --per-residue
           adds per-residue.
 --format  npy: NAME.npy per array (memory-mappable); safetensors: sharded
-          embeddings-*.safetensors + index; h5: embeddings.h5 (needs esmc-mlx[h5]).
+          embeddings-*.safetensors + index; h5: embeddings.h5 (needs h5py, the h5 extra).
           NAME is the pool for one layer, layer{i}_{pool} for several.
 
 Runs data-parallel under MLX's launcher, each rank taking a slice, rank 0 writing:
@@ -661,6 +671,7 @@ Examples:
     is_flag=True,
     help="Drop the stored embeddings of IDs that FASTA no longer holds (without it such a rerun is refused).",
 )
+@keep_nonstandard_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def embed(
     model,
@@ -675,6 +686,7 @@ def embed(
     dtype,
     force,
     drop_missing,
+    keep_nonstandard,
     no_progress,
 ):
     if layer is not None and layers is not None:  # one of them would be ignored: say so instead
@@ -682,6 +694,7 @@ def embed(
     pool_list = pools.split(",") if pools is not None else ["mean"]  # --pool "": an error, not the default
     if per_residue:
         pool_list.append("per_residue")
+    started = time.perf_counter()
     s = embed_fasta(
         model,
         fasta,
@@ -693,13 +706,15 @@ def embed(
         dtype=dtype,
         force=force,
         drop_missing=drop_missing,
+        keep_nonstandard=keep_nonstandard,
         group=World.current(),
         progress=not no_progress,
     )
     if s.rank == 0:
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
         click.echo(
-            f"Embedded {plural(s.computed, 'sequence')}{ranks} ({s.skipped} already done, {s.total} in all) -> {s.out}"
+            f"Embedded {plural(s.computed, 'sequence')}{ranks} ({s.skipped} already done, {s.total} in all; "
+            f"{time.perf_counter() - started:.1f} s, the model's loading included) -> {s.out}"
         )
         if s.dropped:
             click.echo(f"Dropped {plural(s.dropped, 'stored embedding')} of IDs not in {fasta}")
@@ -724,9 +739,17 @@ Multi-mutants (--multi, masked-marginal):
          (the masked-marginal formula of Meier et al. 2021, conditioned on x_-M)
 \b
 Long sequences (--window, residues): a wild type longer than the window is scored through
-a window of that width centred on each site (ProteinGym's scoring_window="optimal");
-default 2046 = ESMC's 2048-token training length minus <cls>/<eos>. A warning is printed
-for sequences longer than that.
+windows of that width: for masked copies, centred on each site (ProteinGym's
+scoring_window="optimal"); for wt-marginal, windows every width/2 residues, each site read
+from the one whose centre is nearest. Default 2046 = ESMC's 2048-token training length
+minus <cls>/<eos>. A warning is printed for sequences longer than that.
+
+Rows are all checked before the model loads; every bad row is reported (file, line,
+reason). --skip-invalid scores the others and writes the bad ones to OUT.rejected.csv.
+Mutants at X B Z U O (non-standard residues) get empty scores unless --keep-nonstandard.
+
+Time: masked-marginal and wt-marginal cost about (sites + 1) / --batch-size passes; pppl
+costs L / --batch-size passes for each distinct mutated sequence (the command prints its time).
 
 Runs data-parallel under MLX's launcher, each rank taking a slice, rank 0 writing:
 
@@ -745,8 +768,8 @@ window_option = click.option(
     default=DEFAULT_WINDOW,
     show_default=True,
     type=click.IntRange(0),
-    help="Score sequences longer than this many residues in windows of this width centred on each site "
-    "(ProteinGym's scoring_window); 0: never window.",
+    help="Score sequences longer than this many residues through windows of this width: centred on each "
+    "masked site (ProteinGym's scoring_window), overlapping by half for wt-marginal; 0: never window.",
 )
 
 
@@ -788,6 +811,13 @@ window_option = click.option(
 )
 @click.option("--mutant-column", default="mutant", show_default=True, help="CSV column of the mutant strings.")
 @click.option("--dms-column", default="DMS_score", show_default=True, help="Measured scores, for Spearman's rho.")
+@click.option(
+    "--skip-invalid",
+    is_flag=True,
+    help="Score the valid rows and write the invalid ones, with line and reason, to OUT.rejected.csv "
+    "(default: report every invalid row and score nothing).",
+)
+@keep_nonstandard_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def score(
     model,
@@ -801,6 +831,8 @@ def score(
     offset,
     mutant_column,
     dms_column,
+    skip_invalid,
+    keep_nonstandard,
     no_progress,
 ):
     if output is None and not mutations.is_file():  # a pipe (<(...), /dev/stdin) has no folder to write beside
@@ -823,15 +855,25 @@ def score(
         window=window or None,
         mutant_column=mutant_column,
         dms_column=dms_column,
+        skip_invalid=skip_invalid,
+        keep_nonstandard=keep_nonstandard,
         group=World.current(),
         progress=not no_progress,
     )
     if s.rank == 0:
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
         click.echo(
-            f"Scored {plural(s.count, 'mutant')} ({', '.join(s.methods)}; {plural(s.passes, 'forward pass')}{ranks}) "
-            f"-> {s.out}"
+            f"Scored {plural(s.count, 'mutant')} ({', '.join(s.methods)}; {plural(s.passes, 'forward pass')}{ranks}, "
+            f"{s.seconds:.1f} s) -> {s.out}"
         )
+        if s.skipped:
+            click.echo(f"Left {plural(s.skipped, 'mutant')} at non-standard residues unscored (empty cells)")
+        if s.rejects_out is not None:
+            click.echo(f"Rejected {plural(len(s.rejected), 'invalid row')} -> {s.rejects_out}")
+        elif s.rejected:  # the output is a stream (-o /dev/stdout): nowhere beside it, so on stderr
+            click.echo(f"Rejected {plural(len(s.rejected), 'invalid row')}:", err=True)
+            for r in s.rejected:
+                click.echo(f"  {r}", err=True)
         if s.wt_pppl is not None:
             click.echo(f"Wild-type pseudo-perplexity: {s.wt_pppl:.4f}")
         for method, (rho, n) in s.spearman.items():
@@ -849,9 +891,10 @@ write, per protein, into OUT:
 
 Scores are log p(mut) - log p(wt): masked-marginal (default; one masked copy per residue,
 --batch-size copies a pass, each giving all 19 substitutions) or wt-marginal (one unmasked
-pass). Entropy: of the predicted distribution over the 20 amino acids (renormalised), in
-nats, at each position. NAME is the FASTA ID (or --name), made file-safe. Longer than
---window residues: windows centred on each residue. See docs/scoring.md.
+passes over overlapping windows when longer than --window). Entropy: of the predicted
+distribution over the 20 amino acids (renormalised), in nats, at each position. NAME is the
+FASTA ID (--fasta, or --sequence naming a FASTA file), else --name, else "sequence", made
+file-safe. Positions at X B Z U O are left out unless --keep-nonstandard. See docs/scoring.md.
 
 OUT/scan-manifest.json records what each protein was scanned from: a rerun skips the proteins
 already there with the same sequence, settings and model, so a stopped --fasta run resumes.
@@ -888,9 +931,13 @@ Examples:
     type=click.Choice(["masked-marginal", "wt-marginal"]),
     default="masked-marginal",
     show_default=True,
-    help="masked-marginal: one masked copy per residue; wt-marginal: one unmasked pass (see above).",
+    help="masked-marginal: one masked copy per residue; wt-marginal: unmasked passes (see above).",
 )
-@click.option("--name", default=None, help="File name stem for --sequence (default: sequence; not with --fasta).")
+@click.option(
+    "--name",
+    default=None,
+    help="File name stem for --sequence (default: the FASTA ID of --sequence FILE, else sequence; not with --fasta).",
+)
 @window_option
 @click.option(
     "-B", "--batch-size", default=32, show_default=True, type=click.IntRange(1), help="Masked copies per forward pass."
@@ -904,6 +951,7 @@ Examples:
     help="Heatmap positions per row before wrapping.",
 )
 @click.option("--no-plot", is_flag=True, help="No heatmap (needs no matplotlib).")
+@keep_nonstandard_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option(
     "--force",
@@ -912,7 +960,20 @@ Examples:
     "(by default they are skipped: a stopped run resumes).",
 )
 def scan(
-    model, sequence, fasta, output, method, name, window, batch_size, offset, per_row, no_plot, no_progress, force
+    model,
+    sequence,
+    fasta,
+    output,
+    method,
+    name,
+    window,
+    batch_size,
+    offset,
+    per_row,
+    no_plot,
+    keep_nonstandard,
+    no_progress,
+    force,
 ):
     s = scan_job(
         model,
@@ -926,6 +987,7 @@ def scan(
         offset=offset,
         plot=not no_plot,
         per_row=per_row,
+        keep_nonstandard=keep_nonstandard,
         group=World.current(),
         progress=not no_progress,
         force=force,
@@ -934,9 +996,10 @@ def scan(
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
         for ident in s.skipped:
             click.echo(f"Skipped {ident}: already scanned into {s.out} with these settings (--force scans again)")
-        for ident, n, passes in s.scanned:
+        for ident, n, passes, seconds in s.scanned:
             click.echo(
-                f"Scanned {ident}: {plural(n, 'residue')} x 19 substitutions ({plural(passes, 'forward pass')}{ranks})"
+                f"Scanned {ident}: {plural(n, 'residue')} x 19 substitutions "
+                f"({plural(passes, 'forward pass')}{ranks}, {seconds:.1f} s)"
             )
         click.echo(f"Wrote {s.out}")
 
@@ -1154,7 +1217,8 @@ def quantize_sae(sae, output, q, model, layers, group_size, revision, validate_o
 
 BENCH_HELP = """Time the MLX runtime against transformers on this machine: the same random weights,
 the same inputs, each side in its own process; prints torch time / MLX time and writes
-OUT/bench.json and OUT/bench.png. Needs esmc-mlx[torch] for the torch side (without it, MLX alone).
+OUT/bench.json and OUT/bench.png (the plot needs matplotlib). Needs the torch extra for the torch side
+(without it, or with --no-torch, MLX alone: its times are plotted).
 
 \b
 Examples:
@@ -1436,7 +1500,7 @@ BUILD_CUTLASS_HELP = """Build CUTLASS's Hopper mixed-input GEMM (an MLX extensio
 into esmc-mlx's cache (a few minutes: docs/quantization.md gives the measured time). On a Hopper
 GPU (H100, H200) affine 4/8-bit and mxfp4 models then run it where it was measured faster
 (esmc-mlx info MODEL --plan shows where); ESMC_MLX_KERNELS=0 turns every custom kernel off.
-Needs nvcc (CUDA 13), nanobind 3.0/3.1 (pip install 'esmc-mlx[cutlass]') and fmt's headers
+Needs nvcc (CUDA 13), nanobind 3.0/3.1 (the `cutlass` extra) and fmt's headers
 (torch's copy, libfmt-dev or $FMT_INCLUDE).
 """
 

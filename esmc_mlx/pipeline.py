@@ -17,7 +17,7 @@ from .convert import prepare, write_artifact, write_artifacts
 from .convert.many import prepare_many, spec_label
 from .convert.sae import parse_sae_spec, spec_config, write_sae
 from .convert.writer import DEFAULT_SHARD_BYTES, check_shard_bytes
-from .errors import HubError, ValidationError
+from .errors import HubError, ValidationError, install_hint
 from .hub.push import PushResult, check_push_access, push_artifact
 from .outputs import StagedDirectory, check_target
 from .privacy import public_source_id
@@ -78,7 +78,7 @@ def convert_validate_push(
         raise HubError("private=True (--private) applies to the repo that upload_repo creates; give upload_repo too")
     out = Path(output) if output else default_output(source, q, dtype, group_size)
     if validate_output and not validation_available():  # fail before an hour of converting
-        raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
+        raise ValidationError(f"--validate needs torch and transformers: {install_hint('torch')}")
     check_target(out, force)  # before downloading anything
     _check_reference_device(validate_output, reference_device)
     if upload_repo is not None:  # an empty or bad id, no token, a foreign namespace: fail before converting
@@ -133,7 +133,7 @@ def convert_validate_many(
     check_shard_bytes(shard_bytes)
     out = Path(output) if output else default_output(source, None, dtype)
     if validate_output and not validation_available():  # fail before an hour of converting
-        raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
+        raise ValidationError(f"--validate needs torch and transformers: {install_hint('torch')}")
     labels = [spec_label(q, dtype, group_size) for q in specs]
     for label in labels:
         check_target(out / label, force)  # before downloading anything

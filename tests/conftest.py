@@ -20,7 +20,7 @@ import pytest
 
 from esmc_mlx import testing
 
-TORCH_REASON = "needs torch and transformers: pip install 'esmc-mlx[torch]'"
+TORCH_REASON = "needs torch and transformers: pip install -e '.[torch]' in the clone"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[torch]' in the clone")
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
@@ -117,11 +117,20 @@ def test_cli_converts_and_info_describes(checkpoints, tmp_path):
     assert result.exit_code == 0, result.output
     info = runner.invoke(main, ["info", str(tmp_path / "out"), "--json"])
     facts = json.loads(info.output)
-    assert (
-        facts["parameters"]
-        == f"{sum(p.numel() for p in torch.nn.Module.parameters(__import__('esmc_mlx.testing').testing.random_transformers_model(__import__('esmc_mlx.testing').testing.tiny_config()))):,}"
+    assert facts["parameters"] == sum(
+        p.numel()
+        for p in torch.nn.Module.parameters(
+            __import__("esmc_mlx.testing").testing.random_transformers_model(
+                __import__("esmc_mlx.testing").testing.tiny_config()
+            )
+        )
     )
-    assert facts["bits per weight"] == pytest.approx(32, abs=0.01)
+    assert facts["bits_per_weight"] == pytest.approx(32, abs=0.01)
+    size = sum(f.stat().st_size for f in (tmp_path / "out").glob("model*.safetensors"))
+    assert facts["size_bytes"] == size and facts["shards"] == 1 and facts["quantization"] is None
+    assert facts["architecture"]["layers"] == 2 and isinstance(facts["architecture"]["hidden_size"], int)
+    text = runner.invoke(main, ["info", str(tmp_path / "out")]).output
+    assert f"parameters       {facts['parameters']:,}" in text and "size on disk" in text
     assert "--q" in runner.invoke(convert_main, ["--help"]).output
 
 

@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[torch]' in the clone")
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 

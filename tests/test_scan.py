@@ -11,7 +11,7 @@ import struct
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[torch]' in the clone")
 from click.testing import CliRunner
 from transformers import EsmcTokenizer
 

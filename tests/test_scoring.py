@@ -18,7 +18,7 @@ from esmc_mlx.errors import EsmcMlxError, FastaError, JobError, MutationError, S
 from esmc_mlx.tasks.fasta import parse_fasta, read_fasta
 from esmc_mlx.tasks.jobs import embed_fasta, score_csv
 from esmc_mlx.tasks.mutations import all_singles, parse_mutant
-from esmc_mlx.tasks.scoring import length_batches, pseudo_perplexity, score_mutations
+from esmc_mlx.tasks.scoring import NonstandardResidueWarning, length_batches, pseudo_perplexity, score_mutations
 from esmc_mlx.tasks.stats import spearman
 from esmc_mlx.tasks.store import read_embeddings
 from esmc_mlx.testing import random_sequences
@@ -171,15 +171,21 @@ def test_batch_size_does_not_change_scores(model):
 @pytest.mark.parametrize("layer", [0, 1, -1])
 def test_embeddings_match_torch(model, reference_model, layer):
     seqs = ["MKTAYIAKQRQISFVKSHFSRQ", "MK", "ACDEFGHIKLMNPQRSTVWYXBZUO", "GSHMSLFDKLG"]
-    got = model.embed(seqs, layer=layer, per_residue=True, batch_tokens=60)  # forces padded, mixed batches
+    with pytest.warns(NonstandardResidueWarning, match=r"1 of 4 sequences .* '3': X at 21, B at 22, Z at 23"):
+        got = model.embed(seqs, layer=layer, per_residue=True, batch_tokens=60)  # forces padded, mixed batches
+    kept = model.embed(seqs, layer=layer, pools="mean,max", keep_nonstandard=True, batch_tokens=60)
     for i, seq in enumerate(seqs):
         with torch.no_grad():
             out = reference_model(
                 input_ids=torch.tensor(HF_TOK(seq)["input_ids"]).long()[None], output_hidden_states=True
             )
         hidden = out.hidden_states[layer][0, 1:-1].numpy()
-        np.testing.assert_allclose(got.per_residue[i], hidden, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(got.mean[i], hidden.mean(0), rtol=1e-4, atol=1e-4)
+        standard = np.array([c not in "XBZUO" for c in seq])
+        np.testing.assert_allclose(got.per_residue[i], hidden, rtol=1e-4, atol=1e-4)  # every residue's row
+        np.testing.assert_allclose(got.mean[i], hidden[standard].mean(0), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(kept.mean[i], hidden.mean(0), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(kept.get("max")[i], hidden.max(0), rtol=1e-4, atol=1e-4)
+    assert np.abs(got.mean[2] - kept.mean[2]).max() > 1e-3  # the policy changed the pooled value
     assert got.layer == (2 if layer == -1 else layer)
     with pytest.raises(ScoringError, match="out of range"):
         model.embed(seqs, layer=3)
@@ -378,7 +384,7 @@ def test_score_csv_errors_name_file_and_line(model, tmp_path):
         score_csv(model, WT, nocol, None)
     mismatch = tmp_path / "mm.csv"
     mismatch.write_text(f"mutant,mutated_sequence\nA4G,{WT}\n")
-    with pytest.raises(JobError, match="line 2: mutated_sequence does not match"):
+    with pytest.raises(JobError, match="line 2: 'A4G': mutated_sequence does not match"):
         score_csv(model, WT, mismatch, None)
     with pytest.raises(FastaError, match=r"sequence '--sequence': invalid character 'J' at position 2"):
         score_csv(model, "MJK", bad, None)
@@ -514,7 +520,7 @@ def test_cli_score_and_embed(converted, model, tmp_path):
     (tmp_path / "one.csv").write_text(f"mutant\n{MUTANTS[0]}\n")
     args = ["score", str(converted), "--sequence", WT, "--mutations", str(tmp_path / "one.csv"), "--no-progress"]
     result = runner.invoke(cli, [*args, "--method", "wt-marginal"])
-    assert result.exit_code == 0 and "Scored 1 mutant (wt_marginal; 1 forward pass)" in result.output, result.output
+    assert result.exit_code == 0 and "Scored 1 mutant (wt_marginal; 1 forward pass, " in result.output, result.output
     fasta.write_text(">new\nMKVW\n>ok\nMKV\n>fine\nMKLV\n")
     emb = ["embed", str(converted), str(fasta), "-o", str(tmp_path / "emb"), "--layer", "1", "--per-residue"]
     result = runner.invoke(cli, [*emb, "--dtype", "float16", "--no-progress"])

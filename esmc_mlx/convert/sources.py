@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from ..artifact import INDEX_FILE, SAFETENSORS_DTYPES, index_files, safetensors_header, tensor_files
 from ..config import ESMCConfig
-from ..errors import ConfigError, ConvertError
+from ..errors import ConfigError, ConvertError, install_hint
 from ..resolve import Source
 from . import mapping
 
@@ -215,7 +215,7 @@ def _open_pth(path: Path) -> Checkpoint:
     try:
         import torch
     except ImportError:
-        raise ConvertError(f"{path}: reading a .pth checkpoint needs torch; install esmc-mlx[torch]") from None
+        raise ConvertError(f"{path}: reading a .pth checkpoint needs torch: {install_hint('torch')}") from None
     import pickle
     import zipfile
 

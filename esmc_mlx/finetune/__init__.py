@@ -1,6 +1,6 @@
 """Adapting ESMC to labeled sequences: LoRA (and QLoRA, on a quantized base that stays packed)
 with a task head, from mlx-lm's LoRA layers and mlx's optimizers; predictions; adapters merged
-into their base. mlx-lm is the ``finetune`` extra (``pip install 'esmc-mlx[finetune]'``).
+into their base. mlx-lm is the ``finetune`` extra.
 
 ``finetune`` trains (``esmc-mlx finetune``), ``load_adapter`` gives a model whose ``predict``
 answers, ``predict_csv`` is ``esmc-mlx predict``, ``fuse_adapter`` writes the merged model

@@ -16,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from ..errors import JobError
+from ..errors import JobError, install_hint
 from ..runtime.model import ESMC, additive_mask, attention_mask_for
 from ..runtime.quantized import QuantizedLinear
 from ..runtime.tokenizer import ESMCTokenizer
@@ -38,7 +38,6 @@ LORA_KEYS = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
-LORA_MISSING = "fine-tuning needs mlx-lm's LoRA layers: pip install 'esmc-mlx[finetune]'"
 
 
 def lora_module():
@@ -46,7 +45,7 @@ def lora_module():
     try:
         from mlx_lm.tuner import lora, utils
     except ImportError:
-        raise JobError(LORA_MISSING) from None
+        raise JobError("fine-tuning needs mlx-lm's LoRA layers: " + install_hint("finetune")) from None
     return lora, utils
 
 

@@ -32,7 +32,28 @@ from ..errors import ConfigError, HubError
 from ..sae_artifact import read_sae_config, sae_files
 from .repo_id import is_repo_id
 
-PROJECT_URL = "https://pypi.org/project/esmc-mlx/"
+
+def install_text(version: str) -> str:
+    """What a card says about installing esmc-mlx (``version``: the one that converted the model):
+    it is not on PyPI, so no `pip install esmc-mlx` line."""
+    return (
+        "esmc-mlx is not published on PyPI. Install it from its source: `pip install .` in a checkout of "
+        f"the esmc-mlx repository, or `pip install esmc_mlx-{version}-py3-none-any.whl` with a wheel built "
+        "there by `python -m build` (add `[cuda]` for NVIDIA GPUs on Linux)."
+    )
+
+
+# The models that ship inside esmc-mlx (source ids ``esmc-mlx/<alias>``), as their cards describe them.
+BUNDLED = {
+    "esmc-mlx/tiny": (
+        "esmc-tiny is the small demo model that ships inside esmc-mlx: ESMC's architecture at 6 layers and "
+        "width 256 (5.2 M parameters), trained by esmc-mlx with masked language modelling on about 4,900 "
+        "public protein sequences, for tests, demos and the quality side of validation. It is not a model "
+        "for biology: it predicts a masked residue only a little better than the residue frequencies do, so "
+        "its variant scores and embeddings say little about real proteins. It is not EvolutionaryScale's "
+        "ESM C and holds none of its weights."
+    ),
+}
 
 
 @dataclasses.dataclass
@@ -206,7 +227,7 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
     out += [
         (f"ESMC protein language model {base_link}" if base else f"An ESMC protein language model from {base_link},")
         + " converted to [MLX](https://github.com/ml-explore/mlx) "
-        f"with [esmc-mlx]({PROJECT_URL}), weights {weights}: {info['bits per weight']} bits per weight, "
+        f"with esmc-mlx, weights {weights}: {info['bits per weight']} bits per weight, "
         f"{info['size on disk']} on disk.",
         "",
         _validation_banner(validation),
@@ -225,7 +246,8 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
         "",
         "## What this model is",
         "",
-        "ESM C (ESM Cambrian) is a protein language model from EvolutionaryScale, trained by masked language "
+        BUNDLED.get(source.get("id") or "")
+        or "ESM C (ESM Cambrian) is a protein language model from EvolutionaryScale, trained by masked language "
         "modelling on protein sequences. For every residue of an amino-acid sequence it gives a distribution "
         "over ESMC's 33-token vocabulary (logits are 64 wide; the extra columns are padding) and an embedding "
         f"of width {hidden}. The embeddings feed structure, function and variant-effect predictors; the "
@@ -237,9 +259,7 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
         "",
         "## Usage",
         "",
-        "```bash",
-        "pip install esmc-mlx",
-        "```",
+        install_text(converter.get("version", __version__)),
         "",
         "```python",
         "from esmc_mlx import load",
@@ -280,6 +300,8 @@ def _local_source(source: dict) -> str:
     """A source that is not a Hub repo, named without the converting machine's directories."""
     if not source.get("id"):
         return "an unrecorded source"
+    if source["id"] in BUNDLED:
+        return f"esmc-{source['id'].removeprefix('esmc-mlx/')}, the demo model bundled with esmc-mlx"
     return f"a local checkpoint (`{Path(source['id']).name}`)"
 
 
@@ -434,7 +456,7 @@ def render_sae_card(sae_dir: Path, repo_id: str | None = None, endpoint: str | N
     out += [
         f"Sparse autoencoders (SAEs) for ESMC hidden states from {base_link}, in the published layout "
         f"(`config.json`, one `layer_{{i}}.safetensors` per backbone layer) with the matrices stored as "
-        f"**{storage}**, for [esmc-mlx]({PROJECT_URL}).",
+        f"**{storage}**, for esmc-mlx.",
         "",
         _sae_validation_banner(validation),
         "",

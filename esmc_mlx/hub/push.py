@@ -76,6 +76,7 @@ class PushResult:
     unchanged: bool = False  # the repo already held exactly this artifact: no commit
     notes: list[str] = dataclasses.field(default_factory=list)
     loader: str = "load"  # the esmc_mlx function that loads it (load_sae, load_adapter for those kinds)
+    hub_checked: bool = True  # False: a dry run that did not ask the Hub (offline, no token)
 
     @property
     def total_bytes(self) -> int:
@@ -84,7 +85,10 @@ class PushResult:
     def summary(self) -> str:
         size = f"{plural(len(self.files), 'file')}, {human_size(self.total_bytes)}"
         where = self.repo_id + (f" (branch {self.revision})" if self.revision != "main" else "")
-        if self.dry_run:
+        if self.dry_run and not self.hub_checked:
+            lines = [f"Dry run, without the Hub: nothing was uploaded. A push to {where} would send:"]
+            lines += [f"  + {path} ({human_size(n)})" for path, n in self.files]
+        elif self.dry_run:
             lines = [f"Dry run: nothing was uploaded. A push would {'create' if self.created else 'update'} {where}:"]
             lines += [f"  + {path} ({human_size(n)})" for path, n in self.files]
             lines += [f"  - {path} (in the repo, not in the artifact)" for path in self.deletions]
@@ -320,6 +324,8 @@ def push_artifact(
     check_private(model_dir, card if generated else None, [t for t in (token, get_token()) if t])
     if generated and not any(path == "README.md" for path, _ in files):
         files = sorted([*files, ("README.md", len(card.encode()))])
+    if dry_run and (is_offline_mode() or not (token or get_token())):
+        return _local_preview(repo_id, branch, files, card, generated, validation)
 
     access = check_push_access(repo_id, token)
     api = access.api
@@ -388,6 +394,24 @@ def push_artifact(
         raise HubError(f"push to {repo_id}@{branch} failed: {what} Nothing was committed; {state}") from None
     result.commit_oid, result.commit_url, result.pr_url = oid, commit_url, pr_url
     result.unchanged = oid == head and not pr_url
+    return result
+
+
+def _local_preview(repo_id, branch, files, card, generated, validation) -> PushResult:
+    """A dry run without the Hub (offline mode, or no token): the card and the files, from the
+    artifact alone; what the repo holds (so what a push would delete, or whether it would create
+    the repo) is left unknown, and the access checks are left to the push."""
+    from huggingface_hub import constants
+
+    url = f"{constants.ENDPOINT.rstrip('/')}/{repo_id}"
+    result = PushResult(repo_id, url, branch, files, [], card, generated, validation, dry_run=True, hub_checked=False)
+    why = "offline mode is on (HF_HUB_OFFLINE)" if is_offline_mode() else "no Hugging Face token is set"
+    result.notes.append(
+        f"the Hub was not asked ({why}): the token, the namespace and the files the repo already holds are "
+        "checked by the push itself"
+    )
+    if not validation.passed:
+        result.notes.append(f"published with --allow-unvalidated: the card says {validation.headline()}")
     return result
 
 

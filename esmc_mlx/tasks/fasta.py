@@ -3,7 +3,7 @@
 A record's ID is its header up to the first whitespace (``>sp|P69905|HBA_HUMAN Hemoglobin``
 -> ``sp|P69905|HBA_HUMAN``), as in Biopython and UniProt tools. Sequence lines are joined,
 whitespace is dropped, lower case is read as upper case and one trailing ``*`` (a stop codon
-from translated genomes) is removed. Anything else outside ESMC's residue alphabet is an
+from translated genomes) is removed, as ``vocab.check_sequence`` does for every sequence. Anything else outside ESMC's residue alphabet is an
 error, as are empty records, text before the first header and IDs seen twice.
 """
 
@@ -60,8 +60,6 @@ class _Parser:
             raise FastaError(f"{source}, line {header_line}: record header has no ID")
         sequence = "".join(self.chunks)
         self.chunks = []
-        if sequence.endswith("*"):
-            sequence = sequence[:-1]
         if not sequence:
             raise FastaError(f"{source}, line {header_line}: record {ident!r} has no sequence")
         if ident in self.seen:

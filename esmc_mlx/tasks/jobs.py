@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+import re
 import time
 from array import array
 from collections.abc import Sequence
@@ -20,25 +21,27 @@ from ..errors import EsmcMlxError, JobError
 from ..outputs import atomic_file, check_file_target, locked, written_in_place
 from ..runtime.load import load
 from ..runtime.model import ESMC
-from ..vocab import check_sequence
+from ..vocab import check_sequence, nonstandard_positions
 from .distributed import World
 from .fasta import iter_fasta, read_fasta
 from .heatmap import check_plotting
-from .mutations import apply, parse_mutants
 from .scan import ScanManifest, safe_name, scan_settings
 from .scan import scan as run_scan
 from .scoring import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_WINDOW,
     PAD_MULTIPLE,
-    check_joint_windows,
+    NonstandardTally,
+    Rejected,
     check_multi_window,
+    check_mutants,
     default_batch_tokens,
     encode,
     iter_embeddings,
     length_batches,
     pick_layers,
     positive_int,
+    rejection_error,
     resolve_layers,
     resolve_methods,
     resolve_pools,
@@ -87,6 +90,7 @@ def embed_fasta(
     dtype: str = "float32",
     force: bool = False,
     drop_missing: bool = False,
+    keep_nonstandard: bool = False,
     flush_every: int = 256,
     flush_seconds: float = 60.0,
     chunk_records: int = CHUNK_RECORDS,
@@ -99,6 +103,8 @@ def embed_fasta(
     ``layers`` (``"all"``, ``"6,12,-1"`` or ints; default ``layer``) and ``pools`` (mean, max,
     cls, per_residue; default mean; ``per_residue`` adds per_residue) are all computed in
     one forward pass per batch. ``storage``: npy, safetensors or h5 (see ``tasks.store``).
+    Mean and max leave non-standard residues (X B Z U O) out, with one warning for the file,
+    unless ``keep_nonstandard`` (see ``tasks.scoring.embed``).
 
     The FASTA is read as a stream, twice: a first pass checks it and keeps each record's ID,
     length and sha1; the second embeds ``chunk_records`` records at a time (sorted by length
@@ -125,7 +131,18 @@ def embed_fasta(
     pools = resolve_pools(pools, per_residue)
     layers = pick_layers(layer, layers)
     check_fasta_file(fasta, "embed")
-    index = RecordIndex.read(iter_fasta(fasta))  # before loading a model: bad input fails fast
+    tally, nonstandard = NonstandardTally(keep_nonstandard, pools), []
+
+    def tallied(records):
+        for r in records:
+            tally.add(r.id, r.sequence)
+            if not nonstandard and nonstandard_positions(r.sequence):
+                nonstandard.append(r.id)
+            yield r
+
+    index = RecordIndex.read(tallied(iter_fasta(fasta)))  # before loading a model: bad input fails fast
+    if world.is_root:
+        tally.warn()
     model, model_name = _model(model, model_name)
     n_layers = model.config.num_hidden_layers
     layers = resolve_layers(layers, n_layers)
@@ -138,13 +155,20 @@ def embed_fasta(
         "hidden_size": model.config.hidden_size,
         "num_hidden_layers": n_layers,
         "arrays": list(names.values()),
-        "pooling": "mean and max over the tokens between <cls> and <eos>; cls = the <cls> token",
+        "pooling": "mean and max over the tokens between <cls> and <eos>"
+        + ("" if keep_nonstandard else ", non-standard residues (X B Z U O) left out")
+        + "; cls = the <cls> token",
+        "keep_nonstandard": keep_nonstandard,
         "model": model_name,
         "model_weights": model.fingerprint(),  # what decides whether a rerun may resume
         "fasta": str(fasta),
     }
     store = EmbeddingStore(out) if world.is_root else None
-    is_done, id_index = open_store(store, world, settings, index, force=force, drop_missing=drop_missing, source=fasta)
+    # the residue policy changes nothing for sequences of standard residues: any store of them resumes
+    moot = () if nonstandard else ("keep_nonstandard",)
+    is_done, id_index = open_store(
+        store, world, settings, index, force=force, drop_missing=drop_missing, source=fasta, moot=moot
+    )
     skipped = int(is_done.sum())
     d, out_dtype = model.config.hidden_size, np.dtype(dtype)
     computed = fill_store(
@@ -153,7 +177,9 @@ def embed_fasta(
         lambda: iter_fasta(fasta),
         index,
         is_done,
-        lambda encoded, batches: iter_embeddings(model, encoded, batches, layers=layers, pools=pools),
+        lambda encoded, batches: iter_embeddings(
+            model, encoded, batches, layers=layers, pools=pools, keep_nonstandard=keep_nonstandard
+        ),
         lambda held: _flatten(_merge(held, names), names, d),
         lambda flat, lengths: {k: v.astype(out_dtype) for k, v in _unflatten(flat, names, lengths, d).items()},
         every=gather_every(batch_tokens, d, names) if world.size > 1 else 1,  # alone: flush as before
@@ -209,16 +235,18 @@ def open_store(
     force: bool,
     drop_missing: bool,
     source,
+    moot: tuple[str, ...] = (),
 ) -> tuple[np.ndarray, IdIndex | None]:
     """Rank 0 opens the store (``store``; None on the other ranks) with ``settings``; every rank
     learns which records are done (bool per record) or that rank 0 failed. Also returns rank 0's
-    IdIndex of the records. Raises JobError for a store holding other settings, another sequence
-    under a record's ID, or records ``source`` lacks (unless ``drop_missing``)."""
+    IdIndex of the records. ``moot``: settings that change nothing for these records, not
+    compared. Raises JobError for a store holding other settings, another sequence under a
+    record's ID, or records ``source`` lacks (unless ``drop_missing``)."""
     status, failure, id_index = np.zeros(len(index.ids) + 1, dtype=np.int32), None, None
     if store is not None:
         kind, out = store.KIND, store.out
         try:
-            store.open(settings, force)
+            store.open(settings, force, moot)
             id_index = IdIndex(index.ids)
             done, changed, missing = store.status(id_index, index.hashes)
             if changed:
@@ -405,7 +433,7 @@ def _unflatten(flat: np.ndarray, names: dict, lengths: np.ndarray, d: int) -> di
 @dataclasses.dataclass
 class ScanSummary:
     out: Path
-    scanned: list[tuple[str, int, int]]  # (name, residues, forward passes) per protein
+    scanned: list[tuple[str, int, int, float]]  # (name, residues, forward passes, seconds) per protein
     rank: int = 0
     world_size: int = 1
     skipped: list[str] = dataclasses.field(default_factory=list)  # names already scanned in out
@@ -425,13 +453,15 @@ def scan_job(
     offset: int = 1,
     plot: bool = True,
     per_row: int = 100,
+    keep_nonstandard: bool = False,
     group=None,
     progress: bool = False,
     force: bool = False,
 ) -> ScanSummary:
     """Scan ``sequence`` (literal, or a FASTA file with one record; its files named ``name``,
-    default ``sequence``) or every record of ``fasta`` (named by their IDs) and write each
-    protein's files into ``out`` (see ``Scan.write``); rank 0 writes.
+    default the record's ID, else ``sequence``) or every record of ``fasta`` (named by their IDs)
+    and write each protein's files into ``out`` (see ``Scan.write``); rank 0 writes.
+    ``keep_nonstandard``: scan X B Z U O positions too (see ``tasks.scan.scan``).
 
     Resumes: a protein that ``out`` already holds, scanned from the same sequence with the same
     settings and model weights (``out/scan-manifest.json``; ``ESMC.fingerprint``), is skipped
@@ -456,7 +486,16 @@ def scan_job(
     model, _ = _model(model, None)
     weights = model.fingerprint()  # the same model: the same weights, wherever they were loaded from
     settings = [
-        scan_settings(seq, method=method, window=window, offset=offset, model=weights, plot=plot, per_row=per_row)
+        scan_settings(
+            seq,
+            method=method,
+            window=window,
+            offset=offset,
+            model=weights,
+            plot=plot,
+            per_row=per_row,
+            keep_nonstandard=keep_nonstandard,
+        )
         for _, seq in records
     ]
     done = np.zeros(len(records), dtype=np.int32)
@@ -468,6 +507,7 @@ def scan_job(
     for (ident, seq), entry, is_done in zip(records, settings, done):
         if is_done:
             continue
+        started = time.perf_counter()
         result = run_scan(
             model,
             seq,
@@ -476,12 +516,14 @@ def scan_job(
             window=window,
             offset=offset,
             name=ident,
+            keep_nonstandard=keep_nonstandard,
             group=world.group,
             progress=progress,
         )
+        seconds = time.perf_counter() - started  # the scoring, not the writing
         if manifest is not None:
             manifest.record(safe_name(ident), entry, result.write(out, plot=plot, per_row=per_row))
-        scanned.append((ident, len(result.positions), result.passes))
+        scanned.append((ident, len(result.positions), result.passes, seconds))
     return ScanSummary(Path(out), scanned, world.rank, world.size, skipped)
 
 
@@ -499,7 +541,8 @@ def input_records(sequence: str | None, fasta, name: str | None) -> list[tuple[s
     check_input_options(sequence, fasta, name)
     if fasta is not None:
         return [(r.id, r.sequence) for r in iter_fasta(fasta)]
-    return [(name or "sequence", resolve_sequence(sequence))]
+    ident, seq = read_sequence_option(sequence)  # a FASTA file's record is named by its ID
+    return [(name or ident or "sequence", seq)]
 
 
 def check_stems(ids, fasta, pattern: str) -> None:
@@ -521,7 +564,7 @@ def check_stems(ids, fasta, pattern: str) -> None:
 @dataclasses.dataclass
 class ScoreSummary:
     out: Path | None
-    count: int
+    count: int  # mutants scored (rows written with scores)
     methods: list[str]
     spearman: dict[str, tuple[float, int]]  # method -> (rho, rows with a DMS value)
     dms_column: str | None
@@ -529,6 +572,10 @@ class ScoreSummary:
     passes: int
     rank: int = 0
     world_size: int = 1
+    rejected: list[Rejected] = dataclasses.field(default_factory=list)  # with skip_invalid
+    rejects_out: Path | None = None  # where they were written
+    skipped: int = 0  # rows at non-standard residues, written with empty scores
+    seconds: float = 0.0  # scoring, the model's loading excluded
 
 
 def read_mutants_csv(path: str | Path, mutant_column: str = "mutant") -> tuple[list[str], list[dict], list[str]]:
@@ -565,16 +612,22 @@ FASTA_SUFFIXES = (".fa", ".fasta", ".faa", ".fas", ".fna", ".fsa", ".seq", ".txt
 
 def resolve_sequence(text: str) -> str:
     """A wild-type sequence given literally or as a FASTA file with one record."""
+    return read_sequence_option(text)[1]
+
+
+def read_sequence_option(text: str) -> tuple[str | None, str]:
+    """``--sequence``: (the record's FASTA ID, its sequence) for a FASTA file holding one record;
+    (None, the sequence checked) for a sequence given literally."""
     path = Path(text).expanduser()
     if _names_input(path):
         records = read_fasta(path)
         if len(records) != 1:
             raise JobError(f"{path}: holds {len(records)} records; the wild type must be a single sequence")
-        return records[0].sequence
+        return records[0].id, records[0].sequence
     stripped = text.strip()
     if "/" in stripped or stripped.lower().endswith(FASTA_SUFFIXES):
         raise JobError(f"--sequence {text}: no such file (give a protein sequence or an existing FASTA file)")
-    return check_sequence(stripped, "--sequence", label="sequence")
+    return None, check_sequence(stripped, "--sequence", label="sequence")
 
 
 def _names_input(path: Path) -> bool:
@@ -605,6 +658,8 @@ def score_csv(
     window: int | None = DEFAULT_WINDOW,
     mutant_column: str = "mutant",
     dms_column: str = "DMS_score",
+    skip_invalid: bool = False,
+    keep_nonstandard: bool = False,
     group=None,
     progress: bool = False,
 ) -> ScoreSummary:
@@ -612,32 +667,51 @@ def score_csv(
     ``sequence``: the wild type, or a FASTA file holding it. ``model``: a loaded ESMC, or a
     path / Hub id to load once the input has been checked.
 
+    Every row is checked before the model loads (``scoring.check_mutants``: malformed, wrong
+    wild type, out of range, a joint mutant wider than the window, a ``mutated_sequence`` column
+    that disagrees). Rows that fail are all reported at once (JobError, MutationError or
+    ScoringError); with ``skip_invalid`` the others are scored and the rejected rows, with their
+    line and reason, are written to ``rejects_path(out)``. Rows at a non-standard residue (X B
+    Z U O) are written with empty scores, with a warning, unless ``keep_nonstandard``.
+
     With a ``dms_column`` present, reports Spearman's rho of each method against it (rows with
-    an empty or non-numeric value left out). A ``mutated_sequence`` column, when present, must
-    agree with the mutant strings. Raises JobError, MutationError, FastaError, ScoringError.
+    an empty or non-numeric value, or no score, left out).
     """
     world = World.of(group)
     methods = resolve_methods(methods)
-    check_multi_window(multi, window)
+    check_multi_window(multi, window, methods)
+    rejects_out = rejects_path(out) if skip_invalid and out is not None and not written_in_place(out) else None
     if out is not None and world.is_root:
         # a missing or unwritable folder, or -o naming an input, fails now, not after the scoring
         wt_file = Path(sequence).expanduser()
-        check_file_target(out, sources=[mutations_csv, *([wt_file] if _names_input(wt_file) else [])])
+        sources = [mutations_csv, *([wt_file] if _names_input(wt_file) else [])]
+        for target in filter(None, (out, rejects_out)):
+            check_file_target(target, sources=sources)
     wt = resolve_sequence(sequence)
     columns, rows, where = read_mutants_csv(mutations_csv, mutant_column)
     mutants = [row[mutant_column] or "" for row in rows]
-    parsed = parse_mutants(mutants, wt, offset, where)  # before loading a model: bad input fails fast
-    if "masked_marginal" in methods and multi == "joint":
-        check_joint_windows(mutants, parsed, len(wt), window, where)
-    if "mutated_sequence" in columns:
-        for row, subs, prefix in zip(rows, parsed, where):
-            given = (row["mutated_sequence"] or "").strip().upper()
-            if given and given != apply(wt, subs):
-                raise JobError(
-                    f"{prefix}mutated_sequence does not match the mutant {row[mutant_column]!r} "
-                    "applied to the wild type (wrong --sequence or --offset?)"
-                )
+    joint = "masked_marginal" in methods and multi == "joint"
+    _, rejected = check_mutants(  # before loading a model: bad input fails fast, every bad row named
+        mutants,
+        wt,
+        offset,
+        where,
+        joint_window=window if joint else False,
+        mutated_sequences=[row["mutated_sequence"] for row in rows] if "mutated_sequence" in columns else None,
+    )
+    if rejected and not skip_invalid:
+        error = rejection_error(rejected, len(rows))
+        hint = "--skip-invalid scores the other rows" + (
+            f" and writes these to {rejects_path(out)}" if out is not None and not written_in_place(out) else ""
+        )
+        raise type(error)(f"{error}{chr(10) if len(rejected) > 1 else '; '}{hint}")
+    if len(rejected) == len(rows):
+        raise rejection_error(rejected, len(rows))
+    bad = {r.index for r in rejected}
+    rejected_rows = [rows[r.index] for r in rejected]
+    rows, where, mutants = ([x for i, x in enumerate(v) if i not in bad] for v in (rows, where, mutants))
     model, _ = _model(model, None)
+    started = time.perf_counter()
     result = score_mutations(
         model,
         wt,
@@ -647,15 +721,17 @@ def score_csv(
         offset=offset,
         multi=multi,
         window=window,
+        keep_nonstandard=keep_nonstandard,
         group=world.group,
         progress=progress,
         where=where,
     )
+    seconds = time.perf_counter() - started
     correlations = {}
     if dms_column in columns:
         measured = np.array([_float(row[dms_column]) for row in rows])
-        keep = ~np.isnan(measured)
         for method, values in result.scores.items():
+            keep = ~np.isnan(measured) & ~np.isnan(values)
             correlations[method] = (spearman(values[keep], measured[keep]), int(keep.sum()))
     out_path = Path(out) if out is not None else None
     if world.is_root and out_path is not None:
@@ -665,9 +741,11 @@ def score_csv(
             writer.writeheader()
             for i, row in enumerate(rows):
                 writer.writerow({**row, **{m: _fmt(v[i]) for m, v in result.scores.items()}})
+        if rejects_out is not None:
+            write_rejects(rejects_out, columns, rejected, rejected_rows)
     return ScoreSummary(
         out_path,
-        len(rows),
+        len(rows) - len(result.skipped),
         list(result.scores),
         correlations,
         dms_column if dms_column in columns else None,
@@ -675,7 +753,28 @@ def score_csv(
         result.passes,
         world.rank,
         world.size,
+        rejected,
+        rejects_out if world.is_root else None,
+        len(result.skipped),
+        seconds,
     )
+
+
+def rejects_path(out: str | Path) -> Path:
+    """Where ``score --skip-invalid`` writes the rows it could not score: beside ``out``,
+    ``scored.csv`` -> ``scored.rejected.csv``."""
+    out = Path(out)
+    return out.with_name(out.name.removesuffix(".csv") + ".rejected.csv")
+
+
+def write_rejects(path: Path, columns: list[str], rejected: Sequence[Rejected], rows: Sequence[dict]) -> None:
+    """The rejected ``rows`` as a CSV: ``line`` (of the input) and ``reason``, then the row as it was."""
+    with atomic_file(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=["line", "reason", *columns], extrasaction="ignore")
+        writer.writeheader()
+        for r, row in zip(rejected, rows):
+            line = re.search(r"line (\d+): $", r.where)  # read_mutants_csv's prefix
+            writer.writerow({**row, "line": line.group(1) if line else "", "reason": r.reason})
 
 
 def _float(text: str | None) -> float:
@@ -686,4 +785,4 @@ def _float(text: str | None) -> float:
 
 
 def _fmt(value: float) -> str:
-    return f"{value:.8g}"
+    return "" if math.isnan(value) else f"{value:.8g}"

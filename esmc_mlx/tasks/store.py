@@ -40,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import JobError
-from ..outputs import atomic_file, clean_leftovers
+from ..errors import JobError, install_hint
+from ..outputs import apply_umask, atomic_file, clean_leftovers
 
 FORMAT = "esmc-mlx-embeddings"
 FORMAT_VERSION = 2
@@ -51,7 +51,19 @@ SHARD_BYTES = 1 << 30  # largest safetensors shard
 # what the stored arrays depend on: a rerun with other values is refused. model_weights is
 # ``ESMC.fingerprint``; a manifest without it resumes (nothing there can tell which model
 # wrote it) and records it from then on.
-SETTINGS_KEYS = ("layers", "pools", "dtype", "hidden_size", "num_hidden_layers", "storage", "model_weights")
+SETTINGS_KEYS = (
+    "layers",
+    "pools",
+    "dtype",
+    "hidden_size",
+    "num_hidden_layers",
+    "storage",
+    "model_weights",
+    "keep_nonstandard",
+)
+# A setting a manifest may lack, and what the embeddings it describes were made with: before the
+# residue policy, mean and max pooled non-standard residues too.
+SETTINGS_BEFORE = {"keep_nonstandard": True}
 ST_INDEX = "embeddings.safetensors.index.json"
 H5_FILE = "embeddings.h5"
 COPY_ROWS = 1 << 16  # rows per copy when converting the merged arrays to safetensors / HDF5
@@ -184,7 +196,7 @@ def require_h5py():
     try:
         import h5py
     except ImportError:
-        raise JobError("--format h5 needs h5py: pip install 'esmc-mlx[h5]'") from None
+        raise JobError(f"--format h5 needs h5py: {install_hint('h5')}") from None
     return h5py
 
 
@@ -224,20 +236,20 @@ class EmbeddingStore:
             data.update(layers=[data["layer"]], pools=pools, storage="npy", arrays=pools)
         return data
 
-    def open(self, settings: dict, force: bool) -> None:
+    def open(self, settings: dict, force: bool, moot: tuple[str, ...] = ()) -> None:
         """Check that an existing directory holds the same settings (a new one is made by
-        ``begin``). With ``force``, clear an embeddings directory (also one a failed first run
+        ``begin``; ``moot``: settings that change nothing for these sequences, not compared). With ``force``, clear an embeddings directory (also one a failed first run
         left without a manifest); a directory holding anything else is never cleared. Nothing
         else changes until ``begin``, which the job calls once its own checks pass."""
         created = not self.out.exists()
         try:
-            self._open(settings, force)
+            self._open(settings, force, moot)
         except BaseException:
             if created:  # leave nothing behind a run that could not even start
                 shutil.rmtree(self.out, ignore_errors=True)
             raise
 
-    def _open(self, settings: dict, force: bool) -> None:
+    def _open(self, settings: dict, force: bool, moot: tuple[str, ...] = ()) -> None:
         if self.out.exists() and not self.out.is_dir():
             raise JobError(f"{self.out} is a file; give a directory for the embeddings")
         foreign = self._foreign() if self.out.exists() else []
@@ -255,9 +267,11 @@ class EmbeddingStore:
             existing = None
         if existing is not None:
             differ = [
-                f"{k}: {_shown(existing.get(k))} there, {_shown(settings[k])} now"
+                f"{k}: {_shown(existing.get(k, SETTINGS_BEFORE.get(k)))} there, {_shown(settings[k])} now"
                 for k in self.SETTINGS_KEYS
-                if existing.get(k) != settings[k] and not (k == "model_weights" and k not in existing)
+                if k not in moot
+                and existing.get(k, SETTINGS_BEFORE.get(k)) != settings[k]
+                and not (k == "model_weights" and k not in existing)
             ]
             if differ:
                 raise JobError(
@@ -431,6 +445,7 @@ class EmbeddingStore:
             files, dropped = self._merge_into(
                 staging, merged, ids, lengths, hashes, offsets, index, names, dtype, d, settings
             )
+            apply_umask(staging)  # safetensors writes its files 0600 whatever the umask
         except BaseException:  # a full disk, Ctrl-C: the parts stay and a rerun merges again
             shutil.rmtree(staging, ignore_errors=True)
             raise

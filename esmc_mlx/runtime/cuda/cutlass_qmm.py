@@ -38,7 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ... import settings
-from ...errors import EsmcMlxError, EsmcMlxWarning
+from ...errors import EsmcMlxError, EsmcMlxWarning, install_hint
 from ...hashes import cache_root
 from . import device, rows
 
@@ -286,11 +286,12 @@ def build_commands(
         import nanobind
     except ImportError:
         raise BuildError(
-            "nanobind not found: pip install 'esmc-mlx[cutlass]' (nanobind 3.0 or 3.1: MLX 0.32's binding ABI)"
+            "nanobind not found: " + install_hint("cutlass") + " (nanobind 3.0 or 3.1: MLX 0.32's binding ABI)"
         ) from None
     if not nanobind.__version__.startswith(("3.0.", "3.1.")):
         raise BuildError(
-            f"nanobind {nanobind.__version__} does not share MLX 0.32's binding ABI (nanobind 3.0 and 3.1 do): pip install 'esmc-mlx[cutlass]'"
+            f"nanobind {nanobind.__version__} does not share MLX 0.32's binding ABI (nanobind 3.0 and 3.1 do): "
+            + install_hint("cutlass")
         )
     nb_source = Path(nanobind.source_dir())
     flags = [
