@@ -99,6 +99,7 @@ def test_embeddings_take_the_users_umask(tiny, tmp_path, storage, umask):
 
 
 def test_bench_rates_and_plot_without_torch(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the plot extra)")
     assert bench.flop_rate(0.00041) == "0.41 GFLOP/s"  # a tiny model's row, not "0.0 TFLOP/s"
     assert bench.flop_rate(12.345) == "12.3 TFLOP/s"
     lines: list[str] = []

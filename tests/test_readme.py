@@ -2,7 +2,8 @@
 write the example inputs and run esmc-mlx on the packaged esmc-tiny, and every Python block, in
 the order the README gives them (one namespace for the Python, as in one session). Blocks that
 install, reach the Hub, validate against torch (`make demo`, which CI runs) or publish are left
-out, each block whole."""
+out, each block whole; so is a Python block that loads a model, SAE or adapter this offline run
+has not made."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
+LOADED = re.compile(r'\bload\w*\("([^"]+)"')
 OFFLINE_COMMANDS = ("--version", "info", "embed", "score", "scan")
 
 
@@ -33,6 +35,11 @@ def runs_here(line: str) -> bool:
     if words[0] == "esmc-convert":
         return words[1] == "tiny" and "--no-validate" in words
     return words[0] == "esmc-mlx" and words[1] in OFFLINE_COMMANDS
+
+
+def loads_only_local(body: str, here: Path) -> bool:
+    """Whether every `load...("name")` in a Python block names something already in `here`."""
+    return all((here / name).exists() for name in LOADED.findall(body))
 
 
 def shell_lines(lang: str, body: str) -> list[str]:
@@ -58,9 +65,12 @@ def test_the_readme_runs_from_top_to_bottom(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     printed = {}
+    ran: list[str] = []
     for lang, body in readme_blocks():
         if lang == "python":
-            exec(compile(body, "README.md", "exec"), namespace)
+            if loads_only_local(body, tmp_path):
+                ran.append(body)
+                exec(compile(body, "README.md", "exec"), namespace)
             continue
         for line in shell_lines(lang, body):
             done = subprocess.run(line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -73,3 +83,5 @@ def test_the_readme_runs_from_top_to_bottom(tmp_path, monkeypatch):
     stored = namespace["stored"]
     assert stored.ids == ["sp|P69905|HBA_HUMAN"] and stored.per_residue("sp|P69905|HBA_HUMAN").shape == (142, 256)
     assert namespace["scan"].scores.shape == (22, 20)
+    assert any("output_attentions=True" in body for body in ran)
+    assert len(namespace["out"].attentions) == namespace["model"].config.num_hidden_layers
