@@ -55,7 +55,10 @@ def test_output_attentions_match_transformers(converted, eager_model):
         assert rel_l2(np.array(mine)[1, :, :11, :11], theirs[1, :, :11, :11]) <= FIDELITY  # the padded row
 
 
-def test_attention_command_writes_transformers_maps(converted, eager_model, tmp_path):
+@pytest.mark.parametrize("map_bytes", [None, 1], ids=["whole", "one-row-at-a-time"])
+def test_attention_command_writes_transformers_maps(converted, eager_model, tmp_path, monkeypatch, map_bytes):
+    if map_bytes is not None:  # every block's attention one query row at a time, maps one head at a time
+        monkeypatch.setattr("esmc_mlx.tasks.attention.MAP_BYTES", map_bytes)
     model, tok = load(converted)
     _, want = transformers_attentions(eager_model, tok, [WT])
     r = CliRunner().invoke(
@@ -125,3 +128,19 @@ def test_attention_resumes_and_refuses(converted, tmp_path):
     ):
         r = CliRunner().invoke(cli, [*args, *bad, "--no-progress"])
         assert r.exit_code == 1 and r.output.count("Error:") == 1 and message in r.output, r.output
+
+
+@pytest.mark.parametrize("mask_rows", [0, 1, 12], ids=["no-mask", "key-mask", "full-mask"])
+def test_row_chunked_attention_equals_mlx_attention(monkeypatch, mask_rows):
+    import mlx.core as mx
+
+    from esmc_mlx.runtime.model import PLAIN
+    from esmc_mlx.tasks.attention import ROW_CHUNKS
+
+    rng = np.random.default_rng(0)
+    q, k, v = (mx.array(rng.standard_normal((2, 3, 12, 8)).astype(np.float32)) for _ in range(3))
+    mask = None if not mask_rows else mx.array(rng.standard_normal((2, 1, mask_rows, 12)).astype(np.float32))
+    monkeypatch.setattr("esmc_mlx.tasks.attention.MAP_BYTES", 4 * 2 * 3 * 12 * 5)  # 5 rows at a time
+    got, want = ROW_CHUNKS.attention(q, k, v, 0.3, mask), PLAIN.attention(q, k, v, 0.3, mask)
+    assert got.shape == want.shape == (2, 3, 12, 8)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)

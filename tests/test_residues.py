@@ -165,5 +165,7 @@ def test_a_trailing_stop_is_read_wherever_a_sequence_is(model, tiny, tmp_path):
     assert result.exit_code == 0, result.output
     fasta = tmp_path / "stop.fa"
     fasta.write_text(">p\nMKTAYIAK*\n")
-    result = CliRunner().invoke(cli, ["scan", str(tiny), "--sequence", "MKTAYIAK*", "-o", str(tmp_path / "s")])
+    result = CliRunner().invoke(
+        cli, ["scan", str(tiny), "--sequence", "MKTAYIAK*", "-o", str(tmp_path / "s"), "--no-plot"]
+    )
     assert result.exit_code == 0 and "Scanned sequence: 8 residues" in result.output, result.output

@@ -148,6 +148,7 @@ def test_layered_torch_reference_equals_the_full_model(checkpoints, reference_mo
 def test_weights_norm_is_exact_where_fp32_squares_overflow():
     """The weights check's norm: float64's value for ordinary tensors, finite where the squares
     pass fp32's range (1e20 squared), NaN kept NaN, zeros zero."""
+    requires_torch()
     import numpy as np
     import torch
 
@@ -689,6 +690,7 @@ def test_explicit_validate_without_torch_fails_before_converting(checkpoints, tm
 def test_prefetch_torch_imports_the_reference_once_in_the_background():
     """What the converter starts before converting: one daemon thread importing torch and
     transformers' ESMC (a fresh process: this one has torch loaded already)."""
+    requires_torch()
     import subprocess
     import sys
 

@@ -68,6 +68,10 @@ class Ops:
         x = x + linear(h) / scale
         return x, None if norm is None else norm(x)
 
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None) -> mx.array:
+        """softmax(q k^T * scale + mask) v for (B, H, L, head_dim) heads."""
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
     def block(self, layer: Layer, x: mx.array):
         """A scope around a block's work for normed input ``x``."""
         return contextlib.nullcontext()
@@ -123,7 +127,7 @@ class Attention(nn.Module):
             weights = mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype)
             out = weights @ v
         else:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            out = ops.attention(q, k, v, self.scale, mask)
         return out.transpose(0, 2, 1, 3).reshape(B, L, -1), weights
 
 

@@ -14,9 +14,9 @@ Per protein (``<stem>`` is its FASTA ID or ``--name``), into OUT::
     <stem>_contacts.png      that map (the plot extra)
     attention-manifest.json  what each protein's files were made from (a rerun skips them)
 
-Memory stays bounded for long proteins: the blocks run one at a time and a block's maps are
-computed a few heads at a time and written as they come, so no more than ``MAP_BYTES`` of maps
-is held besides what the forward itself needs.
+Memory stays bounded for long proteins: the blocks run one at a time, a block's maps are
+computed a few heads at a time and written as they come, and the forward's own attention runs a
+few query rows at a time, so no more than about ``MAP_BYTES`` of scores is held at once.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import JobError, ScoringError
 from ..outputs import atomic_file, locked
-from ..runtime.model import ESMC, PLAIN, additive_mask, attention_mask_for
+from ..runtime.model import ESMC, PLAIN, Ops, additive_mask, attention_mask_for
 from .distributed import World
 from .heatmap import check_plotting
 from .jobs import _model, check_stems, input_records
@@ -40,6 +40,26 @@ from .scoring import _pack, encode
 from .store import sequence_hash
 
 MAP_BYTES = 16 << 20  # attention maps computed (and held) at a time: whole heads, at least one
+
+
+class RowChunks(Ops):
+    """MLX's plain ops with attention computed ``MAP_BYTES`` of scores at a time (whole query
+    rows, every head): on the CPU, MLX's attention holds all (H, T, T) scores and their softmax,
+    twice one block's maps."""
+
+    def attention(self, q, k, v, scale, mask):
+        rows = max(1, MAP_BYTES // (4 * q.shape[0] * q.shape[1] * k.shape[2]))
+        if rows >= q.shape[2]:
+            return super().attention(q, k, v, scale, mask)
+        parts = []
+        for start in range(0, q.shape[2], rows):
+            part = mask if mask is None or mask.shape[-2] == 1 else mask[..., start : start + rows, :]
+            parts.append(super().attention(q[:, :, start : start + rows], k, v, scale, part))
+            mx.eval(parts[-1])
+        return mx.concatenate(parts, axis=2)
+
+
+ROW_CHUNKS = RowChunks()
 
 
 class AttentionManifest(ScanManifest):
@@ -123,7 +143,7 @@ def iter_attention(model: ESMC, sequence: str, layers, heads, head_chunk: int | 
                 symmetric = (inner + inner.transpose(0, 2, 1)).sum(axis=0) / 2
                 yield block, heads[start : start + per], np.array(weights), np.array(symmetric)
                 del scores, weights, inner, symmetric
-        x = layer(x, mask)[0]
+        x = layer.step(x, layer.input_layernorm(x), mask, ops=ROW_CHUNKS)[0]
         mx.eval(x)
 
 
