@@ -18,7 +18,7 @@ from .convert.many import prepare_many, spec_label
 from .convert.writer import DEFAULT_SHARD_BYTES, check_shard_bytes
 from .errors import HubError, ValidationError
 from .hub.push import PushResult, check_push_access, push_artifact
-from .outputs import StagedDirectory, check_target
+from .outputs import StagedDirectory, check_target, local_paths
 from .validate import Report, pick_device, prefetch_torch, validate, validation_available
 
 
@@ -74,7 +74,7 @@ def convert_validate_push(
     out = Path(output) if output else default_output(source, q, dtype, group_size)
     if validate_output and not validation_available():  # fail before an hour of converting
         raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
-    check_target(out, force)  # before downloading anything
+    check_target(out, force, local_paths(source))  # before downloading anything
     _check_reference_device(validate_output, reference_device)
     if upload_repo is not None:  # an empty or bad id, no token, a foreign namespace: fail before converting
         check_push_access(upload_repo)
@@ -131,7 +131,7 @@ def convert_validate_many(
         raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
     labels = [spec_label(q, dtype, group_size) for q in specs]
     for label in labels:
-        check_target(out / label, force)  # before downloading anything
+        check_target(out / label, force, local_paths(source))  # before downloading anything
     _check_reference_device(validate_output, reference_device)
     jobs = prepare_many(source, specs, dtype, group_size, quantize_head, revision, command)
     _prefetch_if_validating(validate_output)

@@ -17,7 +17,9 @@ import numpy as np
 
 from ..artifact import plural
 from ..errors import EsmcMlxError, JobError
-from ..outputs import atomic_file, check_file_target, locked, written_in_place
+from ..outputs import atomic_file, guarded
+from ..outputs import held as held_output
+from ..readers import open_binary, text_lines
 from ..runtime.load import load
 from ..runtime.model import ESMC
 from ..vocab import check_sequence
@@ -31,6 +33,7 @@ from .scoring import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_WINDOW,
     PAD_MULTIPLE,
+    check_forward_memory,
     check_joint_windows,
     check_multi_window,
     default_batch_tokens,
@@ -45,7 +48,17 @@ from .scoring import (
     score_mutations,
 )
 from .stats import spearman
-from .store import FLUSH_BYTES, FORMATS, EmbeddingStore, IdIndex, IdList, array_names, require_h5py, sequence_hash
+from .store import (
+    FLUSH_BYTES,
+    FORMATS,
+    EmbeddingStore,
+    IdIndex,
+    IdList,
+    array_names,
+    legacy_entries,
+    require_h5py,
+    sequence_hash,
+)
 
 CHUNK_RECORDS = 8192  # FASTA records read, sorted by length and embedded at a time
 GATHER_BYTES = 64 << 20  # results a rank holds before sending them to rank 0 (upper bound)
@@ -72,7 +85,14 @@ def _model(model: ESMC | str | Path, name: str | None):
     return model, name
 
 
-@locked("out", when=lambda args: World.of(args["group"]).is_root)
+@guarded(
+    "out",
+    "embeddings",
+    "folder",
+    inputs=("model", "fasta"),
+    when=lambda args: World.of(args["group"]).is_root,
+    legacy=legacy_entries,
+)
 def embed_fasta(
     model: ESMC | str | Path,
     fasta: str | Path,
@@ -140,6 +160,28 @@ def embed_fasta(
     model, model_name = _model(model, model_name)
     n_layers = model.config.num_hidden_layers
     layers = resolve_layers(layers, n_layers)
+    if len(lengths):  # the largest batch checked against memory before anything is written
+        longest = int(np.argmax(lengths))
+        width = -(-(int(lengths[longest]) + 2) // PAD_MULTIPLE) * PAD_MULTIPLE
+        hidden = any(i != n_layers for i in layers)
+        if width > batch_tokens:
+            check_forward_memory(
+                model.config,
+                1,
+                width,
+                f"{fasta}: record {ids[longest]!r} ({int(lengths[longest]):,} residues)",
+                "attention grows with the square of the length: split the record (into domains, or "
+                "overlapping pieces) before embedding it",
+                hidden_states=hidden,
+            )
+        check_forward_memory(
+            model.config,
+            max(1, batch_tokens // width),
+            width,
+            f"--batch-tokens {batch_tokens:,}",
+            "give a smaller --batch-tokens",
+            hidden_states=hidden,
+        )
     names = array_names(layers, pools)
     settings = {
         "layers": list(layers),
@@ -154,7 +196,7 @@ def embed_fasta(
         "model_weights": model.fingerprint(),  # what decides whether a rerun may resume
         "fasta": str(fasta),
     }
-    store, id_index = (EmbeddingStore(out) if world.is_root else None), None
+    store, id_index = (EmbeddingStore(out, held_output(out)) if world.is_root else None), None
     # Rank 0 reads the directory; every rank learns what is left (and whether rank 0 failed).
     status, failure = np.zeros(len(ids) + 1, dtype=np.int32), None
     if store is not None:
@@ -330,7 +372,9 @@ class ScanSummary:
     skipped: list[str] = dataclasses.field(default_factory=list)  # names already scanned in out
 
 
-@locked("out", when=lambda args: World.of(args["group"]).is_root)
+@guarded(
+    "out", "scan", "folder", inputs=("model", "fasta", "sequence"), when=lambda args: World.of(args["group"]).is_root
+)
 def scan_job(
     model: ESMC | str | Path,
     out: str | Path,
@@ -381,7 +425,7 @@ def scan_job(
     manifest, failure, status = None, None, np.zeros(1, dtype=np.int32)
     if world.is_root:
         try:
-            manifest = ScanManifest(out)
+            manifest = ScanManifest(held_output(out))
         except EsmcMlxError as e:
             failure, status[0] = e, 1
     if world.broadcast(status)[0]:
@@ -438,10 +482,10 @@ def read_mutants_csv(path: str | Path, mutant_column: str = "mutant") -> tuple[l
     """(column names, rows, a 'file, line N: ' prefix per row). Raises JobError."""
     path = Path(path)
     try:
-        # utf-8-sig: spreadsheet programs start the file with a byte-order mark; newline="" lets
-        # the csv module read CRLF rows (and line breaks inside quoted fields)
-        with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.DictReader(f)
+        # the bytes as they are (readers.text_lines): a byte-order mark dropped, CRLF, CR or LF
+        # lines, a Windows code page in a description; line endings kept for quoted fields
+        with open_binary(path) as f:
+            reader = csv.DictReader(text_lines(f, path, JobError, keepends=True))
             columns = list(reader.fieldnames or [])
             rows, where = [], []
             for row in reader:
@@ -449,7 +493,7 @@ def read_mutants_csv(path: str | Path, mutant_column: str = "mutant") -> tuple[l
                     continue  # ",,," rows a spreadsheet leaves below the data: not a mutant
                 rows.append(row)
                 where.append(f"{path}, line {reader.line_num}: ")
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
+    except (OSError, EOFError, csv.Error) as e:
         raise JobError(f"{path}: cannot read CSV ({e})") from None
     if mutant_column not in columns:
         raise JobError(
@@ -490,10 +534,12 @@ def _names_input(path: Path) -> bool:
         return False
 
 
-@locked(
+@guarded(
     "out",
-    when=lambda args: World.of(args["group"]).is_root and not written_in_place(args["out"]),  # not /dev/null
-    create_parent=False,
+    "scores",
+    "file",
+    inputs=("model", "mutations_csv", "sequence"),
+    when=lambda args: World.of(args["group"]).is_root,
 )
 def score_csv(
     model: ESMC | str | Path,
@@ -522,10 +568,6 @@ def score_csv(
     world = World.of(group)
     methods = resolve_methods(methods)
     check_multi_window(multi, window)
-    if out is not None and world.is_root:
-        # a missing or unwritable folder, or -o naming an input, fails now, not after the scoring
-        wt_file = Path(sequence).expanduser()
-        check_file_target(out, sources=[mutations_csv, *([wt_file] if _names_input(wt_file) else [])])
     wt = resolve_sequence(sequence)
     columns, rows, where = read_mutants_csv(mutations_csv, mutant_column)
     mutants = [row[mutant_column] or "" for row in rows]
