@@ -140,6 +140,11 @@ def _real(path: str | Path) -> Path:
     return Path(os.path.realpath(os.path.expanduser(str(path))))
 
 
+def _a(kind: str) -> str:
+    """``a model``, ``an adapter``."""
+    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind}"
+
+
 def _is_within(inner: Path, outer: Path) -> bool:
     return inner == outer or outer in inner.parents
 
@@ -539,10 +544,7 @@ def check_not_inside_output(out: str | Path, hosts: Iterable[str] = (), option: 
     for folder in real.parents:
         kind = marker_kind(folder)
         if kind is not None and kind not in hosts:
-            article = "an" if kind[0] in "aeiou" else "a"
-            raise OutputError(
-                f"{option} {out} is inside {folder}, {article} {kind} esmc-mlx wrote; write it somewhere else"
-            )
+            raise OutputError(f"{option} {out} is inside {folder}, {_a(kind)} esmc-mlx wrote; write it somewhere else")
 
 
 def check_target(
@@ -583,7 +585,7 @@ def check_target(
             )
         there = marker_kind(out)
         if there != kind:
-            raise OutputError(f"{refuse} it holds an esmc-mlx {there}, not a {kind}; choose another output")
+            raise OutputError(f"{refuse} it holds an esmc-mlx {there}, not {_a(kind)}; choose another output")
         if foreign:
             raise OutputError(
                 f"{refuse} it holds files esmc-mlx did not write ({_listing(foreign)}); move them out first"
@@ -715,11 +717,14 @@ def written_in_place(path: str | Path) -> bool:
 class StagedFiles:
     """Several files of one folder written in a staging folder beside them and moved into place
     together when the block ends without an error (a scan's files of one protein); on an error
-    none of them is, and the staging goes. ``path(name)`` is where to write ``name``."""
+    none of them is, and the staging goes. ``path(name)`` is where to write ``name``; ``check``
+    refuses a name before anything is written, ``claim`` takes each name just before the files
+    go into place (an ``OutputFolder`` records them in its marker then)."""
 
-    def __init__(self, folder: Path, claim: Callable[[str], Path] | None = None):
+    def __init__(self, folder: Path, check: Callable[[str], object] = None, claim: Callable[[str], object] = None):
         self.folder = Path(folder)
-        self._claim = claim or (lambda name: self.folder / name)
+        self._check = check or (lambda name: None)
+        self._claim = claim or (lambda name: None)
         self.stage: Path | None = None
         self.names: list[str] = []
 
@@ -728,7 +733,7 @@ class StagedFiles:
         return self
 
     def path(self, name: str) -> Path:
-        self._claim(name)
+        self._check(name)
         self.names.append(name)
         return self.stage / name
 
@@ -738,6 +743,8 @@ class StagedFiles:
     def __exit__(self, kind, error, traceback) -> bool:
         try:
             if error is None:
+                for name in self.names:
+                    self._claim(name)
                 for name in self.names:
                     os.replace(self.stage / name, self.folder / name)
             elif disk_full(error, self.stage):  # judged before the staging goes (that frees the space)
@@ -915,9 +922,9 @@ class OutputFolder:
         self.make()
         add_to_marker(self.path, *names)
 
-    def claim(self, name: str) -> Path:
-        """``OUT/name`` for esmc-mlx to write: recorded as its own; OutputError when a file of
-        that name is there and esmc-mlx did not write it."""
+    def check_free(self, name: str) -> Path:
+        """``OUT/name``, when esmc-mlx may write it: OutputError when a file of that name is
+        there and esmc-mlx did not write it (or the name leaves the folder)."""
         if not _plain_name(name):
             raise OutputError(f"{name!r} is not a file name inside {self.path}")
         path = self.path / name
@@ -925,6 +932,11 @@ class OutputFolder:
             raise OutputError(
                 f"{path} is there and esmc-mlx did not write it; move it out of {self.path} or choose another folder"
             )
+        return path
+
+    def claim(self, name: str) -> Path:
+        """``OUT/name`` for esmc-mlx to write (``check_free``), recorded as its own."""
+        path = self.check_free(name)
         self.record(name)
         return path
 
@@ -934,7 +946,7 @@ class OutputFolder:
 
     def files(self) -> StagedFiles:
         """Several files of OUT written together (``StagedFiles``), each recorded."""
-        return StagedFiles(self.make(), self.claim)
+        return StagedFiles(self.make(), self.check_free, self.claim)
 
     def foreign(self) -> list[str]:
         found = foreign_entries(self.path) if self.path.is_dir() else []

@@ -79,7 +79,7 @@ def read_json(
 # --- text --------------------------------------------------------------------------------------------
 GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"
-_LINE = re.compile(rb"([^\r\n]*)(\r\n|\r|\n)")
+_ENDING = re.compile(rb"\r\n|\r|\n")
 CHUNK = 1 << 20
 
 
@@ -98,22 +98,21 @@ def open_binary(path: str | Path) -> BinaryIO:
 
 def _raw_lines(stream: BinaryIO) -> Iterator[tuple[bytes, bytes]]:
     """(line, its ending) for every line of ``stream``, read in chunks; the last line's ending
-    may be empty. A CR at a chunk's end waits for the next chunk: it may be half of CRLF."""
-    pending = b""
+    may be empty. A CR at a chunk's end waits for the next chunk: it may be half of CRLF. Linear
+    in the file's size, however long a line is (a 50M-residue sequence on one line)."""
+    parts, held = [], b""  # the current line's bytes so far; a CR kept back from the last chunk
     while chunk := stream.read(CHUNK):
-        data, end = pending + chunk, 0
-        for m in _LINE.finditer(data):
-            if m.end() == len(data) and m.group(2) == b"\r":
-                break
-            yield m.group(1), m.group(2)
-            end = m.end()
-        pending = data[end:]
-    end = 0
-    for m in _LINE.finditer(pending):
-        yield m.group(1), m.group(2)
-        end = m.end()
-    if end < len(pending):
-        yield pending[end:], b""
+        data, held = held + chunk, b""
+        if data.endswith(b"\r"):
+            data, held = data[:-1], b"\r"
+        start = 0
+        for m in _ENDING.finditer(data):
+            parts.append(data[start : m.start()])
+            yield b"".join(parts), m.group()
+            parts, start = [], m.end()
+        parts.append(data[start:])
+    if held or any(parts):
+        yield b"".join(parts), held
 
 
 def decode_line(raw: bytes) -> str:

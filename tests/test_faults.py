@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import gzip
-import hashlib
 import json
 import os
 import re
@@ -29,12 +28,21 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
-from click.testing import CliRunner
+from fault_tools import (
+    DEAD,
+    cli,
+    convert_cli,
+    dead_staging,
+    debris,
+    one_error_line,
+    small_disk,  # noqa: F401  (fixture)
+    snapshot,
+    visible,
+)
 from safetensors.torch import load_file, save_file
 
 import esmc_mlx
 from esmc_mlx import outputs, pipeline, testing
-from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
 from esmc_mlx.errors import ConvertError, EsmcMlxWarning, OutputError, SequenceError, ValidationError
 from esmc_mlx.tasks.fasta import read_fasta
@@ -44,54 +52,6 @@ SEQ = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"
 
 
 # --- helpers ---------------------------------------------------------------------------------------
-def cli(*args, command=main):
-    return CliRunner().invoke(command, [str(a) for a in args])
-
-
-def convert_cli(*args):
-    return cli(*args, command=convert_main)
-
-
-def snapshot(path: Path) -> dict:
-    """Every file under ``path`` (or the file itself) -> (sha256, mode): "byte-identical"."""
-    path = Path(path)
-    if path.is_file():
-        return {"": (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mode)}
-    return {
-        str(p.relative_to(path)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mode)
-        for p in sorted(path.rglob("*"))
-        if p.is_file()
-    }
-
-
-DEBRIS = (".partial-", ".old-", ".tmp", ".lock", ".merge")
-
-
-def debris(*folders: Path) -> list[str]:
-    """Hidden leftovers of a run (staging, swapped-out, temporary, lock files) in ``folders``."""
-    found = []
-    for folder in folders:
-        if Path(folder).is_dir():
-            found += [
-                p.name for p in Path(folder).iterdir() if p.name.startswith(".") and any(d in p.name for d in DEBRIS)
-            ]
-    return found
-
-
-def one_error_line(result, *fragments, code=1):
-    """Exit code, exactly one `Error:` line and no traceback; the line holds every fragment."""
-    assert result.exit_code == code, result.output
-    assert "Traceback" not in result.output and not isinstance(result.exception, (AssertionError, TypeError)), (
-        result.output
-    )
-    assert result.output.count("Error:") == 1, result.output
-    lines = [line for line in re.split(r"[\r\n]", result.output) if line.startswith("Error:")]
-    assert len(lines) == 1, result.output  # on a line of its own, after any progress bar
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
-
-
 @pytest.fixture
 def old_output(checkpoints, tmp_path):
     """An esmc-mlx output that later runs must not lose: (path, snapshot)."""
@@ -162,7 +122,7 @@ def test_force_refuses_the_source_itself_and_a_folder_holding_it(old_output, che
     convert(str(checkpoints["published"]), outer, progress=False)
     shutil.copytree(checkpoints["published"], outer / "ckpt")
     result = convert_cli(outer / "ckpt", "-o", outer, "--force", "--no-validate")
-    one_error_line(result, "ckpt", "--force will not replace")
+    one_error_line(result, str(outer / "ckpt"), "contains the input")
     assert (outer / "ckpt" / "model.safetensors").exists() and debris(tmp_path) == []
 
 
@@ -675,19 +635,6 @@ def test_console_command_runs_the_script_without_an_install(monkeypatch, tmp_pat
     assert done.returncode == 0 and done.stdout.startswith("esmc-mlx, version"), done.stderr
 
 
-DEAD = 999999999  # no such process
-
-
-def dead_staging(parent: Path, target: str, stage: str) -> Path:
-    """A staging folder as a run that was killed leaves it: made by outputs.make_staging, its
-    marker naming a process that is gone."""
-    path = outputs.make_staging(parent, target, stage)
-    dead = path.rename(path.with_name(path.name.replace(f"-{os.getpid()}-", f"-{DEAD}-")))
-    marker = json.loads((dead / outputs.MARKER).read_text())
-    (dead / outputs.MARKER).write_text(json.dumps(dict(marker, pid=DEAD, staged_as=dead.name)))
-    return dead
-
-
 def test_leftovers_are_known_by_their_mark_and_a_half_swapped_output_goes_back(old_output, checkpoints, tmp_path):
     out, before = old_output
     staged = outputs.make_staging(tmp_path, "out", "partial")  # its marker names it and this process
@@ -710,10 +657,6 @@ def test_leftovers_are_known_by_their_mark_and_a_half_swapped_output_goes_back(o
         with pytest.raises(OutputError, match="already exists"):
             convert(str(checkpoints["published"]), out, progress=False)  # no --force: the restored one stays
     assert snapshot(out) == kept and not aside.exists()
-
-
-def visible(folder: Path) -> list[str]:
-    return sorted(p.name for p in Path(folder).iterdir() if not p.name.startswith("."))
 
 
 def test_embed_force_clears_what_it_wrote_and_its_leftovers(converted, tmp_path):
@@ -887,23 +830,6 @@ def test_disk_full_during_conversion_is_one_line_naming_the_file(old_output, che
     result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
     one_error_line(result, "the disk is full", "shard-0.tmp.safetensors", "nothing was left behind")
     assert snapshot(out) == before and debris(tmp_path) == []
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs (root only): a disk that really fills up."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if (
-        os.geteuid() != 0
-        or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
-        ).returncode
-        != 0
-    ):
-        pytest.skip("needs root to mount a small tmpfs")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
 
 
 @pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
