@@ -11,12 +11,13 @@ import hashlib
 import os
 import re
 import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import mlx.core as mx
 
 from .config import ESMCConfig
-from .errors import ConfigError, ConvertError
+from .errors import ConfigError, ConvertError, EsmcMlxError
 from .readers import MAX_JSON_BYTES, parse_json, read_json
 
 FLOAT_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -49,23 +50,27 @@ REPORT_FILES = ("report.json", "report.md", PLOT_NAME)
 
 @dataclasses.dataclass(frozen=True)
 class ArtifactKind:
-    """What makes up one kind of artifact that esmc-mlx writes and ``push`` publishes (the kind
-    its ``.esmc-mlx`` marker records): the file describing it, its weights (one safetensors
-    file, or the shards ``<weights>.index.json`` names) and files taken when present. Every kind
-    is published with its model card and its validation report (``published_files``); a new
-    kind (an SAE folder, a LoRA adapter) is one more entry of ``ARTIFACT_KINDS``."""
+    """One kind of artifact esmc-mlx writes and ``push`` publishes, named as its ``.esmc-mlx``
+    marker records it: ``config``, the file that describes it; ``files(directory)``, the files
+    it is made of there (paths relative to it; an ``EsmcMlxError`` naming what is missing when
+    it is incomplete); ``recognise(directory)``, whether a folder without the marker holds one.
+    Every kind is published with its model card and validation report when present
+    (``published_files``). A new kind declares itself once with ``register_artifact_kind``."""
 
     name: str
     config: str
-    weights: str
-    optional: tuple[str, ...] = ()
-
-    @property
-    def index(self) -> str:
-        return self.weights + ".index.json"
+    files: Callable[[Path], Iterable[str]]
+    recognise: Callable[[Path], bool] = lambda directory: False
 
 
-ARTIFACT_KINDS = {kind.name: kind for kind in (ArtifactKind("model", "config.json", SINGLE_FILE, TOKENIZER_FILES),)}
+ARTIFACT_KINDS: dict[str, ArtifactKind] = {}
+
+
+def register_artifact_kind(kind: ArtifactKind) -> ArtifactKind:
+    """Make ``kind`` known to the output guard and to ``push`` (an SAE folder, a LoRA adapter:
+    ``register_artifact_kind(ArtifactKind("adapter", "adapter_config.json", adapter_files))``)."""
+    ARTIFACT_KINDS[kind.name] = kind
+    return kind
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -290,27 +295,47 @@ def weight_files(directory: Path, single: str = SINGLE_FILE) -> list[Path]:
     return files
 
 
-def own_files(directory: Path, kind: str = "model") -> list[str]:
-    """The files an artifact of ``kind`` in ``directory`` is made of (``ARTIFACT_KINDS``), as
-    paths relative to it: its config, its index and weights, the optional files present.
+def model_files(directory: Path) -> list[str]:
+    """The files a model directory is made of (the ``model`` kind): config.json, the index and
+    the weights it names (or the single model.safetensors), the tokenizer files present.
     ConvertError when the config or a weight file is missing."""
-    directory, what = Path(directory), ARTIFACT_KINDS[kind]
-    if not (directory / what.config).is_file():
-        raise ConvertError(f"{directory}: no {what.config}")
-    weights = [f.name for f in weight_files(directory, what.weights)]
-    index = [what.index] if (directory / what.index).is_file() else []
-    optional = [n for n in what.optional if (directory / n).is_file()]
-    return [what.config, *index, *weights, *optional]
-
-
-def published_files(directory: Path, kind: str = "model", include=()) -> list[str]:
-    """What publishing the artifact ``directory`` uploads, as paths relative to it: its own
-    files (``own_files``), its model card, its validation report's files, and the paths the
-    user named in ``include`` (inside the directory; a folder gives the files under it).
-    ConvertError for a missing file, for anything outside the directory, and for a link that
-    leads out of it (its content would be published)."""
     directory = Path(directory)
-    names = own_files(directory, kind)
+    if not (directory / "config.json").is_file():
+        raise ConvertError(f"{directory}: no config.json")
+    weights = [f.name for f in weight_files(directory)]
+    index = [INDEX_FILE] if (directory / INDEX_FILE).is_file() else []
+    return ["config.json", *index, *weights, *(n for n in TOKENIZER_FILES if (directory / n).is_file())]
+
+
+register_artifact_kind(ArtifactKind("model", "config.json", model_files, lambda d: (Path(d) / "config.json").is_file()))
+
+
+def artifact_kind(directory: Path, marked: str | None = None) -> ArtifactKind:
+    """The kind of artifact ``directory`` holds: ``marked`` (its marker's kind), else the first
+    kind that recognises it. ConvertError for an output of esmc-mlx that is no artifact (an
+    embeddings or scan folder) or a folder no kind recognises."""
+    if marked is not None:
+        if marked not in ARTIFACT_KINDS:
+            raise ConvertError(f"{directory} holds esmc-mlx {marked} output, not an artifact to publish")
+        return ARTIFACT_KINDS[marked]
+    for kind in reversed(ARTIFACT_KINDS.values()):  # the kinds declared later are the more specific
+        if kind.recognise(Path(directory)):
+            return kind
+    raise ConvertError(f"{directory}: no {ARTIFACT_KINDS['model'].config}; is this an esmc-mlx output directory?")
+
+
+def published_files(directory: Path, kind: ArtifactKind | None = None, include=()) -> list[str]:
+    """What publishing the artifact ``directory`` uploads, as paths relative to it: the files
+    its ``kind`` is made of (default: the model's), its model card, its validation report's
+    files, and the paths the user named in ``include`` (inside the directory; a folder gives
+    the files under it). ConvertError for a missing file, for anything outside the directory,
+    and for a link that leads out of it (its content would be published)."""
+    directory = Path(directory)
+    kind = kind or ARTIFACT_KINDS["model"]
+    try:
+        names = list(kind.files(directory))
+    except EsmcMlxError as e:
+        raise ConvertError(str(e)) from None
     names += [CARD_FILE] if (directory / CARD_FILE).is_file() else []
     names += [f"{REPORT_DIR}/{n}" for n in REPORT_FILES if (directory / REPORT_DIR / n).is_file()]
     root = Path(os.path.realpath(directory))

@@ -56,7 +56,15 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ._version import __version__
-from .artifact import ARTIFACT_KINDS, GENERATED_CARD_LINE, INDEX_FILE, REPORT_DIR, REPORT_FILES, index_files
+from .artifact import (
+    GENERATED_CARD_LINE,
+    INDEX_FILE,
+    REPORT_DIR,
+    REPORT_FILES,
+    SINGLE_FILE,
+    TOKENIZER_FILES,
+    index_files,
+)
 from .errors import EsmcMlxError, EsmcMlxWarning, OutputError
 from .readers import read_json
 
@@ -199,8 +207,7 @@ def _legacy_model_entries(directory: Path) -> set[str] | None:
             return None
     except (OutputError, KeyError, TypeError):
         return None
-    model = ARTIFACT_KINDS["model"]
-    ours = {model.config, model.weights, *model.optional}
+    ours = {"config.json", SINGLE_FILE, *TOKENIZER_FILES}
     index = Path(directory) / INDEX_FILE
     if index.is_file():
         with contextlib.suppress(EsmcMlxError):

@@ -19,7 +19,19 @@ from esmc_mlx.runtime.model import ESMC
 PACKAGE = Path(__file__).resolve().parent.parent / "esmc_mlx"
 # Lowest first. A unit may import units of its own layer or below, never above.
 LAYERS = [
-    {"_version", "errors", "config", "vocab", "artifact", "hashes", "resolve", "privacy", "outputs", "_blas"},
+    {
+        "_version",
+        "errors",
+        "config",
+        "vocab",
+        "artifact",
+        "hashes",
+        "resolve",
+        "privacy",
+        "outputs",
+        "readers",
+        "_blas",
+    },
     {"quantize"},
     {"convert"},
     {"runtime"},

@@ -33,8 +33,8 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, Mo
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
 from .._version import __version__
-from ..artifact import ARTIFACT_KINDS, CARD_FILE, REPORT_DIR, human_size, plural, precision_label, published_files
-from ..errors import ConvertError, HubError
+from ..artifact import CARD_FILE, REPORT_DIR, artifact_kind, human_size, plural, precision_label, published_files
+from ..errors import ConvertError, EsmcMlxError, HubError
 from ..outputs import add_to_marker, atomic_file, locked, read_marker
 from ..privacy import find_tokens, private_findings
 from ..readers import read_json
@@ -98,15 +98,6 @@ class PushResult:
 
 
 # --- local checks -----------------------------------------------------------------------------------
-def artifact_kind(model_dir: Path) -> str:
-    """The kind of artifact ``model_dir`` holds: its marker's (``ARTIFACT_KINDS``), else a model."""
-    marker = read_marker(model_dir)
-    kind = marker["kind"] if marker is not None else "model"
-    if kind not in ARTIFACT_KINDS:
-        raise HubError(f"{model_dir} holds esmc-mlx {kind} output, not an artifact to publish")
-    return kind
-
-
 def artifact_files(model_dir: Path, include=()) -> list[tuple[str, int]]:
     """The files a push uploads, as (posix path relative to the directory, size): what the
     artifact is made of (``artifact.published_files``: config, index and weights, tokenizer
@@ -115,9 +106,17 @@ def artifact_files(model_dir: Path, include=()) -> list[tuple[str, int]]:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise HubError(f"{model_dir}: no such directory")
-    kind = artifact_kind(model_dir)
-    if not (model_dir / ARTIFACT_KINDS[kind].config).is_file():
-        raise HubError(f"{model_dir}: no {ARTIFACT_KINDS[kind].config}; is this an esmc-mlx output directory?")
+    marker = read_marker(model_dir)
+    try:
+        kind = artifact_kind(model_dir, marker["kind"] if marker is not None else None)
+    except ConvertError as e:
+        raise HubError(str(e)) from None
+    if not (model_dir / kind.config).is_file():
+        raise HubError(f"{model_dir}: no {kind.config}; is this an esmc-mlx output directory?")
+    try:
+        list(kind.files(model_dir))
+    except EsmcMlxError as e:
+        raise HubError(f"incomplete artifact, refusing to push: {e}") from None
     try:
         names = published_files(model_dir, kind, include)
     except ConvertError as e:
@@ -165,8 +164,8 @@ def check_private(
     directory, an absolute path, the user or the host name."""
     for name in files:
         path = Path(model_dir) / name
-        text = _readable_text(path)
-        written = name in ours and name != CARD_FILE and path.suffix != ".safetensors"
+        text, binary = _readable_text(path)
+        written = name in ours and name != CARD_FILE and not binary  # (a plot's bytes are no path)
         found = (
             private_findings(text, tokens) if written else (["an access token"] if find_tokens(text, tokens) else [])
         )
@@ -191,18 +190,20 @@ def check_private(
             raise HubError(f"refusing to push {model_dir}: the {what} would hold {' and '.join(found)}.")
 
 
-def _readable_text(path: Path) -> str:
+def _readable_text(path: Path) -> tuple[str, bool]:
     """What of ``path`` a reader could take for text: all of a text file; the header of a
-    safetensors file (its metadata is free text); the bytes of any other binary file, as Latin-1."""
+    safetensors file (its metadata is free text); the bytes of any other binary file, as Latin-1.
+    And whether the file is binary."""
     with open(path, "rb") as f:
         head = f.read(SNIFF_BYTES)
         if path.suffix == ".safetensors" and len(head) >= 8:
             length = int.from_bytes(head[:8], "little")
             f.seek(8)
-            return f.read(min(length, 100_000_000)).decode("latin-1")
+            return f.read(min(length, 100_000_000)).decode("latin-1"), True
         rest = f.read()
     data = head + rest
-    return data.decode("latin-1") if b"\0" in head else data.decode("utf-8", errors="replace")
+    binary = b"\0" in head
+    return (data.decode("latin-1") if binary else data.decode("utf-8", errors="replace")), binary
 
 
 def _check_card(card: str, readme: Path) -> None:
