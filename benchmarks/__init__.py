@@ -31,9 +31,8 @@ def with_attribute(owner, name: str, value, fn):
 def batched(fn, batch: int):
     """``fn`` as a callable that evaluates ``batch`` of its calls together and waits for them:
     a kernel timed GPU-bound (per call: divide by ``batch``). Calls that do not read each other's
-    outputs may run side by side in MLX's CUDA graph, which hides a kernel's idle SMs (thirty-third
-    issue-16 session): compare kernels that fill the GPU alike, or time them one after another
-    under Nsight Compute."""
+    outputs may run side by side in MLX's CUDA graph, which hides a kernel's idle SMs: compare
+    kernels that fill the GPU alike, or time them one after another under Nsight Compute."""
 
     def run():
         mx.eval([fn() for _ in range(batch)])

@@ -2,9 +2,9 @@
 
 MLX with: the bundled reference BLAS, the scipy-openblas32 wheel, the system OpenBLAS, each with
 OpenBLAS's own kernel and with kernels forced; numpy's and torch's own BLAS; and torch's rate
-in a clean process against one that imported esmc_mlx first (issue 11 item 7: within 30%).
+in a clean process against one that imported esmc_mlx first (it must stay within 30%).
 
-    python -m benchmarks.blas_gemm [--n 1024] [--json docs/bench/blas_gemm.json]
+    python -m benchmarks.blas_gemm [--n 1024] [--json OUT.json]
 
 Exits 1 if torch after ``import esmc_mlx`` is more than 30% slower than in a clean process.
 """

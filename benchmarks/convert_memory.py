@@ -1,6 +1,6 @@
 """Conversion in bounded memory: peak RSS and wall time of ``esmc-convert``, against the disk floor.
 
-    python benchmarks/convert_memory.py /work/ckpts/6B --q mxfp4 --work /work/tmp6b
+    python -m benchmarks.convert_memory /work/ckpts/6B --q mxfp4 --work /work/tmp6b
 
 Steps, in one run on one disk:
   1. floor: read every source file once (to /dev/null) and write as many bytes as the

@@ -1,6 +1,6 @@
-"""Peak memory of `esmc-mlx embed` on a large generated FASTA (issue 15: the FASTA is streamed).
+"""Peak memory of `esmc-mlx embed` on a large generated FASTA (the FASTA is streamed).
 
-    python benchmarks/embed_rss.py --records 200000 --out /tmp/rss [--model esmc_mlx/data/esmc-tiny]
+    python -m benchmarks.embed_rss --records 200000 --out /tmp/rss [--model esmc_mlx/data/esmc-tiny]
 
 Writes OUT/big.fasta (random sequences of 20..60 residues), runs the embed command under
 /usr/bin/time -v and prints the FASTA size, wall time and peak resident set size.

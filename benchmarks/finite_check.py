@@ -1,7 +1,7 @@
-"""Cost of the converter's NaN/Inf check (issue 12, rule 5): convert one random checkpoint with
+"""Cost of the converter's NaN/Inf check (docs/reliability.md, rule 5): convert one random checkpoint with
 the check and without it, interleaved, and print the wall times.
 
-    python benchmarks/finite_check.py --model 300M --dtype bfloat16 --work /tmp/finite --repeats 3
+    python -m benchmarks.finite_check --model 300M --dtype bfloat16 --work /tmp/finite --repeats 3
 
 The checkpoint (random weights, the published layout) is written once into WORK and kept for
 reruns; the outputs are deleted after each conversion. On a GPU machine MLX runs the check on
@@ -33,7 +33,7 @@ def main() -> None:
         testing.write_random_checkpoint(source, testing.SHAPES[args.model], dtype=args.dtype, progress=True)
     real = conversion.check_finite
     times: dict[str, list[float]] = {"with check": [], "without check": []}
-    for _ in range(args.repeats + 1):  # the first round warms the page cache and is dropped
+    for _ in range(args.repeats + 1):  # the first pass warms the page cache and is dropped
         for label, check in (("with check", real), ("without check", lambda *a: None)):
             conversion.check_finite = check
             out = args.work / "out"

@@ -1,4 +1,4 @@
-"""Activation memory and time of one long forward, chunked by layers vs one lazy graph (issue 16).
+"""Activation memory and time of one long forward, chunked by layers vs one lazy graph.
 
     python -m benchmarks.long_memory --shape 6B --json OUT.json [--lengths 4096 8192] [--batch 1]
     python -m benchmarks.long_memory --shape 6B --quant mxfp4 --modes chunked   # a quantized model
@@ -27,7 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from esmc_mlx.bench import QUANT_MODES, mlx_model
-from esmc_mlx.runtime.model import layers_per_eval
+from esmc_mlx.runtime.execution import layers_per_eval
 from esmc_mlx.testing import SHAPES, random_mlx_model, tiny_config
 
 MODES = {"chunked": "auto", "layer": 1, "whole": None}  # ESMC.chunk_layers argument

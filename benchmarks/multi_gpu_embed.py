@@ -1,4 +1,4 @@
-"""`esmc-mlx embed` on one GPU and on two under `mlx.launch` (issue 16): sequences per second,
+"""`esmc-mlx embed` on one GPU and on two under `mlx.launch`: sequences per second,
 the ratio, and whether the two outputs agree.
 
     python -m benchmarks.multi_gpu_embed --json OUT.json            # 2-GPU host, NCCL
@@ -15,8 +15,7 @@ two ranks load concurrently).
 
 Before the timed runs, one untimed ``esmc-mlx embed`` of the same FASTA compiles MLX's kernels
 into their cache (``--no-warmup`` skips it). Without it the first timed run pays the compiles and
-the ranks, run second, find them cached: on the H200 host that read 2.30x for 2 ranks where the
-warm figure is 1.39x.
+the ranks, run second, find them cached, which flatters the ranks (docs/decisions.md).
 """
 
 from __future__ import annotations

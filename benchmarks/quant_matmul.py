@@ -7,7 +7,7 @@ it times, side by side in one run:
   float    x @ w.T with a resident float weight           -- the unquantized twin
 in the compute dtype the runtime uses there (float32 on the CPU backend, bfloat16 on a GPU),
 and reports per (mode, shape) the crossover: the smallest T from which deq+mm is faster at
-every larger measured T. esmc_mlx.runtime.quantized.CROSSOVER_TOKENS takes those numbers.
+every larger measured T. The CPU table of esmc_mlx/runtime/dispatch.py takes those numbers.
 
     python benchmarks/quant_matmul.py                       # CPU, prints the tables
     python benchmarks/quant_matmul.py --device gpu --json out/quant_matmul_h200.json --doc
@@ -187,14 +187,15 @@ def markdown(results: dict) -> str:
     the faster one in bold and, in brackets, how much slower than the float matmul it is."""
     modes = list(results["crossover"])
     shapes = list(dict.fromkeys(r["shape"] for r in results["rows"]))
-    from esmc_mlx.runtime.quantized import CROSSOVER_TOKENS
+    from esmc_mlx.runtime import dispatch
 
-    table = CROSSOVER_TOKENS.get(results["backend"], {})
+    tuning = dispatch.tuning_for(dispatch.Device(results["backend"], results["machine"]))
+    table = dispatch._table(tuning, None, tuning.crossover) if tuning else {}
     lines = [
         f"Crossover (tokens from which dequantize-then-matmul is faster), {results['backend']}, "
         f"{results['dtype'].split('.')[-1]}, mlx {results['mlx']}:",
         "",
-        "| mode | " + " | ".join(shapes) + " | CROSSOVER_TOKENS |",
+        "| mode | " + " | ".join(shapes) + " | runtime/dispatch.py |",
         "|---|" + "---:|" * (len(shapes) + 1),
     ]
     for m in modes:

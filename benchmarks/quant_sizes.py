@@ -6,8 +6,8 @@ esmc_mlx.testing.write_random_checkpoint) in every mode, each in a child process
 output, deletes it, and rewrites the table in docs/quantization.md between its markers.
 Results accumulate in benchmarks/results/quant_sizes.json, so shapes can run separately:
 
-    python benchmarks/quant_sizes.py --shapes 300M 600M
-    nohup python benchmarks/quant_sizes.py --shapes 6B --modes 8 4 mxfp4 mxfp8 nvfp4 mixed_4_6 &
+    python -m benchmarks.quant_sizes --shapes 300M 600M
+    nohup python -m benchmarks.quant_sizes --shapes 6B --modes 8 4 mxfp4 mxfp8 nvfp4 mixed_4_6 &
 
 Random weights give the same sizes as trained ones: the formats are fixed-rate.
 """

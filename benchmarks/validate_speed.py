@@ -1,7 +1,7 @@
 """What validation costs next to the conversion it proves: wall and CPU seconds, peak RSS.
 
-    python benchmarks/validate_speed.py                                  # esmc-tiny --q 4, CPU
-    python benchmarks/validate_speed.py --shape 6B --device gpu --json 6b.json   # H200 host
+    python -m benchmarks.validate_speed                                # esmc-tiny --q 4, CPU
+    python -m benchmarks.validate_speed --shape 6B --device gpu --json 6b.json   # H200 host
 
 The load average before and after is recorded: on a machine shared with other jobs, torch's
 OpenMP threads spin against them (measured: a 2-thread torch pass 7-14x slower than 1 thread at
@@ -115,7 +115,7 @@ def main() -> None:
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()},
         "env": args.env,
         # every child compiles torch's sources when set and no .pyc exists (5.7 s a process on
-        # the lent H200 host, which sets it): a figure to read beside the times
+        # an H200 host that sets it): a figure to read beside the times
         "python_bytecode_off": bool(env.get("PYTHONDONTWRITEBYTECODE")),
         "load_average_before": os.getloadavg(),
         "steps": {},

@@ -9,7 +9,7 @@ symbols in front of every library loaded later: torch's own ``sgemm_`` calls wen
 a 300M torch forward took 10.8 s instead of 1.2 s in a process that had imported esmc_mlx. So
 the BLAS is opened RTLD_LOCAL (no other library can see its symbols) and libmlx.so's three
 import slots (its GOT entries, found from its relocation table) are pointed at it. Nothing else
-in the process changes, and the order of ``import mlx.core`` no longer matters.
+in the process changes, and the order of ``import mlx.core`` does not matter.
 
 Which BLAS: ``$ESMC_MLX_BLAS`` (a path, or ``none``), else the ``scipy-openblas32`` wheel (a
 dependency on Linux; OpenBLAS 0.3.34, LP64, symbols prefixed ``scipy_``), else the system's
@@ -33,6 +33,8 @@ import sys
 import time
 import warnings
 from pathlib import Path
+
+from . import settings
 
 ENV_VAR = "ESMC_MLX_BLAS"  # a path to an OpenBLAS-compatible library, or "none"
 CORETYPE_VAR = "ESMC_MLX_BLAS_CORETYPE"  # an OpenBLAS kernel name for MLX's copy, e.g. SkylakeX
@@ -122,7 +124,7 @@ def _check_cuda_build() -> None:
 # --- finding and opening the library --------------------------------------------------------
 def _candidates() -> list[tuple[str, str, str]]:
     """(path, symbol prefix, where it came from), best first."""
-    chosen = os.environ.get(ENV_VAR)
+    chosen = settings.current().blas
     if chosen:
         return [] if chosen.lower() == "none" else [(chosen, _prefix_of(chosen), ENV_VAR)]
     out = []
@@ -340,9 +342,9 @@ def load_fast_blas() -> str | None:
     global loaded_path
     if loaded_path or not sys.platform.startswith("linux"):
         return loaded_path
-    if os.environ.get(ENV_VAR, "").lower() == "none":
+    if (settings.current().blas or "").lower() == "none":
         return None
-    forced = os.environ.get(CORETYPE_VAR) or None
+    forced = settings.current().blas_coretype
     kernel = cpu_kernel()
     for path, prefix, source in _candidates():
         try:

@@ -502,9 +502,10 @@ def human_size(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
-def describe(model_dir: Path) -> dict:
-    """Architecture, parameter count, storage, bits per weight (stored bytes x 8 / parameters):
-    what ``esmc-mlx info`` prints and the model card shows."""
+def model_facts(model_dir: Path) -> dict:
+    """What ``esmc-mlx info --json`` prints, as numbers where they are numbers: architecture,
+    parameter count, storage (words), dtype, quantization record, bits per weight (stored bytes x
+    8 / parameters), size on disk in bytes, shards, source."""
     model_dir = Path(model_dir)
     raw, config = read_model_config(model_dir)
     files = weight_files(model_dir)
@@ -532,14 +533,19 @@ def describe(model_dir: Path) -> dict:
     source = _record(_record(raw, "esmc_mlx"), "source")
     return {
         "directory": str(model_dir),
-        "architecture": (
-            f"ESMC, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-            f"{config.num_attention_heads} heads, MLP {config.intermediate_size}"
-        ),
-        "parameters": f"{config.num_parameters:,}",
+        "architecture": {
+            "model": "ESMC",
+            "layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size,
+            "attention_heads": config.num_attention_heads,
+            "intermediate_size": config.intermediate_size,
+        },
+        "parameters": config.num_parameters,
         "storage": storage,
-        "bits per weight": round(tensor_bytes * 8 / config.num_parameters, 3),
-        "size on disk": human_size(sum(f.stat().st_size for f in files)),
+        "dtype": raw.get("dtype", "float32"),
+        "quantization": q or None,
+        "bits_per_weight": round(tensor_bytes * 8 / config.num_parameters, 3),
+        "size_bytes": sum(f.stat().st_size for f in files),
         "shards": len(files),
         "source": str(source.get("id", "unknown")) + (f"@{source['revision']}" if source.get("revision") else ""),
     }
@@ -549,3 +555,23 @@ def _record(obj: dict, key: str) -> dict:
     """``obj[key]`` when it is an object, else an empty one (provenance is informative only)."""
     value = obj.get(key) if isinstance(obj, dict) else None
     return value if isinstance(value, dict) else {}
+
+
+def describe(model_dir: Path) -> dict:
+    """``model_facts`` in words, what ``esmc-mlx info`` prints and the model card shows:
+    architecture, parameters (5,220,416), storage, bits per weight, size on disk (2.26 MiB)."""
+    facts = model_facts(model_dir)
+    arch = facts["architecture"]
+    return {
+        "directory": facts["directory"],
+        "architecture": (
+            f"ESMC, {arch['layers']} layers, hidden {arch['hidden_size']}, "
+            f"{arch['attention_heads']} heads, MLP {arch['intermediate_size']}"
+        ),
+        "parameters": f"{facts['parameters']:,}",
+        "storage": facts["storage"],
+        "bits per weight": facts["bits_per_weight"],
+        "size on disk": human_size(facts["size_bytes"]),
+        "shards": facts["shards"],
+        "source": facts["source"],
+    }

@@ -12,7 +12,6 @@ without torch only the MLX times are reported.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import importlib.util
 import json
@@ -33,11 +32,14 @@ from mlx.utils import tree_flatten
 from . import _blas
 from .config import ESMCConfig
 from .convert.sources import torch_to_mlx
-from .errors import EsmcMlxError
+from .errors import EsmcMlxError, install_hint
 from .outputs import atomic_file, ensure_parent
 from .quantize import BLOCK_LINEAR  # what `esmc-convert --q` quantizes by default
-from .runtime import cutlass_qmm
-from .runtime.model import ESMC, RUNTIME_DEFAULTS
+from .runtime import dispatch
+from .runtime.cuda import cutlass_qmm
+from .runtime.execution import RUNTIME_DEFAULTS
+from .runtime.load import prepare
+from .runtime.model import ESMC
 from .runtime.quantized import quantize_modules
 from .testing import SHAPES, tiny_config
 from .validate.reference import hf_config as transformers_config
@@ -118,19 +120,15 @@ def mlx_model(
     quant: dict | None = None,
 ) -> ESMC:
     """An MLX ESMC holding ``weights`` (shared, not copied), optionally quantized (the block
-    projections, as ``esmc-convert --q`` does), fused and compiled."""
+    projections, as ``esmc-convert --q`` does), fused and compiled, with load()'s fused steps
+    on a CUDA GPU."""
     model = ESMC(config)
     names = {k for k, _ in tree_flatten(model.parameters())}
     model.load_weights([(k, v) for k, v in weights.items() if k in names], strict=True)
     if quant:
         quantize_modules(model, dict(quant), lambda path: bool(BLOCK_LINEAR.fullmatch(path)))
     mx.eval(model.parameters())
-    if fuse:
-        model.fuse()
-    if compile:
-        model.compile()
-    model.eval()
-    return model
+    return prepare(model, fuse=fuse, compile=compile)
 
 
 # --- timing --------------------------------------------------------------------------------
@@ -155,10 +153,8 @@ def time_interleaved(
     Each round starts one fn further on (A B C, B C A, C A B, ...), so that no fn is always
     first or last; interleaving spreads the machine's drift over every fn alike. Each timed call
     follows a call of its own fn, as in a process that runs one model: a model timed right after
-    another one ran slower than in a run of its own calls, and rotating alone did not remove that
-    (the fn after bf16 in the list still followed it in most rounds): on an H200 an identical
-    copy of a quantized 6B read 3-4% apart by its place (docs/benchmarks.md, "Ninth issue-16
-    session" and "Thirty-fourth")."""
+    another ran slower than in a run of its own calls (on an H200 two identical copies of a
+    quantized 6B read 3-4% apart by their place without this)."""
     last = {}
     for name, fn in fns.items():
         for _ in range(warmup):
@@ -181,18 +177,6 @@ def time_interleaved(
     }
 
 
-@contextlib.contextmanager
-def environment(settings: dict[str, str]):
-    """``settings`` set in os.environ for the block and removed after it: a side's switches
-    (forward_fns' ``env``), read by the runtime at call time."""
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for key in settings:
-            os.environ.pop(key, None)
-
-
 def forward_fns(
     tmodel,
     models: dict[str, ESMC],
@@ -200,7 +184,6 @@ def forward_fns(
     length: int,
     device: str = "cpu",
     seed: int = 0,
-    env: dict[str, dict] | None = None,
 ) -> dict[str, Callable[[], None]]:
     """Timed callables: one full forward (logits evaluated) per model, same token ids."""
     ids = np.random.default_rng(seed).integers(4, 24, size=(batch, length))
@@ -218,11 +201,9 @@ def forward_fns(
         fns["torch"] = run_torch
     mids = mx.array(ids)
     for name, model in models.items():
-        settings = (env or {}).get(name, {})
 
-        def run_mlx(model=model, settings=settings):
-            with environment(settings):
-                mx.eval(model(mids).logits)
+        def run_mlx(model=model):
+            mx.eval(model(mids).logits)
 
         fns[name] = run_mlx
     return fns
@@ -253,6 +234,11 @@ def agreement(tmodel, model: ESMC, device: str, length: int = 64) -> float:
     return rel_l2(out, ref)
 
 
+def flop_rate(tflops: float) -> str:
+    """A rate with three significant digits: a tiny model's 0.0004 TFLOP/s reads 0.4 GFLOP/s."""
+    return f"{tflops:.3g} TFLOP/s" if tflops >= 0.1 else f"{tflops * 1e3:.3g} GFLOP/s"
+
+
 def compare_forward(
     tmodel,
     models: dict[str, ESMC],
@@ -262,12 +248,11 @@ def compare_forward(
     label: str,
     budget_s: float = 3.0,
     log=print,
-    env: dict | None = None,
 ) -> list[dict]:
     """One row per (shape, implementation): median/min ms, TFLOP/s, speedup over torch."""
     rows = []
     for batch, length in shapes:
-        timings = time_interleaved(forward_fns(tmodel, models, batch, length, device, env=env), budget_s=budget_s)
+        timings = time_interleaved(forward_fns(tmodel, models, batch, length, device), budget_s=budget_s)
         flops = model_flops(config, batch, length)
         base = timings.get("torch", {}).get("median_ms")
         for name, t in timings.items():
@@ -283,7 +268,7 @@ def compare_forward(
             rows.append(row)
             log(
                 f"{label:>6} {batch:>3}x{length:<5} {name:<22} {t['median_ms']:10.2f} ms  (min {t['min_ms']:.2f}, "
-                f"{t['reps']} reps)  {row['tflops']:7.1f} TFLOP/s"
+                f"{t['reps']} reps)  {flop_rate(row['tflops']):>14}"
                 + (f"  torch/this {row['speedup_vs_torch']:.2f}x" if base else "")
             )
         mx.clear_cache()
@@ -306,9 +291,9 @@ def machine(with_torch: bool = True, device: str | None = None) -> dict:
     }
     try:
         info["device_info"] = {k: str(v) for k, v in mx.device_info().items()}
-        # whether quantized layers may take CUTLASS's mixed-input GEMM here (built, Hopper, not off;
-        # never on the CPU, though the GPU beside it has the extension)
-        info["cutlass_qmm"] = device == "gpu" and cutlass_qmm.enabled()
+        # whether quantized layers may take CUTLASS's mixed-input GEMM here (never on the CPU,
+        # though the GPU beside it has the extension)
+        info["cutlass_qmm"] = device == "gpu" and dispatch.current().cutlass
     except Exception:  # older mlx, or a backend that does not describe itself
         pass
     try:
@@ -332,8 +317,8 @@ def machine(with_torch: bool = True, device: str | None = None) -> dict:
 
 
 def plot(results: dict, path: Path, title: str | None = None) -> Path | None:
-    """Bar chart of torch-time / MLX-time per (model, shape) and implementation; None without
-    matplotlib."""
+    """Bar chart of torch-time / MLX-time per (model, shape) and implementation (without torch
+    rows: MLX's milliseconds); None without matplotlib."""
     try:
         import matplotlib
 
@@ -342,22 +327,29 @@ def plot(results: dict, path: Path, title: str | None = None) -> Path | None:
     except ImportError:
         return None
     rows = [r for r in results.get("forward", []) if r["impl"] != "torch" and r.get("speedup_vs_torch")]
+    versus_torch = bool(rows)
+    if not versus_torch:  # MLX alone (no torch): its own times
+        rows = [r for r in results.get("forward", []) if r["impl"] != "torch"]
     if not rows:
         return None
+    key = "speedup_vs_torch" if versus_torch else "median_ms"
     groups = list(dict.fromkeys(f"{r['model']}\n{r['batch']}x{r['length']}" for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     width = 0.8 / len(impls)
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(groups)), 4))
     for i, impl in enumerate(impls):
-        values = {f"{r['model']}\n{r['batch']}x{r['length']}": r["speedup_vs_torch"] for r in rows if r["impl"] == impl}
+        values = {f"{r['model']}\n{r['batch']}x{r['length']}": r[key] for r in rows if r["impl"] == impl}
         xs = [g + (i - (len(impls) - 1) / 2) * width for g in range(len(groups))]
         ax.bar(xs, [values.get(g, 0) for g in groups], width, label=impl)
-    ax.axhline(1.0, color="black", linewidth=0.8)
     target = results.get("target_speedup")
-    if target and target != 1.0:
+    if versus_torch:
+        ax.axhline(1.0, color="black", linewidth=0.8)
+    if versus_torch and target and target != 1.0:
         ax.axhline(target, color="red", linestyle="--", linewidth=0.8, label=f"target {target}x")
     ax.set_xticks(range(len(groups)), groups)
-    ax.set_ylabel("speedup over transformers (torch time / MLX time)")
+    ax.set_ylabel(
+        "speedup over transformers (torch time / MLX time)" if versus_torch else "ms per forward (median; no torch)"
+    )
     ax.set_title(title or f"ESMC forward, {results.get('backend', '')} {results.get('dtype', '')}")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -411,7 +403,7 @@ def run(
     model, saves its weights and reference logits and times its forwards; the MLX side loads
     those weights, checks its logits against the reference and times its variants. In one
     process each library's BLAS, threads and memory disturb the other's (torch ran 9x slower
-    on the CPU there; docs/benchmarks.md). Writes ``{stem}.json`` and ``{stem}.png`` under
+    on the CPU there). Writes ``{stem}.json`` and ``{stem}.png`` under
     ``out_dir`` and returns the results."""
     ensure_parent(Path(out_dir) / f"{stem}.json", create=False)  # fails now, not after the timing
     if device == "auto":
@@ -420,9 +412,10 @@ def run(
         raise EsmcMlxError("--device gpu: this MLX has no GPU backend (it runs on the CPU here); use --device cpu")
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     shapes = [tuple(s) for s in (shapes or (CPU_SHAPES if device == "cpu" else GPU_SHAPES))]
+    torch_state = "in its own process" if with_torch else "not run (--no-torch)"
     if with_torch and not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "safetensors")):
-        log("torch is not installed: timing MLX only (pip install 'esmc-mlx[torch]' for the comparison)")
-        with_torch = False
+        log(f"torch is not installed: timing MLX only ({install_hint('torch')} for the comparison)")
+        with_torch, torch_state = False, "not installed"
     results = {
         "machine": machine(with_torch=False, device=device),
         "backend": device,
@@ -438,9 +431,7 @@ def run(
         cutlass = "; CUTLASS mixed-input GEMM built (quantized layers use it)"
     elif device == "gpu" and quant and (unused := cutlass_qmm.why_unused()):
         cutlass = f"; quantized layers without CUTLASS's mixed-input GEMM: {unused}"
-    log(
-        f"backend {device}, {dtype}, mlx {mx.__version__}; torch {'in its own process' if with_torch else 'absent'}{cutlass}"
-    )
+    log(f"backend {device}, {dtype}, mlx {mx.__version__}; torch {torch_state}{cutlass}")
     with tempfile.TemporaryDirectory(prefix="esmc-bench-") as tmp:
         for name in models:
             job = {
@@ -472,7 +463,10 @@ def run(
             results["agreement"].update(mlx_side["agreement"])
             results["quantized"] += mlx_side["quantized"]
     json_path, png = write(results, Path(out_dir), stem)
-    log(f"wrote {json_path}" + (f" and {png}" if png else ""))
+    if png is None and importlib.util.find_spec("matplotlib") is None:
+        log(f"wrote {json_path}; no plot: matplotlib is not installed ({install_hint('plot')})")
+    else:
+        log(f"wrote {json_path}" + (f" and {png}" if png else ""))
     return results
 
 
@@ -572,8 +566,7 @@ def _mlx_side(job: dict) -> dict:
         if hi > FLOAT_SPREAD * lo:
             print(
                 f"{name:>6} {batch:>3}x{length:<5} note: the float model took {lo:.2f} to {hi:.2f} ms in this run, so the "
-                "ratios at this shape move with the machine's state (a host-bound shape: docs/benchmarks.md, "
-                "'Sixteenth issue-16 session')",
+                "ratios at this shape move with the host's speed (a host-bound shape: docs/benchmarks.md, 'Noise')",
                 flush=True,
             )
     return out
@@ -581,9 +574,8 @@ def _mlx_side(job: dict) -> dict:
 
 # The float model's medians at one shape, across the sections of one run, beyond which bench
 # says that the shape's ratios move with the machine: on the H200 the 6B's bf16 forward at B=1
-# ran 13-14.5 or 17-21 ms by the virtual machine's CPU state, in the same process, where the
-# GPU-bound quantized twins held still (benchmarks/twin_pairing.py). Two bf16 copies timed
-# interleaved agreed within 6%.
+# ran 13-14.5 or 17-21 ms by the host's CPU state within one process, where the GPU-bound
+# quantized twins held still; two bf16 copies timed interleaved agreed within 6%.
 FLOAT_SPREAD = 1.15
 
 

@@ -10,6 +10,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -17,15 +18,21 @@ import click
 from click.core import ParameterSource
 
 from ._version import __version__
-from .artifact import describe, plural
+from .artifact import describe, human_size, model_facts, plural
 from .bench import FLOAT_SPREAD, parse_shapes, run
 from .convert import quantize_directory
 from .errors import EsmcMlxError, EsmcMlxWarning
+from .finetune import TASKS, finetune, fuse_adapter, predict_csv
+from .finetune.model import HEADS, POOLS
+from .finetune.train import DEFAULTS as FINETUNE_DEFAULTS
 from .hub.push import push_artifact
-from .pipeline import convert_validate_many, convert_validate_push
+from .pipeline import convert_validate_many, convert_validate_push, quantize_validate_sae
 from .privacy import public_path
-from .runtime import cutlass_qmm
+from .runtime.cuda import cutlass_qmm
+from .runtime.load import plan as plan_model
+from .tasks.attention import attention_job
 from .tasks.distributed import World
+from .tasks.features import features_job
 from .tasks.jobs import embed_fasta, scan_job, score_csv
 from .tasks.scoring import DEFAULT_WINDOW
 from .validate import validate as run_validation
@@ -77,10 +84,8 @@ def _run(invoke, ctx):
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
-    if issubclass(category, EsmcMlxWarning):
-        click.echo(f"Warning: {message}", err=True)
-    else:
-        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+    """Every warning, esmc-mlx's and its libraries', as one ``Warning:`` line (no source line)."""
+    click.echo(f"Warning: {message}", err=True)
 
 
 class FriendlyErrors(click.Group):
@@ -165,6 +170,12 @@ force_option = click.option(
     "--force",
     is_flag=True,
     help="Replace an existing output directory that esmc-mlx wrote (never anything else; see docs/reliability.md).",
+)
+keep_nonstandard_option = click.option(
+    "--keep-nonstandard",
+    is_flag=True,
+    help="Also score (embed: also pool) the non-standard residues X B Z U O; by default they are skipped "
+    "with a warning (the model still reads them as context).",
 )
 shard_size_option = click.option(
     "--shard-size",
@@ -371,20 +382,82 @@ def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size)
     click.echo(f"Wrote {output}")
 
 
-@main.command(
-    help="Describe MODEL_DIR, an MLX model directory: architecture, parameters, dtype or "
-    "quantization, bits per weight, size on disk.\n\n\b\nExample:\n  esmc-mlx info esmc-tiny-mlx"
-)
+INFO_HELP = """Describe MODEL_DIR, an MLX model directory: architecture, parameters, dtype or
+quantization, bits per weight, size on disk.
+
+With --plan, say what runs for each kind of layer at each token count (--tokens) on this
+machine's default device, or on another (--device cpu, metal or cuda:sm_XY, e.g. cuda:sm_80 for
+an A100, cuda:sm_89 for an L40 or RTX 4090, cuda:sm_90a for an H100 or H200): the path, the
+kernels it launches with the oldest GPU architecture each needs (none: MLX's own op), and why.
+A device without a measured table runs MLX's own ops. For another device than this one,
+CUTLASS counts as built.
+
+\b
+Examples:
+  esmc-mlx info esmc-tiny-mlx
+  esmc-mlx info ESMC-6B-mxfp4 --plan --tokens 1,256,1024
+  esmc-mlx info ESMC-6B-mxfp4 --plan --device cuda:sm_80 --json
+"""
+
+
+def _token_counts(text: str) -> list[int]:
+    try:
+        counts = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise click.BadParameter(
+            f"{text!r}: give token counts >= 1, comma-separated (1,256,1024)", param_hint="--tokens"
+        )
+    return counts
+
+
+@main.command(help=INFO_HELP)
 @click.argument("model_dir", type=InputPath(exists=True, file_okay=False, path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def info(model_dir, as_json):
-    facts = describe(model_dir)
-    if as_json:
-        click.echo(json.dumps(facts, indent=2))
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON instead of text: numbers as numbers (parameters, bits_per_weight, size_bytes, shards).",
+)
+@click.option("--plan", is_flag=True, help="Say what runs for each kind of layer, and why.")
+@click.option("--tokens", default="1,256,1024", show_default=True, help="Token counts for --plan (batch x length).")
+@click.option(
+    "--device", "device_name", default=None, help="For --plan: cpu, metal or cuda:sm_XY [default: this machine's]."
+)
+def info(model_dir, as_json, plan, tokens, device_name):
+    if not plan:
+        if device_name is not None or tokens != "1,256,1024":
+            raise click.UsageError("--tokens and --device go with --plan")
+        if as_json:
+            click.echo(json.dumps(model_facts(model_dir), indent=2))
+            return
+        facts = describe(model_dir)
+        width = max(map(len, facts))
+        for key, value in facts.items():
+            click.echo(f"{key:<{width}}  {value}")
         return
-    width = max(map(len, facts))
-    for key, value in facts.items():
-        click.echo(f"{key:<{width}}  {value}")
+    try:
+        target, rows = plan_model(model_dir, _token_counts(tokens), device_name)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--device") from None
+    device = target.device
+    if as_json:
+        described = {"backend": device.backend, "arch": device.arch, "sms": device.sms}
+        click.echo(json.dumps({"device": described, "plan": rows}, indent=2))
+        return
+    tuning = target.tuning
+    click.echo(
+        f"device: {device.backend}"
+        + (f" {device.arch}" if device.arch else "")
+        + (f", {device.sms} SMs" if device.sms else "")
+    )
+    click.echo(f"tables: {tuning.measured_on if tuning else 'none measured here: MLX own ops'}")
+    for row in rows:
+        kernels = ", ".join(f"{k['name']}" + (f" ({k['requires']})" if k["requires"] else "") for k in row["kernels"])
+        extra = f" [{row['tile']}, {row['splits']} split{'s' if row['splits'] > 1 else ''}]" if "tile" in row else ""
+        click.echo(f"{row['tokens']:>6}  {row['layer']:<38} {row['path']}{extra}: {kernels}")
+        click.echo(f"{'':>8}{row['reason']}")
 
 
 VALIDATE_HELP = """Validate an MLX model directory against the original checkpoint.
@@ -394,7 +467,7 @@ transformers' EsmcForMaskedLM in torch, then answers two questions: fidelity (ML
 on the weights the artifact holds, dequantized if quantized) and quality (the artifact against
 the original: KL, top-1, relative errors, embedding cosine, Spearman of variant scores). Writes
 report.json, report.md and a plot to MLX_DIR/validation/ (or --report DIR). Exit code 0 only
-when every enforced check passes. Needs esmc-mlx[torch].
+when every enforced check passes. Needs the torch extra (torch, transformers).
 
 \b
 Examples:
@@ -506,10 +579,10 @@ def validate(
         sys.exit(1)
 
 
-PUSH_HELP = """Publish MLX_DIR, an MLX model directory, to the Hugging Face Hub model repo ORG/NAME, in one
-commit, with a generated model card (README.md) and the validation report. Only the artifact's own
-files are uploaded (plus what --include names); a link leading out of MLX_DIR, or an access token
-in any file sent, is refused.
+PUSH_HELP = """Publish MLX_DIR, an MLX model directory (or an SAE folder from quantize-sae, or an adapter
+from finetune), to the Hugging Face Hub model repo ORG/NAME, in one commit, with a generated model
+card (README.md) and the validation report. Only the artifact's own files are uploaded (plus what
+--include names); a link leading out of MLX_DIR, or an access token in any file sent, is refused.
 
 Checks everything before uploading: the artifact is complete, validation/report.json exists and
 passed (else refused, unless --allow-unvalidated), a token with write access (HF_TOKEN or
@@ -543,8 +616,9 @@ Examples:
     "include",
     multiple=True,
     metavar="PATH",
-    help="Also publish this file (or folder) of MLX_DIR; repeatable. Without it only the artifact's own files go: "
-    "config, index and weights, tokenizer files, model card, validation report.",
+    help="Also publish this file (or folder) of MLX_DIR; repeatable. Without it only the artifact's own files go "
+    "(a model's config, index, weights and tokenizer files; an SAE's config and layer files; an adapter's config, "
+    "weights, head and metrics), its model card and validation report.",
 )
 def push(mlx_dir, repo_id, private, revision, commit_message, create_pr, dry_run, allow_unvalidated, include):
     result = push_artifact(
@@ -578,7 +652,7 @@ sequences are batched by length.
           token's row), per-residue (every residue's row); a comma list. --per-residue
           adds per-residue.
 --format  npy: NAME.npy per array (memory-mappable); safetensors: sharded
-          embeddings-*.safetensors + index; h5: embeddings.h5 (needs esmc-mlx[h5]).
+          embeddings-*.safetensors + index; h5: embeddings.h5 (needs h5py, the h5 extra).
           NAME is the pool for one layer, layer{i}_{pool} for several.
 
 Runs data-parallel under MLX's launcher, each rank taking a slice, rank 0 writing:
@@ -642,6 +716,7 @@ Examples:
     is_flag=True,
     help="Drop the stored embeddings of IDs that FASTA no longer holds (without it such a rerun is refused).",
 )
+@keep_nonstandard_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def embed(
     model,
@@ -656,6 +731,7 @@ def embed(
     dtype,
     force,
     drop_missing,
+    keep_nonstandard,
     no_progress,
 ):
     if layer is not None and layers is not None:  # one of them would be ignored: say so instead
@@ -663,6 +739,7 @@ def embed(
     pool_list = pools.split(",") if pools is not None else ["mean"]  # --pool "": an error, not the default
     if per_residue:
         pool_list.append("per_residue")
+    started = time.perf_counter()
     s = embed_fasta(
         model,
         fasta,
@@ -674,13 +751,15 @@ def embed(
         dtype=dtype,
         force=force,
         drop_missing=drop_missing,
+        keep_nonstandard=keep_nonstandard,
         group=World.current(),
         progress=not no_progress,
     )
     if s.rank == 0:
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
         click.echo(
-            f"Embedded {plural(s.computed, 'sequence')}{ranks} ({s.skipped} already done, {s.total} in all) -> {s.out}"
+            f"Embedded {plural(s.computed, 'sequence')}{ranks} ({s.skipped} already done, {s.total} in all; "
+            f"{time.perf_counter() - started:.1f} s, the model's loading included) -> {s.out}"
         )
         if s.dropped:
             click.echo(f"Dropped {plural(s.dropped, 'stored embedding')} of IDs not in {fasta}")
@@ -705,9 +784,17 @@ Multi-mutants (--multi, masked-marginal):
          (the masked-marginal formula of Meier et al. 2021, conditioned on x_-M)
 \b
 Long sequences (--window, residues): a wild type longer than the window is scored through
-a window of that width centred on each site (ProteinGym's scoring_window="optimal");
-default 2046 = ESMC's 2048-token training length minus <cls>/<eos>. A warning is printed
-for sequences longer than that.
+windows of that width: for masked copies, centred on each site (ProteinGym's
+scoring_window="optimal"); for wt-marginal, windows every width/2 residues, each site read
+from the one whose centre is nearest. Default 2046 = ESMC's 2048-token training length
+minus <cls>/<eos>. A warning is printed for sequences longer than that.
+
+Rows are all checked before the model loads; every bad row is reported (file, line,
+reason). --skip-invalid scores the others and writes the bad ones to OUT.rejected.csv.
+Mutants at X B Z U O (non-standard residues) get empty scores unless --keep-nonstandard.
+
+Time: masked-marginal and wt-marginal cost about (sites + 1) / --batch-size passes; pppl
+costs L / --batch-size passes for each distinct mutated sequence (the command prints its time).
 
 Runs data-parallel under MLX's launcher, each rank taking a slice, rank 0 writing:
 
@@ -726,8 +813,8 @@ window_option = click.option(
     default=DEFAULT_WINDOW,
     show_default=True,
     type=click.IntRange(0),
-    help="Score sequences longer than this many residues in windows of this width centred on each site "
-    "(ProteinGym's scoring_window); 0: never window.",
+    help="Score sequences longer than this many residues through windows of this width: centred on each "
+    "masked site (ProteinGym's scoring_window), overlapping by half for wt-marginal; 0: never window.",
 )
 
 
@@ -769,6 +856,13 @@ window_option = click.option(
 )
 @click.option("--mutant-column", default="mutant", show_default=True, help="CSV column of the mutant strings.")
 @click.option("--dms-column", default="DMS_score", show_default=True, help="Measured scores, for Spearman's rho.")
+@click.option(
+    "--skip-invalid",
+    is_flag=True,
+    help="Score the valid rows and write the invalid ones, with line and reason, to OUT.rejected.csv "
+    "(default: report every invalid row and score nothing).",
+)
+@keep_nonstandard_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def score(
     model,
@@ -782,6 +876,8 @@ def score(
     offset,
     mutant_column,
     dms_column,
+    skip_invalid,
+    keep_nonstandard,
     no_progress,
 ):
     if output is None and not mutations.is_file():  # a pipe (<(...), /dev/stdin) has no folder to write beside
@@ -804,15 +900,25 @@ def score(
         window=window or None,
         mutant_column=mutant_column,
         dms_column=dms_column,
+        skip_invalid=skip_invalid,
+        keep_nonstandard=keep_nonstandard,
         group=World.current(),
         progress=not no_progress,
     )
     if s.rank == 0:
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
         click.echo(
-            f"Scored {plural(s.count, 'mutant')} ({', '.join(s.methods)}; {plural(s.passes, 'forward pass')}{ranks}) "
-            f"-> {s.out}"
+            f"Scored {plural(s.count, 'mutant')} ({', '.join(s.methods)}; {plural(s.passes, 'forward pass')}{ranks}, "
+            f"{s.seconds:.1f} s) -> {s.out}"
         )
+        if s.skipped:
+            click.echo(f"Left {plural(s.skipped, 'mutant')} at non-standard residues unscored (empty cells)")
+        if s.rejects_out is not None:
+            click.echo(f"Rejected {plural(len(s.rejected), 'invalid row')} -> {s.rejects_out}")
+        elif s.rejected:  # the output is a stream (-o /dev/stdout): nowhere beside it, so on stderr
+            click.echo(f"Rejected {plural(len(s.rejected), 'invalid row')}:", err=True)
+            for r in s.rejected:
+                click.echo(f"  {r}", err=True)
         if s.wt_pppl is not None:
             click.echo(f"Wild-type pseudo-perplexity: {s.wt_pppl:.4f}")
         for method, (rho, n) in s.spearman.items():
@@ -830,9 +936,10 @@ write, per protein, into OUT:
 
 Scores are log p(mut) - log p(wt): masked-marginal (default; one masked copy per residue,
 --batch-size copies a pass, each giving all 19 substitutions) or wt-marginal (one unmasked
-pass). Entropy: of the predicted distribution over the 20 amino acids (renormalised), in
-nats, at each position. NAME is the FASTA ID (or --name), made file-safe. Longer than
---window residues: windows centred on each residue. See docs/scoring.md.
+passes over overlapping windows when longer than --window). Entropy: of the predicted
+distribution over the 20 amino acids (renormalised), in nats, at each position. NAME is the
+FASTA ID (--fasta, or --sequence naming a FASTA file), else --name, else "sequence", made
+file-safe. Positions at X B Z U O are left out unless --keep-nonstandard. See docs/scoring.md.
 
 OUT/scan-manifest.json records what each protein was scanned from: a rerun skips the proteins
 already there with the same sequence, settings and model, so a stopped --fasta run resumes.
@@ -869,9 +976,13 @@ Examples:
     type=click.Choice(["masked-marginal", "wt-marginal"]),
     default="masked-marginal",
     show_default=True,
-    help="masked-marginal: one masked copy per residue; wt-marginal: one unmasked pass (see above).",
+    help="masked-marginal: one masked copy per residue; wt-marginal: unmasked passes (see above).",
 )
-@click.option("--name", default=None, help="File name stem for --sequence (default: sequence; not with --fasta).")
+@click.option(
+    "--name",
+    default=None,
+    help="File name stem for --sequence (default: the FASTA ID of --sequence FILE, else sequence; not with --fasta).",
+)
 @window_option
 @click.option(
     "-B", "--batch-size", default=32, show_default=True, type=click.IntRange(1), help="Masked copies per forward pass."
@@ -885,6 +996,7 @@ Examples:
     help="Heatmap positions per row before wrapping.",
 )
 @click.option("--no-plot", is_flag=True, help="No heatmap (needs no matplotlib).")
+@keep_nonstandard_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option(
     "--force",
@@ -893,7 +1005,20 @@ Examples:
     "(by default they are skipped: a stopped run resumes).",
 )
 def scan(
-    model, sequence, fasta, output, method, name, window, batch_size, offset, per_row, no_plot, no_progress, force
+    model,
+    sequence,
+    fasta,
+    output,
+    method,
+    name,
+    window,
+    batch_size,
+    offset,
+    per_row,
+    no_plot,
+    keep_nonstandard,
+    no_progress,
+    force,
 ):
     s = scan_job(
         model,
@@ -907,6 +1032,7 @@ def scan(
         offset=offset,
         plot=not no_plot,
         per_row=per_row,
+        keep_nonstandard=keep_nonstandard,
         group=World.current(),
         progress=not no_progress,
         force=force,
@@ -915,16 +1041,229 @@ def scan(
         ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
         for ident in s.skipped:
             click.echo(f"Skipped {ident}: already scanned into {s.out} with these settings (--force scans again)")
-        for ident, n, passes in s.scanned:
+        for ident, n, passes, seconds in s.scanned:
             click.echo(
-                f"Scanned {ident}: {plural(n, 'residue')} x 19 substitutions ({plural(passes, 'forward pass')}{ranks})"
+                f"Scanned {ident}: {plural(n, 'residue')} x 19 substitutions "
+                f"({plural(passes, 'forward pass')}{ranks}, {seconds:.1f} s)"
             )
         click.echo(f"Wrote {s.out}")
 
 
+FEATURES_HELP = """Sparse autoencoder (SAE) features of every residue: the k active features of
+each residue's hidden state at --layer, from an SAE in the published ESMC format (a folder or a
+Hub repo such as biohub/esmc-6b-2024-12-sae-k64-codebook16384; only the layers used are
+downloaded). One forward pass per batch serves every --layer and stops at the deepest one.
+
+\b
+OUT holds (rerun the same command to resume; see docs/interpretability.md):
+  layer{N}_indices.npy, layer{N}_values.npy   (residues, k) int32 / float32, one row per
+                                              residue (offsets.npy, index.tsv: which record)
+  summary.csv        per protein and layer: its --top features, residues active, mean and
+                     max activation, where the maximum is, every residue it fires at
+  heatmap_<id>.png   the top features along the sequence (default: with --sequence only)
+
+Runs data-parallel under MLX's launcher, each rank taking a slice, rank 0 writing:
+
+\b
+  mlx.launch --hosts IP1,IP2 -- esmc-mlx features ...
+
+\b
+Examples:
+  esmc-mlx features esmc-6b-mlx --sae biohub/esmc-6b-2024-12-sae-k64-codebook16384 --layer 60 \\
+      --sequence MKTAYIAKQRQISFVKSHFSRQ -o feats
+  esmc-mlx features esmc-6b-mlx --sae my-sae --layer 36 --layer 60 --fasta proteome.fasta -o feats --normalize
+"""
+
+
+@main.command(help=FEATURES_HELP + "\n" + MODEL_HELP)
+@click.argument("model")
+@click.option("--sae", required=True, help="The SAE: a folder or a Hub repo id.")
+@click.option("--sequence", help="One protein, or a FASTA file holding one record.")
+@click.option(
+    "--fasta", type=InputPath(exists=True, dir_okay=False, path_type=Path), help="Every record of this FASTA file."
+)
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=OutputPath(file_okay=False, path_type=Path),
+    help="Output directory (created; an existing one is resumed).",
+)
+@click.option(
+    "--layer",
+    "layers",
+    type=int,
+    multiple=True,
+    help="Backbone hidden state the SAE reads (repeat for several). [default: the SAE's only layer]",
+)
+@click.option("--normalize", is_flag=True, help="Scale each feature by idf / max (esm's normalize_sae).")
+@click.option(
+    "--top", default=10, show_default=True, type=click.IntRange(1), help="Features per protein in summary and heatmap."
+)
+@click.option("--name", default=None, help="Record name for --sequence (default: sequence; not with --fasta).")
+@click.option("--plot/--no-plot", default=None, help="Draw heatmaps. [default: with --sequence only]")
+@click.option("--batch-tokens", type=click.IntRange(1), help="Padded tokens per forward pass (as embed's).")
+@click.option("--force", is_flag=True, help="Discard what OUT holds and start over.")
+@click.option("--drop-missing", is_flag=True, help="Drop the stored features of IDs that FASTA no longer holds.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def features(
+    model,
+    sae,
+    sequence,
+    fasta,
+    output,
+    layers,
+    normalize,
+    top,
+    name,
+    plot,
+    batch_tokens,
+    force,
+    drop_missing,
+    no_progress,
+):
+    s = features_job(
+        model,
+        sae,
+        output,
+        sequence=sequence,
+        fasta=fasta,
+        name=name,
+        layers=list(layers) or None,
+        normalize=normalize,
+        top=top,
+        plot=plot,
+        batch_tokens=batch_tokens,
+        force=force,
+        drop_missing=drop_missing,
+        group=World.current(),
+        progress=not no_progress,
+    )
+    if s.rank == 0:
+        ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
+        click.echo(
+            f"Encoded {plural(s.computed, 'sequence')}{ranks} ({s.skipped} already done, {s.total} in all) -> {s.out}"
+        )
+        if s.heatmaps:
+            click.echo(f"Drew {plural(s.heatmaps, 'heatmap')}")
+        if s.dropped:
+            click.echo(f"Dropped {plural(s.dropped, 'stored record')} of IDs not in {fasta}")
+
+
+ATTENTION_HELP = """Attention maps of a protein: every head of every --layers block, as
+model(..., output_attentions=True) gives them, and their mean made symmetric and APC-corrected
+over the residues (an unsupervised contact map). Blocks run one at a time and each block's maps
+are written a few heads at a time, so memory stays bounded for long proteins.
+
+\b
+OUT holds, per protein (<name> is its FASTA ID or --name; see docs/interpretability.md):
+  <name>_layer{N}.npy     (heads, T, T) float32 over every token (<cls>, residues, <eos>)
+  <name>_contacts.npy     (L, L) float32 over the residues; <name>_contacts.png
+A protein already in OUT with the same sequence, settings and model is skipped.
+The maps of one block take 4 x heads x (L + 2)^2 bytes: 240 MB for 2,000 residues on the 300M.
+
+\b
+Examples:
+  esmc-mlx attention esmc-300m-mlx --sequence MKTAYIAKQRQISFVKSHFSRQ -o attn
+  esmc-mlx attention esmc-300m-mlx --fasta designs.fasta -o attn --layers 20,25,-1 --heads 0,3
+"""
+
+
+@main.command(help=ATTENTION_HELP + "\n" + MODEL_HELP)
+@click.argument("model")
+@click.option("--sequence", help="The protein, or a FASTA file holding one record.")
+@click.option(
+    "--fasta", type=InputPath(exists=True, dir_okay=False, path_type=Path), help="Every record of this FASTA file."
+)
+@click.option(
+    "-o", "--output", required=True, type=OutputPath(file_okay=False, path_type=Path), help="Output directory."
+)
+@click.option("--layers", metavar="LIST", help="Blocks 1..n, e.g. 1,15,-1 (-1 = the last). [default: all]")
+@click.option("--heads", metavar="LIST", help="Heads 0..H-1, e.g. 0,3,7. [default: all]")
+@click.option("--apc/--no-apc", default=True, show_default=True, help="APC-correct the mean map.")
+@click.option("--name", default=None, help="File name stem for --sequence (default: sequence; not with --fasta).")
+@click.option("--no-plot", is_flag=True, help="No PNG (needs no matplotlib).")
+@click.option("--force", is_flag=True, help="Write again the proteins OUT already holds.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def attention(model, sequence, fasta, output, layers, heads, apc, name, no_plot, force, no_progress):
+    s = attention_job(
+        model,
+        output,
+        sequence=sequence,
+        fasta=fasta,
+        name=name,
+        layers=layers,
+        heads=heads,
+        use_apc=apc,
+        plot=not no_plot,
+        force=force,
+        progress=not no_progress,
+    )
+    for ident in s.skipped:
+        click.echo(f"Skipped {ident}: already in {s.out} with these settings (--force writes it again)")
+    for maps in s.written:
+        blocks = sum(kind.startswith("layer") for kind in maps.files)
+        click.echo(
+            f"Wrote {maps.name}: {plural(maps.residues, 'residue')}, {plural(blocks, 'layer')} of maps "
+            f"({human_size(maps.nbytes)})"
+        )
+    click.echo(f"Wrote {s.out}")
+
+
+QUANTIZE_SAE_HELP = """Store a sparse autoencoder's matrices in bfloat16 / float16 (--q bf16, fp16) or
+8-bit (--q 8), one layer at a time, and validate the result against the original on the
+validation panel through the backbone (--model): top-k agreement and value error per layer,
+bounded as docs/validation.md says. The report goes to OUT/validation/; OUT is put in place only
+when it passed. Publish it with `esmc-mlx push OUT ORG/NAME`.
+
+\b
+SAE: a folder in the published ESMC SAE format, or a Hub repo id.
+
+\b
+Examples:
+  esmc-mlx quantize-sae biohub/esmc-6b-2024-12-sae-k64-codebook16384 -o sae-6b-8bit --q 8 \\
+      --model esmc-6b-mlx --layers 60
+  esmc-mlx quantize-sae my-sae -o my-sae-bf16 --q bf16 --model esmc-300m-mlx
+"""
+
+
+@main.command(name="quantize-sae", help=QUANTIZE_SAE_HELP)
+@click.argument("sae")
+@click.option("-o", "--output", required=True, type=OutputPath(file_okay=False, path_type=Path), help="Output folder.")
+@click.option("--q", "q", metavar="SPEC", required=True, help="bf16, fp16 or 8.")
+@click.option("--model", help="The backbone (MLX model folder or Hub id) whose hidden states the SAE reads.")
+@click.option("--layers", metavar="LIST", help="Layers to keep, e.g. 36,60. [default: all]")
+@click.option("--group-size", type=int, help="Group size of --q 8: 32, 64 (default) or 128.")
+@click.option("--revision", help="Hub revision of SAE.")
+@click.option(
+    "--validate/--no-validate", "validate_output", default=True, show_default=True, help="Validate the result."
+)
+@force_option
+def quantize_sae(sae, output, q, model, layers, group_size, revision, validate_output, force):
+    try:
+        chosen = None if layers is None else [int(x) for x in layers.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"{layers!r}: give comma-separated layer numbers like 36,60", param_hint="--layers"
+        ) from None
+    quantize_validate_sae(
+        sae,
+        output,
+        q=q,
+        model=model,
+        group_size=group_size,
+        layers=chosen,
+        revision=revision,
+        force=force,
+        validate_output=validate_output,
+        log=click.echo,
+    )
+
+
 BENCH_HELP = """Time the MLX runtime against transformers on this machine: the same random weights,
 the same inputs, each side in its own process; prints torch time / MLX time and writes
-OUT/bench.json and OUT/bench.png. Needs esmc-mlx[torch] for the torch side (without it, MLX alone).
+OUT/bench.json and OUT/bench.png (the plot needs matplotlib). Needs the torch extra for the torch side
+(without it, or with --no-torch, MLX alone: its times are plotted).
 
 \b
 Examples:
@@ -997,11 +1336,217 @@ def bench(models, shapes, device, dtype, variants, quant, no_torch, out_dir):
     )
 
 
-BUILD_CUTLASS_HELP = f"""Build CUTLASS's Hopper mixed-input GEMM (an MLX extension) for this MLX and Python
-into esmc-mlx's cache, in about 2 minutes. On a Hopper GPU (H100, H200) affine 4/8-bit and mxfp4
-models then run it instead of dequantize + matmul where it was measured faster;
-{cutlass_qmm.ENV}=0 turns it off. Needs nvcc (CUDA 13), nanobind 3.0/3.1
-(pip install 'esmc-mlx[cutlass]') and fmt's headers (torch's copy, libfmt-dev or $FMT_INCLUDE).
+FINETUNE_HELP = """Fine-tune MODEL on the labeled sequences of a CSV: LoRA adapters (mlx-lm's layers)
+and a task head, written to the adapter directory OUT (docs/finetune.md). MODEL may be float or
+quantized: a quantized base stays packed (QLoRA), adapters and head train in float32.
+
+\b
+--task classification  one label per sequence (any text); accuracy
+       regression      a number per sequence; Spearman's rho
+       per-residue     a label string as long as the sequence ("HHHEEC..."), or 1-based
+                       positions of class 1 ("3,17,18"; the others class 0); accuracy
+                       over residues
+
+OUT holds adapters.safetensors, head.safetensors, adapter_config.json (the base named by
+repo id, revision and sha256 of its weights; the settings), metrics.json and metrics.png
+(loss and metric per epoch) and a card. With --valid, the kept weights are those of the epoch
+with the lowest validation loss and training stops after --patience epochs without
+improvement. A checkpoint is written every epoch and every --save-every steps: run the same
+command again to resume a killed run.
+
+\b
+Examples:
+  esmc-mlx finetune 300M --train train.csv --valid valid.csv -o my-adapter
+  esmc-mlx finetune esmc-6b-4bit --train tm.csv --task regression --label-column tm -o tm-adapter
+  esmc-mlx finetune 300M --train ss.csv --task per-residue --lora-layers 8 --gradient-checkpointing -o ss
+  esmc-mlx predict my-adapter --fasta proteins.fasta -o predictions.csv
+"""
+
+
+@main.command(name="finetune", help=FINETUNE_HELP + "\n" + MODEL_HELP)
+@click.argument("model")
+@click.option(
+    "--train",
+    "train_csv",
+    required=True,
+    type=InputPath(exists=True, dir_okay=False, path_type=Path),
+    help="Training CSV.",
+)
+@click.option(
+    "--valid",
+    "valid_csv",
+    type=InputPath(exists=True, dir_okay=False, path_type=Path),
+    help="Validation CSV (early stopping, the kept epoch).",
+)
+@click.option(
+    "-o", "--output", type=OutputPath(file_okay=False, path_type=Path), required=True, help="Adapter directory."
+)
+@click.option(
+    "--task", type=click.Choice(TASKS), default="classification", show_default=True, help="What the labels are."
+)
+@click.option("--sequence-column", default="sequence", show_default=True, help="CSV column of the sequences.")
+@click.option("--label-column", default="label", show_default=True, help="CSV column of the labels.")
+@click.option(
+    "--lora-rank",
+    type=click.IntRange(1),
+    default=FINETUNE_DEFAULTS["lora_rank"],
+    show_default=True,
+    help="Rank of the low-rank update of each adapted projection.",
+)
+@click.option("--lora-layers", default="all", show_default=True, help="Adapt this many blocks from the top, or all.")
+@click.option(
+    "--lora-scale",
+    type=float,
+    default=FINETUNE_DEFAULTS["lora_scale"],
+    show_default=True,
+    help="Multiplier of the low-rank update (peft's alpha / rank).",
+)
+@click.option(
+    "--head",
+    type=click.Choice(HEADS),
+    default="linear",
+    show_default=True,
+    help="The task head: one linear layer, or linear-GELU-linear.",
+)
+@click.option(
+    "--pool",
+    type=click.Choice(POOLS),
+    default="mean",
+    show_default=True,
+    help="Sequence tasks: mean over the residues, or the <cls> token.",
+)
+@click.option(
+    "--epochs",
+    type=click.IntRange(1),
+    default=FINETUNE_DEFAULTS["epochs"],
+    show_default=True,
+    help="Passes over the training CSV (at most: --patience may stop earlier).",
+)
+@click.option(
+    "--learning-rate",
+    type=float,
+    default=FINETUNE_DEFAULTS["learning_rate"],
+    show_default=True,
+    help="AdamW's learning rate, for the adapters and the head.",
+)
+@click.option(
+    "--batch-tokens",
+    type=click.IntRange(1),
+    default=FINETUNE_DEFAULTS["batch_tokens"],
+    show_default=True,
+    help="Padded tokens per training step (rows x longest row).",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Adapter initialisation and batch order.")
+@click.option(
+    "--patience",
+    type=click.IntRange(0),
+    default=FINETUNE_DEFAULTS["patience"],
+    show_default=True,
+    help="With --valid: stop after this many epochs without a lower validation loss (0: never).",
+)
+@click.option(
+    "--gradient-checkpointing",
+    is_flag=True,
+    help="Recompute each block's activations in the backward pass: less memory for long inputs.",
+)
+@click.option(
+    "--save-every",
+    type=click.IntRange(0),
+    default=FINETUNE_DEFAULTS["save_every"],
+    show_default=True,
+    help="Also checkpoint every N steps within an epoch (0: at epoch ends only).",
+)
+@click.option("--revision", help="Hub revision of MODEL.")
+@click.option("--force", is_flag=True, help="Discard what OUT holds (a run with other settings) and start over.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def finetune_command(model, train_csv, valid_csv, output, lora_layers, no_progress, **options):
+    layers = lora_layers if lora_layers == "all" else _int_option(lora_layers, "--lora-layers", "a number or all")
+    s = finetune(model, train_csv, output, valid=valid_csv, lora_layers=layers, progress=not no_progress, **options)
+    if s.already_done:
+        click.echo(f"{s.out} already holds this finished run; nothing to train (--force starts over)")
+        return
+    resumed = f" (resumed at {s.resumed_from})" if s.resumed_from else ""
+    last = s.history[-1] if s.history else {}
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in last.items() if k != "epoch" and v is not None)
+    click.echo(
+        f"Trained {plural(len(s.history), 'epoch')}{resumed} -> {s.out}" + (f"; last epoch: {shown}" if shown else "")
+    )
+    if s.best_epoch is not None:
+        click.echo(
+            f"Kept the weights of epoch {s.best_epoch} (lowest validation loss)"
+            + (", stopped early" if s.stopped_early else "")
+        )
+
+
+def _int_option(text: str, option: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: give {what}", param_hint=option) from None
+
+
+PREDICT_HELP = """Predict with ADAPTER (a directory esmc-mlx finetune wrote, or its Hub repo) for
+one sequence, every record of a FASTA file, or every row of a CSV, and write PRED.csv: the
+input's rows with a prediction column (classification: also p_CLASS, each class's
+probability; per-residue: a label per residue). The base model is the one the adapter names,
+checked by sha256 (--base: a local copy of it).
+
+--fuse DIR writes the adapters merged into the base as a float MLX model directory (a
+quantized base is dequantized) that every other command loads; the task head stays in the
+adapter.
+
+\b
+Examples:
+  esmc-mlx predict my-adapter --sequence MKTAYIAKQRQISFVKSHFSRQ -o pred.csv
+  esmc-mlx predict my-org/esmc-300m-solubility --csv designs.csv -o designs-pred.csv
+  esmc-mlx predict my-adapter --fuse esmc-300m-adapted
+"""
+
+
+@main.command(help=PREDICT_HELP)
+@click.argument("adapter")
+@click.option("--sequence", help="One protein sequence.")
+@click.option("--fasta", type=InputPath(exists=True, dir_okay=False, path_type=Path), help="A FASTA file.")
+@click.option("--csv", "csv_path", type=InputPath(exists=True, dir_okay=False, path_type=Path), help="A CSV file.")
+@click.option("--sequence-column", default="sequence", show_default=True, help="--csv's column of the sequences.")
+@click.option("-o", "--output", type=OutputPath(dir_okay=False, path_type=Path), help="The predictions CSV.")
+@click.option(
+    "--batch-tokens", type=click.IntRange(1), default=4096, show_default=True, help="Padded tokens per forward pass."
+)
+@click.option("--base", help="The base model (a local directory or repo id) instead of the one the adapter names.")
+@click.option(
+    "--fuse", "fuse_dir", type=OutputPath(file_okay=False, path_type=Path), help="Write the merged model here."
+)
+@click.option("--force", is_flag=True, help="With --fuse: replace an existing directory esmc-mlx wrote.")
+def predict(adapter, sequence, fasta, csv_path, sequence_column, output, batch_tokens, base, fuse_dir, force):
+    inputs = [x for x in (sequence, fasta, csv_path) if x is not None]
+    if fuse_dir is None and output is None:
+        raise click.UsageError("give -o PRED.csv (with --sequence, --fasta or --csv), or --fuse DIR")
+    if output is not None or inputs:
+        if output is None:
+            raise click.UsageError("give -o PRED.csv for the predictions")
+        s = predict_csv(
+            adapter,
+            output,
+            sequence=sequence,
+            fasta=fasta,
+            csv_path=csv_path,
+            sequence_column=sequence_column,
+            batch_tokens=batch_tokens,
+            base=base,
+        )
+        click.echo(f"Predicted {plural(s.count, 'sequence')} ({s.task}) -> {s.out}")
+    if fuse_dir is not None:
+        path = fuse_adapter(adapter, fuse_dir, base=base, force=force)
+        click.echo(f"Wrote the adapted model (adapters merged into the base) -> {path}")
+
+
+BUILD_CUTLASS_HELP = """Build CUTLASS's Hopper mixed-input GEMM (an MLX extension) for this MLX and Python
+into esmc-mlx's cache (a few minutes: docs/quantization.md gives the measured time). On a Hopper
+GPU (H100, H200) affine 4/8-bit and mxfp4 models then run it where it was measured faster
+(esmc-mlx info MODEL --plan shows where); ESMC_MLX_KERNELS=0 turns every custom kernel off.
+Needs nvcc (CUDA 13), nanobind 3.0/3.1 (the `cutlass` extra) and fmt's headers
+(torch's copy, libfmt-dev or $FMT_INCLUDE).
 """
 
 
@@ -1009,7 +1554,7 @@ models then run it instead of dequantize + matmul where it was measured faster;
 @click.option("--nvcc", default="nvcc", show_default=True, help="The CUDA compiler to run.")
 def build_cutlass(nvcc):
     path = cutlass_qmm.build(nvcc, log=click.echo)
-    click.echo(f"Built {path}. Quantized models use it from now on ({cutlass_qmm.ENV}=0 turns it off).")
+    click.echo(f"Built {path}. Quantized models use it from now on (esmc-mlx info MODEL --plan shows where).")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Every exception esmc-mlx raises on purpose, as one tree (as huggingface_hub's ``errors.py``).
 
 The CLI prints an ``EsmcMlxError``'s message as one ``Error:`` line and exits non-zero; nothing
-else is printed. Messages name the file, tensor, option or sequence at fault. Classes that
-callers used to catch as ``ValueError`` still are ``ValueError``s.
+else is printed. Messages name the file, tensor, option or sequence at fault. Classes whose
+errors callers may catch as ``ValueError`` are ``ValueError``s too.
 """
 
 
@@ -62,3 +62,33 @@ class EsmcMlxWarning(UserWarning):
     """Something the user should know that does not stop the work (a sequence longer than the
     model was trained on, stale files of a dead run removed). The CLI prints it as one
     ``Warning:`` line."""
+
+
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def install_hint(extra: str) -> str:
+    """How to install esmc-mlx's optional ``extra`` where esmc-mlx came from a clone or a wheel
+    (it is not on PyPI, so ``pip install 'esmc-mlx[plot]'`` finds nothing): the extra's own
+    requirements, read from the installed package's metadata (pyproject.toml, one place). On
+    Linux without an NVIDIA GPU, torch's CPU build, as `make install` takes it."""
+    import shutil
+    import sys
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        declared = metadata.requires("esmc-mlx") or []
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        declared = []
+    wanted = []
+    for text in declared:
+        marker = Requirement(text).marker
+        if marker is not None and marker.evaluate({"extra": extra}) and not marker.evaluate({"extra": ""}):
+            wanted.append(text.partition(";")[0].strip())
+    if not wanted:
+        return f"pip install '.[{extra}]' in esmc-mlx's source"
+    cpu_torch = sys.platform == "linux" and shutil.which("nvidia-smi") is None
+    index = f" --extra-index-url {TORCH_CPU_INDEX}" if cpu_torch and any(w.startswith("torch") for w in wanted) else ""
+    return f"pip install {' '.join(repr(w) for w in wanted)}{index} (esmc-mlx's {extra} extra)"

@@ -11,24 +11,18 @@ Where: ``$ESMC_MLX_CACHE`` if set, else ``$XDG_CACHE_HOME/esmc-mlx``, else ``~/.
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from . import settings
 from .artifact import sha256
 from .errors import OutputError
 from .outputs import atomic_file
 
-ENV_VAR = "ESMC_MLX_CACHE"
-
 
 def cache_root() -> Path | None:
-    """The esmc-mlx cache directory, or None when ``ESMC_MLX_CACHE=off``."""
-    chosen = os.environ.get(ENV_VAR)
-    if chosen:
-        return None if chosen.lower() in ("off", "0", "none") else Path(chosen).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "esmc-mlx"
+    """The esmc-mlx cache directory, or None when ``ESMC_MLX_CACHE=off`` (settings.py)."""
+    return settings.current().cache
 
 
 def _stamp(f: Path) -> str:

@@ -1063,16 +1063,17 @@ def local_paths(*values) -> list[Path]:
 
 
 def guarded(
-    parameter: str,
+    parameter: str | Callable[[dict], str | Path | None],
     kind: str,
     mode: str,
     inputs: Iterable[str] = (),
     when: Callable[[dict], bool] = lambda args: True,
     legacy: Callable[[Path], Iterable[str] | None] | None = None,
 ):
-    """Decorator: run the function inside ``guard`` on its argument ``parameter`` (when it is not
-    None and ``when(arguments)``); ``inputs`` names the arguments that are inputs (those naming
-    local paths count). The function reaches its guard with ``held(parameter's value)``."""
+    """Decorator: run the function inside ``guard`` on its argument ``parameter`` (or on the path
+    ``parameter(arguments)`` returns: an output derived from the arguments), when it is not None
+    and ``when(arguments)``; ``inputs`` names the arguments that are inputs (those naming local
+    paths count). The function reaches its guard with ``held(path)``. Stacked, one per output."""
 
     def decorate(function):
         signature = inspect.signature(function)
@@ -1081,7 +1082,7 @@ def guarded(
         def wrapper(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            target = bound.arguments.get(parameter)
+            target = parameter(bound.arguments) if callable(parameter) else bound.arguments.get(parameter)
             if target is None or not when(bound.arguments):
                 return function(*args, **kwargs)
             sources = local_paths(*(bound.arguments.get(name) for name in inputs))

@@ -15,11 +15,16 @@ from pathlib import Path
 from .artifact import REPORT_DIR
 from .convert import prepare, write_artifact, write_artifacts
 from .convert.many import prepare_many, spec_label
+from .convert.sae import parse_sae_spec, spec_config, write_sae
 from .convert.writer import DEFAULT_SHARD_BYTES, check_shard_bytes
-from .errors import HubError, ValidationError
+from .errors import HubError, ValidationError, install_hint
 from .hub.push import PushResult, check_push_access, push_artifact
 from .outputs import StagedDirectory, check_target, local_paths
+from .privacy import public_source_id
+from .runtime.load import load
+from .runtime.sae import load_sae
 from .validate import Report, pick_device, prefetch_torch, validate, validation_available
+from .validate.sae import SAEReport, validate_sae, write_sae_report
 
 
 @dataclasses.dataclass
@@ -73,7 +78,7 @@ def convert_validate_push(
         raise HubError("private=True (--private) applies to the repo that upload_repo creates; give upload_repo too")
     out = Path(output) if output else default_output(source, q, dtype, group_size)
     if validate_output and not validation_available():  # fail before an hour of converting
-        raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
+        raise ValidationError(f"--validate needs torch and transformers: {install_hint('torch')}")
     check_target(out, force, local_paths(source))  # before downloading anything
     _check_reference_device(validate_output, reference_device)
     if upload_repo is not None:  # an empty or bad id, no token, a foreign namespace: fail before converting
@@ -128,7 +133,7 @@ def convert_validate_many(
     check_shard_bytes(shard_bytes)
     out = Path(output) if output else default_output(source, None, dtype)
     if validate_output and not validation_available():  # fail before an hour of converting
-        raise ValidationError("--validate needs torch and transformers: pip install 'esmc-mlx[torch]'")
+        raise ValidationError(f"--validate needs torch and transformers: {install_hint('torch')}")
     labels = [spec_label(q, dtype, group_size) for q in specs]
     for label in labels:
         check_target(out / label, force, local_paths(source))  # before downloading anything
@@ -204,3 +209,65 @@ def _prove_and_place(
         report.directory = where / REPORT_DIR
         log(f"Report: {report.directory / 'report.md'}")
     return where, report
+
+
+@dataclasses.dataclass
+class SAEResult:
+    out: Path
+    report: SAEReport | None = None  # None when not validated
+
+
+def quantize_validate_sae(
+    source: str,
+    output: str | Path,
+    *,
+    q: str,
+    model: str | Path | None = None,
+    group_size: int | None = None,
+    layers=None,
+    revision: str | None = None,
+    force: bool = False,
+    validate_output: bool = True,
+    log: Callable[[str], None] = print,
+) -> SAEResult:
+    """An SAE (``source``: a folder or Hub repo id) with its matrices as ``q`` makes them (bf16,
+    fp16 or 8-bit), written to ``output`` one layer at a time, validated against ``source``
+    through ``model`` (the backbone whose hidden states the SAE reads; needs no torch) and put in
+    place only when it passed: a failing one is kept beside an existing ``output`` as
+    ``OUT.failed-<time>`` (or at ``output`` when there was none) and raises ValidationError.
+    ``layers``: the layers to keep (default all). Raises QuantizeError, ConfigError, HubError,
+    OutputError before any work for a bad spec, source or output."""
+    spec = parse_sae_spec(q, group_size)
+    out = Path(output)
+    check_target(out, force)
+    if validate_output and model is None:
+        raise ValidationError(
+            "validating an SAE needs the backbone it reads: give --model (or --no-validate to skip the check)"
+        )
+    reference = load_sae(source, revision)
+    layers = [reference.check_layer(i) for i in (reference.config.available_layers if layers is None else layers)]
+    spec_config(reference.config, spec, layers)  # a group size that does not divide: before any work
+    backbone = load(model)[0] if validate_output else None
+    local = Path(source).expanduser()
+    provenance = {"id": public_source_id(reference.name if not local.exists() else str(local.resolve()))}
+    if reference.revision:
+        provenance["revision"] = reference.revision
+    with StagedDirectory(out, force, sources=[local] if local.exists() else [], kind="sae") as stage:
+        write_sae(reference.config, reference.file, stage.path, spec, layers, provenance, lambda i: log(f"layer {i}"))
+        report = None
+        if backbone is not None:
+            log(f"Validating against {reference.name} through {model} ...")
+            report = validate_sae(load_sae(stage.path), reference, backbone, layers=layers, name=out.name)
+            write_sae_report(report, stage.path / REPORT_DIR)
+            log(report.summary())
+        failed_beside_old = report is not None and not report.passed and os.path.lexists(out)
+        where = stage.keep_failed() if failed_beside_old else stage.publish()
+        log(f"Wrote {where}")
+    if report is not None:
+        report.directory = where / REPORT_DIR
+        if not report.passed:
+            kept = f"kept at {where}" + (f"; the old {out} is unchanged" if where != out else "")
+            raise ValidationError(
+                f"SAE validation failed ({', '.join(f'{c.name} {c.detail}' for c in report.failed)}); {kept}"
+            )
+    return SAEResult(where, report)

@@ -2,7 +2,8 @@
 
 Everything a push uploads (config.json, validation/report.json and report.md, the model card)
 is written through these, so it names files relative to the artifact and local sources by their
-basename only: no absolute path, hence no user name, home or host layout (issue 12, rule 9).
+basename only: no absolute path, hence no user name, home or host layout (docs/reliability.md,
+rule 9).
 The Hub push checks the result once more before sending (``private_findings``).
 """
 

@@ -6,6 +6,7 @@ and ``validate --reference`` all resolve through ``resolve``."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -23,19 +24,17 @@ LOCAL_ALIASES = {"tiny": PACKAGED / "esmc-tiny"}  # ships inside the package, wo
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.md", "*.txt", "*.png", "*.pth"]
 
 
-def download_checkpoint(repo_id: str, revision: str | None = None) -> tuple[Path, str | None]:
-    """Fetch a model repo into the HF cache; return (local directory, resolved commit).
-
-    Works offline (HF_HUB_OFFLINE=1) when the snapshot is completely in the cache. Raises HubError
-    when the repo does not exist, is gated or private without a token, or cannot be reached
-    (offline mode or network down) and is not completely cached.
-    """
-    from huggingface_hub import constants, is_offline_mode, snapshot_download
+@contextlib.contextmanager
+def hub_errors(repo_id: str, revision: str | None = None, what: str = "the model"):
+    """huggingface_hub's exceptions inside the block as one HubError that says what to do: a
+    missing, gated or private repo, a missing revision, offline mode or no network with the
+    files not cached (``what`` names them), an interrupted download."""
+    from huggingface_hub import constants, is_offline_mode
     from huggingface_hub import errors as hf_errors
 
     where = f"{repo_id}" + (f"@{revision}" if revision else "")
     try:
-        local = Path(snapshot_download(repo_id, revision=revision, allow_patterns=CHECKPOINT_PATTERNS))
+        yield
     except hf_errors.GatedRepoError:
         raise HubError(f"{repo_id}: gated repo; accept its terms on the Hub and log in (hf auth login)") from None
     except hf_errors.RepositoryNotFoundError:
@@ -44,16 +43,18 @@ def download_checkpoint(repo_id: str, revision: str | None = None) -> tuple[Path
         raise HubError(f"{repo_id}: revision {revision!r} not found") from None
     except hf_errors.LocalEntryNotFoundError as e:  # IncompleteSnapshotError is one too
         incomplete = isinstance(e, getattr(hf_errors, "IncompleteSnapshotError", ()))
-        cached = "only partly in the local cache" if incomplete else "not in the local cache"
+        cached = f"{what} is {'only partly' if incomplete else 'not'} in the local cache"
         if is_offline_mode():
             raise HubError(
-                f"{where}: offline mode is on (HF_HUB_OFFLINE is set) and the model is {cached} "
+                f"{where}: offline mode is on (HF_HUB_OFFLINE is set) and {cached} "
                 f"({constants.HF_HUB_CACHE}). Download it once with the network on, or unset HF_HUB_OFFLINE."
             ) from None
         raise HubError(
-            f"{where}: cannot reach the Hub at {constants.ENDPOINT} and the model is {cached} "
+            f"{where}: cannot reach the Hub at {constants.ENDPOINT} and {cached} "
             f"({constants.HF_HUB_CACHE}). Check the network (and HF_ENDPOINT), then try again."
         ) from None
+    except hf_errors.EntryNotFoundError:  # (after its subclass LocalEntryNotFoundError)
+        raise HubError(f"{where}: the repo holds no {what}") from None
     except hf_errors.HfHubHTTPError as e:
         raise HubError(f"{repo_id}: download failed: {e}") from None
     except Exception as e:  # the HTTP client's own errors: the network failed mid-download
@@ -63,12 +64,37 @@ def download_checkpoint(repo_id: str, revision: str | None = None) -> tuple[Path
             f"{where}: the download from {constants.ENDPOINT} was interrupted ({type(e).__name__}: {e}). "
             "Run the same command again: finished files are kept in the cache."
         ) from None
+
+
+def download_checkpoint(
+    repo_id: str, revision: str | None = None, patterns: list[str] | None = None
+) -> tuple[Path, str | None]:
+    """Fetch a model repo into the HF cache; return (local directory, resolved commit).
+    ``patterns``: the files to fetch (default: a checkpoint's, ``CHECKPOINT_PATTERNS``).
+
+    Works offline (HF_HUB_OFFLINE=1) when the snapshot is completely in the cache. Raises HubError
+    when the repo does not exist, is gated or private without a token, or cannot be reached
+    (offline mode or network down) and is not completely cached.
+    """
+    from huggingface_hub import snapshot_download
+
+    with hub_errors(repo_id, revision):
+        local = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns or CHECKPOINT_PATTERNS))
     if not local.is_dir():  # the client returns a path it never made when no file matched
         raise HubError(
             f"{repo_id}: the repo holds no model files on {revision or 'main'} (no config.json, weights or .pth)"
         )
     commit = local.name if len(local.name) == 40 else None  # snapshots/<commit sha>
     return local, commit
+
+
+def download_file(repo_id: str, filename: str, revision: str | None = None) -> Path:
+    """One file of a Hub repo, fetched into the HF cache (or read from it); HubError as
+    ``download_checkpoint``'s, or naming a file the repo does not hold."""
+    from huggingface_hub import hf_hub_download
+
+    with hub_errors(repo_id, revision, filename):
+        return Path(hf_hub_download(repo_id, filename, revision=revision))
 
 
 @dataclasses.dataclass

@@ -23,6 +23,7 @@ from .artifact import dtype_name, expected_shapes
 from .config import ESMCConfig
 from .convert.mapping import GATE_UP, QKV
 from .runtime.model import ESMC
+from .sae_artifact import SAEConfig, layer_file
 from .validate.reference import hf_config
 from .vocab import write_tokenizer_files
 
@@ -329,6 +330,45 @@ def write_random_artifact(directory: Path, config: ESMCConfig, dtype: mx.Dtype =
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     (directory / "config.json").write_text(json.dumps(dict(config.to_dict(), dtype=dtype_name(dtype)), indent=2))
     write_tokenizer_files(directory)
+    return directory
+
+
+def write_random_sae(
+    directory: Path,
+    d_model: int,
+    codebook_dim: int,
+    k: int,
+    layers,
+    residual: bool = False,
+    seed: int = 0,
+    idf_max: bool = True,
+) -> Path:
+    """An SAE folder in the published layout (config.json, layer_{i}.safetensors in float32)
+    with random weights: W_enc and W_dec N(0, 1/fan_in), b_dec N(0, 0.1); with ``idf_max``,
+    idf in [0.5, 3) and max in [1, 5) (else ones, as esm's default). Drawn with numpy, one layer
+    at a time."""
+    from safetensors.numpy import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    layers = sorted(set(layers))
+    config = SAEConfig(d_model, codebook_dim, k, tuple(layers), residual)
+    (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    for i in layers:
+        normal = rng.standard_normal
+        tensors = {
+            "W_enc": (normal((d_model, codebook_dim), np.float32) * d_model**-0.5).astype(np.float32),
+            "W_dec": (normal((codebook_dim, d_model), np.float32) * codebook_dim**-0.5).astype(np.float32),
+            "b_dec": (0.1 * normal(d_model, np.float32)).astype(np.float32),
+            "idf": rng.uniform(0.5, 3.0, codebook_dim).astype(np.float32)
+            if idf_max
+            else np.ones(codebook_dim, np.float32),
+            "max": rng.uniform(1.0, 5.0, codebook_dim).astype(np.float32)
+            if idf_max
+            else np.ones(codebook_dim, np.float32),
+        }
+        save_file(tensors, str(directory / layer_file(i)))
     return directory
 
 

@@ -53,6 +53,11 @@ VOCAB = (
 TOKEN_TO_ID = {t: i for i, t in enumerate(VOCAB)}
 SPECIAL_TOKENS = ("<cls>", "<pad>", "<eos>", "<unk>", "|", "<mask>")
 AMINO_ACIDS = "LAGVSERTIDPKQNFYMHWC"  # the 20 standard residues, in vocabulary order
+# In the vocabulary but not one of the 20: the ambiguity codes X (any), B (D or N), Z (E or Q) and
+# the rare U (selenocysteine), O (pyrrolysine). ESMC saw them seldom in training; scores read at
+# them are not scores of a residue (``score``, ``scan`` and ``embed`` skip them unless asked).
+NONSTANDARD = "XBZUO"
+STOP = "*"  # one trailing stop codon (translated genomes) is dropped wherever a sequence is read
 # One-letter tokens that may appear in a sequence read from a file: the 20 amino acids, the
 # ambiguity/rare codes X B Z U O, gaps '.' '-' and the chain break '|'.
 RESIDUE_ALPHABET = frozenset("LAGVSERTIDPKQNFYMHWCXBUZO.-|")
@@ -68,7 +73,8 @@ _RESIDUES_RE = re.compile("[" + re.escape("".join(sorted(RESIDUE_ALPHABET))) + "
 def split_tokens(
     sequence: str, name: str | None = None, where: str = "", label: str = "sequence", special_tokens: bool = False
 ) -> list[str]:
-    """The tokens of ``sequence`` (lower-case ASCII residues read as upper case).
+    """The tokens of ``sequence`` (lower-case ASCII residues read as upper case; one trailing
+    ``*``, a stop codon, dropped).
 
     ``special_tokens``: also accept ``<mask>`` and the other ``<...>`` vocabulary tokens (the
     tokenizer does; a FASTA file does not). Raises SequenceError naming the sequence and each
@@ -77,6 +83,7 @@ def split_tokens(
     named = f"{where}{label}" + (f" {name!r}" if name else "")
     if not isinstance(sequence, str):
         raise SequenceError(f"{named}: expected a string of residues, got {type(sequence).__name__}")
+    sequence = sequence.removesuffix(STOP)
     allowed = TOKEN_TO_ID if special_tokens else RESIDUE_ALPHABET
     tokens, bad = [], []
     for match in _TOKEN_RE.finditer(sequence):
@@ -121,6 +128,20 @@ def check_sequence(sequence: str, name: str | None = None, where: str = "", labe
         if _RESIDUES_RE.fullmatch(upper):
             return upper
     return "".join(split_tokens(sequence, name, where, label))
+
+
+_NONSTANDARD_RE = re.compile(f"[{NONSTANDARD}]")
+
+
+def nonstandard_positions(sequence: str) -> list[int]:
+    """0-based positions of the non-standard residues (``NONSTANDARD``) of a checked sequence."""
+    return [m.start() for m in _NONSTANDARD_RE.finditer(sequence)]
+
+
+def nonstandard_text(sequence: str, positions: list[int], offset: int = 1, limit: int = 5) -> str:
+    """``X at 9, B at 14`` (numbered from ``offset``), the first ``limit`` of them and a count."""
+    shown = ", ".join(f"{sequence[p]} at {p + offset}" for p in positions[:limit])
+    return shown + (f" and {len(positions) - limit} more" if len(positions) > limit else "")
 
 
 def write_tokenizer_files(directory: str | Path) -> list[Path]:

@@ -5,8 +5,8 @@ That machine has Python 3.12, torch, transformers and nvcc, no registry and no M
 carries at most 64 MiB with the working tree (~25 MB). So MLX's CUDA wheel (90 MB) travels in
 three parts, one call each, into ``~/stash``, while the machine stays warm (it is given back
 30 s after a call ends: fire the calls back to back), and a fourth call installs it and runs
-the session's measurements. The CUTLASS extension is built here, where the build costs no
-device time (about 3 minutes), with ``cutlass_qmm.build_command``'s flags against the CUDA
+the measurements. The CUTLASS extension is built here, where the build costs no
+device time (about 3 minutes), with ``cutlass_qmm.build_commands``' flags against the CUDA
 wheel's headers and the machine's CPython 3.12 headers (pyenv's here).
 
 Here, once a checkout (``.whl/`` is git-excluded: nothing of it is committed)::
@@ -21,7 +21,7 @@ On the machine (``run`` calls; each line one call, its ``carry`` first)::
     [".whl/d"]   python3 scripts/device_setup.py stash
     [".whl/c", ".whl/cache", ...]
                  python3 scripts/device_setup.py install && export PYTHONPATH=~/site:$PWD \\
-                     ESMC_MLX_CACHE=~/cache PYTHONUNBUFFERED=1 && <the session's script>
+                     ESMC_MLX_CACHE=~/cache PYTHONUNBUFFERED=1 && <the measurements>
 
 While the machine stays warm, later calls need only the ``export``. ``stash`` and ``install``
 run on the machine's Python before MLX is there, so this script imports MLX and esmc_mlx only
@@ -36,6 +36,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,9 +118,9 @@ def build_cutlass(download: Path, version: str) -> None:
     if not (site / "mlx" / "include" / "cutlass").is_dir() or not (site / "nanobind").is_dir():
         pip_install(python, site, download.glob("*.whl"))
     os.environ["ESMC_MLX_CACHE"] = str(WHEELS / "cache")
-    from esmc_mlx.runtime import cutlass_qmm
+    from esmc_mlx.runtime.cuda import cutlass_qmm
 
-    sys.path.append(str(site))  # nanobind (pure Python) for build_command; MLX stays this venv's
+    sys.path.append(str(site))  # nanobind (pure Python) for build_commands; MLX stays this venv's
     # That Python's headers and extension suffix, as cutlass_qmm.build reads its own.
     query = "import sysconfig; print(sysconfig.get_paths()['include']); print(sysconfig.get_config_var('EXT_SUFFIX'))"
     include, suffix = subprocess.run([python, "-c", query], check=True, capture_output=True, text=True).stdout.split()
@@ -130,8 +131,10 @@ def build_cutlass(download: Path, version: str) -> None:
         return
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / ("partial-" + target.name)
-    print(f"Building {target.name} for MLX {version} (CUTLASS, about 3 minutes) ...", flush=True)
-    run(cutlass_qmm.build_command(partial, mlx_root=site / "mlx", python_include=include))
+    print(f"Building {target.name} for MLX {version} (CUTLASS, its compiles side by side) ...", flush=True)
+    with tempfile.TemporaryDirectory() as work:  # the objects: not carried
+        compiles, link = cutlass_qmm.build_commands(partial, Path(work), mlx_root=site / "mlx", python_include=include)
+        cutlass_qmm.run_build(compiles, link)
     os.replace(partial, target)
     print(f"Built {target}: carry .whl/cache")
 

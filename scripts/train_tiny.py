@@ -418,8 +418,13 @@ esmc-mlx with masked-language modelling on {sum(m["split_sequences"].values())} 
 sequences shipped as files by the Debian packages `emboss-test`, `hmmer-examples` and
 `any2fasta-examples` (UniProtKB/Swiss-Prot and TrEMBL entries, INSDC and NCBI RefSeq CDS
 translations, PIR-PSD, WormBase wormpep, Pfam seed alignments, ungapped). It is the model that
-`esmc-convert tiny` converts offline: a real trained network for tests, demos and the quality
-side of validation (quantization error on trained weights), not a model for biology.
+`esmc-convert tiny` converts offline: a small demo model, a real trained network for tests,
+demos and the quality side of validation (quantization error on trained weights).
+
+**It is not a model for biology.** With {m["params"] / 1e6:.0f} M parameters trained on {m["split_residues"]["train"] / 1e6:.1f} M residues it predicts a
+masked residue only a little better than the residue frequencies do (perplexity {t["perplexity"]:.1f} against
+{t["unigram_perplexity"]:.1f} below), so its variant scores and embeddings say little about real proteins. For those,
+convert ESMC-300M, 600M or 6B (`esmc-convert 300M`).
 
 - Training: {m["steps_run"]} steps (best validation at step {m["best_step"]}), {m["train_tokens"]:,} tokens,
   AdamW lr {h["lr"]}, weight decay {h["weight_decay"]}, {h["batch_tokens"]} tokens a batch, crops of at most

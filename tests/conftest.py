@@ -20,7 +20,27 @@ import pytest
 
 from esmc_mlx import testing
 
-TORCH_REASON = "needs torch and transformers: pip install 'esmc-mlx[torch]'"
+TORCH_REASON = "needs torch and transformers: pip install -e '.[torch]' in the clone"
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu``: needs MLX on a CUDA GPU; ``@pytest.mark.cutlass``: and CUTLASS's
+    extension built for it (esmc-mlx build-cutlass). Elsewhere they are skipped with the reason."""
+    import mlx.core as mx
+
+    from esmc_mlx.runtime.cuda import cutlass_qmm
+
+    on_cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
+    built = on_cuda and cutlass_qmm.available()
+    for item in items:
+        if "gpu" in item.keywords and not on_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs MLX on a CUDA GPU"))
+        if "cutlass" in item.keywords and not built:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="needs MLX on a Hopper GPU and CUTLASS's extension built (esmc-mlx build-cutlass)"
+                )
+            )
 
 
 def requires_torch():
@@ -40,6 +60,16 @@ def default_device_kept():
     device = mx.default_device()
     yield
     mx.set_default_device(device)
+
+
+@pytest.fixture(autouse=True)
+def settings_as_the_environment_says():
+    """esmc-mlx reads its settings once a process: a test that changes ESMC_MLX_* variables
+    reloads them, and they are read again once its monkeypatch has put the environment back."""
+    from esmc_mlx import settings
+
+    yield
+    settings.reload()
 
 
 @pytest.fixture

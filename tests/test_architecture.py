@@ -5,6 +5,7 @@ behind a late import.
 """
 
 import ast
+import re
 from pathlib import Path
 
 import click
@@ -22,9 +23,11 @@ LAYERS = [
     {
         "_version",
         "errors",
+        "settings",
         "config",
         "vocab",
         "artifact",
+        "sae_artifact",
         "hashes",
         "resolve",
         "privacy",
@@ -35,7 +38,7 @@ LAYERS = [
     {"quantize"},
     {"convert"},
     {"runtime"},
-    {"tasks"},
+    {"tasks", "finetune"},
     {"validate", "hub"},
     {"pipeline", "testing", "bench"},
     {"cli"},
@@ -134,8 +137,30 @@ def test_package_modules_are_imported_at_the_top():
     assert not late, "move these imports to the top of their module: " + ", ".join(sorted(late))
 
 
+RUNTIME = PACKAGE / "runtime"
+CUDA_WORDS = re.compile(r"__global__|__device__|__shared__|threadIdx|blockIdx|\basm\s*\(|#pragma|#define|template\s*<")
+
+
+def test_the_model_file_is_the_math():
+    """runtime/model.py holds the model's math (at most 350 lines) and imports nothing of the CUDA
+    side: the fused steps reach a model on a CUDA GPU through load() (cuda/fusions.py)."""
+    assert len((RUNTIME / "model.py").read_text().splitlines()) <= 350
+    assert not {m for m in _imports(RUNTIME / "model.py") if ".cuda" in m or m.endswith(".dispatch")}
+
+
+def test_no_cuda_in_python_strings():
+    """CUDA source lives in runtime/cuda's .cu and .cuh files; Python only reads and splices them."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and CUDA_WORDS.search(node.value):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not found, found
+    assert CUDA_WORDS.search((RUNTIME / "cuda" / "qmm.cu").read_text())  # the pattern sees CUDA
+
+
 def test_every_command_explains_its_options_and_arguments():
-    """`--help` of every command says what each option and argument is (rule 3 of issue 12)."""
+    """`--help` of every command says what each option and argument is."""
     commands = [("esmc-convert", convert_main)] + [(f"esmc-mlx {n}", c) for n, c in main.commands.items()]
     missing = []
     for name, command in commands:

@@ -1,32 +1,19 @@
-"""`esmc-mlx bench` times torch and MLX each in its own process, on the same weights."""
+"""`esmc-mlx bench` times torch and MLX each in its own process, on the same weights; the
+runtime's plan A/B (benchmarks/paths_ab.py) times plan variants side by side."""
 
 from __future__ import annotations
 
 import json
-import os
-import types
-from pathlib import Path
 
-import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 from conftest import requires_torch
 
-from benchmarks import (
-    after_other,
-    crossover_forward,
-    dequant_cost,
-    gemm_values,
-    host_overhead,
-    kernels_ab,
-    min_values_ab,
-    side_order,
-    twin_pairing,
-)
-from benchmarks.crossover_forward import crossover
-from esmc_mlx import bench
+from benchmarks import paths_ab
+from esmc_mlx import bench, settings
 from esmc_mlx.cli import main
-from esmc_mlx.runtime import cutlass_qmm, kernels, quantized
+from esmc_mlx.runtime import dispatch
+from esmc_mlx.runtime.cuda import cutlass_qmm, device
 
 
 @pytest.mark.slow  # two fresh interpreters, one importing torch
@@ -57,9 +44,9 @@ def test_bench_without_torch_times_mlx_alone(tmp_path):
 
 def test_bench_says_when_quantized_layers_use_cutlass(tmp_path, monkeypatch):
     """Its ratios move with the extension, so the bench records and prints whether it is on: on
-    a GPU job where it is built, never on a CPU job (a Hopper machine's CPU job recorded it
-    before the thirty-third session: the GPU beside it had it)."""
-    monkeypatch.setattr(cutlass_qmm, "enabled", lambda: True)
+    a GPU job where it is built, never on a CPU job (the GPU beside it may have it)."""
+    hopper = dispatch.Target.of(dispatch.Device("cuda", "sm_90a", 132), cutlass=True)
+    monkeypatch.setattr(dispatch, "current", lambda: hopper)
     out = CliRunner().invoke(
         main, ["bench", "--model", "tiny", "--shapes", "1x8", "--device", "cpu", "--no-torch", "-o", str(tmp_path)]
     )
@@ -87,14 +74,14 @@ def test_bench_says_why_a_hopper_gpu_runs_quantized_layers_without_cutlass(tmp_p
         bench.run(("tiny",), [(1, 8)], device, quant=quant, with_torch=False, out_dir=tmp_path, log=lines.append)
         return lines[0]
 
-    monkeypatch.setattr(cutlass_qmm, "runs_here", lambda: True)
+    monkeypatch.setattr(device, "arch", lambda: "sm_90a")
     assert header().endswith(
         "quantized layers without CUTLASS's mixed-input GEMM: not built for this MLX and esmc-mlx (esmc-mlx build-cutlass builds it)"
     )
-    monkeypatch.setenv(cutlass_qmm.ENV, "0")
-    assert header().endswith(f"without CUTLASS's mixed-input GEMM: turned off ({cutlass_qmm.ENV}=0)")
+    with settings.override(kernels=False):
+        assert header().endswith("without CUTLASS's mixed-input GEMM: turned off (ESMC_MLX_KERNELS=0)")
     assert "CUTLASS" not in header(quant=()) and "CUTLASS" not in header(device="cpu")
-    monkeypatch.setattr(cutlass_qmm, "runs_here", lambda: False)  # no Hopper GPU: nothing to build
+    monkeypatch.setattr(device, "arch", lambda: "sm_80")  # no Hopper GPU: nothing to build
     assert "CUTLASS" not in header()
 
 
@@ -136,8 +123,7 @@ def test_bench_into_an_impossible_folder_fails_before_timing(tmp_path, monkeypat
 
 
 def test_bench_on_a_gpu_mlx_has_not_fails_before_timing(tmp_path, monkeypatch):
-    # before round 11 (on a CPU-only MLX): the torch side timed, then the MLX child's traceback
-    # ("Cannot set gpu device without gpu backend") and "the mlx side of the benchmark failed"
+    """On a CPU-only MLX the GPU job fails at once (not after the torch side, with the child's traceback)."""
     monkeypatch.setattr(bench.mx, "is_available", lambda device: device != bench.mx.gpu)
     monkeypatch.setattr(bench, "_side", lambda *a, **k: pytest.fail("timed first"))
     out = CliRunner().invoke(main, ["bench", "--model", "tiny", "--device", "gpu", "-o", str(tmp_path / "b")])
@@ -151,198 +137,6 @@ def test_bench_refuses_shapes_it_cannot_time(tmp_path, monkeypatch, shapes):
     monkeypatch.setattr(bench, "_side", lambda *a, **k: pytest.fail("timed"))
     out = CliRunner().invoke(main, ["bench", "--model", "tiny", "--no-torch", "--shapes", shapes, "-o", str(tmp_path)])
     assert out.exit_code == 2 and "--shapes" in out.output and "BATCHxLENGTH" in out.output, out.output
-
-
-def test_crossover_takes_ties_and_needs_every_larger_count():
-    def rows(*pairs):
-        return [{"tokens": t, "quantized_ms": 1.0, "dequantize_ms": d} for t, d in pairs]
-
-    assert crossover(rows((32, 0.9), (64, 1.02), (128, 0.5))) == 32  # within 3%: a tie, dequantize
-    assert crossover(rows((32, 0.5), (64, 1.2), (128, 0.5))) == 128  # 64 breaks the run
-    assert crossover(rows((32, 0.5), (64, 0.5), (128, 1.5))) is None
-
-
-def test_crossover_forward_times_both_paths_and_writes_json(tmp_path):
-    """A CPU smoke run of the benchmark CROSSOVER_TOKENS comes from: both sides timed per count,
-    the crossover derived from those rows, the JSON on disk."""
-    out = tmp_path / "x.json"
-    argv = ["--model", "tiny", "--device", "cpu", "--tokens", "16,32", "--modes", "affine4", "--budget", "0.05"]
-    result = crossover_forward.main([*argv, "--json", str(out)])
-    assert json.loads(out.read_text())["crossover_tokens"] == result["crossover_tokens"]
-    rows = result["rows"]
-    assert [r["tokens"] for r in rows] == [16, 32] and all(r["quantized_ms"] > 0 < r["dequantize_ms"] for r in rows)
-    assert result["crossover_tokens"]["affine4"] == crossover_forward.crossover(rows)
-
-
-def test_crossover_forward_times_the_bf16_model_beside_a_path(tmp_path):
-    """--sides bf16,dequantize: the unquantized model timed beside one path; no crossover then
-    (it needs both paths)."""
-    argv = ["--model", "tiny", "--device", "cpu", "--tokens", "16", "--modes", "affine4", "--budget", "0.05"]
-    result = crossover_forward.main([*argv, "--sides", "bf16,dequantize"])
-    (row,) = result["rows"]
-    assert row["bf16_ms"] > 0 < row["dequantize_ms"] and "quantized_ms" not in row
-    assert result["crossover_tokens"] == {}
-    with pytest.raises(SystemExit):  # a misspelt side is refused, not timed under the default policy
-        crossover_forward.main([*argv, "--sides", "bf16,dequantise"])
-
-
-def test_twin_pairing_times_bf16_alone_and_beside_each_partner_in_reversed_rounds(tmp_path):
-    """A CPU smoke run: every partner in every round (the second in reverse order), the bf16
-    side always timed, the partner's only when there is one, the JSON on disk."""
-    out = tmp_path / "pairing.json"
-    argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--partners", "none,affine4", "--budget", "0.05"]
-    result = twin_pairing.main([*argv, "--json", str(out)])
-    assert json.loads(out.read_text()) == result
-    assert [(r["round"], r["partner"]) for r in result["rows"]] == [
-        (0, "none"),
-        (0, "affine4"),
-        (1, "affine4"),
-        (1, "none"),
-    ]
-    assert all(r["bf16_ms"] > 0 for r in result["rows"])
-    assert [r["partner_ms"] is None for r in result["rows"]] == [True, False, False, True]
-
-
-def test_min_values_ab_compares_the_gate_with_identical_logits(tmp_path):
-    """A CPU smoke run: both quantized sides and the bf16 model timed, the logits of the two
-    quantized sides identical (on the CPU both run mx.dequantize; on CUDA the kernel is
-    bit-exact), the JSON on disk; each gate restored after every call."""
-    gates = {name: (owner, getattr(owner, name)) for owner, name in min_values_ab.GATES.values()}
-    out = tmp_path / "ab.json"
-    argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--modes", "affine4", "--budget", "0.05"]
-    result = min_values_ab.main([*argv, "--json", str(out)])
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row == result["rows"][0] and row["logits_identical"]
-    assert row["shipped_ms"] > 0 < row["other_ms"] and row["bf16_ms"] > 0
-    assert (result["gate"], result["other"]) == ("MIN_VALUES", 0)
-    result = min_values_ab.main([*argv, "--gate", "dequantize", "--value", "4096"])
-    assert (result["gate"], result["shipped"], result["other"]) == (
-        "DEQUANTIZE_MIN_WIDTH",
-        kernels.DEQUANTIZE_MIN_WIDTH,
-        4096,
-    )
-    assert result["rows"][0]["logits_identical"]
-    result = min_values_ab.main([*argv, "--gate", "small-width", "--value", "7"])
-    assert (result["gate"], result["shipped"], result["other"]) == ("SMALL_WIDTH", quantized.SMALL_WIDTH, 7)
-    assert all(getattr(owner, name) == value for name, (owner, value) in gates.items())
-
-
-def test_kernels_ab_sees_whether_the_other_kernels_give_the_same_logits(tmp_path):
-    """A CPU smoke run: this checkout's kernels.py against an identical copy gives the same
-    logits, against one whose dequantize doubles the weights it does not; runtime/quantized.py
-    calls this checkout's kernels again afterwards."""
-    source = Path(kernels.__file__).read_text()
-    same, doubled = tmp_path / "same.py", tmp_path / "doubled.py"
-    same.write_text(source)
-    assert source.count("        return mx.dequantize(\n") == 1
-    doubled.write_text(source.replace("        return mx.dequantize(\n", "        return 2 * mx.dequantize(\n"))
-    argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--modes", "affine4", "--budget", "0.05"]
-    for path, expect in ((same, True), (doubled, False)):
-        out = tmp_path / f"{path.stem}.json"
-        result = kernels_ab.main([*argv, "--against", str(path), "--json", str(out)])
-        (row,) = json.loads(out.read_text())["rows"]
-        assert row == result["rows"][0] and row["same_logits"] is expect
-        assert row["this_ms"] > 0 < row["against_ms"] and row["bf16_ms"] > 0
-        assert quantized.kernels is kernels
-
-
-NCU_CSV = """==PROF== Connected to process 992 (/usr/bin/python3.12)
-"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
-"0","992","python3.12","127.0.0.1","mlx::custom_kernel_esmc_qmmwg_affine_fast_4_64_bfloat16_t(const __nv_bfloat16 *)","1","14","(256, 1, 1)","(60, 2, 2)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","41,664"
-"1","992","python3.12","127.0.0.1","void mlx::col_reduce_small<float, float, mlx::Sum, 4>(const T1 *)","1","14","(1024, 1, 1)","(1920, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","9,856"
-"2","992","python3.12","127.0.0.1","nvjet_sm90_tst_112x128_64x7_2x1_v_bz_TNN","1","14","(384, 1, 1)","(80, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","us","28.5"
-"3","992","python3.12","127.0.0.1","mlx::custom_kernel_esmc_dequantize_mxfp4_4_32_bfloat16_t_4_32_1(const unsigned int *)","1","14","(256, 1, 1)","(1056, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","us","72.0"
-"4","992","python3.12","127.0.0.1","cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_32","1","14","(384, 1, 1)","(80, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","7,392"
-"5","992","python3.12","127.0.0.1","mlx::custom_kernel_esmc_qkv_heads_bfloat16_t_40(const __nv_bfloat16 *)","1","14","(320, 1, 1)","(256, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","5,408"
-"6","992","python3.12","127.0.0.1","void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int, int, int, int>>>(T1::Params)","1","14","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","us","15.5"
-"7","992","python3.12","127.0.0.1","esmc_qmm::sum_splits(const float4 *, const uint2 *, uint2 *, int, int, unsigned short)","1","14","(256, 1, 1)","(640, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","4,768"
-"8","992","python3.12","127.0.0.1","void mlx::gather<__nv_bfloat16, long long, 1, 2, int>(const T1 *, T1 *)","1","14","(256, 1, 1)","(640, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","us","155.0"
-==PROF== Disconnected from process 992
-"""
-
-
-def test_host_overhead_groups_nsight_compute_kernel_times(tmp_path):
-    """Nsight Compute's CSV (its log lines around it, ns and us, thousands separators) grouped
-    by kernel kind, summed and ranked; a CPU smoke run of the wall/host measurement."""
-    csv = tmp_path / "k.csv"
-    csv.write_text(NCU_CSV)
-    table = host_overhead.main(["--kernels", str(csv), "--json", str(tmp_path / "k.json")])[str(csv)]
-    assert table["kernels"] == 9
-    without = (41664 + 9856 + 28500 + 72000 + 7392 + 5408 + 15500 + 4768) * 1e-6
-    assert table["without_gather_ms"] == pytest.approx(without)
-    assert table["total_ms"] == pytest.approx(without + 155000e-6)
-    ms = {k: round(v["ms"] * 1e6) for k, v in table["groups"].items()}
-    assert ms == {
-        "fused qmm": 41664,
-        "other": 9856,
-        "gemm": 28500,
-        "dequantize": 72000,
-        "attention": 7392,
-        "row kernels": 5408,
-        "cutlass qmm": 15500 + 4768,  # the extension's GEMM and its split-K sum
-        "embedding gather": 155000,
-    }
-    assert table["top"][0]["name"].startswith("void mlx::gather")
-    out = host_overhead.main(
-        [
-            "--model",
-            "tiny",
-            "--device",
-            "cpu",
-            "--modes",
-            "bf16,affine4",
-            "--shapes",
-            "1x16",
-            "--budget",
-            "0.05",
-            "--reps",
-            "2",
-        ]
-    )
-    assert [r["mode"] for r in out["rows"]] == ["bf16", "affine4"]
-    assert all(r["wall_ms"] > 0 < r["host_ms"] and r["build_ms"] <= r["host_ms"] for r in out["rows"])
-
-
-def test_dequant_cost_reads_gpu_time_by_side_and_times_the_host(tmp_path):
-    """The profile window's kernels (per weight and mode: reps x mx.dequantize, ours, fill, as
-    profile() issues them) read back by side in order, medians and TB/s; a CPU smoke run of
-    the host measurement, whose rows must add up (built <= launched <= done)."""
-    header = NCU_CSV.splitlines()[1]
-    names = {
-        "mlx": "void mlx::affine_dequantize<__nv_bfloat16, 64, 4>(const",
-        "ours": "mlx::custom_kernel_esmc_dequantize1_affine_4_64",
-    }
-    names["fill"] = "void mlx::copy_s<__nv_bfloat16, __nv_bfloat16, unsigned int>"
-    labels = dequant_cost.labels("tiny", ["affine4"])
-    lines, reps, want = [header], 2, {}
-    for i, label in enumerate(labels):
-        for r in range(reps):
-            for j, side in enumerate(dequant_cost.GPU_SIDES):
-                us = 10 * i + 3 * j + r  # medians: 10i + 3j + 0.5
-                lines.append(
-                    f'"0","1","p","h","{names[side]}","1","14","(256, 1, 1)","(8, 1, 1)","0","9.0","s","gpu__time_duration.sum","us","{us}"'
-                )
-        want[label] = {side: 10 * i + 3 * j + 0.5 for j, side in enumerate(dequant_cost.GPU_SIDES)}
-    csv = tmp_path / "dq.csv"
-    csv.write_text("==PROF== Connected\n" + "\n".join(lines) + "\n")
-    argv = ["--model", "tiny", "--modes", "affine4", "--reps", str(reps), "--device", "cpu"]
-    rows = dequant_cost.main([*argv, "--kernels", str(csv)])["gpu"]
-    assert [r["weight"] for r in rows] == labels and len(labels) == 4
-    for row in rows:
-        assert {side: row[f"{side}_us"] for side in dequant_cost.GPU_SIDES} == want[row["weight"]]
-        n, k = map(int, row["weight"].split()[0].split("x"))
-        assert row["ours_tb_s"] == pytest.approx(n * k * 2 / row["ours_us"] / 1e6)
-    out = tmp_path / "host.json"
-    dequant_cost.main(
-        ["--model", "tiny", "--modes", "affine4,mxfp4", "--reps", "2", "--device", "cpu", "--json", str(out)]
-    )
-    host = json.loads(out.read_text())["host"]
-    assert [(r["mode"], r["side"]) for r in host] == [
-        (m, s) for m in ("affine4", "mxfp4") for s in ("mlx eager", "mlx compiled", "ours eager", "ours compiled")
-    ]
-    assert all(r["calls"] == 4 * 2 and 0 < r["built_ms"] <= r["launched_ms"] <= r["done_ms"] for r in host)
-    with pytest.raises(SystemExit):
-        dequant_cost.main([*argv, "--modes", "affine3"])
 
 
 def test_time_interleaved_times_each_fn_right_after_its_own_call_and_rotates_the_order():
@@ -372,86 +166,46 @@ def test_time_interleaved_times_each_fn_right_after_its_own_call_and_rotates_the
     assert all(result[name]["reps"] == 6 for name in "abc")
 
 
-def test_side_order_times_two_identical_models_in_both_orders_and_in_blocks(tmp_path):
-    out = tmp_path / "order.json"
-    argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--modes", "affine4", "--budget", "0.05"]
-    result = side_order.main([*argv, "--json", str(out)])
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row == result["rows"][0]
-    for key in ("bf16,qa,qb", "qb,qa,bf16"):
-        assert set(row[key]) == {"bf16", "qa", "qb"} and min(row[key].values()) > 0
-    assert set(row["blocked"]) == {"bf16", "qa"} and min(row["blocked"].values()) > 0
+def test_paths_ab_times_plan_variants_beside_bf16_and_compares_their_logits(tmp_path, on_cpu):
+    """Each side is planned as it says (a forced path, no custom kernels, a replaced table
+    field), timed beside the float model in one process; every side computes the same model."""
+    out = tmp_path / "ab.json"
+    sides = "shipped,path=quantized,mlx-ops,crossover={'all':{'affine':2}}"
+    result = paths_ab.main(
+        [
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--modes",
+            "affine4",
+            "--shapes",
+            "1x16",
+            "--sides",
+            sides,
+            "--budget",
+            "0.01",
+            "--json",
+            str(out),
+        ]
+    )
+    (row,) = result["rows"]
+    assert json.loads(out.read_text())["rows"] == [row]
+    for side in sides.split(","):
+        assert row[f"{side}_ms"] > 0 and row[f"{side}_over_bf16"] > 0
+        assert row[f"{side}_logits_rel_l2"] < 1e-5  # the same model whichever path
+    shipped = dispatch.current()
+    w = dispatch.Weight("affine", 4, 64, 256, 256, "float32")
+    assert dispatch.linear(w, 16, "float32", shipped).path == "dequantize"  # the CPU table: from 8 tokens
+    assert dispatch.linear(w, 16, "float32", paths_ab.side_target("path=quantized", shipped)).path == "quantized"
+    assert (
+        dispatch.linear(w, 4, "float32", paths_ab.side_target("crossover={'all':{'affine':2}}", shipped)).path
+        == "dequantize"
+    )
+    assert paths_ab.side_target("mlx-ops", shipped).kernels is False
 
 
-def test_after_other_times_each_model_right_after_the_one_its_pair_names(tmp_path):
-    """Every timed call comes right after a call of the fn its pair names, with the clock read
-    around it; main writes every pair for the quantized model and the bf16 one."""
-    calls = []
-    fns = {
-        name: (lambda name=name: calls.append(name)) for name in {name for pair in after_other.PAIRS for name in pair}
-    }
-    readings = []
-
-    class Clock:
-        def read(self):
-            readings.append(len(calls))
-            return 1500 + len(calls), len(calls) % 2 == 0
-
-    t = after_other.time_pairs(fns, 3, Clock())
-    assert len(calls) == 2 * 3 * len(after_other.PAIRS)
-    pairs = list(zip(calls[::2], calls[1::2], strict=True))
-    assert sorted(pairs) == sorted(after_other.PAIRS * 3)
-    assert readings == [n for i in range(len(pairs)) for n in (2 * i + 1, 2 * i + 2)]  # around each timed call
-    assert set(t) == {f"{timed} after {first}" for first, timed in after_other.PAIRS}
-    out = tmp_path / "after.json"
-    argv = ["--model", "tiny", "--device", "cpu", "--shapes", "1x16", "--modes", "affine4", "--rounds", "1"]
-    result = after_other.main([*argv, "--json", str(out)])
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row == result["rows"][0] and len(row["pairs"]) == len(after_other.PAIRS)
-    assert min(v["median_ms"] for v in row["pairs"].values()) > 0
-
-
-def test_gemm_values_weights_differ_only_in_their_values(tmp_path, monkeypatch):
-    """The weights gemm_values times side by side: one shape; mxfp4's values and the cleared
-    normal keep at most bf16's top mantissa bit (what the power-limit reading rests on), the
-    normal weight more; each variant is timed and written."""
-    import mlx.core as mx
-    import numpy as np
-
-    monkeypatch.setattr(gemm_values, "N", 64)
-    monkeypatch.setattr(gemm_values, "K", 128)
-    ws = gemm_values.weights()
-    low_bits = {name: np.array(w.view(mx.uint16)) & 0x3F for name, w in ws.items()}  # mantissa bits 2-7
-    assert {w.shape for w in ws.values()} == {(64, 128)}
-    assert not low_bits["mxfp4"].any() and not low_bits["normal_m1"].any()
-    assert low_bits["normal"].any() and low_bits["affine8"].any()
-    out = gemm_values.main(["--tokens", "16", "--gemms", "10", "--rounds", "2", "--json", str(tmp_path / "g.json")])
-    assert [r["weight"] for r in out["rows"]] == ["normal", "mxfp4", "affine4", "affine8", "normal_m1"]
-    assert out["rows"][0]["vs_normal"] == 1.0 and all(r["ms"] > 0 for r in out["rows"])
-    assert json.loads((tmp_path / "g.json").read_text())["rows"] == out["rows"]
-
-
-def test_forward_fns_sets_a_side_s_environment_for_its_call_only(monkeypatch):
-    """A side's switches (``env``) are in os.environ while its model runs, and gone after it,
-    also when the forward raises."""
-    monkeypatch.delenv("ESMC_MLX_TEST_SWITCH", raising=False)
-    seen = []
-
-    class Model:
-        def __init__(self, fail=False):
-            self.fail = fail
-
-        def __call__(self, ids):
-            seen.append(os.environ.get("ESMC_MLX_TEST_SWITCH"))
-            if self.fail:
-                raise RuntimeError("forward failed")
-            return types.SimpleNamespace(logits=mx.zeros(ids.shape))
-
-    env = {"on": {"ESMC_MLX_TEST_SWITCH": "1"}, "broken": {"ESMC_MLX_TEST_SWITCH": "2"}}
-    fns = bench.forward_fns(None, {"off": Model(), "on": Model(), "broken": Model(fail=True)}, 1, 4, env=env)
-    fns["on"]()
-    fns["off"]()
-    with pytest.raises(RuntimeError, match="forward failed"):
-        fns["broken"]()
-    assert seen == ["1", None, "2"]
-    assert "ESMC_MLX_TEST_SWITCH" not in os.environ
+@pytest.mark.parametrize("side", ["path=bogus", "nonsense", "no_such_field=1", "arch=sm_1x"])
+def test_paths_ab_refuses_a_side_it_cannot_plan(side):
+    with pytest.raises(ValueError, match="side|architecture"):
+        paths_ab.side_target(side, dispatch.current())

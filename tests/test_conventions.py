@@ -10,12 +10,12 @@ import warnings
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[torch]' in the clone")
 from transformers import EsmcTokenizer
 
 from esmc_mlx import load
 from esmc_mlx.errors import ScoringError
-from esmc_mlx.tasks.scoring import pseudo_perplexity, score_mutations, window_bounds
+from esmc_mlx.tasks.scoring import pseudo_perplexity, score_mutations, unmasked_window, window_bounds
 from esmc_mlx.testing import random_sequences
 
 HF_TOK = EsmcTokenizer()
@@ -78,6 +78,7 @@ def test_windows_match_torch_on_the_window(model, reference_model):
             s, e = window_bounds(p, len(wt), width)
             rows = torch_logp(reference_model, wt[s:e], [p - s])
             mm += rows[p - s, aa(b)] - rows[p - s, aa(a)]
+            s, e = unmasked_window(p, len(wt), width)  # wt-marginal: the shared windows
             rows = torch_logp(reference_model, wt[s:e])
             wtm += rows[p - s, aa(b)] - rows[p - s, aa(a)]
         assert got["masked_marginal"][k] == pytest.approx(mm, abs=1e-4)

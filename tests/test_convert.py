@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[torch]' in the clone")
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
@@ -72,8 +72,8 @@ def test_output_layout_shards_index_and_tokenizer(checkpoints, reference_model, 
 
 
 def test_api_refuses_a_shard_size_that_is_not_positive(checkpoints, tmp_path):
-    # before round 11: convert(..., shard_bytes=0) wrote one shard per tensor (34 files for
-    # tiny) where the CLI refuses --shard-size 0
+    # convert(..., shard_bytes=0) must not write one shard per tensor (34 files for tiny): the
+    # CLI refuses --shard-size 0, and so does the API
     from esmc_mlx.convert.many import convert_many
     from esmc_mlx.pipeline import convert_validate_push
 
@@ -89,7 +89,7 @@ def test_api_refuses_a_shard_size_that_is_not_positive(checkpoints, tmp_path):
 
 
 def test_api_private_without_an_upload_repo_is_refused(checkpoints, tmp_path):
-    # before round 11 convert_validate_push(..., private=True) without upload_repo converted and made
+    # convert_validate_push(..., private=True) without upload_repo must not convert and make
     # nothing private without a word (the CLI refuses --private without --upload-repo, 8.4d)
     from esmc_mlx.errors import HubError
     from esmc_mlx.pipeline import convert_validate_push
@@ -117,17 +117,26 @@ def test_cli_converts_and_info_describes(checkpoints, tmp_path):
     assert result.exit_code == 0, result.output
     info = runner.invoke(main, ["info", str(tmp_path / "out"), "--json"])
     facts = json.loads(info.output)
-    assert (
-        facts["parameters"]
-        == f"{sum(p.numel() for p in torch.nn.Module.parameters(__import__('esmc_mlx.testing').testing.random_transformers_model(__import__('esmc_mlx.testing').testing.tiny_config()))):,}"
+    assert facts["parameters"] == sum(
+        p.numel()
+        for p in torch.nn.Module.parameters(
+            __import__("esmc_mlx.testing").testing.random_transformers_model(
+                __import__("esmc_mlx.testing").testing.tiny_config()
+            )
+        )
     )
-    assert facts["bits per weight"] == pytest.approx(32, abs=0.01)
+    assert facts["bits_per_weight"] == pytest.approx(32, abs=0.01)
+    size = sum(f.stat().st_size for f in (tmp_path / "out").glob("model*.safetensors"))
+    assert facts["size_bytes"] == size and facts["shards"] == 1 and facts["quantization"] is None
+    assert facts["architecture"]["layers"] == 2 and isinstance(facts["architecture"]["hidden_size"], int)
+    text = runner.invoke(main, ["info", str(tmp_path / "out")]).output
+    assert f"parameters       {facts['parameters']:,}" in text and "size on disk" in text
     assert "--q" in runner.invoke(convert_main, ["--help"]).output
 
 
 def test_info_names_its_size_unit_as_it_counts(tmp_path):
-    # before round 11 `info` divided by 1024 and wrote MB/GB: the packaged tiny (20,890,680 bytes,
-    # "20.9 MB" in docs/esmc-tiny.md) read "19.92 MB", the 6B mxfp4 (3.387 GB in docs/quantization.md) "3.15 GB"
+    # `info` divides by 1024, so its units are MiB/GiB: the packaged tiny (20,890,680 bytes, "20.9 MB"
+    # in docs/esmc-tiny.md) is 19.92 MiB, the 6B mxfp4 (3.387 GB in docs/quantization.md) 3.15 GiB
     from esmc_mlx.artifact import describe, human_size
 
     out = convert("tiny", tmp_path / "tiny", progress=False)
@@ -142,8 +151,8 @@ def run_cli(args):
 
 
 def test_default_output_names_the_spec_as_the_sub_directories_do(tmp_path, monkeypatch):
-    # before round 11 `esmc-convert tiny --q 4` wrote ESMC-tiny-4-mlx (docs: ESMC-300M-4bit-mlx; -o DIR
-    # --q 4 --q 8 writes DIR/4bit), and --group-size 32 went to the same folder as the default 64
+    # `esmc-convert tiny --q 4` writes ESMC-tiny-4bit-mlx, as -o DIR --q 4 --q 8 writes DIR/4bit,
+    # and --group-size 32 goes to another folder than the default 64
     monkeypatch.chdir(tmp_path)
     for args in (["--q", "4"], ["--q", "4", "--group-size", "32"], ["--q", "mxfp4"], ["--dtype", "float16"]):
         result = CliRunner().invoke(convert_main, ["tiny", "--no-validate", *args])
@@ -238,7 +247,7 @@ def test_existing_output_needs_force_and_is_kept_on_failure(checkpoints, tmp_pat
     # a failing forced conversion leaves the old output untouched
     result = run_cli(["./missing", "-o", str(out), "--force"])
     assert result.exit_code == 1 and (out / "precious.txt").read_text() == "keep me"
-    # issue 12, rule 1: --force replaces only what esmc-mlx wrote, never a user's directory
+    # docs/reliability.md, rule 1: --force replaces only what esmc-mlx wrote, never a user's directory
     result = run_cli([str(checkpoints["published"]), "-o", str(out), "--force"])
     assert result.exit_code == 1 and "esmc-mlx did not write it" in result.output
     assert (out / "precious.txt").read_text() == "keep me" and not (out / "config.json").exists()

@@ -217,3 +217,23 @@ def test_two_ranks_scan_and_embed_layers_like_one(converted, tmp_path):
     one, two = read_embeddings(tmp_path / "one"), read_embeddings(tmp_path / "two")
     for name in one.arrays:
         np.testing.assert_allclose(np.asarray(two.arrays[name]), np.asarray(one.arrays[name]), atol=1e-5)
+
+
+@pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
+def test_two_ranks_features_like_one(converted, tmp_path):
+    from esmc_mlx.tasks.features import features_job, read_features
+    from esmc_mlx.testing import write_random_sae
+
+    sae = write_random_sae(tmp_path / "sae", 128, 64, 4, [1, 2], residual=True)
+    seqs = random_sequences(11, 3, 50, seed=22)
+    fasta = tmp_path / "in.fa"
+    fasta.write_text("".join(f">p{i}\n{s}\n" for i, s in enumerate(seqs)))
+    features_job(load(converted)[0], sae, tmp_path / "one", fasta=fasta, layers=[1, 2], batch_tokens=80)
+    args = ["features", str(converted), "--sae", str(sae), "--fasta", str(fasta), "-o", str(tmp_path / "two")]
+    out = launch([*args, "--layer", "1", "--layer", "2", "--batch-tokens", "80"], tmp_path)
+    assert "Encoded 11 sequences on 2 ranks" in out
+    one, two = read_features(tmp_path / "one"), read_features(tmp_path / "two")
+    assert one.ids == two.ids
+    for name in one.arrays:  # the very batches one process runs: the same numbers
+        np.testing.assert_array_equal(np.asarray(two.arrays[name]), np.asarray(one.arrays[name]))
+    assert (tmp_path / "one" / "summary.csv").read_text() == (tmp_path / "two" / "summary.csv").read_text()

@@ -40,9 +40,8 @@ def test_docs_cite_calls():
 
 @pytest.mark.parametrize("doc, dotted, args", cited_calls())
 def test_cited_call_exists_and_takes_its_arguments(doc, dotted, args):
-    # before round 11 docs/quantization.md cited esmc_mlx.quantize.quantize(mlx_dir, out, "mxfp4"):
-    # that is the per-tensor quantizer (w, group_size, bits, mode); the directory one is
-    # esmc_mlx.convert.quantize_directory
+    # e.g. esmc_mlx.quantize.quantize(mlx_dir, out, "mxfp4") would fail: that is the per-tensor
+    # quantizer (w, group_size, bits, mode); the directory one is esmc_mlx.convert.quantize_directory
     items = [a.strip() for a in args.split(",") if a.strip()]
     positional = [a for a in items if "=" not in a and a != "..."]
     keywords = {a.split("=")[0].strip(): None for a in items if "=" in a}
@@ -55,7 +54,6 @@ def test_cited_call_exists_and_takes_its_arguments(doc, dotted, args):
 
 
 def test_readme_command_table_lists_every_option():
-    # before round 11 the table left out embed --drop-missing and scan --force
     from esmc_mlx.cli import convert_main, main
 
     rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `esmc-")]
@@ -79,9 +77,8 @@ BENCHMARKS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem
 
 @pytest.mark.parametrize("name", BENCHMARKS)
 def test_every_benchmark_imports_what_exists(name):
-    # before round 11 `python benchmarks/quant_sizes.py` (docs/quantization.md) stopped at
-    # `from esmc_mlx.info import describe`: describe had moved to esmc_mlx.artifact. Read, not run:
-    # some benchmarks are scripts that start timing when imported
+    # a benchmark a doc runs must not stop at an import of a moved name. Read, not run: some
+    # benchmarks are scripts that start timing when imported
     tree = ast.parse((ROOT / "benchmarks" / f"{name}.py").read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("esmc_mlx", "benchmarks"):
@@ -97,7 +94,6 @@ def test_every_benchmark_imports_what_exists(name):
 
 
 def test_heatmap_size_the_docs_give_is_the_one_drawn():
-    # before round 11 docs/scoring.md said 1,570 x 7,570 px for 2,000 residues; scans draw 1,570 x 7,170
     from esmc_mlx.tasks.heatmap import heatmap_size
 
     said = re.findall(r"([\d,]+) x ([\d,]+) px for ([\d,]+) residues", (ROOT / "docs" / "scoring.md").read_text())

@@ -1,7 +1,8 @@
-"""The fault battery of issue 12, "Nothing lost, nothing leaked": each case asserts the exit code,
-the message and the state of the disk afterwards (old output byte-identical, no debris).
+"""The fault battery of docs/reliability.md ("Nothing lost, nothing leaked"): each case asserts
+the exit code, the message and the state of the disk afterwards (old output byte-identical, no
+debris).
 
-Sections follow the issue's rules: 1 --force, 2 old output until proven, 3 locks, 4 the index,
+Sections follow its rules: 1 --force, 2 old output until proven, 3 locks, 4 the index,
 5 bad numbers, 6 debris (with a real SIGKILL), 7 one Error line, 8 real inputs and the umask.
 docs/reliability.md has the table.
 """
@@ -27,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[torch]' in the clone")
 from fault_tools import (
     DEAD,
     cli,
@@ -42,7 +43,7 @@ from fault_tools import (
 from safetensors.torch import load_file, save_file
 
 import esmc_mlx
-from esmc_mlx import outputs, pipeline, testing
+from esmc_mlx import outputs, pipeline, settings, testing
 from esmc_mlx.convert import convert
 from esmc_mlx.errors import ConvertError, EsmcMlxWarning, OutputError, SequenceError, ValidationError
 from esmc_mlx.tasks.fasta import read_fasta
@@ -266,7 +267,7 @@ def test_ctrl_c_during_conversion_keeps_the_old_output(old_output, checkpoints, 
 
 
 def test_ctrl_c_between_the_two_renames_puts_the_old_output_back(old_output, checkpoints, tmp_path, monkeypatch):
-    """The swap is two renames (old aside, new in): an interrupt between them used to leave OUT
+    """The swap is two renames (old aside, new in): an interrupt between them must not leave OUT
     missing, the old output hidden as .out.old-* until a later run on that path."""
     out, before = old_output
     replace = os.replace
@@ -393,7 +394,7 @@ def test_score_and_embed_take_the_lock_too(converted, tmp_path, locked_by_other_
 
 
 def test_validate_takes_the_artifacts_lock(old_output, checkpoints, tmp_path, locked_by_other_process):
-    """A conversion replacing OUT holds OUT's lock; validate used to write its report into OUT
+    """A conversion replacing OUT holds OUT's lock; validate must not write its report into OUT
     meanwhile (a report of the old weights beside the new ones, which push would publish)."""
     out, before = old_output
     pid = locked_by_other_process(out)
@@ -459,7 +460,7 @@ def test_quantize_info_validate_and_load_refuse_a_stray_file_in_an_artifact(old_
 
 def _copy_into_the_last_shard(directory: Path) -> str:
     """Put a tensor of the first shard, changed, into the last one too (the index still names the
-    first): which copy a reader takes used to depend on the order it read the files in."""
+    first): which copy a reader takes must not depend on the order it reads the files in."""
     shards = sorted(directory.glob("model-*.safetensors"))
     assert len(shards) > 1
     first, last = load_file(str(shards[0])), load_file(str(shards[-1]))
@@ -929,6 +930,7 @@ def test_a_damaged_hash_memo_only_costs_the_hashing(checkpoints, tmp_path, monke
     """The memo of source hashes (<cache>/hashes.json) holding a JSON list made every conversion
     fail with a TypeError traceback; the memo is a cache: it is started again."""
     monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path / "cache"))
+    settings.reload()  # read once per process: this test changes it
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "hashes.json").write_text(text, errors="surrogateescape")
     result = convert_cli(checkpoints["published"], "-o", tmp_path / "out", "--no-validate")
@@ -1442,7 +1444,7 @@ def test_nonsense_job_options(converted, tmp_path, command):
     ],
 )
 def test_dash_as_an_output_is_refused(converted, tmp_path, monkeypatch, command):
-    """Before round 11 `-o -` (stdout to many tools) made a file or folder named '-' (score: the
+    """`-o -` (stdout to many tools) is refused, not made a file or folder named '-' (score: the
     CSV, rc 0)."""
     (tmp_path / "in.fasta").write_text(f">a\n{SEQ}\n")
     (tmp_path / "m.csv").write_text("mutant\nM1A\n")

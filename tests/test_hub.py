@@ -226,8 +226,9 @@ def test_an_empty_revision_is_refused_not_taken_for_main(hub, checkpoints, tmp_p
 
 
 def test_the_validate_command_a_refused_push_suggests_reads_its_reference(hub, tmp_path):
-    # before round 11 the packaged model's artifacts were told to run `esmc-mlx validate DIR
-    # --reference esmc-mlx/tiny` (the id their provenance records), which went to the Hub and failed
+    # the packaged model's artifacts are told to run `esmc-mlx validate DIR --reference
+    # esmc-mlx/tiny` (the id their provenance records): that id must name the packaged model,
+    # not go to the Hub
     from esmc_mlx.resolve import resolve
 
     artifact = convert("tiny", tmp_path / "tiny-4bit", q="4", progress=False)
@@ -238,8 +239,8 @@ def test_the_validate_command_a_refused_push_suggests_reads_its_reference(hub, t
 
 
 def test_a_repo_without_model_files_is_named_as_such(hub, tmp_path):
-    # before round 11: load('alice/empty') said 'alice/empty: a file, not a model directory' (the client
-    # returns a snapshot path it never made when no file matched), embed and score the same
+    # not 'alice/empty: a file, not a model directory' (the client returns a snapshot path it
+    # never made when no file matches), in load, embed and score alike
     hub.state.create_repo("alice/empty")  # only .gitattributes, as a push to another branch leaves main
     with pytest.raises(HubError, match=r"alice/empty: the repo holds no model files on main"):
         load("alice/empty")
@@ -528,7 +529,7 @@ def test_a_fresh_process_takes_endpoint_and_token_from_the_environment(hub, chec
     assert done.returncode == 1 and "offline mode is on" in done.stderr
 
 
-# --- nothing private leaves the machine (issue 12, rule 9) -------------------------------------------------
+# --- nothing private leaves the machine (docs/reliability.md, rule 9) ------------------------------------
 MARK = "Q7privatemark"
 
 
@@ -648,8 +649,7 @@ def test_card_of_an_unquantized_local_conversion(checkpoints, tmp_path):
     assert "Not quantized" in card.text and "Not validated" in card.text
     assert "no command line was recorded" in card.text
     assert read_validation(artifact).state == "missing"
-    # its first sentence read "ESMC protein language model a local checkpoint (`published`) converted
-    # to MLX" before round 11
+    # its first sentence is a sentence
     assert "An ESMC protein language model from a local checkpoint (`published`), converted to [MLX]" in card.text
 
 
@@ -676,8 +676,8 @@ def test_a_stray_weight_file_is_refused_not_published(hub, checkpoints, tmp_path
 
 
 def test_push_sends_nothing_while_another_run_writes_the_artifact(hub, checkpoints, tmp_path):
-    """A conversion replacing the artifact (--force) holds its lock; push used to upload meanwhile,
-    its files read from the old artifact or the new one, whichever the swap had reached."""
+    """A conversion replacing the artifact (--force) holds its lock; push must not upload
+    meanwhile, its files read from the old artifact or the new one, whichever the swap had reached."""
     import subprocess
     import sys
 

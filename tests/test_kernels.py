@@ -1,17 +1,20 @@
-"""runtime/kernels.py: the CUDA dequantize, bit for bit against mx.dequantize.
+"""runtime/cuda: this project's CUDA kernels, bit for bit against the MLX ops they replace.
 
-CUDA cannot run on the CI host, so the kernel's arithmetic is proven on the CPU through
-``emulate``, a numpy copy of what one kernel thread computes (same unpacking, same scale
+CUDA cannot run on the CI host, so the dequantize kernel's arithmetic is proven on the CPU
+through ``emulate``, a numpy copy of what one kernel thread computes (same unpacking, same scale
 decoding, same roundings). MLX's CPU and CUDA dequantize differ in one place: affine
 ``q * scale + bias`` is one fused multiply-add on CUDA (one rounding in the scales' dtype) and
 two ops on the CPU (a rounding after each, through fp32). ``emulate(..., fused=False)`` is the
 CPU's arithmetic and must equal the CPU's mx.dequantize everywhere; ``fused=True`` is the
-kernel's and must equal the CPU wherever the two roundings give the one-rounding result. On a
-CUDA GPU the kernel itself is compared with mx.dequantize (and with ``emulate(fused=True)``).
+kernel's and must equal the CPU wherever the two roundings give the one-rounding result. The
+kernels' sources compile here with nvcc; on a CUDA GPU (``@pytest.mark.gpu``) each kernel is
+compared with the MLX ops it replaces.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
 import shutil
@@ -20,30 +23,30 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
 from esmc_mlx import bench, testing
-from esmc_mlx.runtime import cutlass_qmm, kernel_cache, kernels
+from esmc_mlx.runtime import dispatch
 from esmc_mlx.runtime import quantized as rq
-from esmc_mlx.runtime.model import FUSED_NORM_ENV, FUSED_QKV_ENV, Attention
+from esmc_mlx.runtime.cuda import dequantize, fusions, kernel_cache, qmm, rows, source
+from esmc_mlx.runtime.model import PLAIN, Attention
 
 FLOATS = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-AFFINE = [(b, g) for b in kernels.AFFINE_BITS for g in kernels.AFFINE_GROUPS]
-FP = list(kernels.FP_MODES)
-ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
+AFFINE = [(b, g) for b in dequantize.AFFINE_BITS for g in dequantize.AFFINE_GROUPS]
+FP = list(dequantize.FP_MODES)
+BLOCKS = 132 * 32  # the dequantize kernel's grid cap on the H200 (dispatch.HOPPER)
 
 
-# ---- numpy emulation of the kernel ------------------------------------------------------
+def gpu_target(**tuning) -> dispatch.Target:
+    """The default device's target, with some fields of its table replaced."""
+    target = dispatch.current()
+    return dataclasses.replace(target, tuning=dataclasses.replace(target.tuning, **tuning)) if tuning else target
 
 
-@pytest.fixture(autouse=True)
-def kernel_at_every_size(monkeypatch):
-    """The tests' arrays are small: let the kernels take them (kernels.MIN_VALUES routes small
-    inputs of add_layer_norm to MLX's ops, DEQUANTIZE_MIN_WIDTH narrow weights to mx.dequantize)."""
-    monkeypatch.setattr(kernels, "MIN_VALUES", 0)
-    monkeypatch.setattr(kernels, "DEQUANTIZE_MIN_WIDTH", 0)
+# ---- numpy emulation of the dequantize kernel -----------------------------------------------
 
 
 def round_to(x: np.ndarray, dtype) -> np.ndarray:
@@ -199,7 +202,7 @@ def test_fma_round_is_the_exact_rounding():
 
 @pytest.mark.parametrize("mode", FP)
 def test_fp_emulation_matches_cpu(mode):
-    bits, group_size = kernels.FP_MODES[mode]
+    bits, group_size = dequantize.FP_MODES[mode]
     with mx.stream(mx.cpu):
         w, s, _ = quantized(mode, bits, group_size, mx.float32)
         for odt in FLOATS.values():
@@ -213,26 +216,27 @@ def test_fp_emulation_matches_cpu(mode):
 @pytest.mark.parametrize(
     ("mode", "bits", "group_size"), [("affine", 4, 64), ("affine", 3, 32), ("mxfp4", 4, 32), ("nvfp4", 4, 16)]
 )
-def test_fallback_on_cpu_is_mx_dequantize(mode, bits, group_size):
-    with mx.stream(mx.cpu):
-        w, s, b = quantized(mode, bits, group_size, mx.bfloat16)
-        assert not kernels.supported(w, s, b, group_size, bits, mode, mx.bfloat16)
-        ref = mx.dequantize(w, s, b, group_size=group_size, bits=bits, mode=mode, dtype=mx.float16)
-        got = kernels.dequantize(w, s, b, group_size, bits, mode, mx.float16)
-        assert got.dtype == mx.float16 and got.shape == ref.shape
-        np.testing.assert_array_equal(as_bits(got), as_bits(ref))
-        default = kernels.dequantize(w, s, b, group_size, bits, mode)  # mx.dequantize's dtype
-        assert default.dtype == mx.dequantize(w, s, b, group_size=group_size, bits=bits, mode=mode).dtype
+def test_a_layer_dequantizes_with_mx_dequantize_where_no_kernel_runs(mode, bits, group_size, on_cpu):
+    """On the CPU no plan names this project's dequantize: a layer's weight is mx.dequantize's."""
+    layer = rq.QuantizedLinear(512, 8, bias=False, group_size=group_size, bits=bits, mode=mode)
+    plan = layer.plan(64, mx.float32)
+    assert plan.path == "dequantize" and plan.kernels[0] == dispatch.Launch("mx.dequantize", None)
+    got = rq.dequantized_weight(layer, mx.float16, plan.kernels[0])
+    ref = mx.dequantize(
+        layer.weight, layer.scales, layer.get("biases"), group_size=group_size, bits=bits, mode=mode, dtype=mx.float16
+    )
+    assert got.dtype == mx.float16 and got.shape == ref.shape
+    np.testing.assert_array_equal(as_bits(got), as_bits(ref))
 
 
-# ---- GPU: the kernel itself (skipped unless the default device is a CUDA GPU) ---------------
+# ---- GPU: the dequantize kernel itself --------------------------------------------------------
 
 GPU_CASES = [("affine", b, g, sdt) for b, g in AFFINE for sdt in FLOATS] + [
-    (m, *kernels.FP_MODES[m], "float32") for m in FP
+    (m, *dequantize.FP_MODES[m], "float32") for m in FP
 ]
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize(("mode", "bits", "group_size", "sdt"), GPU_CASES)
 def test_kernel_bit_exact_on_cuda(mode, bits, group_size, sdt):
     # 6B-like width; one row sliced off the front makes the words start 4- or 8-byte aligned
@@ -241,9 +245,9 @@ def test_kernel_bit_exact_on_cuda(mode, bits, group_size, sdt):
     views = [(w, s, b), (w[1:], s[1:], None if b is None else b[1:])]
     for ww, ss, bb in views:
         for odt in FLOATS.values():
-            assert kernels.supported(ww, ss, bb, group_size, bits, mode, odt)
+            assert dequantize.supported(ww, ss, bb, group_size, bits, mode, odt)
             ref = mx.dequantize(ww, ss, bb, group_size=group_size, bits=bits, mode=mode, dtype=odt)
-            got = kernels.dequantize(ww, ss, bb, group_size, bits, mode, odt)
+            got = dequantize.dequantize(ww, ss, bb, group_size, bits, mode, odt, BLOCKS)
             assert got.dtype == ref.dtype and got.shape == ref.shape
             np.testing.assert_array_equal(
                 as_bits(got), as_bits(ref), err_msg=f"{mode} {bits} {group_size} {sdt}->{odt}"
@@ -272,134 +276,122 @@ def every_code_and_scale(mode: str, sdt) -> tuple:
     return mx.array(np.tile(words[:8], (s.shape[0], 1))), mx.array(s).astype(sdt), mx.array(b).astype(sdt)
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize(("mode", "sdt"), [("mxfp4", None), ("affine", mx.bfloat16), ("affine", mx.float16)])
 def test_kernel_bit_exact_for_every_code_and_scale_on_cuda(mode, sdt):
     """mxfp4 into bf16 (the two-at-a-time body) and 4-bit affine give mx.dequantize's bits for
     every code, every e8m0 scale (scale and bias spreads for affine); NaN scales give NaN."""
     w, s, b = every_code_and_scale(mode, sdt)
     gs, odt = (32, mx.bfloat16) if mode == "mxfp4" else (64, sdt)
-    assert kernels._body(mode, odt) == ("fp_pairs" if mode == "mxfp4" else "affine")
+    assert dequantize._body(mode, odt) == ("fp_pairs" if mode == "mxfp4" else "affine")
     ref = as_bits(mx.dequantize(w, s, b, group_size=gs, bits=4, mode=mode, dtype=odt))
-    got = as_bits(kernels.dequantize(w, s, b, gs, 4, mode, odt))
+    got = as_bits(dequantize.dequantize(w, s, b, gs, 4, mode, odt, BLOCKS))
     nan = np.isnan(ref.view(np.float32))
     np.testing.assert_array_equal(np.isnan(got.view(np.float32)), nan)
     np.testing.assert_array_equal(got[~nan], ref[~nan])
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
-def test_dequantize_takes_weights_from_min_width_on_cuda(monkeypatch):
-    """The kernel runs for weights whose smaller dimension is DEQUANTIZE_MIN_WIDTH or more (the
-    600M's and the 6B's), mx.dequantize for narrower ones (the 300M's); same values either way."""
-    monkeypatch.setattr(kernels, "DEQUANTIZE_MIN_WIDTH", 1024)
-    built, real = [], kernels._kernel
-    monkeypatch.setattr(kernels, "_kernel", lambda *key: built.append(key) or real(*key))
-    cases = ((2880, 960, False), (960, 2560, False), (1024, 1024, True), (6144, 1152, True))
-    for out_dims, in_dims, ours in cases:
-        x = mx.random.normal((out_dims, in_dims), key=mx.random.key(out_dims)).astype(mx.bfloat16)
-        w, s, b = mx.quantize(x, group_size=64, bits=4)
-        got = kernels.dequantize(w, s, b, 64, 4, "affine", mx.bfloat16)
-        ref = mx.dequantize(w, s, b, group_size=64, bits=4, dtype=mx.bfloat16)
+@pytest.mark.gpu
+def test_a_layer_takes_the_kernel_from_the_tables_width_on_cuda(monkeypatch):
+    """A layer planned to dequantize runs this project's kernel for weights whose smaller
+    dimension is the table's dequantize_from_width or more (the 600M's and the 6B's),
+    mx.dequantize for narrower ones (the 300M's); the same values either way."""
+    built, real = [], dequantize._kernel
+    monkeypatch.setattr(dequantize, "_kernel", lambda *key: built.append(key) or real(*key))
+    target = dataclasses.replace(dispatch.current(), force="dequantize")
+    for out_dims, in_dims, ours in ((2880, 960, False), (960, 2560, False), (1024, 1024, True), (6144, 1152, True)):
+        layer = rq.QuantizedLinear(in_dims, out_dims, bias=False, group_size=64, bits=4)
+        with dispatch.use(target):
+            launch = layer.plan(64, mx.bfloat16).kernels[0]
+        assert (launch.requires is not None) == ours, (out_dims, in_dims)
+        with dispatch.use(target):
+            got = rq.dequantized_weight(layer, mx.bfloat16, launch)
+        ref = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=64, bits=4, dtype=mx.bfloat16)
         np.testing.assert_array_equal(as_bits(got), as_bits(ref))
         assert bool(built) == ours, (out_dims, in_dims)
         built.clear()
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("mode", "bits", "group_size", "sdt"),
-    [("affine", b, 64, "bfloat16") for b in kernels.AFFINE_BITS]
+    [("affine", b, 64, "bfloat16") for b in dequantize.AFFINE_BITS]
     + [("affine", 4, 32, "float32"), ("affine", 8, 128, "float16")]
     + [c for c in GPU_CASES if c[0] != "affine"],
 )
 def test_dequantize_together_bit_exact_on_cuda(mode, bits, group_size, sdt):
     """Weights of a block's shapes (q/k/v, o, gate/up, down; one sliced off a row: scalar
     loads; one of three dimensions) dequantized by one launch give mx.dequantize's bits, each;
-    None where it cannot. Every bit width and mode (the octet bodies are dequantize's, tested
-    at every group size and scale dtype above). The same kernel for one weight (dequantize)
-    takes the three-dimensional one too."""
+    None where the scales' dtypes differ. The same kernel for one weight (dequantize) takes
+    the three-dimensional one too."""
     shapes = [(3 * 96, 256 + group_size), (96, 256 + group_size), (2 * 160, 256 + group_size), (96, 512)]
     parts = [quantized(mode, bits, group_size, FLOATS[sdt], rows=r, cols=c) for r, c in shapes]
     w, sc, b = parts[1]
     parts[1] = (w[1:], sc[1:], None if b is None else b[1:])
     parts.append(tuple(None if a is None else a.reshape(2, 48, -1) for a in parts[3]))  # the kernel reads the rank
-    w, sc, b = parts[-1]  # kernel_at_every_size: dequantize takes it, narrow as it is
-    one = kernels.dequantize(w, sc, b, group_size, bits, mode, mx.bfloat16)
+    w, sc, b = parts[-1]
+    one = dequantize.dequantize(w, sc, b, group_size, bits, mode, mx.bfloat16, BLOCKS)
     ref = mx.dequantize(w, sc, b, group_size=group_size, bits=bits, mode=mode, dtype=mx.bfloat16)
     assert one.shape == (2, 48, 512)
     np.testing.assert_array_equal(as_bits(one), as_bits(ref))
     for odt in FLOATS.values():
-        got = kernels.dequantize_together(parts, group_size, bits, mode, odt)
+        got = dequantize.dequantize_together(parts, group_size, bits, mode, odt, BLOCKS)
         refs = [mx.dequantize(w, sc, b, group_size=group_size, bits=bits, mode=mode, dtype=odt) for w, sc, b in parts]
         assert got.dtype == odt and got.shape == (sum(r.size for r in refs),)
         ref = mx.concatenate([r.reshape(-1) for r in refs])
         np.testing.assert_array_equal(as_bits(got), as_bits(ref), err_msg=f"{mode} {bits} {group_size} -> {odt}")
-        views = rq.transposed_views(got, [r.shape for r in refs])  # what the layers multiply by
+        views = fusions.transposed_views(got, [r.shape for r in refs])  # what the layers multiply by
         assert all(mx.array_equal(v, r.T).item() for v, r in zip(views, refs, strict=True))
-    assert kernels.dequantize_together(parts[:1], group_size, bits, mode, mx.bfloat16) is None  # one weight
     if mode == "affine":
         w, sc, b = parts[0]
         other = mx.float32 if sc.dtype != mx.float32 else mx.float16
         mixed = [(w, sc.astype(other), b.astype(other)), parts[1]]  # scales of two dtypes
-        assert kernels.dequantize_together(mixed, group_size, bits, mode, mx.bfloat16) is None
+        assert dequantize.dequantize_together(mixed, group_size, bits, mode, mx.bfloat16, BLOCKS) is None
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["affine4", "mxfp4", "affine8"])
 def test_forward_with_and_without_dequantize_together_on_cuda(name, monkeypatch):
     """A quantized model taking dequantize + matmul gives the same logits, bit for bit, with its
     blocks' four weights dequantized in one launch (one call a block) or one by one."""
     config = testing.tiny_config(hidden_size=256, num_attention_heads=4, num_hidden_layers=3)
     weights = dict(tree_flatten(testing.random_mlx_model(config, mx.bfloat16).parameters()))
+    model = bench.mlx_model(config, weights, fuse=True, compile=True, quant=bench.QUANT_MODES[name])
     ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(2, 96)))
-    monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
-    monkeypatch.setenv(cutlass_qmm.ENV, "0")  # where built, CUTLASS would take these calls instead
-    calls, real = [], kernels.dequantize_together
-    monkeypatch.setattr(kernels, "dequantize_together", lambda parts, *a: calls.append(len(parts)) or real(parts, *a))
+    calls, real = [], dequantize.dequantize_together
+    monkeypatch.setattr(
+        dequantize, "dequantize_together", lambda parts, *a: calls.append(len(parts)) or real(parts, *a)
+    )
     logits = {}
     for together in (2, 5):  # 5: more than a block has, never together
-        monkeypatch.setattr(kernels, "TOGETHER_MIN_WEIGHTS", together)
-        model = bench.mlx_model(config, weights, fuse=True, compile=True, quant=bench.QUANT_MODES[name])
-        logits[together] = model(ids).logits
-        mx.eval(logits[together])
-    assert calls == [4] * config.num_hidden_layers * 2  # both sides asked; only the first side's ran
+        target = dataclasses.replace(gpu_target(together_min_weights=together), force="dequantize", cutlass=False)
+        with dispatch.use(target):
+            logits[together] = model(ids).logits
+            mx.eval(logits[together])
+    assert calls == [4] * config.num_hidden_layers  # the first side's blocks, one call each
     assert mx.array_equal(logits[2], logits[5]).item()
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "k,n,group_size", [(64, 192, 64), (64, 64, 64), (128, 192, 128), (128, 192, 64), (256, 64, 64)]
 )
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_narrow_quantized_linears_match_dequantize_on_cuda(k, n, group_size, dtype):
     """QuantizedLinear gives one output for one input, within rounding of dequantize + matmul's,
-    at widths on both sides of one group (rq.mlx_quantized_matmul_fails). Where k <= group_size,
-    MLX 0.32.4's own quantized_matmul gave outputs that changed from call to call on the H200,
-    and at (128, 192, 128) never returned (thirtieth issue-16 session,
-    benchmarks/qmm_widths_probe.py): this test's first form called it and hung there. This form
-    passed there in the thirty-first session (10 of 10)."""
+    at widths on both sides of one group. Where k <= group_size MLX's own quantized_matmul gave
+    outputs that changed from call to call on the H200, or never returned: the plans keep such
+    weights off it."""
     layer = rq.QuantizedLinear(k, n, bias=False, group_size=group_size, bits=4)
     packed = (layer.weight, layer.scales, layer.biases)
-    for rows in (1, 3, 16):
-        x = mx.random.normal((1, rows, k), key=mx.random.key(rows)).astype(dtype)
+    for count in (1, 3, 16):
+        x = mx.random.normal((1, count, k), key=mx.random.key(count)).astype(dtype)
         once = layer(x)
         mx.eval(once)
         assert mx.array_equal(layer(x), once).item()
         ref = x.astype(mx.float32) @ mx.dequantize(*packed, group_size=group_size, bits=4).T
         tolerance = 1e-4 if dtype == mx.float32 else 3e-2  # bf16 x and outputs
         np.testing.assert_allclose(np.array(once.astype(mx.float32)), np.array(ref), rtol=tolerance, atol=tolerance)
-
-
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
-def test_unsupported_cases_fall_back_on_cuda():
-    w, s, b = quantized("affine", 4, 64, mx.bfloat16)
-    w2, s2, _ = quantized("nvfp4", 4, 16, mx.float32)
-    gs = mx.array(3.0)
-    assert not kernels.supported(w2, s2, None, 16, 4, "nvfp4", mx.bfloat16, global_scale=gs)
-    ref = mx.dequantize(w2, s2, mode="nvfp4", global_scale=gs, dtype=mx.bfloat16)
-    got = kernels.dequantize(w2, s2, None, 16, 4, "nvfp4", mx.bfloat16, global_scale=gs)
-    np.testing.assert_array_equal(as_bits(got), as_bits(ref))
-    assert kernels.dequantize(w, s, b, 64, 4).dtype == mx.bfloat16
 
 
 # ---- qkv_heads: QK LayerNorm + RoPE + head layout in one kernel ------------------------------
@@ -431,36 +423,58 @@ def ulps(a: mx.array, b: mx.array) -> np.ndarray:
     return np.abs(ia - ib)
 
 
+def qkv_reference(qkv, wq, wk, eps, theta, heads):
+    """What the model computes without the kernel: split, LayerNorm without bias over the whole
+    width, (B, H, L, Dh) heads, RoPE."""
+    B, L, _ = qkv.shape
+    q, k, v = mx.split(qkv, 3, axis=-1)
+
+    def split(x):
+        return x.reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
+
+    def rope(x):
+        return mx.fast.rope(x, x.shape[-1], traditional=False, base=theta, scale=1.0, offset=0)
+
+    return (
+        rope(split(mx.fast.layer_norm(q, wq, None, eps))),
+        rope(split(mx.fast.layer_norm(k, wk, None, eps))),
+        split(v),
+    )
+
+
 def test_rope_log2_base_is_fp32_log2():
-    assert kernels.rope_log2_base(THETA) == float(np.log2(np.float32(THETA)))
-    assert kernels.rope_log2_base(THETA) == float(np.float32(13.287712379549449))
+    assert rows.rope_log2_base(THETA) == float(np.log2(np.float32(THETA)))
+    assert rows.rope_log2_base(THETA) == float(np.float32(13.287712379549449))
 
 
-def test_qkv_heads_falls_back_on_cpu():
-    """On the CPU qkv_heads is the model's own unfused path, and the model never asks for it."""
-    with mx.stream(mx.cpu):
-        qkv, wq, wk = qkv_inputs(2, 17, 2, mx.bfloat16)
-        assert not kernels.qkv_heads_supported(qkv, wq, wk, EPS, THETA, 2)
-        got = kernels.qkv_heads(qkv, wq, wk, EPS, THETA, 2)
-        cfg = testing.tiny_config()
-        attn = Attention(cfg)
-        attn.q_norm.weight, attn.k_norm.weight = wq, wk
-        q, k, v = mx.split(qkv, 3, axis=-1)
-        ref = (attn._rope(attn._heads(attn.q_norm(q))), attn._rope(attn._heads(attn.k_norm(k))), attn._heads(v))
-        for g, r in zip(got, ref, strict=True):
-            assert g.shape == (2, 2, 17, 64) and g.dtype == mx.bfloat16
-            assert mx.array_equal(g, r).item()
-    if mx.default_device() == mx.cpu:
-        attn["qkv_proj"] = attn.q_proj
-        assert attn._fused_heads(mx.zeros((1, 3, 128))) is None
+def test_cuda_steps_are_the_plain_ops_where_no_kernel_is_planned(on_cpu):
+    """The fused steps a CUDA GPU's model runs give MLX's plain ops where their plans name no
+    kernel (here: the CPU), so a model moved off the GPU computes the same function."""
+    cfg = testing.tiny_config(hidden_size=128, num_attention_heads=2)
+    attn = Attention(cfg)
+    _, wq, wk = qkv_inputs(2, 17, 2, mx.float32)
+    attn.q_norm.weight, attn.k_norm.weight = wq, wk
+    attn["qkv_proj"] = attn.q_proj  # the fused layout's name, any linear
+    attn.qkv_proj.weight = mx.random.normal((3 * 128, 128), key=mx.random.key(0))
+    x = mx.random.normal((2, 17, 128), key=mx.random.key(1))
+    for got, ref in zip(fusions.CUDA.heads(attn, x), PLAIN.heads(attn, x), strict=True):
+        assert mx.array_equal(got, ref).item()
+    x, h, w, b = norm_inputs(6, 256, mx.float32)
+    norm = nn.LayerNorm(256)
+    norm.weight, norm.bias = w, b
+    linear = lambda a: a  # noqa: E731
+    for got, ref in zip(
+        fusions.CUDA.add_norm(x, linear, h, SCALE_6B, norm), PLAIN.add_norm(x, linear, h, SCALE_6B, norm), strict=True
+    ):
+        assert mx.array_equal(got, ref).item()
 
 
 def _check_qkv(B, L, heads, dtype):
     qkv, wq, wk = qkv_inputs(B, L, heads, dtype, seed=B * L)
-    assert kernels.qkv_heads_supported(qkv, wq, wk, EPS, THETA, heads)
-    assert not kernels.qkv_heads_supported(qkv, wq, wk, EPS, 0.5, heads)  # log2 < 0
-    got = kernels.qkv_heads(qkv, wq, wk, EPS, THETA, heads)
-    ref = kernels.qkv_heads_reference(qkv, wq, wk, EPS, THETA, heads)
+    assert rows.qkv_heads_supported(qkv, wq, wk, EPS, THETA, heads)
+    assert not rows.qkv_heads_supported(qkv, wq, wk, EPS, 0.5, heads)  # log2 < 0
+    got = rows.qkv_heads(qkv, wq, wk, EPS, THETA, heads)
+    ref = qkv_reference(qkv, wq, wk, EPS, THETA, heads)
     out = []
     for name, g, r in zip("qkv", got, ref, strict=True):
         assert g.shape == r.shape == (B, heads, L, 64) and g.dtype == r.dtype
@@ -469,17 +483,16 @@ def _check_qkv(B, L, heads, dtype):
     return out
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(FLOATS))
 @pytest.mark.parametrize(("B", "L"), QKV_CASES)
 def test_qkv_heads_bit_exact_on_cuda(B, L, dtype):
-    """6B width, every dtype: MLX's own roundings, no element differs (bf16/fp16 differed while
-    the kernel gave a thread 4 values where MLX's layer_norm gives it 8)."""
+    """6B width, every dtype: MLX's own roundings, no element differs."""
     stats = _check_qkv(B, L, 40, FLOATS[dtype])
     assert all(n == 0 for _, _, n, _ in stats), f"(name, max ulps, elements differing, size): {stats}"
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize(("B", "L"), QKV_CASES)
 @pytest.mark.parametrize("dtype", list(FLOATS))
 def test_qkv_heads_within_one_ulp_at_15_heads_on_cuda(B, L, dtype):
@@ -488,38 +501,40 @@ def test_qkv_heads_within_one_ulp_at_15_heads_on_cuda(B, L, dtype):
         assert worst <= 1, f"{name}: {worst} ulps"
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 def test_qkv_heads_compiled_sliced_and_2d_grid_on_cuda(monkeypatch):
     """Inside mx.compile, on an input whose rows start 2-byte aligned (scalar loads), and
     with the rows spread over a 2D grid of blocks (as past 2^31 threads) whose last row of
     blocks is partial."""
     qkv, wq, wk = qkv_inputs(1, 33, 40, mx.bfloat16)
-    ref = kernels.qkv_heads_reference(qkv, wq, wk, EPS, THETA, 40)
-    fn = mx.compile(lambda a: kernels.qkv_heads(a, wq, wk, EPS, THETA, 40))
+    ref = qkv_reference(qkv, wq, wk, EPS, THETA, 40)
+    fn = mx.compile(lambda a: rows.qkv_heads(a, wq, wk, EPS, THETA, 40))
     for g, r in zip(fn(qkv), ref, strict=True):
         assert int(ulps(g, r).max()) <= 1
     flat = mx.concatenate([mx.zeros((1,), mx.bfloat16), qkv.reshape(-1)])[1:].reshape(qkv.shape)
-    for g, r in zip(kernels.qkv_heads(flat, wq, wk, EPS, THETA, 40), ref, strict=True):
+    for g, r in zip(rows.qkv_heads(flat, wq, wk, EPS, THETA, 40), ref, strict=True):
         assert int(ulps(g, r).max()) <= 1
-    monkeypatch.setattr(kernels, "GRID_X_THREADS", 640 * 7)  # 33 rows: 5 rows of 7 blocks
-    for g, r in zip(kernels.qkv_heads(qkv, wq, wk, EPS, THETA, 40), ref, strict=True):
+    monkeypatch.setattr(rows, "GRID_X_THREADS", 640 * 7)  # 33 rows: 5 rows of 7 blocks
+    for g, r in zip(rows.qkv_heads(qkv, wq, wk, EPS, THETA, 40), ref, strict=True):
         assert int(ulps(g, r).max()) <= 1
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
-def test_forward_with_and_without_qkv_kernel_on_cuda(monkeypatch):
+@pytest.mark.gpu
+def test_forward_with_and_without_qkv_kernel_on_cuda():
+    """A float model's logits with the q/k/v kernel and with MLX's ops (custom kernels off),
+    eager, compiled and block by block, with and without padding: the same within bf16."""
     config = testing.tiny_config(hidden_size=256, num_attention_heads=4, num_hidden_layers=3)
-    model = testing.random_mlx_model(config).fuse()
+    model = bench.mlx_model(config, dict(tree_flatten(testing.random_mlx_model(config).parameters())), fuse=True)
     ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(2, 40)))
     # and a padded batch: cuDNN's attention with a mask, on the kernel's strided heads
     padded = mx.array(np.arange(40)[None, :] < np.array([[40], [25]]))
     valid = np.array(padded)
+    shipped = dispatch.current()
+    assert dispatch.attention_heads(64, True, "bfloat16", shipped).path == "qkv_heads"
     for mask in (None, padded):
-        monkeypatch.setenv(FUSED_QKV_ENV, "0")
-        model.chunk_layers(None)
-        ref = model(ids, attention_mask=mask).logits.astype(mx.float32)
-        monkeypatch.setenv(FUSED_QKV_ENV, "1")
-        assert model.esmc.layers[0].self_attn._fused_heads(mx.zeros((1, 3, 256), mx.bfloat16)) is not None
+        with dispatch.use(dataclasses.replace(shipped, kernels=False)):
+            model.chunk_layers(None)
+            ref = model(ids, attention_mask=mask).logits.astype(mx.float32)
         for every in (None, 1):  # one graph, and evaluated block by block (compiled blocks)
             model.chunk_layers(every).compile()
             for _ in range(3):  # eager, then traced, then the trace reused
@@ -546,76 +561,74 @@ def norm_inputs(rows, d, dtype, bias=True, seed=0):
     return cast(x), cast(h), cast(w), cast(b)
 
 
-def test_add_layer_norm_falls_back_on_cpu():
-    """On the CPU the kernel never runs: the add and mx.fast.layer_norm, as the model had them."""
-    with mx.stream(mx.cpu):
-        x, h, w, b = norm_inputs(6, 256, mx.bfloat16)
-        assert not kernels.add_layer_norm_supported(x, h, w, b, EPS)
-        residual, normed = kernels.add_layer_norm(x, h, SCALE_6B, w, b, EPS)
-        assert mx.array_equal(residual, x + h / SCALE_6B).item()
-        assert mx.array_equal(normed, mx.fast.layer_norm(x + h / SCALE_6B, w, b, EPS)).item()
+def add_norm_reference(x, h, scale, w, b, eps):
+    residual = x + h / scale
+    return residual, mx.fast.layer_norm(residual, w, b, eps)
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(FLOATS))
 @pytest.mark.parametrize("d", [2560, 960, 1152])  # the 6B's, 300M's and 600M's widths
 @pytest.mark.parametrize("bias", [True, False])
 def test_add_layer_norm_bit_exact_on_cuda(d, dtype, bias):
     """Both outputs equal MLX's ops bit for bit, eager and inside mx.compile."""
     x, h, w, b = norm_inputs(67, d, FLOATS[dtype], bias, seed=d)
-    assert kernels.add_layer_norm_supported(x, h, w, b, EPS)
-    ref = kernels.add_layer_norm_reference(x, h, SCALE_6B, w, b, EPS)
-    compiled_ref = mx.compile(lambda a, c: kernels.add_layer_norm_reference(a, c, SCALE_6B, w, b, EPS))(x, h)
-    compiled = mx.compile(lambda a, c: kernels.add_layer_norm(a, c, SCALE_6B, w, b, EPS))(x, h)
-    for name, got in (("eager", kernels.add_layer_norm(x, h, SCALE_6B, w, b, EPS)), ("compiled", compiled)):
+    assert rows.add_layer_norm_supported(x, h, w, b, EPS)
+    ref = add_norm_reference(x, h, SCALE_6B, w, b, EPS)
+    compiled_ref = mx.compile(lambda a, c: add_norm_reference(a, c, SCALE_6B, w, b, EPS))(x, h)
+    compiled = mx.compile(lambda a, c: rows.add_layer_norm(a, c, SCALE_6B, w, b, EPS))(x, h)
+    for name, got in (("eager", rows.add_layer_norm(x, h, SCALE_6B, w, b, EPS)), ("compiled", compiled)):
         for part, g, r, cr in zip(("residual", "normed"), got, ref, compiled_ref, strict=True):
             assert g.shape == r.shape and g.dtype == r.dtype
             u, cu = ulps(g, r), ulps(g, cr)
             assert u.max() == 0 and cu.max() == 0, (name, part, int(u.max()), int((u > 0).sum()), int(cu.max()))
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 def test_add_layer_norm_misaligned_3d_and_2d_grid_on_cuda(monkeypatch):
     """(B, L, d) input, rows starting 2-byte aligned (element loads), and the rows spread over
     a 2D grid of blocks whose last row of blocks is partial."""
     x, h, w, b = norm_inputs(2 * 33, 2560, mx.bfloat16, seed=3)
     x, h = x.reshape(2, 33, 2560), h.reshape(2, 33, 2560)
-    ref = kernels.add_layer_norm_reference(x, h, SCALE_6B, w, b, EPS)
+    ref = add_norm_reference(x, h, SCALE_6B, w, b, EPS)
     flat = mx.concatenate([mx.zeros((1,), mx.bfloat16), x.reshape(-1)])[1:].reshape(x.shape)
-    for g, r in zip(kernels.add_layer_norm(flat, h, SCALE_6B, w, b, EPS), ref, strict=True):
+    for g, r in zip(rows.add_layer_norm(flat, h, SCALE_6B, w, b, EPS), ref, strict=True):
         assert g.shape == r.shape and int(ulps(g, r).max()) == 0
-    monkeypatch.setattr(kernels, "GRID_X_THREADS", 320 * 7)  # 66 rows: 10 rows of 7 blocks
-    for g, r in zip(kernels.add_layer_norm(x, h, SCALE_6B, w, b, EPS), ref, strict=True):
+    monkeypatch.setattr(rows, "GRID_X_THREADS", 320 * 7)  # 66 rows: 10 rows of 7 blocks
+    for g, r in zip(rows.add_layer_norm(x, h, SCALE_6B, w, b, EPS), ref, strict=True):
         assert int(ulps(g, r).max()) == 0
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_forward_with_and_without_norm_kernel_on_cuda(monkeypatch, dtype):
+def test_forward_with_and_without_norm_kernel_on_cuda(dtype):
     """The whole model gives the same logits and hidden states with the fused residual
-    add + LayerNorm as with MLX's ops: eager, compiled, and evaluated block by block."""
+    add + LayerNorm (at every size) as with MLX's ops: eager, compiled, block by block."""
     config = testing.tiny_config(hidden_size=256, num_attention_heads=4, num_hidden_layers=3)
-    model = testing.random_mlx_model(config, FLOATS[dtype]).fuse()
+    weights = dict(tree_flatten(testing.random_mlx_model(config, FLOATS[dtype]).parameters()))
+    model = bench.mlx_model(config, weights, fuse=True)
     ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(2, 40)))
-    assert_same_forwards_either_way(model, ids, FUSED_NORM_ENV, monkeypatch)
+    on, off = gpu_target(add_norm_from=0), gpu_target(add_norm_from=math.inf)
+    assert dispatch.residual_norm(2 * 40 * 256, dtype, on).path == "add_layer_norm"
+    assert_same_forwards_under(model, ids, on, off)
 
 
-def assert_same_forwards_either_way(model, ids, switch: str, monkeypatch):
-    """``model`` gives the same logits and hidden states with ``switch`` (an environment
-    variable) at "1" as at "0": eager, compiled, and evaluated block by block."""
-    monkeypatch.setenv(switch, "0")
-    ref = model(ids, output_hidden_states=True)
-    monkeypatch.setenv(switch, "1")
-    out = model(ids, output_hidden_states=True)
+def assert_same_forwards_under(model, ids, on: dispatch.Target, off: dispatch.Target):
+    """``model`` gives the same logits and hidden states planned for ``on`` as for ``off``:
+    eager, compiled, and evaluated block by block."""
+    with dispatch.use(off):
+        ref = model(ids, output_hidden_states=True)
+    with dispatch.use(on):
+        out = model(ids, output_hidden_states=True)
     for g, r in zip((out.logits, *out.hidden_states), (ref.logits, *ref.hidden_states), strict=True):
         assert mx.array_equal(g, r).item()
     for every in (None, 1):  # one graph, and evaluated block by block (compiled blocks)
         runs = {}
-        for on in "01":
-            monkeypatch.setenv(switch, on)
+        for name, target in (("on", on), ("off", off)):
             model.chunk_layers(every).compile()
-            runs[on] = [model(ids).logits for _ in range(3)]  # eager, traced, trace reused
-        for call, (got, want) in enumerate(zip(runs["1"], runs["0"], strict=True)):
+            with dispatch.use(target):
+                runs[name] = [model(ids).logits for _ in range(3)]  # eager, traced, trace reused
+        for call, (got, want) in enumerate(zip(runs["on"], runs["off"], strict=True)):
             assert mx.array_equal(got, want).item(), (every, call)
 
 
@@ -639,78 +652,51 @@ def _device_headers(root: Path) -> None:
     (device / "config.h").write_text("#pragma once\n#define MAX_NDIM 10\n#define WARP_SIZE 32\n")
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_warpgroup_tile_fits_its_resident_blocks(tmp_path):
-    """The warpgroup tile, as MLX wraps it, for every weight it takes (4-bit pairs, 8-bit
-    octets, affine and mx; split K), compiles for sm_90a with no spills, in the registers and
-    shared memory that QMM_WG_RESIDENT blocks an SM (256 threads each) need: 65,536 registers
-    and 227 KB between them, without ptxas serializing its MMAs (warning C7513)."""
-    _device_headers(tmp_path)
-    shape = "const __grid_constant__ Shape"
-    files = []
-    for variant, bits, group in (("affine_fast", 4, 64), ("fp_fast", 4, 32), ("affine", 8, 64), ("fp", 8, 32)):
-        affine = variant.startswith("affine")
-        params = ["const __nv_bfloat16* x", f"{shape} x_shape", "const uint32_t* w", f"{shape} w_shape"]
-        params += (
-            ["const __nv_bfloat16* scales", "const __nv_bfloat16* biases"] if affine else ["const uint8_t* scales"]
-        )
-        template = [("O", "__nv_bfloat16"), ("BITS", bits), ("GROUP", group), ("BT", kernels.QMM_WG_TOKENS)]
-        template += [("SPLIT", 1), ("T", "__nv_bfloat16") if affine else ("MX", 1)]
-        source = kernels._qmm_source(variant, kernels._QMM_WG_SOURCE)
-        name = f"wg_{variant}_{bits}"
-        files.append(tmp_path / f"{name}.cu")
-        params.append("__nv_bfloat16* y")
-        files[-1].write_text(_mlx_source(name, kernels._qmm_wg_header(), source, params, template))
-    nvcc = ["nvcc", "-arch=sm_90a", "-I", str(tmp_path), "-cubin", "-Xptxas", "-v", "-odir", str(tmp_path)]
-    run = subprocess.run(
-        [*nvcc, *map(str, files)],
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    registers = [int(n) for n in re.findall(r"Used (\d+) registers", run.stderr)]
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill", run.stderr)]
-    assert len(registers) == len(files) and max(registers) <= 65536 // (kernels.QMM_WG_RESIDENT * 256), registers
-    static = max(int(n) for n in re.findall(r"(\d+) bytes smem", run.stderr))  # the copies' xbase
-    shared = [kernels._qmm_wg_shared_bytes(bits) + static for bits in (4, 8)]
-    assert all(kernels.QMM_WG_RESIDENT * n <= 227 * 1024 for n in shared), shared
-    assert "C7513" not in run.stderr, run.stderr[-3000:]
-    assert spills and not any(spills), run.stderr[-3000:]
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100")
+SHAPE = "const __grid_constant__ Shape"
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_kernel_sources_compile_with_nvcc_and_the_device_header_stand_in(tmp_path):
-    """Every kernel of runtime/kernels.py, wrapped as MLX wraps it, compiles against
-    kernel_cache.DEVICE_HEADER (nvcc for NVRTC, on a machine without a GPU; MAX_NDIM as MLX's
-    config.h has it)."""
-    _device_headers(tmp_path)
-    shape = "const __grid_constant__ Shape"
+def qmm_unit(tile: str, variant: str, bits: int, group: int) -> tuple[str, str]:
+    """(header, source) of one fused-kernel instantiation, wrapped as MLX wraps it."""
+    affine = variant.startswith("affine")
+    params = ["const __nv_bfloat16* x", f"{SHAPE} x_shape", "const uint32_t* w", f"{SHAPE} w_shape"]
+    params += ["const __nv_bfloat16* scales", "const __nv_bfloat16* biases"] if affine else ["const uint8_t* scales"]
+    params.append("__nv_bfloat16* y")
+    bt = {"wg": qmm.WG_TOKENS, "2d": qmm.TILE_2D[0], "1d": 64}[tile]
+    template = [("O", "__nv_bfloat16"), ("BITS", bits), ("GROUP", group), ("BT", bt), ("SPLIT", 1)]
+    if tile == "2d":
+        template += [("MI", qmm.TILE_2D[1]), ("WN", qmm.TILE_2D[2])]
+    template.append(("T", "__nv_bfloat16") if affine else ("MX", 1))
+    name = f"qmm_{tile}_{variant}_{bits}"
+    return qmm._header(tile), _mlx_source(name, "", qmm._body(tile, variant), params, template)
+
+
+def every_unit() -> list[tuple[str, str, str]]:
+    """(required architecture, header, source) of each kernel family's instantiations."""
     units = []
+    row_header = source.text(rows.ROW_HEADER)
     for T in ("__nv_bfloat16", "__half", "float"):
-        params = [f"const {T}* qkv", f"{shape} qkv_shape", f"const {T}* q_weight", f"const {T}* k_weight"]
+        params = [f"const {T}* qkv", f"{SHAPE} qkv_shape", f"const {T}* q_weight", f"const {T}* k_weight"]
         params += [f"{T}* q", f"{T}* k"]
-        template = [("T", T), ("HEADS", 40), ("EPS_BITS", kernels._f32_bits(EPS))]
-        template.append(("LOG2_BASE_BITS", kernels._f32_bits(kernels.rope_log2_base(THETA))))
-        units.append(
-            (kernels._ROW_HEADER, _mlx_source(f"qkv_{T.strip('_')}", "", kernels._QKV_SOURCE, params, template))
-        )
-        params = [f"const {T}* x", f"{shape} x_shape"] + [f"const {T}* {n}" for n in ("h", "scale", "weight", "bias")]
+        template = [("T", T), ("HEADS", 40), ("EPS_BITS", rows._f32_bits(EPS))]
+        template.append(("LOG2_BASE_BITS", rows._f32_bits(rows.rope_log2_base(THETA))))
+        body = source.bodies("rows.cu")["qkv_heads"]
+        units.append(("qkv_heads", row_header, _mlx_source(f"qkv_{T.strip('_')}", "", body, params, template)))
+        params = [f"const {T}* x", f"{SHAPE} x_shape"] + [f"const {T}* {n}" for n in ("h", "scale", "weight", "bias")]
         params += [f"{T}* residual", f"{T}* normed"]
-        template = [("T", T), ("D", 2560), ("EPS_BITS", kernels._f32_bits(EPS))]
-        units.append(
-            (kernels._ROW_HEADER, _mlx_source(f"norm_{T.strip('_')}", "", kernels._ADD_NORM_SOURCE, params, template))
-        )
-    for mode, bits in [("affine", b) for b in kernels.AFFINE_BITS] + [
-        (m, kernels.FP_MODES[m][0]) for m in kernels.FP_MODES
-    ]:
+        template = [("T", T), ("D", 2560), ("EPS_BITS", rows._f32_bits(EPS))]
+        body = source.bodies("rows.cu")["add_layer_norm"]
+        units.append(("add_layer_norm", row_header, _mlx_source(f"norm_{T.strip('_')}", "", body, params, template)))
+    modes = [("affine", b) for b in dequantize.AFFINE_BITS] + [(m, dequantize.FP_MODES[m][0]) for m in FP]
+    for mode, bits in modes:
         affine = mode == "affine"
-        params = ["const uint32_t* w", f"{shape} w_shape"]
+        params = ["const uint32_t* w", f"{SHAPE} w_shape"]
         params += (
             ["const __nv_bfloat16* scales", "const __nv_bfloat16* biases"] if affine else ["const uint8_t* scales"]
         )
         for O, mdt in (("__nv_bfloat16", mx.bfloat16), ("__half", mx.float16), ("float", mx.float32)):
-            entry = kernels._body(mode, mdt)
-            template = [("O", O), ("BITS", bits), ("GROUP", 64 if affine else kernels.FP_MODES[mode][1])]
+            entry = dequantize._body(mode, mdt)
+            template = [("O", O), ("BITS", bits), ("GROUP", 64 if affine else dequantize.FP_MODES[mode][1])]
             template.append(("T", "__nv_bfloat16") if affine else ("MX", int(mode != "nvfp4")))
             for n in (1, 4):  # dequantize's one weight, dequantize_together's block of four
                 one = [*params[:2], "const int w_ndim", *params[2:]]  # the kernel reads w_ndim
@@ -721,31 +707,95 @@ def test_kernel_sources_compile_with_nvcc_and_the_device_header_stand_in(tmp_pat
                 ]
                 parts.append(f"{O}* values")
                 name = f"dq{n}_{mode}{bits}_{O.strip('_')}_{entry}"
-                source = kernels._source(n, affine, entry)
-                units.append((kernels._HEADER, _mlx_source(name, "", source, parts, template)))
+                text = dequantize._source(n, affine, entry)
+                units.append(("dequantize", source.text("octets.cuh"), _mlx_source(name, "", text, parts, template)))
     for O in ("__nv_bfloat16", "__half"):
-        params = ["const float* parts", f"{shape} parts_shape", f"{O}* y"]
+        params = ["const float* parts", f"{SHAPE} parts_shape", f"{O}* y"]
+        body = source.bodies("qmm.cu")["split_sum"]
         units.append(
             (
-                kernels._HEADER,
-                _mlx_source(f"split_sum_{O.strip('_')}", "", kernels._SPLIT_SUM_SOURCE, params, [("O", O)]),
+                "split_sum",
+                source.text("octets.cuh"),
+                _mlx_source(f"split_sum_{O.strip('_')}", "", body, params, [("O", O)]),
             )
         )
-    # One file per header (nvcc's start-up dominates): MLX's includes, the header, every kernel.
+    for tile in ("1d", "2d", "wg"):
+        for variant, bits, group in (("affine_fast", 4, 64), ("fp_fast", 4, 32), ("affine", 8, 64), ("fp", 8, 32)):
+            units.append((f"qmm_{tile}", *qmm_unit(tile, variant, bits, group)))
+    return units
+
+
+def compile_units(units, archs, folder: Path) -> subprocess.CompletedProcess:
+    """nvcc over ``units`` (header, source), one file per header (nvcc's start-up dominates),
+    for every architecture of ``archs`` at once."""
     by_header: dict[str, list[str]] = {}
-    for header, source in units:
-        head, rest = source.split("namespace mlx::core::cu {", 1)
+    for header, text in units:
+        head, rest = text.split("namespace mlx::core::cu {", 1)
         by_header.setdefault(head + header, []).append("namespace mlx::core::cu {" + rest)
     files = []
-    for i, (head, kernels_) in enumerate(by_header.items()):
-        files.append(str(tmp_path / f"k{i}.cu"))
-        Path(files[-1]).write_text(head + "".join(kernels_))
-    run = subprocess.run(
-        ["nvcc", "-arch=sm_90a", "-I", str(tmp_path), "-cubin", "-odir", str(tmp_path), *files],
-        capture_output=True,
-        text=True,
-    )
+    for i, (head, bodies) in enumerate(by_header.items()):
+        files.append(str(folder / f"k{i}.cu"))
+        Path(files[-1]).write_text(head + "".join(bodies))
+    (arch,) = archs
+    command = [
+        "nvcc",
+        f"-gencode=arch=compute_{arch[3:]},code={arch}",
+        "-I",
+        str(folder),
+        "-cubin",
+        "-odir",
+        str(folder),
+        *files,
+    ]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kernel_compiles_for_the_architectures_the_plans_give_it(arch, tmp_path):
+    """Every kernel of runtime/cuda, wrapped as MLX wraps it, compiles for each architecture
+    whose devices may plan it (dispatch.REQUIRES: sm_80 and later for all but the warpgroup tile,
+    sm_90a alone for that), against kernel_cache.DEVICE_HEADER (nvcc for NVRTC, here without a
+    GPU); and the warpgroup tile does not compile for any other (what the plans keep it off)."""
+    _device_headers(tmp_path)
+    device = dispatch.Device.parse(f"cuda:{arch}")
+    units = every_unit()
+    runs = [(h, s) for family, h, s in units if device.runs(dispatch.REQUIRES[family])]
+    assert runs and len({family for family, _, _ in units}) == 7
+    done = compile_units(runs, [arch], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if not device.runs(dispatch.REQUIRES["qmm_wg"]):
+        wg = [(h, s) for family, h, s in units if family == "qmm_wg"][:1]
+        refused = compile_units(wg, [arch], tmp_path)
+        assert refused.returncode != 0 and "wgmma" in refused.stderr, refused.stderr[-2000:]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_warpgroup_tile_fits_its_resident_blocks(tmp_path):
+    """The warpgroup tile, as MLX wraps it, for every weight it takes (4-bit pairs, 8-bit
+    octets, affine and mx; split K), compiles for sm_90a with no spills, in the registers and
+    shared memory that one block an SM (256 threads) needs: 65,536 registers and 227 KB,
+    without ptxas serializing its MMAs (warning C7513)."""
+    _device_headers(tmp_path)
+    resident = dispatch.QMM_RESIDENT["wg"]
+    files = []
+    for variant, bits, group in (("affine_fast", 4, 64), ("fp_fast", 4, 32), ("affine", 8, 64), ("fp", 8, 32)):
+        header, text = qmm_unit("wg", variant, bits, group)
+        files.append(tmp_path / f"wg_{variant}_{bits}.cu")
+        head, rest = text.split("namespace mlx::core::cu {", 1)
+        files[-1].write_text(head + header + "namespace mlx::core::cu {" + rest)
+    nvcc = ["nvcc", "-arch=sm_90a", "-I", str(tmp_path), "-cubin", "-Xptxas", "-v", "-odir", str(tmp_path)]
+    run = subprocess.run([*nvcc, *map(str, files)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
+    registers = [int(n) for n in re.findall(r"Used (\d+) registers", run.stderr)]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill", run.stderr)]
+    assert len(registers) == len(files) and max(registers) <= 65536 // (resident * 256), registers
+    static = max(int(n) for n in re.findall(r"(\d+) bytes smem", run.stderr))  # the copies' xbase
+    shared = [qmm._shared_bytes(qmm.WG_TOKENS, qmm.BW, bits) + 1024 + static for bits in (4, 8)]
+    assert all(resident * n <= 227 * 1024 for n in shared), shared
+    assert "C7513" not in run.stderr, run.stderr[-3000:]
+    assert spills and not any(spills), run.stderr[-3000:]
 
 
 # ---- runtime/kernel_cache.py: our kernels in MLX's disk cache ---------------------------------
@@ -773,7 +823,15 @@ def test_std_hash_is_libstdcxx_std_hash(tmp_path):
         " std::stringstream s; s << f.rdbuf(); std::cout << std::hex << std::hash<std::string>{}(s.str()) << '\\n'; } }\n"
     )
     subprocess.run(["g++", "-O1", "-o", str(tmp_path / "h"), str(tmp_path / "h.cpp")], check=True)
-    texts = ["", "a", "abcdefgh", "abcdefghi", "héllo\n" * 7, SOURCE, kernels._ROW_HEADER + kernels._QKV_SOURCE]
+    texts = [
+        "",
+        "a",
+        "abcdefgh",
+        "abcdefghi",
+        "héllo\n" * 7,
+        SOURCE,
+        source.text(rows.ROW_HEADER) + source.bodies("rows.cu")["qkv_heads"],
+    ]
     for i, t in enumerate(texts):
         (tmp_path / f"t{i}").write_bytes(t.encode())
     out = subprocess.run(
@@ -799,7 +857,7 @@ def test_seed_writes_the_module_where_mlx_reads_it(monkeypatch, tmp_path):
     """<MLX_PTX_CACHE_DIR>/<name>_<hex std::hash>.ptx holds the cubin, .txt the kernel's name and
     its mangled name; a second process finds them; other sources get other files."""
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernel_cache, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(kernel_cache.device, "arch", lambda: "sm_90a")
     compiled = []
 
     def fake_compile(source, kernel, arch):
@@ -818,13 +876,10 @@ def test_seed_writes_the_module_where_mlx_reads_it(monkeypatch, tmp_path):
 
 
 def test_seed_leaves_mlx_to_compile_when_it_cannot(monkeypatch, tmp_path):
-    """Turned off, nothing printed, a compile error, no stdout, no GPU, no cache directory: no
-    file at all (MLX compiles the kernel itself, as it always did)."""
+    """Nothing printed, a compile error, no stdout, no GPU, no cache directory: no file at all
+    (MLX compiles the kernel itself, as it always did)."""
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernel_cache, "device_arch", lambda: "sm_90a")
-    monkeypatch.setenv(kernel_cache.ENV_VAR, "0")
-    assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "off"
-    monkeypatch.setenv(kernel_cache.ENV_VAR, "1")
+    monkeypatch.setattr(kernel_cache.device, "arch", lambda: "sm_90a")
     assert kernel_cache.seed(lambda verbose: None) == "MLX printed no source"
 
     def failing(source, kernel, arch):
@@ -839,32 +894,31 @@ def test_seed_leaves_mlx_to_compile_when_it_cannot(monkeypatch, tmp_path):
     with monkeypatch.context() as m:  # no stdout to borrow: the kernel call still goes ahead
         m.setattr(kernel_cache.os, "dup", no_fd)
         assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)).startswith("MLX's source not readable")
-    monkeypatch.setattr(kernel_cache, "device_arch", lambda: None)
+    monkeypatch.setattr(kernel_cache.device, "arch", lambda: None)
     assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "no CUDA device"
-    monkeypatch.setattr(kernel_cache, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(kernel_cache.device, "arch", lambda: "sm_90a")
     monkeypatch.delenv("MLX_PTX_CACHE_DIR")  # ESMC_MLX_CACHE=off: esmc_mlx did not set it
     assert kernel_cache.seed(_printing("custom_kernel_k", SOURCE)) == "no cache directory"
     assert not list(tmp_path.iterdir())
 
 
 def _kernel_args(name: str) -> dict:
-    """mx.fast.cuda_kernel's arguments for two of runtime/kernels.py's kernels: the warpgroup
-    tile for mxfp4 (the longest source) and the q/k/v row kernel (shape arguments used)."""
+    """mx.fast.cuda_kernel's arguments for two of runtime/cuda's kernels: the warpgroup tile for
+    mxfp4 (the longest source) and the q/k/v row kernel (shape arguments used)."""
     if name == "wg":
-        source = kernels._qmm_source("fp_fast", kernels._QMM_WG_SOURCE)
         return dict(
             name="wg",
             input_names=["x", "w", "scales"],
             output_names=["y"],
-            source=source,
-            header=kernels._qmm_wg_header(),
+            source=qmm._body("wg", "fp_fast"),
+            header=qmm._header("wg"),
         )
     return dict(
         name="qkv",
         input_names=["qkv", "q_weight", "k_weight"],
         output_names=["q", "k"],
-        source=kernels._QKV_SOURCE,
-        header=kernels._ROW_HEADER,
+        source=source.bodies("rows.cu")["qkv_heads"],
+        header=source.text(rows.ROW_HEADER),
     )
 
 
@@ -896,14 +950,9 @@ def test_by_include_hands_mlx_short_includes_of_the_same_text(monkeypatch, tmp_p
 
 
 def test_by_include_keeps_the_text_when_it_cannot_write(monkeypatch, tmp_path):
-    """ESMC_MLX_KERNEL_CACHE=0, no cache directory (ESMC_MLX_CACHE=off), one that cannot be
-    made (a file in the way), one whose path an #include line cannot hold: the arguments as
-    they were, and nothing written."""
+    """No cache directory (ESMC_MLX_CACHE=off), one that cannot be made (a file in the way), one
+    whose path an #include line cannot hold: the arguments as they were, and nothing written."""
     args = _kernel_args("qkv")
-    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv(kernel_cache.ENV_VAR, "0")
-    assert kernel_cache.by_include(args) == args
-    monkeypatch.delenv(kernel_cache.ENV_VAR)
     (tmp_path / "file").write_text("mine")
     for directory in (tmp_path / "file", tmp_path / 'a"b', tmp_path / "a\nb"):
         monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(directory))
@@ -920,20 +969,19 @@ def test_included_kernels_compile_to_the_same_code(monkeypatch, tmp_path):
     unit's id in internal names."""
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "cache"))
     _device_headers(tmp_path)
-    shape = "const __grid_constant__ Shape"
     bf16 = "__nv_bfloat16"
     params = {
         "wg": [
             f"const {bf16}* x",
-            f"{shape} x_shape",
+            f"{SHAPE} x_shape",
             "const uint32_t* w",
-            f"{shape} w_shape",
+            f"{SHAPE} w_shape",
             "const uint8_t* scales",
             f"{bf16}* y",
         ],
         "qkv": [
             f"const {bf16}* qkv",
-            f"{shape} qkv_shape",
+            f"{SHAPE} qkv_shape",
             f"const {bf16}* q_weight",
             f"const {bf16}* k_weight",
             f"{bf16}* q",
@@ -941,12 +989,12 @@ def test_included_kernels_compile_to_the_same_code(monkeypatch, tmp_path):
         ],
     }
     templates = {
-        "wg": [("O", bf16), ("BITS", 4), ("GROUP", 32), ("BT", kernels.QMM_WG_TOKENS), ("SPLIT", 0), ("MX", 1)],
+        "wg": [("O", bf16), ("BITS", 4), ("GROUP", 32), ("BT", qmm.WG_TOKENS), ("SPLIT", 0), ("MX", 1)],
         "qkv": [
             ("T", bf16),
             ("HEADS", 40),
-            ("EPS_BITS", kernels._f32_bits(EPS)),
-            ("LOG2_BASE_BITS", kernels._f32_bits(kernels.rope_log2_base(THETA))),
+            ("EPS_BITS", rows._f32_bits(EPS)),
+            ("LOG2_BASE_BITS", rows._f32_bits(rows.rope_log2_base(THETA))),
         ],
     }
     tu_id = re.compile(r"_(?:INTERNAL|GLOBAL__N_)_[0-9a-f]+_\d+_k_cu_[0-9a-f]+")
@@ -977,17 +1025,16 @@ def test_included_kernels_compile_to_the_same_code(monkeypatch, tmp_path):
 
 SEEDED_RUN = """
 import os, sys, mlx.core as mx, numpy as np
-from esmc_mlx.runtime import kernels
-kernels.DEQUANTIZE_MIN_WIDTH = 0
+from esmc_mlx.runtime.cuda import dequantize
 w, s = mx.quantize(mx.random.normal((64, 2560), key=mx.random.key(0)).astype(mx.bfloat16), group_size=32, bits=4, mode="mxfp4")[:2]
-got = kernels.dequantize(w, s, None, 32, 4, "mxfp4", mx.bfloat16)
+got = dequantize.dequantize(w, s, None, 32, 4, "mxfp4", mx.bfloat16, 4224)
 ref = mx.dequantize(w, s, group_size=32, bits=4, mode="mxfp4", dtype=mx.bfloat16)
-print("STATUS", list(kernels._kernel(1, "mxfp4", 4, 32, "fp_pairs").seen.values()))
+print("STATUS", list(dequantize._kernel(1, "mxfp4", 4, 32, "fp_pairs").seen.values()))
 print("EQUAL", bool(mx.array_equal(got.view(mx.uint16), ref.view(mx.uint16))))
 """
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 def test_mlx_runs_the_seeded_kernel_on_cuda(tmp_path):
     """Fresh processes, one MLX cache: the first compiles and seeds the kernel, the second finds
     it; both bit-exact with mx.dequantize. MLX really loads our files: with the mangled name in
@@ -1008,7 +1055,7 @@ def test_mlx_runs_the_seeded_kernel_on_cuda(tmp_path):
     assert spoilt.returncode != 0 and "EQUAL" not in spoilt.stdout
 
 
-# ---- the fused quantized matmul (kernels.quantized_matmul) --------------------------------
+# ---- the fused quantized matmul (cuda/qmm.py) ---------------------------------------------------
 
 QMM_MODES = {
     "affine4": ("affine", 4, 64),
@@ -1026,16 +1073,12 @@ def qmm_weight(n, k, name, dtype, seed=0):
     return q[0], q[1], (q[2] if mode == "affine" else None), gs, bits, mode
 
 
-def test_qmm_not_supported_on_cpu():
-    """On the CPU the fused kernel never runs (QuantizedLinear keeps its table)."""
-    with mx.stream(mx.cpu):
-        w, s, b, gs, bits, mode = qmm_weight(64, 128, "affine4", mx.bfloat16)
-        x = mx.zeros((4, 128), mx.bfloat16)
-        if mx.default_device() == mx.cpu:
-            assert not kernels.quantized_matmul_supported(x, w, s, b, gs, bits, mode)
+def spec(w, gs, bits, mode) -> dispatch.Weight:
+    rows_, k = dequantize.dequantized_shape(w, bits)
+    return dispatch.Weight(mode, bits, gs, rows_, k)
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", list(QMM_MODES))
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("fast", [True, False])
@@ -1044,86 +1087,89 @@ def test_qmm_weights_bit_exact_on_cuda(name, dtype, fast):
     product with 1.0 and fp32 sums of zeros), so the kernel's in-register dequantize must give
     dequantize's values (a -0 weight comes out +0), in a block short of its 128 (256) rows."""
     w, s, b, gs, bits, mode = qmm_weight(200, 192, name, FLOATS[dtype])
-    assert kernels.quantized_matmul_supported(mx.zeros((1, 192), FLOATS[dtype]), w, s, b, gs, bits, mode)
-    d = kernels.dequantize(w, s, b, gs, bits, mode, FLOATS[dtype]).T
-    # 2d, 1d, 2d tiles, the warpgroup tile (4- and 8-bit weights with groups of 32 or more)
-    for bt, tile in ((None, None), (16, None), (None, "2d128"), (None, "2d32"), (None, "wg")):
-        x = mx.eye(192, dtype=FLOATS[dtype])
-        y = kernels.quantized_matmul(x, w, s, b, gs, bits, mode, bt=bt, fast=fast, tile=tile)
+    x = mx.eye(192, dtype=FLOATS[dtype])
+    assert qmm.supported(x, w, gs, bits) and dispatch.qmm_can_implement(spec(w, gs, bits, mode), dtype)[0]
+    d = dequantize.dequantize(w, s, b, gs, bits, mode, FLOATS[dtype], BLOCKS).T
+    tiles = [("2d", 0), ("1d", 16), ("1d", 128)] + ([("wg", 0)] if gs >= 32 else [])
+    for tile, bt in tiles:
+        y = qmm.quantized_matmul(x, w, s, b, gs, bits, mode, tile, bt, 1, fast=fast)
         assert y.dtype == FLOATS[dtype] and y.shape == d.shape
-        assert mx.all((y == d) | (mx.isnan(y) & mx.isnan(d))).item(), (name, dtype, fast, bt, tile)
+        assert mx.all((y == d) | (mx.isnan(y) & mx.isnan(d))).item(), (name, dtype, fast, tile, bt)
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", list(QMM_MODES))
-@pytest.mark.parametrize("rows", [1, 37, 300])
-def test_qmm_error_within_dequantize_matmul_on_cuda(name, rows):
-    """Against an fp32 reference each output's error is within twice dequantize + matmul's,
-    split K or not (waves 0: never), with a 2-byte-misaligned x, and batch dims kept. K is 640
-    (10 steps of 64) or, at 37 rows, the 300M's 960 (15: odd step counts in every split)."""
-    k = 960 if rows == 37 else 640
-    w, s, b, gs, bits, mode = qmm_weight(520, k, name, mx.bfloat16, seed=rows)
-    d = kernels.dequantize(w, s, b, gs, bits, mode, mx.bfloat16)
-    big = mx.random.normal((rows * k + 8,)).astype(mx.bfloat16)
-    for x in (big[: rows * k].reshape(1, rows, k), big[1 : 1 + rows * k].reshape(1, rows, k)):
+@pytest.mark.parametrize("count", [1, 37, 300])
+def test_qmm_error_within_dequantize_matmul_on_cuda(name, count):
+    """Against an fp32 reference each output's error is within twice dequantize + matmul's, in
+    each tile, K split into the plans' slabs (for one wave of SMs, and for four) or not, with a
+    2-byte-misaligned x, and batch dims kept. K is 640 (10 steps of 64) or, at 37 rows, the
+    300M's 960 (15: odd step counts in every split)."""
+    k = 960 if count == 37 else 640
+    w, s, b, gs, bits, mode = qmm_weight(520, k, name, mx.bfloat16, seed=count)
+    d = dequantize.dequantize(w, s, b, gs, bits, mode, mx.bfloat16, BLOCKS)
+    weight = spec(w, gs, bits, mode)
+    big = mx.random.normal((count * k + 8,)).astype(mx.bfloat16)
+    tiles = ["1d", "2d"] + (["wg"] if gs >= 32 else [])
+    for x in (big[: count * k].reshape(1, count, k), big[1 : 1 + count * k].reshape(1, count, k)):
         ref = x.astype(mx.float32) @ d.astype(mx.float32).T
         # dm and every y stay alive: a kernel that never ran would leave y holding a freed
         # buffer of the same size, such as dm's, and pass
         dm = (x + 0) @ d.T
         e_dm = mx.abs(dm.astype(mx.float32) - ref).max().item()
         ys = []
-        for waves, bt, tile in (
-            (1.0, None, None),
-            (4.0, 16, None),
-            (1.0, None, "2d"),
-            (4.0, None, "2d32"),
-            (1.0, None, "wg"),
-            (4.0, None, "wg"),
-            (0.0, None, "wg"),  # never split
-            (0.0, 16, None),
-        ):
-            y = kernels.quantized_matmul(x, w, s, b, gs, bits, mode, waves=waves, bt=bt, tile=tile)
-            ys.append(y)
-            assert y.shape == (1, rows, 520) and y.dtype == mx.bfloat16
-            assert mx.abs(y.astype(mx.float32) - ref).max().item() <= 2 * e_dm + 1e-4 * mx.abs(ref).max().item()
+        for tile in tiles:
+            for sms in (132, 4 * 132, 0):  # the plans' splits for one wave, four waves; 0: never split
+                bt, splits = (
+                    dispatch.qmm_splits(weight, count, tile, sms)
+                    if sms
+                    else (dispatch.qmm_splits(weight, count, tile, 132)[0], 1)
+                )
+                y = qmm.quantized_matmul(x, w, s, b, gs, bits, mode, tile, bt, splits)
+                ys.append(y)
+                assert y.shape == (1, count, 520) and y.dtype == mx.bfloat16
+                assert mx.abs(y.astype(mx.float32) - ref).max().item() <= 2 * e_dm + 1e-4 * mx.abs(ref).max().item()
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["affine4", "mxfp4", "affine8"])
-@pytest.mark.parametrize("tile", [None, "wg"])
-def test_quantized_forward_in_the_fused_window_on_cuda(name, tile, monkeypatch):
-    """A quantized model whose weights are small (the 300M's table, "cuda-small") inside its
-    fused window runs every block weight through the fused kernel, and its logits are those of
-    dequantize + matmul up to the fp32 summation order; also with the warpgroup tile forced at
-    160 tokens (8-bit weights this small take "2d" by default)."""
+@pytest.mark.parametrize("wg", [False, True])
+def test_quantized_forward_in_the_fused_window_on_cuda(name, wg, monkeypatch):
+    """A quantized model whose weights are small (the table's "small" entries) inside its fused
+    window runs every block weight through the fused kernel, and its logits are those of
+    dequantize + matmul up to the fp32 summation order; also in the warpgroup tile at 160
+    tokens (8-bit weights this small take "2d" by the table)."""
     config = testing.tiny_config(hidden_size=256, num_attention_heads=4, num_hidden_layers=3)
     weights = dict(tree_flatten(testing.random_mlx_model(config, mx.bfloat16).parameters()))
     record = bench.QUANT_MODES[name]
     model = bench.mlx_model(config, weights, fuse=True, quant=record)
-    lo, _ = rq.FUSED_TOKENS["cuda-small"][rq.mode_name(record["mode"], record["bits"])]
-    ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(1, 160 if tile else max(lo, 64))))
-    calls, wg = [], []  # the packed weights the fused kernel was called with; the wg kernels built
-    real, real_wg = kernels.quantized_matmul, kernels._qmm_wg_kernel
-    monkeypatch.setattr(kernels, "quantized_matmul", lambda x, w, *a, **k: calls.append(w) or real(x, w, *a, **k))
-    monkeypatch.setattr(kernels, "_qmm_wg_kernel", lambda *a: wg.append(a) or real_wg(*a))
-    if tile:
-        monkeypatch.setenv(kernels.QMM_TILE_ENV, tile)
-    monkeypatch.setenv(cutlass_qmm.ENV, "0")  # where built, CUTLASS takes these from 128 tokens (CUTLASS_OVER_FUSED)
+    shipped = dataclasses.replace(gpu_target(**({"qmm_wg_8bit_values": 0} if wg else {})), cutlass=False)
+    lo, _ = shipped.tuning.fused["small"][f"affine{record['bits']}" if record["mode"] == "affine" else record["mode"]]
+    ids = mx.array(np.random.default_rng(0).integers(4, 24, size=(1, 160 if wg else max(lo, 64))))
+    calls, tiles = [], []  # the packed weights the fused kernel was called with, and its tiles
+    real = qmm.quantized_matmul
+
+    def counted(x, w, *a, **k):
+        calls.append(w)
+        tiles.append(k["tile"])
+        return real(x, w, *a, **k)
+
+    monkeypatch.setattr(qmm, "quantized_matmul", counted)
     block_weights = {id(m.weight) for _, m in model.named_modules() if isinstance(m, rq.QuantizedLinear)}
     assert len(block_weights) == 4 * config.num_hidden_layers  # qkv, o, gate/up, down of every block
-    monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
-    ref = model(ids).logits.astype(mx.float32)
-    mx.eval(ref)
+    with dispatch.use(dataclasses.replace(shipped, force="dequantize")):
+        ref = model(ids).logits.astype(mx.float32)
+        mx.eval(ref)
     assert not calls
-    monkeypatch.setenv(rq.POLICY_ENV, "auto")
-    got = model(ids).logits.astype(mx.float32)
-    mx.eval(got)
+    with dispatch.use(shipped):
+        got = model(ids).logits.astype(mx.float32)
+        mx.eval(got)
     assert {id(w) for w in calls} == block_weights
-    assert bool(wg) == bool(tile) and all(bits == record["bits"] for _, bits, _ in wg)
+    assert ("wg" in tiles) == wg
     assert (mx.sqrt(((got - ref) ** 2).sum() / (ref**2).sum())).item() < 3e-2
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX on a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_split_sum_is_mlx_sum_then_cast_on_cuda(dtype):
     """The split-K partials' sum: bit for bit MLX's sum over the slabs and cast for two slabs
@@ -1131,7 +1177,7 @@ def test_split_sum_is_mlx_sum_then_cast_on_cuda(dtype):
     at most twice the cast's own rounding; at sizes that leave a partial block."""
     for splits, m, n in ((2, 256, 7680), (2, 3, 8), (5, 37, 2560)):
         parts = mx.random.normal((splits, m, n)) * 30
-        got = kernels.split_sum(parts, FLOATS[dtype])
+        got = qmm.split_sum(parts, FLOATS[dtype])
         sums = parts.sum(axis=0)
         want = sums.astype(FLOATS[dtype])
         assert got.shape == (m, n) and got.dtype == FLOATS[dtype]
@@ -1144,30 +1190,25 @@ def test_split_sum_is_mlx_sum_then_cast_on_cuda(dtype):
 
 def test_fused_kernel_factories_fill_every_placeholder(monkeypatch, tmp_path):
     """The three fused kernels' text (1d, 2d, wg tiles), checked on any machine
-    (mx.fast.cuda_kernel not built): every variant's scale and dequantize code is
-    spliced in, the shared setup and store are there once, affine kernels take biases, and the
-    warpgroup tile asks for its buffers plus the swizzle's 1024-byte alignment."""
+    (mx.fast.cuda_kernel not built): every variant's scale and dequantize code is spliced in,
+    the shared setup and store are there once, affine kernels take biases, and the warpgroup
+    tile asks for its buffers plus the swizzle's 1024-byte alignment."""
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: None)
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))  # by_include's files
-    for f in (kernels._qmm_kernel, kernels._qmm2_kernel, kernels._qmm_wg_kernel):
-        f.cache_clear()
+    qmm._kernel.cache_clear()
     try:
         for variant in ("affine", "affine_fast", "fp", "fp_fast"):
-            for kernel in (
-                kernels._qmm_kernel(variant, 4, 64, 64),
-                kernels._qmm2_kernel(variant, 4, 64, "2d"),
-                kernels._qmm_wg_kernel(variant, 4, 64),
-            ):
+            for tile, bt in (("1d", 64), ("2d", 64), ("wg", 256)):
+                kernel = qmm._kernel(tile, variant, 4, 64, bt)
                 kw = kernel.kernel_args
                 for placeholder in ("SCALE_REGS", "LOAD_SCALES", "DEQUANT"):
                     assert placeholder not in kw["source"], (kernel.name, placeholder)
                 assert kw["source"].count("auto issue = [&]") == 1 and kw["source"].count("if constexpr (SPLIT)") == 1
                 assert ("biases" in kw["input_names"]) == variant.startswith("affine")
         for variant, bits in (("affine_fast", 4), ("affine", 8), ("fp", 8)):
-            wg = kernels._qmm_wg_kernel(variant, bits, 64).kernel_args
+            wg = qmm._kernel("wg", variant, bits, 64, 256).kernel_args
             assert "wgmma_rs<256, __nv_bfloat16>" in wg["header"] and "wgmma.mma_async" in wg["header"]
-            buffers = kernels.QMM_STAGES * (256 * 64 * 2 + 128 * 64 * bits // 8)
+            buffers = qmm.STAGES * (256 * 64 * 2 + 128 * 64 * bits // 8)
             assert wg["shared_memory"] == max(buffers, 256 * (128 + 4) * 4) + 1024
     finally:
-        for f in (kernels._qmm_kernel, kernels._qmm2_kernel, kernels._qmm_wg_kernel):
-            f.cache_clear()
+        qmm._kernel.cache_clear()

@@ -10,7 +10,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from esmc_mlx.errors import ScoringError
-from esmc_mlx.runtime.model import ESMC, layer_activation_bytes, layers_per_eval
+from esmc_mlx.runtime.execution import layer_activation_bytes, layers_per_eval
+from esmc_mlx.runtime.model import ESMC
 from esmc_mlx.testing import SHAPES, random_mlx_model, tiny_config
 
 
@@ -72,7 +73,7 @@ def test_chunked_compiled_forward_is_bit_identical():
 
 
 def test_chunk_layers_rejects_nonsense():
-    # before round 11: a plain ValueError ("every must be ..."), and True was taken as 1
+    # each refused with the ScoringError naming the argument; True is not taken as 1
     model = random_model(tiny_config())
     for bad in (0, -1, "all", 1.5, True):
         with pytest.raises(ScoringError, match=r"chunk_layers\(every="):
@@ -83,7 +84,7 @@ def test_chunk_layers_rejects_nonsense():
 @pytest.mark.skipif(
     mx.default_device() == mx.gpu,
     reason="the analytic two-block bound holds on the CPU; on CUDA the allocator's peak also holds work queued "
-    "ahead (86 and 146 MB against 61 MB in two H200 runs): the GPU's bound is benchmarks/long_memory.py's",
+    "ahead (86 and 146 MB against 61 MB on an H200): the GPU's bound is benchmarks/long_memory.py's",
 )
 def test_chunked_peak_memory_is_a_few_layers():
     # MLX's CPU allocator tracks its peak (mx.get_peak_memory after mx.reset_peak_memory).
@@ -132,8 +133,8 @@ def test_chunking_steps_aside_under_grad():
 
 
 def test_the_forward_warns_past_the_trained_length_where_scoring_does():
-    # before round 11 the forward (embed, validate) warned past 2,048 residues, scoring past 2,046
-    # (2,048 tokens with <cls> and <eos>, docs/scoring.md): a 2,047-residue protein warned in one only
+    # one limit for the forward (embed, validate) and scoring: 2,046 residues (2,048 tokens with
+    # <cls> and <eos>, docs/scoring.md), so a 2,047-residue protein warns in both
     import warnings
 
     from esmc_mlx.errors import EsmcMlxWarning

@@ -3,8 +3,8 @@ say, mixed recipes give the documented bits, and bad input fails clearly."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 from collections import Counter
 
 import mlx.core as mx
@@ -15,14 +15,17 @@ from click.testing import CliRunner
 from conftest import requires_torch
 from mlx.utils import tree_flatten
 
-from esmc_mlx import load, testing
+from esmc_mlx import load, settings, testing
 from esmc_mlx.artifact import describe, safetensors_header
 from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
 from esmc_mlx.convert import quantize_directory as quantize
 from esmc_mlx.errors import QuantizeError
 from esmc_mlx.quantize import SPECS, QuantPlan, quantize_tensor
+from esmc_mlx.runtime import dispatch
 from esmc_mlx.runtime import quantized as rq
+from esmc_mlx.runtime.cuda import dequantize as cuda_dequantize
+from esmc_mlx.runtime.cuda import fusions
 
 SEQS = ["MKTAYIAKQRQISFVKSHF", "GSHMSLFDKLG", "ACDEFGHIKLMNPQRSTVWY"]  # 3 x 22 = 66 tokens
 MODES = [s for s in SPECS if not s.startswith("mixed")] + ["mixed_3_6"]
@@ -91,11 +94,11 @@ def test_round_trip_same_tensors_and_outputs(spec, quantized, converted):
 @pytest.mark.parametrize("spec", MODES + ["mixed_4_6+head"])
 def test_runtime_equals_dequantized_weights(spec, path, quantized, monkeypatch):
     """Both execution paths compute the model whose weights are the dequantized ones."""
-    monkeypatch.setenv(rq.POLICY_ENV, path)
     model, _ = load(quantized[spec])
     kinds = {type(m) for _, m in model.named_modules()}
     assert rq.QuantizedLinear in kinds and (nn.Linear in kinds) == ("head" not in spec)  # head: float unless asked
-    got = logits(model)
+    with settings.override(path=path):
+        got = logits(model)
     twin = rq.dequantize_model(load(quantized[spec])[0])
     assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in twin.named_modules())
     assert rel(got, logits(twin)) < 1e-5
@@ -104,8 +107,8 @@ def test_runtime_equals_dequantized_weights(spec, path, quantized, monkeypatch):
 def test_policy_picks_path_by_token_count(quantized, monkeypatch, on_cpu):
     """On the CPU (its table and unfused layout): below the crossover quantized_matmul, from it
     dequantize + matmul, with the same outputs."""
-    monkeypatch.delenv(rq.POLICY_ENV, raising=False)
-    monkeypatch.setitem(rq.CROSSOVER_TOKENS, "cpu", {"affine": 8})
+    target = dispatch.current()
+    target = dataclasses.replace(target, tuning=dataclasses.replace(target.tuning, crossover={"all": {"affine": 8}}))
     calls = []
     original = mx.dequantize
     monkeypatch.setattr(mx, "dequantize", lambda *a, **k: calls.append(1) or original(*a, **k))
@@ -113,46 +116,12 @@ def test_policy_picks_path_by_token_count(quantized, monkeypatch, on_cpu):
     layer = model.esmc.layers[0].mlp.up_proj
     assert isinstance(layer, rq.QuantizedLinear)
     small, large = mx.ones((1, 7, 128)), mx.ones((2, 4, 128))  # 7 tokens, 8 tokens
-    y_small = layer(small)
-    assert not calls
-    y_large = layer(large)
-    assert calls
+    with dispatch.use(target):
+        y_small = layer(small)
+        assert not calls and layer.plan(7, mx.float32).path == "quantized"
+        y_large = layer(large)
+        assert calls and layer.plan(8, mx.float32).path == "dequantize"
     assert np.allclose(np.array(y_small[0, 0]), np.array(y_large[0, 0]), rtol=1e-5, atol=1e-5)
-    assert not rq.dequantize_first(10**6, "unknown-mode")
-
-
-def test_the_tables_split_the_small_models_from_the_6b(monkeypatch):
-    """SMALL_WIDTH puts every block weight of the 300M and the 600M in "cuda-small" (its tables
-    were measured on the 300M) and every block weight of the 6B, o_proj included, in "cuda"
-    (measured on the 6B), as QuantizedLinear computes the width."""
-    from esmc_mlx.bench import config_for
-
-    monkeypatch.setattr(rq, "backend", lambda: "cuda")
-
-    def tables(name):  # a block's linears, q/k/v and gate/up fused as at load
-        c = config_for(name)
-        d, h = c.hidden_size, c.intermediate_size
-        shapes = [(3 * d, d), (d, d), (2 * h, d), (d, h)]
-        return {rq.table_name(min(out_dims, in_dims)) for out_dims, in_dims in shapes}
-
-    assert tables("300M") == tables("600M") == {"cuda-small"}
-    assert tables("6B") == {"cuda"}
-
-
-def test_crossover_by_backend_mode_bits_and_weight_size(monkeypatch):
-    """CUDA keys the crossover by mode and bit width and by the weight's size ("cuda-small"
-    when its smaller dimension is under SMALL_WIDTH); the CPU's "affine" entry covers every
-    width."""
-    monkeypatch.setattr(rq, "backend", lambda: "cuda")
-    table = {"cuda": {"affine8": 100, "affine4": 50}, "cuda-small": {"affine8": 300}, "cpu": {"affine": 8}}
-    monkeypatch.setattr(rq, "CROSSOVER_TOKENS", table)
-    big, small = rq.SMALL_WIDTH, rq.SMALL_WIDTH - 1
-    assert rq.crossover("affine", 8, big) == 100 and rq.crossover("affine", 4, big) == 50
-    assert rq.crossover("affine", 8, small) == 300
-    assert rq.dequantize_first(100, "affine", 8, big) and not rq.dequantize_first(99, "affine", 8, big)
-    assert rq.crossover("affine", 7, big) == math.inf  # no entry: quantized_matmul
-    monkeypatch.setattr(rq, "backend", lambda: "cpu")
-    assert rq.crossover("affine", 3) == rq.crossover("affine", 8) == rq.CROSSOVER_TOKENS["cpu"]["affine"]
 
 
 @pytest.mark.parametrize("spec", MODES)
@@ -292,8 +261,8 @@ def test_group_size_that_does_not_divide_the_width(tmp_path):
 
 
 def test_api_group_size_not_an_int_is_named(converted, tmp_path):
-    # before round 11: group_size="64" gave "--group-size 64 is not one of 32, 64, 128", "32" with
-    # mxfp4 "fixed group size of 32; got --group-size 32", and 64.0 went through as a float
+    # a group size that is not an int is named as such (not "64 is not one of 32, 64, 128"), and
+    # 64.0 is not taken as 64
     for q, bad in (("4", "64"), ("mixed_3_6", "64"), ("4", 64.0), ("4", True), ("mxfp4", "32")):
         with pytest.raises(QuantizeError, match=r"group_size=.*: give an int, one of 32, 64, 128"):
             quantize(converted, tmp_path / "q", q, group_size=bad, progress=False)
@@ -323,64 +292,41 @@ def test_quantize_refuses_several_specs(converted, tmp_path):
     assert result.exit_code == 0 and json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
 
 
-def test_fused_window_by_backend_mode_and_weight_size(monkeypatch):
-    """The fused kernel takes FUSED_TOKENS' window [lo, hi) for large weights on CUDA only; the
-    environment switch forces it (fused) or keeps it off (quantized, dequantize)."""
-    monkeypatch.delenv(rq.POLICY_ENV, raising=False)
-    monkeypatch.setattr(rq, "backend", lambda: "cuda")
-    big, small = rq.SMALL_WIDTH, rq.SMALL_WIDTH - 1
-    lo, hi = rq.FUSED_TOKENS["cuda"]["affine4"]
-    assert rq.fused_first(lo, "affine", 4, big) and rq.fused_first(hi - 1, "affine", 4, big)
-    assert not rq.fused_first(lo - 1, "affine", 4, big) and not rq.fused_first(hi, "affine", 4, big)
-    # small weights ("cuda-small", the 300M's) have their own window, here wider than cuda's
-    slo, shi = rq.FUSED_TOKENS["cuda-small"]["affine4"]
-    assert not rq.fused_first(shi - 1, "affine", 4, big)
-    assert rq.fused_first(slo, "affine", 4, small) and rq.fused_first(shi - 1, "affine", 4, small)
-    assert not rq.fused_first(slo - 1, "affine", 4, small) and not rq.fused_first(shi, "affine", 4, small)
-    assert not rq.fused_first(lo, "affine", 6, big)  # not measured: no window
-    assert rq.fused_first(lo, "mxfp4", None, big)
-    monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
-    assert not rq.fused_first(lo, "affine", 4, big)
-    monkeypatch.setenv(rq.POLICY_ENV, "fused")
-    assert rq.fused_first(1, "affine", 8, small)
-    monkeypatch.delenv(rq.POLICY_ENV)
-    monkeypatch.setattr(rq, "backend", lambda: "cpu")
-    assert not any(rq.fused_first(t, "affine", 4, big) for t in (1, lo, hi, 10**6))
-
-
-def test_fused_window_falls_back_where_the_kernel_cannot_run(quantized, monkeypatch, on_cpu):
-    """Inside the window, a layer the kernel cannot take (here: the CPU) keeps the table's path
-    and its output."""
-    monkeypatch.delenv(rq.POLICY_ENV, raising=False)
+def test_a_fused_plan_falls_back_where_the_kernel_cannot_take_the_call(quantized, on_cpu):
+    """A fused plan whose call the kernel cannot take (here fp32 inputs on the CPU) runs
+    dequantize + matmul by MLX's ops, with the plan's output."""
     model, _ = load(quantized["4"])
     layer = model.esmc.layers[0].mlp.up_proj
     x = mx.ones((1, 70, 128))
     expected = layer(x)
-    monkeypatch.setattr(rq, "fused_first", lambda *a: True)
-    assert mx.array_equal(layer(x), expected).item()
+    fused = dispatch.Plan("fused", (dispatch.Launch("esmc_qmm_2d", "sm_80"),), "forced", "2d", 1)
+    np.testing.assert_allclose(np.array(layer.run(x, fused)), np.array(expected), rtol=1e-5, atol=1e-5)
+
+
+HOPPER_AS_PLANNED = dispatch.Target.of(dispatch.Device("cuda", "sm_90a", 132), force="dequantize")
 
 
 @pytest.mark.parametrize("spec", ["4", "mixed_4_6"])
 def test_a_blocks_dequantizes_go_in_one_call(spec, quantized, monkeypatch, on_cpu):
-    """Where a block's quantized linears take dequantize + matmul, their weights come from one
-    kernels.dequantize_together call per block and setting (the kernel runs on CUDA only: here
-    a stand-in returns mx.dequantize's weights, with the backend said to be CUDA), and the
-    layers multiply by exactly those; off CUDA nothing is asked."""
-    monkeypatch.setenv(rq.POLICY_ENV, "dequantize")
+    """Where a block's quantized linears take dequantize + matmul on a CUDA GPU, their weights
+    come from one dequantize_together call per block and setting (the kernel runs on CUDA only:
+    here a stand-in returns mx.dequantize's weights, planned for an H200), and the layers
+    multiply by exactly those; with MLX's plain ops, or another path, nothing is asked."""
     model, _ = load(quantized[spec])
     expected = logits(model)
     calls = []
 
-    def stand_in(parts, group_size, bits, mode, dtype, scale=1.0):
+    def stand_in(parts, group_size, bits, mode, dtype, max_blocks, scale=1.0):
         calls.append((bits, len(parts)))
         ws = [mx.dequantize(w, s, b, group_size=group_size, bits=bits, mode=mode, dtype=dtype) for w, s, b in parts]
         return mx.concatenate([w.reshape(-1) for w in ws]) * scale
 
-    monkeypatch.setattr(rq.kernels, "dequantize_together", stand_in)
-    logits(model)
-    assert not calls  # not on CUDA: nothing asked
-    monkeypatch.setattr(rq, "backend", lambda: "cuda")  # the policy is forced: the tables do not matter
-    np.testing.assert_array_equal(logits(model), expected)
+    monkeypatch.setattr(cuda_dequantize, "dequantize_together", stand_in)
+    with dispatch.use(HOPPER_AS_PLANNED):
+        logits(model)
+        assert not calls  # the CPU's plain ops: nothing asked
+        model.use_ops(fusions.CUDA)
+        np.testing.assert_array_equal(logits(model), expected)
     expected_calls = Counter()  # per block: one call per bit width, with that width's linears
     for layer in model.esmc.layers:
         widths = Counter(m.bits for _, m in layer.named_modules() if isinstance(m, rq.QuantizedLinear))
@@ -388,47 +334,38 @@ def test_a_blocks_dequantizes_go_in_one_call(spec, quantized, monkeypatch, on_cp
     assert Counter(calls) == expected_calls and len({b for b, _ in calls}) == (1 if spec == "4" else 2)
     linears = [m for _, m in model.named_modules() if isinstance(m, rq.QuantizedLinear)]
     assert all(m.given_transposed is None for m in linears)  # only while the block runs
-    monkeypatch.setattr(rq.kernels, "dequantize_together", lambda *a: stand_in(*a, scale=0.0))
-    assert not np.array_equal(logits(model), expected)  # the given weights are what they multiply
-    monkeypatch.setenv(rq.POLICY_ENV, "quantized")
+    monkeypatch.setattr(cuda_dequantize, "dequantize_together", lambda *a: stand_in(*a, scale=0.0))
+    with dispatch.use(HOPPER_AS_PLANNED):
+        assert not np.array_equal(logits(model), expected)  # the given weights are what they multiply
     calls.clear()
-    logits(model)
+    with dispatch.use(dataclasses.replace(HOPPER_AS_PLANNED, force="quantized")):
+        logits(model)
     assert not calls
 
 
 @pytest.mark.parametrize("in_dims,out_dims", [(64, 192), (256, 64)])
-def test_quantized_linear_keys_the_tables_by_its_smaller_dimension(in_dims, out_dims, monkeypatch, on_cpu):
-    """QuantizedLinear hands the policy the weight's smaller dimension (the unpacked input width
-    or the output width), whichever it is, and its output does not change with that. (On the
-    CPU: on the H200 the 64-192 case read two different outputs for the same call, twenty-ninth
-    issue-16 session, MLX's quantized_matmul failing at one group's width: see the test below.)"""
+def test_plans_key_the_tables_by_the_weights_smaller_dimension(in_dims, out_dims, on_cpu):
     layer = rq.QuantizedLinear(in_dims, out_dims, bias=False, group_size=64, bits=4)
-    x = mx.ones((1, 3, in_dims))
-    expected = layer(x)
-    seen = []
-    monkeypatch.setattr(rq, "fused_first", lambda tokens, mode, bits, width: seen.append(width) or False)
-    monkeypatch.setattr(rq, "dequantize_first", lambda tokens, mode, bits, width: seen.append(width) or False)
-    assert mx.array_equal(layer(x), expected).item()
-    assert seen == [min(in_dims, out_dims)] * 2
+    spec = layer.weight_spec(dispatch.current())
+    assert (spec.rows, spec.k, spec.width) == (out_dims, in_dims, min(in_dims, out_dims))
 
 
 @pytest.mark.parametrize(
     "in_dims,group_size,narrow", [(64, 64, True), (128, 128, True), (128, 64, False), (256, 128, False)]
 )
-def test_weights_one_group_wide_never_take_mlx_quantized_matmul_on_cuda(
-    in_dims, group_size, narrow, monkeypatch, on_cpu
-):
+def test_weights_one_group_wide_never_take_mlx_quantized_matmul_on_cuda(in_dims, group_size, narrow, on_cpu):
     """On CUDA a weight no wider than one group goes by dequantize + matmul at every token
-    count, even with quantized_matmul forced: MLX 0.32.4's quantized_matmul gave changing
-    outputs there on the H200, or never returned (rq.mlx_quantized_matmul_fails). Wider weights,
-    and every weight on the CPU, keep the tables' path. The CUDA backend is stood in for here
-    (its path then runs on the CPU, against dequantize + matmul); test_kernels'
+    count, even with quantized_matmul forced: MLX's quantized_matmul gave changing outputs there
+    on the H200, or never returned. Wider weights, and every weight on the CPU, keep quantized
+    (forced). The plan for CUDA runs here on the CPU against dequantize + matmul; test_kernels'
     test_narrow_quantized_linears_match_dequantize_on_cuda runs it on the GPU."""
-    monkeypatch.setenv(rq.POLICY_ENV, "quantized")
     layer = rq.QuantizedLinear(in_dims, 192, bias=False, group_size=group_size, bits=4)
-    assert [layer.policy(rows) for rows in (1, 3, 16, 4096)] == [(False, False)] * 4
-    monkeypatch.setattr(rq, "backend", lambda: "cuda")
-    assert [layer.policy(rows) for rows in (1, 3, 16, 4096)] == [(False, narrow)] * 4
+    cpu = dataclasses.replace(dispatch.current(), force="quantized")
+    cuda = dataclasses.replace(HOPPER_AS_PLANNED, force="quantized")
+    for target, expected in ((cpu, "quantized"), (cuda, "dequantize" if narrow else "quantized")):
+        with dispatch.use(target):
+            assert {layer.plan(rows, mx.float32).path for rows in (1, 3, 16, 4096)} == {expected}
     x = mx.random.normal((1, 3, in_dims), key=mx.random.key(0))
     ref = x @ mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=group_size, bits=4).T
-    np.testing.assert_allclose(np.array(layer(x)), np.array(ref), rtol=1e-5, atol=1e-5)
+    with dispatch.use(cuda):
+        np.testing.assert_allclose(np.array(layer(x)), np.array(ref), rtol=1e-5, atol=1e-5)

@@ -3,12 +3,15 @@ function as the plain model. Speed is shown by benchmarks/, not tested here."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import requires_torch
 
 from esmc_mlx import bench
+from esmc_mlx.runtime import dispatch
 from esmc_mlx.runtime.model import ESMC
 
 
@@ -84,7 +87,7 @@ def test_fused_quantized_is_exact(tiny_config, weights, mode):
 def test_mixed_quantization_is_not_fused(tiny_config, weights):
     import mlx.nn as nn
 
-    from esmc_mlx.runtime.model import concat_linears
+    from esmc_mlx.runtime.execution import concat_linears
 
     a = nn.QuantizedLinear(128, 128, bits=4)
     b = nn.QuantizedLinear(128, 128, bits=8)
@@ -142,63 +145,40 @@ def test_the_fingerprint_names_the_weights_not_their_runtime_layout(tiny_config)
     assert fused.is_fused and fused.fingerprint() == prints[-1]
 
 
-def test_a_forced_warp_tile_gets_its_own_compiled_trace(tiny_config, weights, monkeypatch):
-    """A trace bakes in the fused kernel's warp tile (chosen in Python while tracing), so
-    ESMC_MLX_QMM_TILE keys the compiled forwards as the forced matmul path does: otherwise a
-    benchmark forcing another tile times the first tile's trace (the twelfth issue-16
-    session's first run read identical times for three tiles)."""
-    from esmc_mlx.runtime import kernels
-
-    model = bench.mlx_model(tiny_config, weights, fuse=True, compile=True)
-    ids = np.random.default_rng(1).integers(4, 24, size=(2, 9))
-    monkeypatch.delenv(kernels.QMM_TILE_ENV, raising=False)
+def test_another_target_gets_its_own_compiled_trace(tiny_config, weights):
+    """A trace bakes in the plans of the target it was traced for, so the compiled forwards are
+    keyed by the target: another (a benchmark's side, ESMC_MLX_PATH, another device's plans)
+    runs eagerly once and gets a trace of its own, with the same function."""
+    model = bench.mlx_model(tiny_config, weights, fuse=True, compile=True, quant=bench.QUANT_MODES["affine4"])
+    ids = mx.array(np.random.default_rng(1).integers(4, 24, size=(2, 9)))
+    assert [model.use_compiled(ids, None) for _ in range(2)] == [False, True]
     for _ in range(2):  # eager, then traced
         ref = np.array(model(ids).logits)
     before = set(model._compiled)
-    monkeypatch.setenv(kernels.QMM_TILE_ENV, kernels.QMM_WG_TILE)
-    for _ in range(2):
-        out = np.array(model(ids).logits)
-    assert set(model._compiled) - before, "the forced tile reused the unforced trace"
-    assert rel(out, ref) <= 1e-6  # a float model: the tile changes nothing but the key
+    other = dataclasses.replace(dispatch.current(), force="dequantize")
+    with dispatch.use(other):
+        assert [model.use_compiled(ids, None) for _ in range(2)] == [False, True]
+        for _ in range(2):
+            out = np.array(model(ids).logits)
+    assert set(model._compiled) - before, "the other target reused the first target's trace"
+    assert rel(out, ref) <= 1e-5
 
 
-def test_the_warp_tile_names_are_checked():
-    from esmc_mlx.runtime import kernels
-
-    assert kernels.qmm_tile(300, kernels.QMM_WG_TILE) == kernels.QMM_WG_TILE
-    assert kernels.qmm_tile(300) == "wg" and kernels.qmm_tile(100) == "2d" and kernels.qmm_tile(16) == "1d"
-    # 8-bit weights take "wg" by default only from QMM_WG_8BIT_VALUES values; forcing it still works
-    large, small = kernels.QMM_WG_8BIT_VALUES, kernels.QMM_WG_8BIT_VALUES - 1
-    assert kernels.qmm_tile(300, bits=8, values=large) == "wg" and kernels.qmm_tile(300, bits=8, values=small) == "2d"
-    assert kernels.qmm_tile(300, bits=4, values=small) == "wg" and kernels.qmm_tile(16, bits=8, values=large) == "1d"
-    assert kernels.qmm_tile(300, kernels.QMM_WG_TILE, bits=8, values=small) == kernels.QMM_WG_TILE
-    with pytest.raises(ValueError, match="wg"):
-        kernels.qmm_tile(300, "wg64")
-    assert kernels.wg_tile_supported(4, 32) and kernels.wg_tile_supported(4, 128)
-    assert kernels.wg_tile_supported(8, 32) and kernels.wg_tile_supported(8, 64)
-    assert not kernels.wg_tile_supported(4, 16) and not kernels.wg_tile_supported(6, 64)
-    # split K by qmm_plan's rule: 60 tiles of 128 x 256 fill less than half of 132 slots (one
-    # block an SM), 240 fill them
-    assert kernels.qmm2_plan(256, 7680, 2560, kernels.QMM_WG_TILE) == 2
-    assert kernels.qmm2_plan(1024, 7680, 2560, kernels.QMM_WG_TILE) == 1
-    assert kernels.qmm2_plan(256, 2560, 6912, kernels.QMM_WG_TILE) == 6  # 20 tiles, 108 steps
-
-
-def test_the_split_waves_are_read_checked_and_key_the_traces(monkeypatch):
-    """ESMC_MLX_QMM_WAVES sets the split rule's waves (0: K never split); anything but a
-    number >= 0 is refused naming the variable; a trace bakes the split in, so it keys them."""
-    from esmc_mlx.runtime import kernels
-    from esmc_mlx.runtime.model import kernel_choices
-
-    monkeypatch.delenv(kernels.QMM_WAVES_ENV, raising=False)
-    unset = kernel_choices()
-    assert kernels.qmm_waves() == 1.0
-    assert kernels.qmm2_plan(256, 7680, 2560, kernels.QMM_WG_TILE, kernels.qmm_waves()) == 2
-    monkeypatch.setenv(kernels.QMM_WAVES_ENV, "0")
-    assert kernels.qmm_waves() == 0.0 and kernel_choices() != unset
-    assert kernels.qmm2_plan(256, 7680, 2560, kernels.QMM_WG_TILE, kernels.qmm_waves()) == 1
-    assert kernels.qmm_plan(16, 2560, 6912, kernels.qmm_waves()) == (16, 1)
-    for bad in ("two", "-1", "nan", "inf"):
-        monkeypatch.setenv(kernels.QMM_WAVES_ENV, bad)
-        with pytest.raises(ValueError, match=f"ESMC_MLX_QMM_WAVES: '{bad}' is not a number"):
-            kernels.qmm_waves()
+def test_the_fused_kernel_tiles_by_token_count_and_architecture():
+    """The fused kernel's tile: 1d below 65 tokens (the smallest of 16-128 tokens a block that
+    holds them), 2d from there, wg (Hopper's warpgroup MMA) from 129 where it runs and takes the
+    weight (4- and 8-bit, groups of 32 or more; 8-bit only on weights of 8M values or more);
+    K split to fill the SMs where the tiles fill less than half of them."""
+    hopper = dispatch.Target.of(dispatch.Device.parse("cuda:sm_90a"))
+    big, small = dispatch.Weight("affine", 4, 64, 7680, 2560), dispatch.Weight("affine", 8, 64, 960, 960)
+    assert [dispatch.qmm_tile(big, t, hopper) for t in (16, 64, 65, 128, 129, 300)] == ["1d"] * 2 + ["2d"] * 2 + [
+        "wg"
+    ] * 2
+    assert dispatch.qmm_tile(small, 300, hopper) == "2d"  # 8-bit, under 8M values
+    assert dispatch.qmm_tile(dataclasses.replace(big, bits=8), 300, hopper) == "wg"
+    assert dispatch.qmm_tile(dataclasses.replace(big, group_size=16), 300, hopper) == "2d"
+    assert [dispatch.qmm_splits(big, t, "1d", 132)[0] for t in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    # 60 tiles of 128 x 256 fill less than half of 132 SMs (one block each), 240 fill them
+    assert dispatch.qmm_splits(big, 256, "wg", 132) == (256, 2)
+    assert dispatch.qmm_splits(big, 1024, "wg", 132) == (256, 1)
+    assert dispatch.qmm_splits(dispatch.Weight("affine", 4, 64, 2560, 6912), 256, "wg", 132) == (256, 6)

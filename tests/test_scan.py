@@ -11,7 +11,7 @@ import struct
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs torch: pip install 'esmc-mlx[torch]'")
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[torch]' in the clone")
 from click.testing import CliRunner
 from transformers import EsmcTokenizer
 
@@ -250,9 +250,9 @@ def test_scan_refuses_a_manifest_it_did_not_write(converted, tmp_path):
 
 
 def test_a_scan_resumes_with_the_same_weights_only(converted, tmp_path):
-    """The model is known by its weights (ESMC.fingerprint): before round 12 a loaded model was
-    never resumed, and a path was known by its name, so a folder converted again in place (or
-    another model given the same name) was taken for the one that made OUT's files."""
+    """The model is known by its weights (ESMC.fingerprint): a loaded model resumes, and a
+    folder converted again in place (or another model given the same name) is not taken for the
+    one that made OUT's files, as a path would be."""
     import mlx.core as mx
 
     from esmc_mlx.tasks.jobs import scan_job

@@ -18,7 +18,7 @@ from esmc_mlx.errors import EsmcMlxError, FastaError, JobError, MutationError, S
 from esmc_mlx.tasks.fasta import parse_fasta, read_fasta
 from esmc_mlx.tasks.jobs import embed_fasta, score_csv
 from esmc_mlx.tasks.mutations import all_singles, parse_mutant
-from esmc_mlx.tasks.scoring import length_batches, pseudo_perplexity, score_mutations
+from esmc_mlx.tasks.scoring import NonstandardResidueWarning, length_batches, pseudo_perplexity, score_mutations
 from esmc_mlx.tasks.stats import spearman
 from esmc_mlx.tasks.store import read_embeddings
 from esmc_mlx.testing import random_sequences
@@ -172,15 +172,21 @@ def test_batch_size_does_not_change_scores(model):
 @pytest.mark.parametrize("layer", [0, 1, -1])
 def test_embeddings_match_torch(model, reference_model, layer):
     seqs = ["MKTAYIAKQRQISFVKSHFSRQ", "MK", "ACDEFGHIKLMNPQRSTVWYXBZUO", "GSHMSLFDKLG"]
-    got = model.embed(seqs, layer=layer, per_residue=True, batch_tokens=60)  # forces padded, mixed batches
+    with pytest.warns(NonstandardResidueWarning, match=r"1 of 4 sequences .* '3': X at 21, B at 22, Z at 23"):
+        got = model.embed(seqs, layer=layer, per_residue=True, batch_tokens=60)  # forces padded, mixed batches
+    kept = model.embed(seqs, layer=layer, pools="mean,max", keep_nonstandard=True, batch_tokens=60)
     for i, seq in enumerate(seqs):
         with torch.no_grad():
             out = reference_model(
                 input_ids=torch.tensor(HF_TOK(seq)["input_ids"]).long()[None], output_hidden_states=True
             )
         hidden = out.hidden_states[layer][0, 1:-1].numpy()
-        np.testing.assert_allclose(got.per_residue[i], hidden, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(got.mean[i], hidden.mean(0), rtol=1e-4, atol=1e-4)
+        standard = np.array([c not in "XBZUO" for c in seq])
+        np.testing.assert_allclose(got.per_residue[i], hidden, rtol=1e-4, atol=1e-4)  # every residue's row
+        np.testing.assert_allclose(got.mean[i], hidden[standard].mean(0), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(kept.mean[i], hidden.mean(0), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(kept.get("max")[i], hidden.max(0), rtol=1e-4, atol=1e-4)
+    assert np.abs(got.mean[2] - kept.mean[2]).max() > 1e-3  # the policy changed the pooled value
     assert got.layer == (2 if layer == -1 else layer)
     with pytest.raises(ScoringError, match="out of range"):
         model.embed(seqs, layer=3)
@@ -287,9 +293,9 @@ def test_embed_job_resumes_without_recomputing(model, tmp_path):
 
 
 def test_embed_resumes_only_with_the_model_that_made_the_store(converted, tmp_path):
-    """Before round 12 a model of the same shape passed the settings check, so a rerun with
-    another checkpoint (or a folder converted again in place) added its embeddings to the
-    first model's; now the weights' fingerprint decides, wherever the model is loaded from."""
+    """A model of the same shape passes the settings check, so the weights' fingerprint decides:
+    a rerun with another checkpoint (or a folder converted again in place) must not add its
+    embeddings to the first model's, wherever the model is loaded from."""
     import shutil
 
     import mlx.core as mx
@@ -379,7 +385,7 @@ def test_score_csv_errors_name_file_and_line(model, tmp_path):
         score_csv(model, WT, nocol, None)
     mismatch = tmp_path / "mm.csv"
     mismatch.write_text(f"mutant,mutated_sequence\nA4G,{WT}\n")
-    with pytest.raises(JobError, match="line 2: mutated_sequence does not match"):
+    with pytest.raises(JobError, match="line 2: 'A4G': mutated_sequence does not match"):
         score_csv(model, WT, mismatch, None)
     with pytest.raises(FastaError, match=r"sequence '--sequence': invalid character 'J' at position 2"):
         score_csv(model, "MJK", bad, None)
@@ -388,9 +394,8 @@ def test_score_csv_errors_name_file_and_line(model, tmp_path):
 
 
 def test_score_csv_checks_joint_windows_before_the_model(tmp_path):
-    # before round 11: a joint mutant wider than --window and an unknown multi= failed only after
-    # the model had loaded (here: a missing model's error instead), and the message named no
-    # mutant ("sites 1..33 span more than the window of 20 residues")
+    # a joint mutant wider than --window and an unknown multi= fail before the model loads (here
+    # a missing model's error would come instead), and the message names the mutant
     csv = tmp_path / "joint.csv"
     csv.write_text("mutant\nA4G\nM1A:Q33A\n")
     missing = tmp_path / "no-model"
@@ -406,8 +411,8 @@ def test_score_csv_checks_joint_windows_before_the_model(tmp_path):
 
 
 def test_embed_per_residue_adds_to_the_pools_given(model, tmp_path):
-    # before round 11 model.embed(S, pools="max", per_residue=True) dropped per_residue without a
-    # word (emb.per_residue was None), where the CLI's --pool max --per-residue stores both
+    # model.embed(S, pools="max", per_residue=True) stores both, as the CLI's --pool max
+    # --per-residue does (per_residue is not dropped without a word)
     emb = model.embed([WT, "MKV"], pools="max", per_residue=True)
     assert emb.get("max").shape == (2, model.config.hidden_size)
     assert [r.shape[0] for r in emb.per_residue] == [len(WT), 3]
@@ -420,8 +425,8 @@ def test_embed_per_residue_adds_to_the_pools_given(model, tmp_path):
 
 
 def test_embed_layer_and_layers_together_are_refused(model, tmp_path):
-    # before round 11 model.embed(S, layer=2, layers="1") / embed_fasta(...) used layers=1 and
-    # ignored layer=2 without a word (the CLI refuses --layer 2 --layers 1)
+    # model.embed(S, layer=2, layers="1") / embed_fasta(...) must not use layers=1 and ignore
+    # layer=2 without a word (the CLI refuses --layer 2 --layers 1)
     with pytest.raises(ScoringError, match=r"give layer=2 or layers='1', not both"):
         model.embed([WT], layer=2, layers="1")
     fasta = tmp_path / "in.fasta"
@@ -512,11 +517,11 @@ def test_cli_score_and_embed(converted, model, tmp_path):
     assert stored.ids == ["ok", "fine"] and stored.mean.dtype == np.float16
     np.testing.assert_allclose(stored.mean.astype(np.float32), model.embed(["MKV", "MKLV"], layer=1).mean, atol=2e-3)
 
-    # one of a thing is not "1 things" (before round 12: "Scored 1 mutants (...; 1 forward passes)")
+    # one of a thing is not "1 things" (not "Scored 1 mutants (...; 1 forward passes)")
     (tmp_path / "one.csv").write_text(f"mutant\n{MUTANTS[0]}\n")
     args = ["score", str(converted), "--sequence", WT, "--mutations", str(tmp_path / "one.csv"), "--no-progress"]
     result = runner.invoke(cli, [*args, "--method", "wt-marginal"])
-    assert result.exit_code == 0 and "Scored 1 mutant (wt_marginal; 1 forward pass)" in result.output, result.output
+    assert result.exit_code == 0 and "Scored 1 mutant (wt_marginal; 1 forward pass, " in result.output, result.output
     fasta.write_text(">new\nMKVW\n>ok\nMKV\n>fine\nMKLV\n")
     emb = ["embed", str(converted), str(fasta), "-o", str(tmp_path / "emb"), "--layer", "1", "--per-residue"]
     result = runner.invoke(cli, [*emb, "--dtype", "float16", "--no-progress"])
@@ -538,7 +543,7 @@ def test_runtime_imports_neither_torch_nor_transformers():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-# --- the public API's arguments (round 10b) ----------------------------------------------------
+# --- the public API's arguments ------------------------------------------------------------------
 
 
 def test_forward_refuses_ids_it_would_read_wrongly(model):

@@ -122,3 +122,13 @@ def test_short_cpu_run_writes_a_checkpoint_and_metrics(tmp_path, keep_torch_dete
     again = json.loads((tmp_path / "again" / "metrics.json").read_text())
     assert [h["train_loss"] for h in again["history"]] == [h["train_loss"] for h in metrics["history"]]
     assert again["test"] == metrics["test"]
+
+
+def test_the_packaged_card_is_the_one_the_script_writes_from_the_run_s_metrics():
+    """The card's text lives in the script; the shipped README.md is its output for metrics.json."""
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parent.parent / "esmc_mlx" / "data" / "esmc-tiny"
+    card = tt.model_card(json.loads((data / "metrics.json").read_text()))
+    assert card == (data / "README.md").read_text()
+    assert "small demo model" in card and "not a model for biology" in card

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import requires_torch
 
+from esmc_mlx import settings
 from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
 from esmc_mlx.resolve import PACKAGED
@@ -28,6 +29,7 @@ TINY = PACKAGED / "esmc-tiny"
 def reference_cache(tmp_path, monkeypatch):
     """Every test its own cache of the original's outputs (none in the user's ~/.cache)."""
     monkeypatch.setenv("ESMC_MLX_CACHE", str(tmp_path / "cache"))
+    settings.reload()  # read once per process: this test changes it
     return tmp_path / "cache"
 
 
@@ -440,7 +442,7 @@ def test_api_arguments_are_checked_before_any_work(converted, tmp_path, kwargs, 
 
 
 def test_a_report_folder_holding_the_users_files_of_those_names_is_refused(converted, tmp_path):
-    # before round 11 `validate --report DIR` replaced DIR/report.json (or report.md) whatever it was
+    # `validate --report DIR` replaces DIR/report.json (or report.md) only when esmc-mlx wrote it
     from esmc_mlx.errors import ConvertError
 
     folder = tmp_path / "mine"

@@ -143,7 +143,7 @@ def write_artifacts(
             # an older parent's record may hold local paths: scrub keeps only their basenames
             "source": dict(provenance, **({"derived_from": scrub(job.derived_from)} if job.derived_from else {})),
             "converter": {"name": "esmc-mlx", "version": __version__},
-            "command": public_command(job.command),  # typed paths cut to basenames (issue 12, rule 9)
+            "command": public_command(job.command),  # typed paths cut to basenames (privacy.py)
             "quantization": {"spec": plan.spec, "quantize_head": plan.quantize_head} if plan else None,
             "seconds": round(time.perf_counter() - started, 2),
         }

@@ -19,7 +19,7 @@ from ..artifact import (
     tensor_files,
 )
 from ..config import ESMCConfig
-from ..errors import ConfigError, ConvertError
+from ..errors import ConfigError, ConvertError, install_hint
 from ..readers import read_json
 from ..resolve import Source
 from . import mapping
@@ -237,7 +237,7 @@ def _open_pth(path: Path) -> Checkpoint:
     try:
         import torch
     except ImportError:
-        raise ConvertError(f"{path}: reading a .pth checkpoint needs torch; install esmc-mlx[torch]") from None
+        raise ConvertError(f"{path}: reading a .pth checkpoint needs torch: {install_hint('torch')}") from None
     import pickle
     import zipfile
 

@@ -19,6 +19,7 @@ from ..artifact import (
     FP_MODES,
     REPORT_DIR,
     describe,
+    human_size,
     plural,
     precision_label,
     quantization_record,
@@ -27,10 +28,32 @@ from ..artifact import (
     weight_files,
 )
 from ..artifact import GENERATED_CARD_LINE as MARKER  # the card's last line
-from ..errors import HubError
+from ..errors import ConfigError, HubError
+from ..sae_artifact import read_sae_config, sae_files
 from .repo_id import is_repo_id
 
-PROJECT_URL = "https://pypi.org/project/esmc-mlx/"
+
+def install_text(version: str) -> str:
+    """What a card says about installing esmc-mlx (``version``: the one that converted the model):
+    it is not on PyPI, so no `pip install esmc-mlx` line."""
+    return (
+        "esmc-mlx is not published on PyPI. Install it from its source: `pip install .` in a checkout of "
+        f"the esmc-mlx repository, or `pip install esmc_mlx-{version}-py3-none-any.whl` with a wheel built "
+        "there by `python -m build` (add `[cuda]` for NVIDIA GPUs on Linux)."
+    )
+
+
+# The models that ship inside esmc-mlx (source ids ``esmc-mlx/<alias>``), as their cards describe them.
+BUNDLED = {
+    "esmc-mlx/tiny": (
+        "esmc-tiny is the small demo model that ships inside esmc-mlx: ESMC's architecture at 6 layers and "
+        "width 256 (5.2 M parameters), trained by esmc-mlx with masked language modelling on about 4,900 "
+        "public protein sequences, for tests, demos and the quality side of validation. It is not a model "
+        "for biology: it predicts a masked residue only a little better than the residue frequencies do, so "
+        "its variant scores and embeddings say little about real proteins. It is not EvolutionaryScale's "
+        "ESM C and holds none of its weights."
+    ),
+}
 
 
 @dataclasses.dataclass
@@ -204,7 +227,7 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
     out += [
         (f"ESMC protein language model {base_link}" if base else f"An ESMC protein language model from {base_link},")
         + " converted to [MLX](https://github.com/ml-explore/mlx) "
-        f"with [esmc-mlx]({PROJECT_URL}), weights {weights}: {info['bits per weight']} bits per weight, "
+        f"with esmc-mlx, weights {weights}: {info['bits per weight']} bits per weight, "
         f"{info['size on disk']} on disk.",
         "",
         _validation_banner(validation),
@@ -223,7 +246,8 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
         "",
         "## What this model is",
         "",
-        "ESM C (ESM Cambrian) is a protein language model from EvolutionaryScale, trained by masked language "
+        BUNDLED.get(source.get("id") or "")
+        or "ESM C (ESM Cambrian) is a protein language model from EvolutionaryScale, trained by masked language "
         "modelling on protein sequences. For every residue of an amino-acid sequence it gives a distribution "
         "over ESMC's 33-token vocabulary (logits are 64 wide; the extra columns are padding) and an embedding "
         f"of width {hidden}. The embeddings feed structure, function and variant-effect predictors; the "
@@ -235,9 +259,7 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
         "",
         "## Usage",
         "",
-        "```bash",
-        "pip install esmc-mlx",
-        "```",
+        install_text(converter.get("version", __version__)),
         "",
         "```python",
         "from esmc_mlx import load",
@@ -278,6 +300,8 @@ def _local_source(source: dict) -> str:
     """A source that is not a Hub repo, named without the converting machine's directories."""
     if not source.get("id"):
         return "an unrecorded source"
+    if source["id"] in BUNDLED:
+        return f"esmc-{source['id'].removeprefix('esmc-mlx/')}, the demo model bundled with esmc-mlx"
     return f"a local checkpoint (`{Path(source['id']).name}`)"
 
 
@@ -396,3 +420,88 @@ def _rebase_links(markdown: str, prefix: str) -> str:
 def _demote_headings(markdown: str) -> str:
     """Nest the report's own headings under the card's "## Validation"."""
     return "\n".join(("##" + line) if re.match(r"^#{1,4} ", line) else line for line in markdown.splitlines())
+
+
+# --- sparse autoencoders ------------------------------------------------------------------------
+def render_sae_card(sae_dir: Path, repo_id: str | None = None, endpoint: str | None = None) -> str:
+    """The README.md of an SAE folder (``sae_artifact``'s layout) as published under
+    ``repo_id``: what it is, how to run it, its storage and its validation report."""
+    from huggingface_hub import ModelCardData, constants
+
+    sae_dir = Path(sae_dir)
+    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
+    try:
+        config = read_sae_config(sae_dir)
+        raw = json.loads((sae_dir / "config.json").read_text())
+    except (ConfigError, OSError, ValueError) as e:
+        raise HubError(str(e)) from None
+    meta = raw.get("esmc_mlx") or {}
+    base = base_model_of(meta)
+    validation = read_validation(sae_dir)
+    repo_id = repo_id or sae_dir.name
+    files = [name for name in sae_files(sae_dir) if name.endswith(".safetensors")]
+    size = sum((sae_dir / name).stat().st_size for name in files)
+    q = config.quantization
+    storage = f"{q['bits']}-bit affine, group size {q['group_size']}" if q else config.dtype
+    data = ModelCardData(
+        library_name="mlx",
+        base_model=base,
+        base_model_relation="quantized" if base else None,
+        tags=["mlx", "esmc", "sparse-autoencoder", "interpretability", "protein", "biology"],
+    )
+    base_link = f"[{base}]({endpoint}/{base})" if base else _local_source(meta.get("source") or {})
+    layers = ", ".join(map(str, config.available_layers))
+    layer = config.available_layers[-1]
+    out = ["---", data.to_yaml(), "---", "", f"# {repo_id}", ""]
+    out += [
+        f"Sparse autoencoders (SAEs) for ESMC hidden states from {base_link}, in the published layout "
+        f"(`config.json`, one `layer_{{i}}.safetensors` per backbone layer) with the matrices stored as "
+        f"**{storage}**, for esmc-mlx.",
+        "",
+        _sae_validation_banner(validation),
+        "",
+        "| | |",
+        "|---|---|",
+        f"| Source | {base_link}"
+        + (f" at `{meta['source']['revision'][:12]}`" if (meta.get("source") or {}).get("revision") else "")
+        + " |",
+        f"| Backbone width (d_model) | {config.d_model} |",
+        f"| Codebook | {config.codebook_dim:,} features, top-{config.k} per token |",
+        f"| Layers | {layers} |",
+        f"| Reads | {'residual updates h[N] - h[N-1]' if config.use_residual_update_instead_of_states else 'hidden states h[N]'} |",
+        f"| Matrices | {storage} (b_dec, idf and max in float32) |",
+        f"| Size on disk | {human_size(size)} in {plural(len(files), 'file')} |",
+        f"| Validation | {validation.headline()} |",
+        "",
+        "## Usage",
+        "",
+        "```python",
+        "from esmc_mlx import load, load_sae",
+        "",
+        'model, tokenizer = load("MODEL")  # the backbone these SAEs were trained on',
+        f'sae = load_sae("{repo_id}")  # layers are downloaded when first used',
+        f'features = model.sae_features(["MKTAYIAKQRQISFVKSHFSRQ"], sae, layer={layer})',
+        f"features[0].indices, features[0].values  # (tokens, {config.k}): active features of every token",
+        "```",
+        "",
+        "```bash",
+        f"esmc-mlx features MODEL --sae {repo_id} --layer {layer} --fasta proteins.fasta -o features",
+        "```",
+        "",
+        "## Validation",
+        "",
+    ]
+    if validation.markdown:
+        out += [_rebase_links(_demote_headings(validation.markdown.strip()), "validation/"), ""]
+    else:
+        out += ["Not validated: this folder carries no validation report.", ""]
+    out += [MARKER, ""]
+    return "\n".join(out)
+
+
+def _sae_validation_banner(v: Validation) -> str:
+    if v.passed:
+        return f"**Validation: passed.** All {len(v.enforced)} checks against the float32 SAE passed."
+    if v.state == "failed":
+        return f"**Validation: FAILED.** {len(v.failed_checks)} of {len(v.enforced)} checks failed; do not rely on it."
+    return "**Not validated.** Nothing has compared these SAEs with the float32 ones they came from."

@@ -33,18 +33,31 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, Mo
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
 from .._version import __version__
-from ..artifact import CARD_FILE, REPORT_DIR, artifact_kind, human_size, plural, precision_label, published_files
+from ..artifact import (
+    CARD_FILE,
+    REPORT_DIR,
+    ArtifactKind,
+    artifact_kind,
+    human_size,
+    plural,
+    precision_label,
+    published_files,
+)
 from ..errors import ConvertError, EsmcMlxError, HubError
+from ..finetune import check_adapter_base
+from ..finetune import render_card as render_adapter_card
 from ..outputs import add_to_marker, atomic_file, locked, read_marker
 from ..privacy import find_tokens, private_findings
 from ..readers import read_json
-from .card import MARKER, Validation, base_model_of, read_validation, render_card
+from .card import MARKER, Validation, base_model_of, read_validation, render_card, render_sae_card
 from .repo_id import check_repo_id
 
+# What an adapter's push reports for validation: it has none of the model's kind.
+ADAPTER_VALIDATION = Validation("missing", problem="an adapter; its card holds its training metrics")
 ATTEMPTS = 3  # tries of the whole commit on a transient failure (the client also retries each request)
 RETRY_WAITS = (5.0, 20.0)  # seconds before the 2nd and the 3rd attempt
 # Paths a push owns in the repo: deleted there when the artifact no longer has them.
-OWNED_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "validation/*")
+OWNED_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "layer_*.safetensors", "validation/*")
 SNIFF_BYTES = 8192  # a file holding a NUL byte in its first 8 KiB is binary (git's own test)
 
 
@@ -67,6 +80,8 @@ class PushResult:
     pr_url: str | None = None
     unchanged: bool = False  # the repo already held exactly this artifact: no commit
     notes: list[str] = dataclasses.field(default_factory=list)
+    loader: str = "load"  # the esmc_mlx function that loads it (load_sae, load_adapter for those kinds)
+    hub_checked: bool = True  # False: a dry run that did not ask the Hub (offline, no token)
 
     @property
     def total_bytes(self) -> int:
@@ -75,7 +90,10 @@ class PushResult:
     def summary(self) -> str:
         size = f"{plural(len(self.files), 'file')}, {human_size(self.total_bytes)}"
         where = self.repo_id + (f" (branch {self.revision})" if self.revision != "main" else "")
-        if self.dry_run:
+        if self.dry_run and not self.hub_checked:
+            lines = [f"Dry run, without the Hub: nothing was uploaded. A push to {where} would send:"]
+            lines += [f"  + {path} ({human_size(n)})" for path, n in self.files]
+        elif self.dry_run:
             lines = [f"Dry run: nothing was uploaded. A push would {'create' if self.created else 'update'} {where}:"]
             lines += [f"  + {path} ({human_size(n)})" for path, n in self.files]
             lines += [f"  - {path} (in the repo, not in the artifact)" for path in self.deletions]
@@ -93,16 +111,14 @@ class PushResult:
         lines.append("  model card: " + ("generated README.md" if self.card_generated else "your README.md (kept)"))
         lines += [f"  note: {n}" for n in self.notes]
         if not self.dry_run and not self.pr_url:
-            lines.append(f'  load it: esmc_mlx.load("{self.repo_id}")')
+            lines.append(f'  load it: esmc_mlx.{self.loader}("{self.repo_id}")')
         return "\n".join(lines)
 
 
 # --- local checks -----------------------------------------------------------------------------------
-def artifact_files(model_dir: Path, include=()) -> list[tuple[str, int]]:
-    """The files a push uploads, as (posix path relative to the directory, size): what the
-    artifact is made of (``artifact.published_files``: config, index and weights, tokenizer
-    files, card, validation report) and the files ``include`` names; nothing else the folder
-    holds. HubError for an incomplete artifact, or a file that leads out of the folder."""
+def publishing_kind(model_dir: Path) -> ArtifactKind:
+    """The kind of artifact ``model_dir`` holds (``artifact.artifact_kind``: its marker's, else
+    the kind that recognises it); HubError for a folder that holds none."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise HubError(f"{model_dir}: no such directory")
@@ -113,6 +129,18 @@ def artifact_files(model_dir: Path, include=()) -> list[tuple[str, int]]:
         raise HubError(str(e)) from None
     if not (model_dir / kind.config).is_file():
         raise HubError(f"{model_dir}: no {kind.config}; is this an esmc-mlx output directory?")
+    return kind
+
+
+def artifact_files(model_dir: Path, include=()) -> list[tuple[str, int]]:
+    """The files a push uploads, as (posix path relative to the directory, size): what the
+    artifact is made of (its kind's files: a model's config, index, weights and tokenizer
+    files; an SAE's config and layer files; an adapter's config, weights, head and metrics),
+    its card and validation report (``artifact.published_files``), and the files ``include``
+    names; nothing else the folder holds. HubError for an incomplete artifact, or a file that
+    leads out of the folder."""
+    model_dir = Path(model_dir)
+    kind = publishing_kind(model_dir)
     try:
         list(kind.files(model_dir))
     except EsmcMlxError as e:
@@ -134,6 +162,9 @@ def check_validation(model_dir: Path, repo_id: str, allow_unvalidated: bool) -> 
     except (HubError, AttributeError):
         meta = {}
     reference = base_model_of(meta) or (meta.get("source") or {}).get("id") or "SOURCE"
+    revalidate = f"esmc-mlx validate {model_dir} --reference {reference}"
+    if publishing_kind(model_dir).name == "sae":
+        revalidate = f"esmc-mlx quantize-sae {reference} -o {model_dir} --q SPEC --model MODEL --force"
     anyway = f"esmc-mlx push {model_dir} {repo_id} --allow-unvalidated"
     if validation.state == "failed":
         report = Path(model_dir) / REPORT_DIR / "report.md"
@@ -144,7 +175,7 @@ def check_validation(model_dir: Path, repo_id: str, allow_unvalidated: bool) -> 
         )
     raise HubError(
         f"refusing to push {model_dir}: it is not validated ({validation.problem}).\n"
-        f"Validate it first:\n  esmc-mlx validate {model_dir} --reference {reference}\n"
+        f"Validate it first:\n  {revalidate}\n"
         f'or publish it anyway (its model card will say "not validated"):\n  {anyway}'
     )
 
@@ -327,15 +358,22 @@ def push_artifact(
     if revision is not None and (not isinstance(revision, str) or not revision.strip()):  # never main in its place
         raise HubError(f"--revision {revision!r}: give the branch to commit to (or leave the option out for main)")
     branch = revision or "main"
+    # The artifact's kind says what it is made of, its card and how it loads; an adapter has no
+    # validation report (its card holds its metrics) and must name its base.
+    kind = publishing_kind(model_dir)
+    sae, adapter = kind.name == "sae", kind.name == "adapter"
+    if adapter:
+        check_adapter_base(model_dir)
     files = artifact_files(model_dir, include)
-    validation = check_validation(model_dir, repo_id, allow_unvalidated)
+    validation = ADAPTER_VALIDATION if adapter else check_validation(model_dir, repo_id, allow_unvalidated)
     readme = model_dir / CARD_FILE
     generated = not (readme.is_file() and MARKER not in readme.read_text(errors="replace"))
-    card = render_card(model_dir, repo_id) if generated else readme.read_text(errors="replace")
+    render = render_sae_card if sae else render_adapter_card if adapter else render_card
+    card = render(model_dir, repo_id) if generated else readme.read_text(errors="replace")
     _check_card(card, readme)
-    config = read_json(model_dir / "config.json", HubError)
+    config = read_json(model_dir / kind.config, HubError)
     if not isinstance(config, dict):
-        raise HubError(f"{model_dir / 'config.json'}: not a JSON object")
+        raise HubError(f"{model_dir / kind.config}: not a JSON object")
     meta = config.get("esmc_mlx") if isinstance(config.get("esmc_mlx"), dict) else {}
     description = "\n".join(
         filter(
@@ -358,6 +396,8 @@ def push_artifact(
     )
     if generated and not any(path == CARD_FILE for path, _ in files):
         files = sorted([*files, (CARD_FILE, len(card.encode()))])
+    if dry_run and (is_offline_mode() or not (token or get_token())):
+        return _local_preview(repo_id, branch, files, card, generated, validation)
 
     access = check_push_access(repo_id, token)
     api = access.api
@@ -372,18 +412,22 @@ def push_artifact(
     result = PushResult(
         repo_id, url, branch, files, deletions, card, generated, validation, dry_run=dry_run, created=not exists
     )
+    result.loader = "load_sae" if sae else "load_adapter" if adapter else "load"
     if not generated:
         result.notes.append("README.md has no esmc-mlx marker line, so it was published as written")
-    if not validation.passed:
+    if not validation.passed and not adapter:
         result.notes.append(f"published with --allow-unvalidated: the card says {validation.headline()}")
     if exists and head is None and not create_pr:
         result.notes.append(f"branch {branch} is new: it starts from main")
     if dry_run:
         return result
 
+    if adapter:
+        what = f"LoRA adapter on {meta['base']['repo_id']}"
+    else:
+        what = f"ESMC {'sparse autoencoders, ' if sae else ''}{precision_label(config)}"
     message = commit_message or (
-        f"{'Update' if exists else 'Upload'} {repo_id.split('/')[1]}: "
-        f"ESMC {precision_label(config)} for MLX (esmc-mlx {__version__})"
+        f"{'Update' if exists else 'Upload'} {repo_id.split('/')[1]}: {what} for MLX (esmc-mlx {__version__})"
     )
     if generated:
         with atomic_file(readme) as f:
@@ -412,6 +456,24 @@ def push_artifact(
         raise HubError(f"push to {repo_id}@{branch} failed: {what} Nothing was committed; {state}") from None
     result.commit_oid, result.commit_url, result.pr_url = oid, commit_url, pr_url
     result.unchanged = oid == head and not pr_url
+    return result
+
+
+def _local_preview(repo_id, branch, files, card, generated, validation) -> PushResult:
+    """A dry run without the Hub (offline mode, or no token): the card and the files, from the
+    artifact alone; what the repo holds (so what a push would delete, or whether it would create
+    the repo) is left unknown, and the access checks are left to the push."""
+    from huggingface_hub import constants
+
+    url = f"{constants.ENDPOINT.rstrip('/')}/{repo_id}"
+    result = PushResult(repo_id, url, branch, files, [], card, generated, validation, dry_run=True, hub_checked=False)
+    why = "offline mode is on (HF_HUB_OFFLINE)" if is_offline_mode() else "no Hugging Face token is set"
+    result.notes.append(
+        f"the Hub was not asked ({why}): the token, the namespace and the files the repo already holds are "
+        "checked by the push itself"
+    )
+    if not validation.passed:
+        result.notes.append(f"published with --allow-unvalidated: the card says {validation.headline()}")
     return result
 
 

@@ -9,8 +9,10 @@ import mlx.core as mx
 from ..artifact import FLOAT_DTYPES, quantization_record, read_model_config, tensor_files, weight_files
 from ..errors import ConvertError
 from ..resolve import resolve
+from . import dispatch
+from .cuda.fusions import CUDA
 from .model import ESMC
-from .quantized import quantize_modules
+from .quantized import backend, quantize_modules
 from .tokenizer import ESMCTokenizer
 
 
@@ -28,11 +30,21 @@ def resolve_model_dir(path_or_repo_id: str | Path, revision: str | None = None) 
     return source.path
 
 
+def plan(
+    path_or_repo_id: str | Path, tokens: list[int], device: str | None = None
+) -> tuple[dispatch.Target, list[dict]]:
+    """What runs for each kind of layer of a model at each of ``tokens`` on ``device`` (a name for
+    ``dispatch.Device.parse``; default this machine's): the target and dispatch.model_plan's rows.
+    Reads the artifact's config only. Raises ValueError for a device name it does not know."""
+    target = dispatch.current() if device is None else dispatch.described(device)
+    raw, config = read_model_config(resolve_model_dir(path_or_repo_id))
+    return target, dispatch.model_plan(config, quantization_record(raw), raw.get("dtype", "float32"), tokens, target)
+
+
 def apply_quantization(model: ESMC, record: dict, weights: dict) -> None:
     """Swap in quantized layers exactly where the artifact holds quantized weights (mlx-lm's
     rule: per-layer override from the record, else "has .scales"). Linears become
-    ``runtime.quantized.QuantizedLinear``, which picks quantized or dequantize-then-float
-    matmul per call by token count and backend."""
+    ``runtime.quantized.QuantizedLinear``, which runs each call by its plan (runtime/dispatch.py)."""
     quantize_modules(model, record, lambda path: f"{path}.scales" in weights)
 
 
@@ -124,6 +136,16 @@ def load(
         model.set_dtype(target)
     if not lazy:
         mx.eval(model.parameters())
-    model.optimize(fuse=False if lazy else fuse, compile=compile)
-    model.eval()
+    prepare(model, fuse=False if lazy else fuse, compile=compile)
     return model, ESMCTokenizer()
+
+
+def prepare(model: ESMC, fuse: bool | None = None, compile: bool | None = None) -> ESMC:
+    """Make a model whose weights are in place ready to run on the default device: on a CUDA GPU
+    the fused steps of cuda/fusions.py (each where its plan sends it), then the layout and
+    compiling measured faster there (``ESMC.optimize``), in eval mode."""
+    if backend() == "cuda":
+        model.use_ops(CUDA)
+    model.optimize(fuse=fuse, compile=compile)
+    model.eval()
+    return model

@@ -16,6 +16,7 @@ from ..runtime import ESMC, ESMCTokenizer
 from ..runtime import load as load_runtime
 from .fasta import Record, parse_fasta, read_fasta
 from .jobs import embed_fasta, score_csv
+from .sae import SAEFeatures, sae_features
 from .scan import Scan, scan
 from .scoring import Embeddings, MutationScores, embed, pseudo_perplexity, score_mutations
 from .store import read_embeddings
@@ -40,6 +41,11 @@ class ProteinModel(ESMC):
         """Pseudo-perplexity per sequence; see ``tasks.scoring.pseudo_perplexity``."""
         return pseudo_perplexity(self, sequences, **kwargs)
 
+    def sae_features(self, sequences: str | Sequence[str], sae, layer=None, normalize: bool = False, **kwargs):
+        """Sparse autoencoder features of every token, one ``SAEFeatures`` per sequence (a dict
+        of them for several SAEs or layers); see ``tasks.sae.sae_features``."""
+        return sae_features(self, sequences, sae, layer=layer, normalize=normalize, **kwargs)
+
 
 def load(
     path_or_repo_id: str | Path, revision: str | None = None, dtype: mx.Dtype | None = None, **kwargs
@@ -53,6 +59,7 @@ __all__ = [
     "MutationScores",
     "ProteinModel",
     "Record",
+    "SAEFeatures",
     "Scan",
     "embed",
     "embed_fasta",
@@ -61,6 +68,7 @@ __all__ = [
     "pseudo_perplexity",
     "read_embeddings",
     "read_fasta",
+    "sae_features",
     "scan",
     "score_csv",
     "score_mutations",

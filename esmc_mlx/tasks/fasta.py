@@ -4,7 +4,8 @@ A record's ID is its header up to the first whitespace (``>sp|P69905|HBA_HUMAN H
 -> ``sp|P69905|HBA_HUMAN``), as in Biopython and UniProt tools. Lines are cut and decoded by
 ``readers.text_lines`` (only ``\n`` and ``\r`` end a line); sequence lines are joined, ASCII
 spaces and tabs are dropped, lower case is read as upper case and one trailing ``*`` (a stop
-codon from translated genomes) is removed. Anything else outside ESMC's residue alphabet is an
+codon from translated genomes) is removed, as ``vocab.check_sequence`` does for every sequence.
+Anything else outside ESMC's residue alphabet is an
 error, as are empty records, text before the first header and IDs seen twice.
 """
 
@@ -65,8 +66,6 @@ class _Parser:
             raise FastaError(f"{source}, line {header_line}: record header has no ID")
         sequence = "".join(self.chunks)
         self.chunks = []
-        if sequence.endswith("*"):
-            sequence = sequence[:-1]
         if not sequence:
             raise FastaError(f"{source}, line {header_line}: record {ident!r} has no sequence")
         if ident in self.seen:

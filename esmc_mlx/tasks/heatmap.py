@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import JobError
+from ..errors import JobError, install_hint
 from ..outputs import atomic_file
 from .mutations import AMINO_ACIDS_20
 
@@ -40,14 +40,26 @@ def check_plotting() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise JobError(
-            "drawing the heatmap needs matplotlib: pip install 'esmc-mlx[plot]' (or pass --no-plot)"
-        ) from None
+        raise JobError(f"drawing the heatmap needs matplotlib: {install_hint('plot')}, or pass --no-plot") from None
+
+
+def colour_limit(scores: np.ndarray, wild_type: str) -> tuple[float, str]:
+    """The symmetric colour limit (the 99th percentile of |score| over the rows of the 20
+    standard residues: a kept X or B row, scored against no real residue, would stretch the
+    scale and wash the real positions out) and matplotlib's ``extend`` for the colour bar:
+    which ends have scores beyond the limit, drawn clipped."""
+    standard = np.array([c in AMINO_ACIDS_20 for c in wild_type], dtype=bool)
+    basis = scores[standard] if standard.any() else scores
+    limit = float(np.percentile(np.abs(basis), 99)) if basis.size else 0.0
+    limit = limit or 1.0
+    low, high = (bool((scores < -limit).any()), bool((scores > limit).any())) if scores.size else (False, False)
+    return limit, {(True, True): "both", (True, False): "min", (False, True): "max"}.get((low, high), "neither")
 
 
 def plot_heatmap(scan, path: str | Path, per_row: int = 100) -> Path:
     """Draw ``scan`` (a ``tasks.scan.Scan``) to a PNG: blue above 0 (more likely than the wild
-    type), red below, the colour scale symmetric at the 99th percentile of |score|; a black
+    type), red below, the colour scale from ``colour_limit`` (arrows on the colour bar mark the
+    ends where scores go beyond it); a black
     dot marks each wild-type residue; wild-type letters along the top of each row and residue
     numbers (``scan.offset`` numbering) every 10 positions along the bottom."""
     check_plotting()
@@ -61,7 +73,7 @@ def plot_heatmap(scan, path: str | Path, per_row: int = 100) -> Path:
     width, height = _inches(n, per_row)
     fig = Figure(figsize=(width, height), dpi=DPI)
     scores = np.asarray(scan.scores, dtype=np.float32)
-    limit = float(np.percentile(np.abs(scores), 99)) or 1.0
+    limit, extend = colour_limit(scores, scan.wild_type)
     norm = Normalize(-limit, limit)
     wt = scan.wild_type
     numbers = np.asarray(scan.positions) + scan.offset
@@ -82,7 +94,7 @@ def plot_heatmap(scan, path: str | Path, per_row: int = 100) -> Path:
         top.set_xticks(range(hi - lo), list(wt[lo:hi]), fontsize=5)
         top.tick_params(length=0, pad=1)
     cax = fig.add_axes(((width - RIGHT + 0.25) / width, (height - TOP - PANEL) / height, 0.12 / width, PANEL / height))
-    bar = fig.colorbar(image, cax=cax)
+    bar = fig.colorbar(image, cax=cax, extend=extend)
     bar.set_label(f"{scan.method.replace('_', '-')}\nlog p(mut) - log p(wt)", fontsize=6)
     bar.ax.tick_params(labelsize=6)
     fig.text(

@@ -27,7 +27,15 @@ from ..vocab import check_sequence
 from .distributed import World
 from .heatmap import plot_heatmap
 from .mutations import AMINO_ACIDS_20
-from .scoring import _TOKENIZER, DEFAULT_BATCH_SIZE, DEFAULT_WINDOW, _Jobs, _residue_positions, check_length
+from .scoring import (
+    _TOKENIZER,
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_WINDOW,
+    _Jobs,
+    _residue_positions,
+    check_length,
+    warn_nonstandard,
+)
 from .store import sequence_hash
 
 SCAN_METHODS = ("masked_marginal", "wt_marginal")
@@ -109,6 +117,7 @@ class ScanManifest:
 
     NAME = "scan-manifest.json"
     FORMAT = "esmc-mlx-scan/1"
+    TOOL = "scan"  # the command that writes it (a subclass's manifest is another command's)
 
     def __init__(self, folder: OutputFolder):
         self.folder = folder
@@ -127,7 +136,7 @@ class ScanManifest:
             or data.get("format") != self.FORMAT
             or not isinstance(data.get("proteins"), dict)
         ):
-            raise JobError(f"{self.path} was not written by esmc-mlx scan; use another output directory")
+            raise JobError(f"{self.path} was not written by esmc-mlx {self.TOOL}; use another output directory")
         self.proteins = data["proteins"]
 
     def _files(self, stem: str) -> dict[str, int]:
@@ -166,14 +175,25 @@ class ScanManifest:
 
 
 def scan_settings(
-    sequence: str, *, method: str, window: int | None, offset: int, model: str, plot: bool, per_row: int
+    sequence: str,
+    *,
+    method: str,
+    window: int | None,
+    offset: int,
+    model: str,
+    plot: bool,
+    per_row: int,
+    keep_nonstandard: bool = False,
 ) -> dict:
-    """What a scan's files depend on (the batch size only changes how the work is split)."""
+    """What a scan's files depend on (the batch size only changes how the work is split). An
+    entry without ``keep_nonstandard`` predates the residue policy and the shared wt-marginal
+    windows: it never matches, so such a protein is scanned again."""
     return {
         "sequence_sha1": sequence_hash(sequence),
         "method": method,
         "window": window,
         "offset": offset,
+        "keep_nonstandard": keep_nonstandard,
         "model": model,
         "plot": plot,
         "per_row": per_row if plot else None,
@@ -182,7 +202,7 @@ def scan_settings(
 
 def safe_name(name: str) -> str:
     """A FASTA ID as a file name stem (``sp|P69905|HBA_HUMAN`` -> ``sp_P69905_HBA_HUMAN``, ``αβ`` ->
-    ``αβ``: before round 11 every non-ASCII letter was dropped, so ``--name αβ`` wrote sequence_*)."""
+    ``αβ``: letters of any script stay, so ``--name αβ`` does not become ``sequence``)."""
     return re.sub(r"[^\w.-]+", "_", name).strip("._") or "sequence"  # \w: letters of any script stay
 
 
@@ -195,6 +215,7 @@ def scan(
     window: int | None = DEFAULT_WINDOW,
     offset: int = 1,
     name: str = "sequence",
+    keep_nonstandard: bool = False,
     group=None,
     progress: bool = False,
 ) -> Scan:
@@ -202,9 +223,13 @@ def scan(
 
     ``masked_marginal``: one masked copy per residue (``batch_size`` copies a pass, so an
     L-residue protein costs ceil(L / B) passes), each copy's row giving all 19 scores and the
-    entropy. ``wt_marginal``: one unmasked pass. A sequence longer than ``window`` residues is
-    read through windows centred on each residue. Under ``mlx.launch`` pass
-    ``group=mx.distributed.init()``: ranks split the passes, every rank gets the whole scan.
+    entropy; longer than ``window`` residues, each copy is the window centred on its residue.
+    ``wt_marginal``: one unmasked pass; longer than ``window``, the few overlapping windows of
+    ``scoring.unmasked_window`` (each residue read from the one whose centre is nearest).
+    Non-standard residues (X B Z U O) are left out of the scan, with a warning, unless
+    ``keep_nonstandard``; the model still reads them as context.
+    Under ``mlx.launch`` pass ``group=mx.distributed.init()``: ranks split the passes, every
+    rank gets the whole scan.
     """
     if method not in SCAN_METHODS:
         raise ScoringError(f"unknown scan method {method!r}; choose from {', '.join(SCAN_METHODS)}")
@@ -212,16 +237,13 @@ def scan(
         raise ScoringError(f"offset must be an integer (the number of the first residue), got {offset!r}")
     sequence = check_sequence(sequence, name, label="sequence")
     check_length(sequence, window, name)
-    positions = _residue_positions(sequence, name)
+    skip = (
+        [] if keep_nonstandard else warn_nonstandard(sequence, name, "their positions are left out of the scan", offset)
+    )
+    positions = _residue_positions(sequence, name, skip)
     jobs = _Jobs()
-    if method == "masked_marginal":
-        for p in positions:
-            jobs.site(sequence, [p], masked=True, window=window)
-    elif window is None or len(sequence) <= window:
-        jobs.add(sequence, [], positions)
-    else:
-        for p in positions:
-            jobs.site(sequence, [p], masked=False, window=window)
+    for p in positions:
+        jobs.site(sequence, [p], masked=method == "masked_marginal", window=window)
     rows, passes = jobs.run(model, batch_size=batch_size, world=World.of(group), progress=progress, desc="scan")
     logp = np.concatenate(rows).astype(np.float64)  # (n, vocab), row k <-> positions[k]
     wt_ids = np.array([_TOKENIZER.token_to_id[sequence[p]] for p in positions])

@@ -31,13 +31,14 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import TRAINED_TOKENS, ESMCConfig
-from ..errors import MutationError, ScoringError, SequenceError
-from ..runtime.model import ESMC, layer_activation_bytes
+from ..errors import EsmcMlxWarning, JobError, MutationError, ScoringError, SequenceError
+from ..runtime.execution import layer_activation_bytes
+from ..runtime.model import ESMC
 from ..runtime.quantized import backend
 from ..runtime.tokenizer import ESMCTokenizer
-from ..vocab import as_sequences, check_sequence, item_names
+from ..vocab import NONSTANDARD, as_sequences, check_sequence, item_names, nonstandard_positions, nonstandard_text
 from .distributed import World
-from .mutations import Substitution, apply, parse_mutants
+from .mutations import Substitution, apply, parse_mutant
 
 METHODS = ("masked_marginal", "wt_marginal", "pppl")
 MULTI = ("sum", "joint")  # multi-mutant conventions of masked-marginal
@@ -254,13 +255,23 @@ def length_batches(token_lengths: Sequence[int], batch_tokens: int, multiple: in
     return batches
 
 
+_NONSTANDARD_IDS = np.array([_TOKENIZER.token_to_id[c] for c in NONSTANDARD])
+
+
 def iter_embeddings(
-    model: ESMC, encoded: list[np.ndarray], batches: Sequence[Sequence[int]], *, layers=(-1,), pools=("mean",)
+    model: ESMC,
+    encoded: list[np.ndarray],
+    batches: Sequence[Sequence[int]],
+    *,
+    layers=(-1,),
+    pools=("mean",),
+    keep_nonstandard: bool = False,
 ) -> Iterator[tuple[np.ndarray, dict]]:
     """For each batch of indices into ``encoded`` (token ids with <cls>/<eos>): the indices and
     ``{(layer, pool): value}`` for every layer and pool, from one forward pass: pooled values
     (n, d) float32, per-residue values a list of (L_i, d) float32 arrays. Pools over the residue
-    rows (between <cls> and <eos>, padding excluded): mean, max; cls is the <cls> row."""
+    rows (between <cls> and <eos>, padding excluded; non-standard residues too unless
+    ``keep_nonstandard``): mean, max; cls is the <cls> row; per-residue keeps every row."""
     n_layers = model.config.num_hidden_layers
     layers, pools = resolve_layers(list(layers), n_layers), resolve_pools(pools)
     need_all = any(i != n_layers for i in layers)
@@ -271,13 +282,17 @@ def iter_embeddings(
         out = _forward(model, ids, attn, sid, output_hidden_states=need_all)
         lengths = np.array([len(encoded[r]) - 2 for r in rows])
         positions = np.arange(ids.shape[1])[None, :]
-        inside = mx.array((positions >= 1) & (positions <= lengths[:, None]))[..., None]
+        pooled = (positions >= 1) & (positions <= lengths[:, None])
+        if not keep_nonstandard:
+            pooled &= ~np.isin(ids, _NONSTANDARD_IDS)
+        counts = pooled.sum(axis=1, keepdims=True).astype(np.float32)
+        inside = mx.array(pooled)[..., None]
         lazy = {}
         for i in layers:
             h = (out.last_hidden_state if i == n_layers else out.hidden_states[i]).astype(mx.float32)
             for pool in pools:
                 if pool == "mean":
-                    lazy[(i, pool)] = (h * inside).sum(axis=1) / mx.array(lengths[:, None].astype(np.float32))
+                    lazy[(i, pool)] = (h * inside).sum(axis=1) / mx.array(counts)
                 elif pool == "max":
                     lazy[(i, pool)] = mx.where(inside, h, mx.array(-np.inf, mx.float32)).max(axis=1)
                 elif pool == "cls":
@@ -294,9 +309,14 @@ def iter_embeddings(
             values[key] = [v[k, 1 : 1 + n].copy() for k, n in enumerate(lengths)] if key[1] == "per_residue" else v
         return rows, values
 
-    # One batch ahead: the next batch is packed and queued before this one is copied to host
-    # memory and handed on, so the device is not idle while the host copies, gathers and writes
-    # (the same graph is evaluated: the values are the same).
+    yield from one_batch_ahead(batches, start, finish)
+
+
+def one_batch_ahead(batches, start, finish):
+    """``finish(*start(rows))`` for each batch, with the next batch packed and queued
+    (``start``) before this one is copied to host memory and handed on (``finish``): the device
+    is not idle while the host copies, gathers and writes. The same graphs are evaluated: the
+    values are the same."""
     running = None
     for rows in batches:
         queued = start(rows)
@@ -316,6 +336,7 @@ def embed(
     layers=None,
     pools=None,
     batch_tokens: int | None = None,
+    keep_nonstandard: bool = False,
     tokenizer=None,
     progress: bool = False,
 ) -> Embeddings:
@@ -323,13 +344,19 @@ def embed(
     final; default: ``layer``, else -1) pooled as ``pools`` (mean, max, cls, per_residue; default: mean),
     plus per_residue with ``per_residue``, all from one forward pass per batch. Sequences are
     batched by length, at most ``batch_tokens`` padded tokens a pass (default:
-    ``default_batch_tokens()``). Raises TokenizerError for
-    characters outside the vocabulary, ScoringError for a layer the model does not have."""
+    ``default_batch_tokens()``). Mean and max leave non-standard residues (X B Z U O) out, with
+    a warning, unless ``keep_nonstandard``; per-residue rows keep every residue. Raises
+    TokenizerError for characters outside the vocabulary, a sequence of non-standard residues
+    alone (nothing to pool), ScoringError for a layer the model does not have."""
     sequences = as_sequences(sequences)
     n_layers = model.config.num_hidden_layers
     layers = resolve_layers(pick_layers(layer, layers), n_layers)
     pools = resolve_pools(pools, per_residue)
     encoded = encode(sequences, tokenizer)
+    tally = NonstandardTally(keep_nonstandard, pools)
+    for i, (name, e) in enumerate(zip(item_names(sequences) or [None], encoded)):
+        tally.add(name or str(i + 1), e[1:-1])
+    tally.warn()
     d, n = model.config.hidden_size, len(encoded)
     pooled = {
         (i, p): ([None] * n if p == "per_residue" else np.zeros((n, d), np.float32)) for i in layers for p in pools
@@ -338,7 +365,9 @@ def embed(
         batch_tokens = default_batch_tokens()
     batches = length_batches([len(e) for e in encoded], batch_tokens, PAD_MULTIPLE)
     with _progress(n, "seq", "embed", progress) as bar:
-        for rows, values in iter_embeddings(model, encoded, batches, layers=layers, pools=pools):
+        for rows, values in iter_embeddings(
+            model, encoded, batches, layers=layers, pools=pools, keep_nonstandard=keep_nonstandard
+        ):
             for key, v in values.items():
                 if key[1] == "per_residue":
                     for r, x in zip(rows, v):
@@ -468,12 +497,15 @@ def run_jobs(
     return result, passes
 
 
-def _residue_positions(sequence: str, what: str | None = None) -> np.ndarray:
-    """0-based positions of residues (letters), skipping gaps and chain breaks. With ``what``:
-    SequenceError naming it when there are none (a pseudo-perplexity of nothing is NaN)."""
-    positions = np.array([i for i, c in enumerate(sequence) if c.isalpha()], dtype=np.int64)
+def _residue_positions(sequence: str, what: str | None = None, skip=()) -> np.ndarray:
+    """0-based positions of residues (letters), skipping gaps, chain breaks and the positions
+    ``skip``. With ``what``: SequenceError naming it when there are none (a pseudo-perplexity of
+    nothing is NaN)."""
+    skip = set(skip)
+    positions = np.array([i for i, c in enumerate(sequence) if c.isalpha() and i not in skip], dtype=np.int64)
     if what is not None and not positions.size:
-        raise SequenceError(f"{what}: no residues to score, only gaps or chain breaks ({sequence!r})")
+        also = ", or non-standard residues (--keep-nonstandard scores those)" if skip else ""
+        raise SequenceError(f"{what}: no residues to score, only gaps or chain breaks{also} ({sequence!r})")
     return positions
 
 
@@ -483,7 +515,8 @@ def _residue_positions(sequence: str, what: str | None = None) -> np.ndarray:
 def window_bounds(center: int, length: int, width: int | None) -> tuple[int, int]:
     """[start, end) of the residues scored with the window centred on residue ``center``
     (ProteinGym's ``scoring_window="optimal"``): the whole sequence when it fits in ``width``,
-    else ``width`` residues centred on ``center``, slid inwards at either end."""
+    else ``width`` residues centred on ``center``, slid inwards at either end. A masked copy
+    is made for its site anyway, so it gets the window centred on it."""
     if width is None or length <= width:
         return 0, length
     half = width // 2
@@ -491,30 +524,53 @@ def window_bounds(center: int, length: int, width: int | None) -> tuple[int, int
     return start, start + width
 
 
-def check_multi_window(multi: str, window: int | None) -> None:
-    """ScoringError for an unknown ``multi`` or a ``window`` that is not None or a positive int."""
+def unmasked_window(site: int, length: int, width: int | None) -> tuple[int, int]:
+    """[start, end) of the window an unmasked pass reads residue ``site`` from. Windows of
+    ``width`` residues starting every ``width // 2`` residues (the last one ending at the last
+    residue) tile the sequence; a site is read from the one whose centre is nearest, which
+    leaves it at least ``width // 4`` residues of context on either side where the sequence has
+    them. All sites share these few windows: a wt-marginal scan of L residues costs about
+    2L / width window passes, where a window centred on each site cost one pass per site."""
+    if width is None or length <= width:
+        return 0, length
+    stride = max(1, width // 2)
+    starts = np.append(np.arange(0, length - width, stride), length - width)
+    start = int(starts[np.argmin(np.abs(starts + (width - 1) / 2 - site))])  # ties: the earlier window
+    return start, start + width
+
+
+def check_multi_window(multi: str, window: int | None, methods: Sequence[str] = ("masked_marginal",)) -> None:
+    """ScoringError for an unknown ``multi``, ``joint`` without masked-marginal (the only method
+    it changes), or a ``window`` that is not None or a positive int."""
     if multi not in MULTI:
         raise ScoringError(f"unknown multi-mutant convention {multi!r}; choose from {', '.join(MULTI)}")
+    if multi == "joint" and "masked_marginal" not in methods:
+        asked = ", ".join(m.replace("_", "-") for m in methods)
+        raise ScoringError(
+            f"--multi joint masks the sites of a multi-mutant together, which only masked-marginal does; "
+            f"it would change nothing for {asked}: add --method masked-marginal or leave --multi out"
+        )
     if window is not None:
         positive_int(window, "window")
 
 
-def check_joint_windows(
-    mutants: Sequence[str], parsed: list[list[Substitution]], length: int, window: int | None, where=None
-) -> None:
-    """Joint masking reads all sites of a multi-mutant from one window: refuse, naming the mutant
-    (``where[i]`` prefixes its message), one whose sites no window of ``window`` residues holds."""
-    for i, (mutant, subs) in enumerate(zip(mutants, parsed)):
-        if len(subs) < 2:
-            continue
-        lo, hi = min(s.index for s in subs), max(s.index for s in subs)
-        start, end = window_bounds((lo + hi) // 2, length, window)
-        if lo < start or hi >= end:
-            prefix = where[i] if where else f"mutant {i + 1}: "
-            raise ScoringError(
-                f"{prefix}{mutant!r}: its sites span more than the window of {window} residues ({hi - lo + 1}); "
-                "--multi joint needs them in one window (raise --window)"
-            )
+def joint_window_problem(subs: Sequence[Substitution], length: int, window: int | None) -> str | None:
+    """Why no window of ``window`` residues holds all sites of the multi-mutant ``subs`` (joint
+    masking reads them from one window), or None when one does."""
+    if len(subs) < 2:
+        return None
+    lo, hi = min(s.index for s in subs), max(s.index for s in subs)
+    start, end = window_bounds((lo + hi) // 2, length, window)
+    if lo >= start and hi < end:
+        return None
+    return (
+        f"its sites span more than the window of {window} residues ({hi - lo + 1}); "
+        "--multi joint needs them in one window (raise --window)"
+    )
+
+
+class LongSequenceWarning(EsmcMlxWarning):
+    """A sequence longer than ESMC's training length."""
 
 
 def check_length(sequence: str, window: int | None, what: str = "sequence") -> None:
@@ -524,39 +580,199 @@ def check_length(sequence: str, window: int | None, what: str = "sequence") -> N
         positive_int(window, "window")
     if len(sequence) + 2 > TRAINED_TOKENS:
         how = (
-            f"it is scored in windows of {window} residues centred on each scored site"
+            f"it is scored through windows of {window} residues around each scored site (--window)"
             if window and len(sequence) > window
             else "it is scored whole (no --window), beyond the trained length"
         )
         warnings.warn(
             f"{what} has {len(sequence)} residues, longer than the {TRAINED_TOKENS} tokens "
             f"({TRAINED_TOKENS - 2} residues) ESMC was trained on; {how}",
+            LongSequenceWarning,
             stacklevel=3,
         )
 
 
+# --- non-standard residues ---------------------------------------------------------------------
+
+
+class NonstandardResidueWarning(EsmcMlxWarning):
+    """A sequence holding X, B, Z, U or O, which the residue policy skips or keeps."""
+
+
+KEEP_HINT = "--keep-nonstandard (keep_nonstandard=True) keeps them"
+
+
+def warn_nonstandard(sequence: str, what: str, skipped: str, offset: int = 1) -> list[int]:
+    """The residue policy in one place: the 0-based positions of ``sequence``'s non-standard
+    residues (``vocab.NONSTANDARD``), with a warning naming them and saying what ``skipped``
+    (what the caller leaves out of its results). The model still reads them as context."""
+    positions = nonstandard_positions(sequence)
+    if positions:
+        warnings.warn(
+            f"{what} holds {len(positions)} non-standard residue{'s' if len(positions) > 1 else ''} "
+            f"({nonstandard_text(sequence, positions, offset)}; X B Z are ambiguity codes, U O rare residues): "
+            f"{skipped}; {KEEP_HINT}",
+            NonstandardResidueWarning,
+            stacklevel=3,
+        )
+    return positions
+
+
+class NonstandardTally:
+    """The residue policy for embeddings: counts the sequences whose mean and max pooling leave
+    non-standard residues out, for one warning once the input is read (not one per sequence);
+    SequenceError for a sequence with nothing else to pool."""
+
+    def __init__(self, keep: bool, pools: Sequence[str]):
+        self.active = not keep and bool({"mean", "max"} & set(pools))
+        self.count, self.total, self.example = 0, 0, ""
+
+    def add(self, name: str, sequence: str | np.ndarray) -> None:
+        """Count ``sequence``: its residues, or their token ids (decoded only when it matters)."""
+        self.total += 1
+        if not self.active:
+            return
+        if isinstance(sequence, np.ndarray):
+            if not np.isin(sequence, _NONSTANDARD_IDS).any():
+                return
+            sequence = _TOKENIZER.decode(sequence)
+        positions = nonstandard_positions(sequence)
+        if not positions:
+            return
+        if len(positions) == sum(c.isalpha() for c in sequence):
+            raise SequenceError(
+                f"sequence {name!r} holds only non-standard residues ({sequence[:20]!r}): nothing to pool; {KEEP_HINT}"
+            )
+        self.count += 1
+        if not self.example:
+            self.example = f"{name!r}: {nonstandard_text(sequence, positions, limit=3)}"
+
+    def warn(self) -> None:
+        if self.count:
+            warnings.warn(
+                f"{self.count} of {self.total} sequences hold non-standard residues (X B Z U O; {self.example}): "
+                f"they are left out of mean and max pooling (per-residue rows keep them); {KEEP_HINT}",
+                NonstandardResidueWarning,
+                stacklevel=3,
+            )
+
+
+# --- one validator for mutant rows -----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+    """A mutant row that cannot be scored: its index, where it came from (``"data.csv, line 7:
+    "``) and why."""
+
+    index: int
+    where: str
+    mutant: str
+    reason: str
+    error: type = MutationError
+
+    def __str__(self) -> str:
+        return f"{self.where}{self.reason}"
+
+
+SHOWN_REJECTS = 20  # rows an error message lists (the --skip-invalid file holds them all)
+
+
+def check_mutants(
+    mutants: Sequence,
+    sequence: str,
+    offset: int = 1,
+    where: Sequence[str] | None = None,
+    *,
+    joint_window: int | None | bool = False,
+    mutated_sequences: Sequence[str | None] | None = None,
+) -> tuple[list[list[Substitution] | None], list[Rejected]]:
+    """Every mutant row checked, all of them: the parsed substitutions (None for a rejected row)
+    and one ``Rejected`` for each row that is malformed, does not fit ``sequence`` (wild type,
+    range, a site twice), spans more than ``joint_window`` residues (given when joint masking
+    reads its sites from one window; False: not checked), or whose ``mutated_sequences`` entry
+    (when given and not empty) is not the mutant applied to ``sequence``."""
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+        raise MutationError(f"offset must be an integer (the number of the first residue), got {offset!r}")
+    parsed: list[list[Substitution] | None] = []
+    rejects: list[Rejected] = []
+    for i, mutant in enumerate(mutants):
+        prefix = where[i] if where else f"mutant {i + 1}: "
+        try:
+            subs = parse_mutant(mutant, sequence, offset)
+        except MutationError as e:
+            parsed.append(None)
+            rejects.append(Rejected(i, prefix, str(mutant), str(e)))
+            continue
+        problem, error = None, MutationError
+        if joint_window is not False:
+            problem = joint_window_problem(subs, len(sequence), joint_window)
+            error = ScoringError
+        given = (mutated_sequences[i] or "").strip().upper() if mutated_sequences is not None else ""
+        if problem is None and given and given != apply(sequence, subs):
+            problem, error = (
+                "mutated_sequence does not match the mutant applied to the wild type (wrong --sequence or --offset?)",
+                JobError,
+            )
+        if problem is not None:
+            parsed.append(None)
+            rejects.append(Rejected(i, prefix, str(mutant), f"{str(mutant).strip()!r}: {problem}", error))
+        else:
+            parsed.append(subs)
+    return parsed, rejects
+
+
+def rejection_error(rejects: Sequence[Rejected], total: int) -> Exception:
+    """One error listing the rejected rows (the first ``SHOWN_REJECTS``), of the first one's class."""
+    if len(rejects) == 1:
+        return rejects[0].error(str(rejects[0]))
+    lines = [f"{len(rejects)} of {total} mutants cannot be scored:"]
+    lines += [f"  {r}" for r in rejects[:SHOWN_REJECTS]]
+    if len(rejects) > SHOWN_REJECTS:
+        lines.append(f"  and {len(rejects) - SHOWN_REJECTS} more")
+    return rejects[0].error("\n".join(lines))
+
+
 class _Jobs:
-    """Forward-pass jobs over (windows of) sequences, run together by ``run_jobs``."""
+    """Forward-pass jobs over (windows of) sequences, run together by ``run_jobs``. A job is one
+    row of a batch: a sequence with some residues masked. Asking again for a sequence with the
+    same residues masked adds the reads to that job: each distinct window is computed once."""
 
     def __init__(self):
         self.sequences: list[str] = []
-        self._index: dict[str, int] = {}
-        self.seq_index, self.masks, self.reads = [], [], []
+        self._sequence: dict[str, int] = {}
+        self.seq_index: list[int] = []
+        self.masks: list[np.ndarray] = []
+        self.reads: list[dict[int, int]] = []  # per job: residue -> its row among the job's reads
+        self._job: dict[tuple, int] = {}
+        self._asks: list[tuple[int, list[int]]] = []  # per ask: (job, residues read)
 
     def add(self, sequence: str, masks, reads) -> int:
-        k = self._index.setdefault(sequence, len(self.sequences))
+        """Ask for the rows ``reads`` of ``sequence`` with ``masks`` masked; returns the ask's
+        index into what ``run`` returns."""
+        k = self._sequence.setdefault(sequence, len(self.sequences))
         if k == len(self.sequences):
             self.sequences.append(sequence)
-        self.seq_index.append(k)
-        self.masks.append(np.asarray(masks, dtype=np.int64))
-        self.reads.append(np.asarray(reads, dtype=np.int64))
-        return len(self.reads) - 1
+        key = (k, tuple(sorted(int(m) for m in np.asarray(masks).ravel())))
+        j = self._job.setdefault(key, len(self.reads))
+        if j == len(self.reads):
+            self.seq_index.append(k)
+            self.masks.append(np.asarray(key[1], dtype=np.int64))
+            self.reads.append({})
+        reads = [int(r) for r in np.asarray(reads).ravel()]
+        for r in reads:
+            self.reads[j].setdefault(r, len(self.reads[j]))
+        self._asks.append((j, reads))
+        return len(self._asks) - 1
 
     def site(self, sequence: str, sites, *, masked: bool, window: int | None) -> int:
-        """Read the residues ``sites`` (0-based in ``sequence``) from one pass over the window
-        that covers them all (centred on their middle), with them masked or not."""
+        """Read the residues ``sites`` (0-based in ``sequence``) masked from the window centred on
+        their middle, or one site unmasked from its ``unmasked_window``."""
         sites = np.asarray(sites, dtype=np.int64)
-        start, end = window_bounds(int(sites.min() + sites.max()) // 2, len(sequence), window)
+        if not masked and len(sites) == 1:
+            start, end = unmasked_window(int(sites[0]), len(sequence), window)
+        else:
+            start, end = window_bounds(int(sites.min() + sites.max()) // 2, len(sequence), window)
         if sites.min() < start or sites.max() >= end:
             raise ScoringError(
                 f"sites {sites.min() + 1}..{sites.max() + 1} span more than the window of {window} "
@@ -566,11 +782,13 @@ class _Jobs:
         return self.add(sequence[start:end], local if masked else [], local)
 
     def run(self, model, **kwargs) -> tuple[list[np.ndarray], int]:
-        if not self.reads:
+        """Each ask's rows, in ask order, and the forward passes run."""
+        if not self._asks:
             return [], 0
-        rows, passes = run_jobs(model, self.sequences, self.seq_index, self.masks, self.reads, **kwargs)
-        cuts = np.cumsum([len(r) for r in self.reads])[:-1]
-        return np.split(rows, cuts), passes
+        reads = [np.fromiter(r, dtype=np.int64, count=len(r)) for r in self.reads]
+        rows, passes = run_jobs(model, self.sequences, self.seq_index, self.masks, reads, **kwargs)
+        blocks = np.split(rows, np.cumsum([len(r) for r in reads])[:-1])
+        return [blocks[j][[self.reads[j][r] for r in residues]] for j, residues in self._asks], passes
 
 
 def pseudo_perplexity(
@@ -579,20 +797,24 @@ def pseudo_perplexity(
     *,
     batch_size: int = DEFAULT_BATCH_SIZE,
     window: int | None = DEFAULT_WINDOW,
+    keep_nonstandard: bool = False,
     group=None,
     progress: bool = False,
 ) -> np.ndarray:
     """exp(-mean_i log p(x_i | x with i masked)) over each sequence's residues: one masked
-    copy per residue, masked copies of all sequences share passes, ``batch_size`` a pass.
-    A sequence longer than ``window`` residues is read through a window centred on each
-    masked residue. Returns (N,) float64."""
+    copy per residue, masked copies of all sequences share passes, ``batch_size`` a pass
+    (a sequence given twice is computed once). A sequence longer than ``window`` residues is
+    read through a window centred on each masked residue. Non-standard residues (X B Z U O)
+    are left out of the mean, with a warning, unless ``keep_nonstandard``. Returns (N,) float64."""
     sequences = [check_sequence(s, str(i + 1), label="sequence") for i, s in enumerate(as_sequences(sequences))]
     if not sequences:
         return np.zeros(0, np.float64)
     jobs, owner = _Jobs(), []
     for i, s in enumerate(sequences):
-        check_length(s, window, f"sequence {i + 1}")
-        for p in _residue_positions(s, f"sequence {i + 1}"):
+        what = f"sequence {i + 1}"
+        check_length(s, window, what)
+        skip = [] if keep_nonstandard else warn_nonstandard(s, what, "left out of its pseudo-perplexity")
+        for p in _residue_positions(s, what, skip):
             jobs.site(s, [p], masked=True, window=window)
             owner.append(i)
     rows, _ = jobs.run(
@@ -618,14 +840,16 @@ def resolve_methods(methods) -> tuple[str, ...]:
 
 @dataclasses.dataclass
 class MutationScores:
-    """Scores aligned with ``mutants``: ``scores[method]`` is (N,) float64 for each method run.
-    ``wt_pppl`` is the wild type's pseudo-perplexity (with method ``pppl``); ``passes`` the
-    forward passes this process ran."""
+    """Scores aligned with ``mutants``: ``scores[method]`` is (N,) float64 for each method run,
+    NaN for the mutants ``skipped`` (indices: a site at a non-standard residue, see
+    ``keep_nonstandard``). ``wt_pppl`` is the wild type's pseudo-perplexity (with method
+    ``pppl``); ``passes`` the forward passes this process ran."""
 
     mutants: list[str]
     scores: dict[str, np.ndarray]
     wt_pppl: float | None = None
     passes: int = 0
+    skipped: list[int] = dataclasses.field(default_factory=list)
 
     def __getitem__(self, method: str) -> np.ndarray:
         return self.scores[method]
@@ -641,6 +865,7 @@ def score_mutations(
     offset: int = 1,
     multi: str = "sum",
     window: int | None = DEFAULT_WINDOW,
+    keep_nonstandard: bool = False,
     group=None,
     progress: bool = False,
     where: Sequence[str] | None = None,
@@ -649,19 +874,24 @@ def score_mutations(
     against the wild-type ``sequence``.
 
     methods: ``masked_marginal`` (sum over sites of log p(mut) - log p(wt), each site masked
-    alone; masked copies batched ``batch_size`` a pass), ``wt_marginal`` (the same from one
-    unmasked pass) and ``pppl`` (pseudo-perplexity of each mutated sequence, L masked copies
-    each, and of the wild type). Log-probabilities are log_softmax over the full logits row.
+    alone; masked copies batched ``batch_size`` a pass), ``wt_marginal`` (the same from
+    unmasked passes over the wild type) and ``pppl`` (pseudo-perplexity of each mutated
+    sequence, L masked copies each, and of the wild type). Log-probabilities are log_softmax
+    over the full logits row.
     ``multi``: ``sum`` adds single-site masked marginals of a multi-mutant; ``joint`` masks
     all its sites together in one copy and sums their log-ratios from that copy.
     ``window``: a sequence longer than this many residues is scored through windows of that
-    width centred on each site (on the middle of a joint mutant's sites); None: never.
+    width: centred on each masked site (on the middle of a joint mutant's sites), and for
+    wt-marginal the ``unmasked_window`` tiling; None: never.
+    ``keep_nonstandard``: score mutants at X B Z U O too (default: their scores are NaN, listed
+    in ``skipped``, with a warning, and pseudo-perplexities leave those residues out).
     Under ``mlx.launch`` pass ``group=mx.distributed.init()`` to split the passes over ranks.
-    Raises MutationError (malformed, wild type mismatch, out of range), FastaError (bad
-    characters in ``sequence``), ScoringError (unknown method or multi, sites beyond a window).
+    Raises MutationError (every malformed, mismatched or out-of-range mutant listed at once),
+    FastaError (bad characters in ``sequence``), ScoringError (unknown method or multi, joint
+    sites beyond a window).
     """
     methods = resolve_methods(methods)
-    check_multi_window(multi, window)
+    check_multi_window(multi, window, methods)
     sequence = check_sequence(sequence, "wild type", label="sequence")
     if isinstance(mutations, str):
         mutations = [mutations]
@@ -670,21 +900,45 @@ def score_mutations(
     mutants = list(mutations)
     if where is not None and len(where) != len(mutants):
         raise ScoringError(f"where has {len(where)} entries for {len(mutants)} mutants")
-    parsed = parse_mutants(mutants, sequence, offset, list(where) if where else None)
-    if "masked_marginal" in methods and multi == "joint":
-        check_joint_windows(mutants, parsed, len(sequence), window, where)
+    joint = "masked_marginal" in methods and multi == "joint"
+    parsed, rejects = check_mutants(
+        mutants, sequence, offset, list(where) if where else None, joint_window=window if joint else False
+    )
+    if rejects:
+        raise rejection_error(rejects, len(mutants))
     check_length(sequence, window, "the wild type")
+    skip = set() if keep_nonstandard else set(nonstandard_positions(sequence))
+    skipped = [i for i, subs in enumerate(parsed) if any(s.index in skip for s in subs)]
+    if skip:
+        warn_nonstandard(
+            sequence,
+            "the wild type",
+            f"{len(skipped)} of {len(mutants)} mutants are at them and are not scored (NaN, empty in a CSV)"
+            + (", and pseudo-perplexities leave them out" if "pppl" in methods else ""),
+            offset,
+        )
+    scored = sorted(set(range(len(parsed))) - set(skipped))
+    result = _score(
+        model, sequence, [parsed[i] for i in scored], methods, batch_size, multi, window, sorted(skip), group, progress
+    )
+    scores = {m: np.full(len(mutants), np.nan) for m in result.scores}
+    for m, values in result.scores.items():
+        scores[m][scored] = values
+    return MutationScores(mutants, scores, result.wt_pppl, result.passes, skipped)
+
+
+def _score(model, sequence, parsed, methods, batch_size, multi, window, skip, group, progress) -> MutationScores:
+    """``score_mutations`` on checked substitutions, none at the positions ``skip``."""
     world = World.of(group)
     tid = _TOKENIZER.token_to_id
     scores: dict[str, np.ndarray] = {}
-    L = len(sequence)
-    windowed = window is not None and L > window
 
     # Every pass over the wild type goes into one job list, so they share batches.
     jobs = _Jobs()
-    masked_sites = sorted({s.index for subs in parsed for s in subs}) if "masked_marginal" in methods else []
-    if "pppl" in methods:
-        masked_sites = sorted(set(masked_sites) | set(_residue_positions(sequence, "the wild type").tolist()))
+    sites = sorted({s.index for subs in parsed for s in subs})
+    masked_sites = sites if "masked_marginal" in methods else []
+    positions = _residue_positions(sequence, "the wild type", skip) if "pppl" in methods else []
+    masked_sites = sorted(set(masked_sites) | {int(p) for p in positions})
     masked_job = {p: jobs.site(sequence, [p], masked=True, window=window) for p in masked_sites}
     joint_job = {}
     if "masked_marginal" in methods and multi == "joint":
@@ -694,12 +948,7 @@ def score_mutations(
                 joint_job[key] = jobs.site(sequence, key, masked=True, window=window)
     unmasked_job = {}
     if "wt_marginal" in methods:
-        if not windowed:  # one unmasked pass reads every position
-            whole = jobs.add(sequence, [], np.arange(L))
-            unmasked_job = {p: (whole, p) for p in range(L)}
-        else:
-            for p in sorted({s.index for subs in parsed for s in subs}):
-                unmasked_job[p] = (jobs.site(sequence, [p], masked=False, window=window), 0)
+        unmasked_job = {p: jobs.site(sequence, [p], masked=False, window=window) for p in sites}
     rows, passes = jobs.run(model, batch_size=batch_size, world=world, progress=progress)
 
     def ratio(row, s: Substitution) -> float:
@@ -717,12 +966,10 @@ def score_mutations(
         scores["masked_marginal"] = np.array(values, dtype=np.float64)
     if "wt_marginal" in methods:
         scores["wt_marginal"] = np.array(
-            [sum(ratio(rows[unmasked_job[s.index][0]][unmasked_job[s.index][1]], s) for s in subs) for subs in parsed],
-            dtype=np.float64,
+            [sum(ratio(rows[unmasked_job[s.index]][0], s) for s in subs) for subs in parsed], dtype=np.float64
         )
     wt_pppl = None
     if "pppl" in methods:
-        positions = _residue_positions(sequence)
         wt_logp = np.array([rows[masked_job[p]][0, tid[sequence[p]]] for p in positions], dtype=np.float64)
         wt_pppl = float(np.exp(-wt_logp.mean()))
         variants = sorted({apply(sequence, subs) for subs in parsed if subs} - {sequence})
@@ -739,7 +986,7 @@ def score_mutations(
             passes += more
             values.update(zip(variants, np.exp(-means)))
         scores["pppl"] = np.array([values[apply(sequence, subs)] for subs in parsed])
-    return MutationScores(mutants, scores, wt_pppl, passes)
+    return MutationScores([], scores, wt_pppl, passes)
 
 
 def _token_ids(sequence: str, positions: np.ndarray) -> np.ndarray:

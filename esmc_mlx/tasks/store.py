@@ -40,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import JobError
-from ..outputs import OutputFolder, atomic_file, clean_leftovers, make_staging
+from ..errors import JobError, install_hint
+from ..outputs import OutputFolder, apply_umask, atomic_file, clean_leftovers, make_staging
 from ..readers import read_json
 
 FORMAT = "esmc-mlx-embeddings"
@@ -50,9 +50,21 @@ FORMATS = ("npy", "safetensors", "h5")
 FLUSH_BYTES = 256 << 20  # also flush once this much is buffered (per-residue outputs of big models)
 SHARD_BYTES = 1 << 30  # largest safetensors shard
 # what the stored arrays depend on: a rerun with other values is refused. model_weights is
-# ``ESMC.fingerprint``; a manifest from before round 12 lacks it and resumes as it always did
-# (nothing there can tell which model wrote it), recording it from then on.
-SETTINGS_KEYS = ("layers", "pools", "dtype", "hidden_size", "num_hidden_layers", "storage", "model_weights")
+# ``ESMC.fingerprint``; a manifest without it resumes (nothing there can tell which model
+# wrote it) and records it from then on.
+SETTINGS_KEYS = (
+    "layers",
+    "pools",
+    "dtype",
+    "hidden_size",
+    "num_hidden_layers",
+    "storage",
+    "model_weights",
+    "keep_nonstandard",
+)
+# A setting a manifest may lack, and what the embeddings it describes were made with: before the
+# residue policy, mean and max pooled non-standard residues too.
+SETTINGS_BEFORE = {"keep_nonstandard": True}
 ST_INDEX = "embeddings.safetensors.index.json"
 H5_FILE = "embeddings.h5"
 COPY_ROWS = 1 << 16  # rows per copy when converting the merged arrays to safetensors / HDF5
@@ -64,6 +76,15 @@ _OURS = re.compile(
 )
 _PART = re.compile(r"part-.+\.npz")
 _ARRAY = re.compile(r"[A-Za-z0-9_]+\.npy")
+
+
+def _array_layout(settings: dict, name: str, dtype, width: int, rows: int) -> tuple[np.dtype, tuple[int, int]]:
+    """(dtype, shape) of a stored array: ``settings["array_layouts"][name]`` = [width, dtype]
+    where given (arrays of other widths and dtypes than the embeddings'), else ``dtype``, ``width``."""
+    layout = (settings.get("array_layouts") or {}).get(name)
+    if layout is not None:
+        width, dtype = layout[0], np.dtype(layout[1])
+    return dtype, (rows, width)
 
 
 def _shown(value) -> str:
@@ -161,15 +182,20 @@ def array_names(layers: Sequence[int], pools: Sequence[str]) -> dict[tuple[int, 
     return {(i, p): p if len(layers) == 1 else f"layer{i}_{p}" for i in layers for p in pools}
 
 
+# Arrays with a row per residue (the rest have a row per record): embed's per_residue, and the
+# sparse autoencoder features' indices and values (``tasks.features``).
+PER_RESIDUE_SUFFIXES = ("per_residue", "_indices", "_values")
+
+
 def is_per_residue(name: str) -> bool:
-    return name.endswith("per_residue")
+    return name.endswith(PER_RESIDUE_SUFFIXES)
 
 
 def require_h5py():
     try:
         import h5py
     except ImportError:
-        raise JobError("--format h5 needs h5py: pip install 'esmc-mlx[h5]'") from None
+        raise JobError(f"--format h5 needs h5py: {install_hint('h5')}") from None
     return h5py
 
 
@@ -201,9 +227,19 @@ def legacy_entries(out: Path) -> list[str] | None:
 
 
 class EmbeddingStore:
+    """A directory of per-record arrays that a job fills in parts and merges. Subclasses for
+    other jobs set what they write: FORMAT, KIND (its name in messages), COMMAND (what writes
+    it) and SETTINGS_KEYS (the settings a rerun must share); the files a job adds to OUT go
+    through its output guard (``folder.file``), which records them as esmc-mlx's."""
+
+    FORMAT = FORMAT
+    KIND = "embeddings"
+    COMMAND = "embed"
+    SETTINGS_KEYS = SETTINGS_KEYS
+
     def __init__(self, out: str | Path, folder: OutputFolder | None = None):
-        """The embeddings directory ``out``; ``folder``: its output guard (held by the job that
-        writes it; reading needs none)."""
+        """The directory ``out``; ``folder``: its output guard (held by the job that writes it;
+        reading needs none)."""
         self.out = Path(out)
         self.folder = folder
         self.parts = self.out / "parts"
@@ -219,18 +255,19 @@ class EmbeddingStore:
             data = read_json(self.manifest_path, JobError)
         except JobError as e:
             raise JobError(f"{e}; use --force to start over") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT:  # another tool's manifest.json
-            raise JobError(f"{self.out}: not an esmc-mlx embeddings directory")
+        if not isinstance(data, dict) or data.get("format") != self.FORMAT:  # another tool's manifest.json
+            raise JobError(f"{self.out}: not an esmc-mlx {self.KIND} directory")
         if data.get("version") == 1 and "layer" in data:  # one layer, mean (+ per_residue), npy
             pools = ["mean"] + (["per_residue"] if data.get("per_residue") else [])
             data.update(layers=[data["layer"]], pools=pools, storage="npy", arrays=pools)
         return data
 
-    def open(self, settings: dict, force: bool) -> None:
+    def open(self, settings: dict, force: bool, moot: tuple[str, ...] = ()) -> None:
         """Check that an existing directory holds the same settings (a new one is made by
-        ``begin``). With ``force``, clear what esmc-mlx wrote there (``OutputFolder.clear``:
-        never a folder holding anything else). Nothing else changes until ``begin``, which the
-        job calls once its own checks pass."""
+        ``begin``; ``moot``: settings that change nothing for these sequences, not compared). With
+        ``force``, clear what esmc-mlx wrote there (``OutputFolder.clear``: never a folder holding
+        anything else). Nothing else changes until ``begin``, which the job calls once its own
+        checks pass."""
         existing = None
         if force:
             self.folder.clear()
@@ -238,16 +275,26 @@ class EmbeddingStore:
             existing = self.manifest()
         if existing is not None:
             differ = [
-                f"{k}: {_shown(existing.get(k))} there, {_shown(settings[k])} now"
-                for k in SETTINGS_KEYS
-                if existing.get(k) != settings[k] and not (k == "model_weights" and k not in existing)
+                f"{k}: {_shown(existing.get(k, SETTINGS_BEFORE.get(k)))} there, {_shown(settings[k])} now"
+                for k in self.SETTINGS_KEYS
+                if k not in moot
+                and existing.get(k, SETTINGS_BEFORE.get(k)) != settings[k]
+                and not (k == "model_weights" and k not in existing)
             ]
             if differ:
                 raise JobError(
-                    f"{self.out} holds embeddings made with other settings ({'; '.join(differ)}); "
+                    f"{self.out} holds {self.KIND} made with other settings ({'; '.join(differ)}); "
                     "use another output directory or --force to start over"
                 )
         self._existing = existing
+
+    def completed(self) -> tuple[dict, dict]:
+        """(manifest, merged files) of a completed directory; JobError when it is not one."""
+        manifest = self.manifest()
+        merged = self._merged() if manifest else None
+        if not manifest or not manifest.get("complete") or merged is None:
+            raise JobError(f"{self.out}: no completed {self.KIND} (run esmc-mlx {self.COMMAND} again to finish it)")
+        return manifest, merged
 
     def begin(self, settings: dict) -> None:
         """Mark the directory as being written (``complete: false``), made if new."""
@@ -261,7 +308,7 @@ class EmbeddingStore:
             f.write(
                 json.dumps(
                     dict(
-                        format=FORMAT,
+                        format=self.FORMAT,
                         version=FORMAT_VERSION,
                         **{k: v for k, v in data.items() if k not in ("format", "version")},
                     ),
@@ -373,6 +420,7 @@ class EmbeddingStore:
             files, dropped = self._merge_into(
                 staging, merged, ids, lengths, hashes, offsets, index, names, dtype, d, settings
             )
+            apply_umask(staging)  # safetensors writes its files 0600 whatever the umask
         except BaseException:  # a full disk, Ctrl-C: the parts stay and a rerun merges again
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -394,7 +442,10 @@ class EmbeddingStore:
     def _merge_into(self, staging, merged, ids, lengths, hashes, offsets, index, names, dtype, d, settings):
         """Write the merged files into ``staging``; return their names and the IDs dropped."""
         out = {
-            n: reserved_memmap(staging / f"{n}.npy", dtype, (int(offsets[-1]) if is_per_residue(n) else len(ids), d))
+            n: reserved_memmap(
+                staging / f"{n}.npy",
+                *_array_layout(settings, n, dtype, d, int(offsets[-1]) if is_per_residue(n) else len(ids)),
+            )
             for n in names
         }
         filled = np.zeros(len(ids), dtype=bool)
@@ -668,25 +719,25 @@ class StoredEmbeddings:
         """(L, d) rows of record ``key`` (an index, negative from the end, or an ID)."""
         if not any(map(is_per_residue, self.arrays)):
             raise JobError("this directory was written without per-residue embeddings")
-        n = len(self.ids)
-        if isinstance(key, str):
-            if key not in self.ids:
-                raise JobError(f"no record {key!r} here")
-            i = self.ids.index(key)
-        elif isinstance(key, numbers.Integral) and not isinstance(key, bool) and -n <= key < n:
-            i = int(key) % n  # offsets has n + 1 entries: a raw -1 read the slice offsets[-1]:offsets[0]
-        else:
-            raise JobError(f"record {key!r}: give an ID or an index in {-n}..{n - 1} ({n} records)")
+        i = record_index(self.ids, key)
         return np.asarray(self.get("per_residue", layer)[self.offsets[i] : self.offsets[i + 1]])
+
+
+def record_index(ids: list[str], key: int | str) -> int:
+    """The position of record ``key`` (an ID, or an index, negative from the end) in ``ids``."""
+    n = len(ids)
+    if isinstance(key, str):
+        if key not in ids:
+            raise JobError(f"no record {key!r} here")
+        return ids.index(key)
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool) and -n <= key < n:
+        return int(key) % n  # offsets has n + 1 entries: a raw -1 read the slice offsets[-1]:offsets[0]
+    raise JobError(f"record {key!r}: give an ID or an index in {-n}..{n - 1} ({n} records)")
 
 
 def read_embeddings(out: str | Path) -> StoredEmbeddings:
     """Open a completed ``esmc-mlx embed`` output directory (any of the three formats)."""
-    store = EmbeddingStore(out)
-    manifest = store.manifest()
-    merged = store._merged() if manifest else None
-    if not manifest or not manifest.get("complete") or merged is None:
-        raise JobError(f"{out}: no completed embeddings (run esmc-mlx embed again to finish it)")
+    manifest, merged = EmbeddingStore(out).completed()
     return StoredEmbeddings(
         merged["ids"],
         merged["arrays"],

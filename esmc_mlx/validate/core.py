@@ -40,7 +40,7 @@ from .. import _blas
 from .._version import __version__
 from ..artifact import ARTIFACT_KINDS, FLOAT_DTYPES, REPORT_DIR, sha256, weight_files
 from ..config import ESMCConfig
-from ..errors import EsmcMlxError, ValidationError
+from ..errors import EsmcMlxError, ValidationError, install_hint
 from ..hashes import file_hashes
 from ..outputs import check_folder_target, ensure_parent, local_paths, locked
 from . import cache as ref_cache
@@ -358,7 +358,7 @@ def validate(
     th.check_overrides(thresholds)
     if not validation_available():
         raise ValidationError(
-            "validation needs torch and transformers (>= 5.23, with EsmcForMaskedLM): pip install 'esmc-mlx[torch]'"
+            f"validation needs torch and transformers (>= 5.23, with EsmcForMaskedLM): {install_hint('torch')}"
         )
     from tqdm.auto import tqdm
 

@@ -306,7 +306,7 @@ def write_report(report, panel: Panel, directory: Path, draw: bool = True, own_f
     except OSError as e:
         raise ValidationError(f"cannot create the report folder {directory}: {e.strerror}") from None
     # The files may be published: local paths become relative to the artifact or basenames
-    # (issue 12, rule 9); report.data, in memory, keeps them. NaN/Inf never reach JSON.
+    # (privacy.py); report.data, in memory, keeps them. NaN/Inf never reach JSON.
     root = (report.data.get("artifact") or {}).get("path")
     public = _finite(scrub(report.data, root))  # NaN/Inf never reach JSON
     with output_lock(directory):  # two validations of one artifact never mix their files

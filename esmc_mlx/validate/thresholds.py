@@ -27,7 +27,7 @@ import numbers
 from ..errors import ValidationError
 
 # Checks whose value must stay *at or above* the threshold; every other check is "at most".
-HIGHER_IS_BETTER = frozenset({"top1", "embedding_cosine", "spearman"})
+HIGHER_IS_BETTER = frozenset({"top1", "embedding_cosine", "spearman", "topk_agreement"})
 
 FIDELITY: dict[str, float] = {  # compute dtype -> max relative L2 of logits and of last hidden state
     "float32": 1e-5,
@@ -141,3 +141,35 @@ def resolve(precision: str, compute_dtype: str, overrides: dict[str, float] | No
             raise KeyError(f"unknown threshold {name!r}; known: {', '.join(sorted(values))}")
         values[name] = float(bound)
     return Thresholds(precision, compute_dtype, values)
+
+
+# Sparse autoencoders (validate/sae.py): a bf16 / fp16 / 8-bit SAE against the float32 SAE it was
+# made from, on the same hidden states. topk_agreement: mean share of active features both find;
+# value_rel_err: relative L2 error of the dense features (dominated by features that swap places
+# at the k-th rank). Set from esmc-tiny with random SAEs (python -m benchmarks.sae_bounds;
+# docs/validation.md has the values): 3x the worst error and 1 - 3x the largest shortfall of
+# agreement, rounded up on the 1-1.5-2-3-5-7 grid. 3x, not the models' 10x: both SAEs read the
+# same hidden states, so the error does not grow with the backbone's depth.
+SAE_COLUMNS = ("topk_agreement", "value_rel_err")
+# fmt: off
+_SAE_ROWS = {
+    "float32":  (0.9999, 1e-6),
+    "float16":  (0.9985, 7e-2),
+    "bfloat16": (0.99,   0.2),
+    "8bit":     (0.97,   0.3),
+}
+# fmt: on
+SAE_QUALITY: dict[str, dict[str, float]] = {p: dict(zip(SAE_COLUMNS, row)) for p, row in _SAE_ROWS.items()}
+
+
+def resolve_sae(precision: str, overrides: dict[str, float] | None = None) -> dict[str, float]:
+    """The SAE bounds of ``precision``, ``overrides`` (check name -> bound) winning. ValidationError
+    for a precision without bounds or an override that names no SAE check."""
+    if precision not in SAE_QUALITY:
+        raise ValidationError(f"no SAE validation bounds for {precision}; bounds exist for {', '.join(SAE_QUALITY)}")
+    values = dict(SAE_QUALITY[precision])
+    for name, bound in (overrides or {}).items():
+        if name not in values:
+            raise ValidationError(f"unknown SAE threshold {name!r}; known: {', '.join(SAE_COLUMNS)}")
+        values[name] = float(bound)
+    return values

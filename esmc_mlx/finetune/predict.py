@@ -1,0 +1,59 @@
+"""``esmc-mlx predict``: an adapter's predictions for one sequence, a FASTA file or a CSV,
+written as a CSV (whole, ``outputs.atomic_file``)."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from pathlib import Path
+
+from ..outputs import atomic_file, check_file_target, locked, written_in_place
+from .adapter import load_adapter
+from .data import prediction_inputs
+
+
+@dataclasses.dataclass
+class PredictSummary:
+    out: Path
+    count: int
+    task: str
+
+
+@locked("out", when=lambda args: not written_in_place(args["out"]), create_parent=False)
+def predict_csv(
+    adapter: str | Path,
+    out: str | Path,
+    *,
+    sequence: str | None = None,
+    fasta: str | Path | None = None,
+    csv_path: str | Path | None = None,
+    sequence_column: str = "sequence",
+    batch_tokens: int = 4096,
+    base: str | Path | None = None,
+) -> PredictSummary:
+    """Predict with the adapter ``adapter`` (directory or Hub repo) for exactly one of
+    ``sequence``, ``fasta`` (one row per record, ``id`` its ID) and ``csv_path`` (its rows and
+    columns kept), and write ``out``: the CSV with a ``prediction`` column, and for
+    classification one ``p_CLASS`` column per class. Inputs are checked before the model loads.
+    Raises JobError, SequenceError, HubError."""
+    check_file_target(out, sources=[p for p in (fasta, csv_path) if p is not None])
+    ids, sequences, table = prediction_inputs(sequence, fasta, csv_path, sequence_column)
+    model = load_adapter(adapter, base)
+    result = model.predict(sequences, batch_tokens=batch_tokens)
+    extra = [f"p_{c}" for c in result.classes] if result.probabilities is not None else []
+    if table is not None:
+        rows = [dict(r) for r in table.rows]
+        header = [c for c in table.columns if c not in ("prediction", *extra)] + ["prediction", *extra]
+    else:
+        rows = [{"id": i, "sequence": s} for i, s in zip(ids, sequences)]
+        header = ["id", "sequence", "prediction", *extra]
+    for k, row in enumerate(rows):
+        value = result.values[k]
+        row["prediction"] = f"{value:.8g}" if isinstance(value, float) else value
+        if result.probabilities is not None:
+            row.update({name: f"{p:.6g}" for name, p in zip(extra, result.probabilities[k])})
+    with atomic_file(Path(out), "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return PredictSummary(Path(out), len(rows), result.task)

@@ -1,0 +1,475 @@
+"""``esmc-mlx finetune``: train LoRA adapters and a task head on labeled sequences, resumable.
+
+The output directory is written in place under its lock (``outputs.locked``), each file whole
+(``outputs.atomic_file``), as ``esmc-mlx embed`` writes its directory: a checkpoint (adapters,
+head, optimizer state, progress) after every epoch and every ``save_every`` steps, so that a
+killed run, started again with the same command, resumes from its last checkpoint and ends
+with the weights an uninterrupted run would have (batches are drawn from the seed and the
+epoch, and nothing else is random after the adapters are made).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .._version import __version__
+from ..artifact import sha256
+from ..errors import JobError
+from ..outputs import add_to_marker, atomic_file, check_target, locked, read_marker, write_marker
+from ..privacy import public_path
+from ..resolve import resolve
+from ..runtime.load import load
+from ..tasks.scoring import positive_int
+from . import adapter as files
+from .data import LabeledSet, Labels, read_labeled
+from .model import (
+    HEADS,
+    METRIC_NAMES,
+    POOLS,
+    AdaptedModel,
+    batch_predictions,
+    loss_fn,
+    metric,
+    plain_quantized,
+    token_batches,
+)
+from .model import lora_parameters as lora_settings
+from .model import pack as pack_batch
+
+DEFAULTS = {
+    "lora_rank": 8,
+    "lora_scale": 2.0,
+    "learning_rate": 1e-3,
+    "epochs": 10,
+    "batch_tokens": 4096,
+    "patience": 3,
+    "save_every": 100,
+}
+
+
+# What adapter_config.json records about how the run went, not how it was asked for.
+OUTCOME = ("complete", "best_epoch", "stopped_early")
+
+
+@dataclasses.dataclass
+class FinetuneSummary:
+    out: Path
+    history: list[dict]  # per epoch: train / valid loss and metric
+    best_epoch: int | None  # the epoch whose weights were kept (lowest validation loss)
+    resumed_from: str | None  # "epoch N, step M" of the checkpoint a rerun started from
+    stopped_early: bool
+    already_done: bool = False  # OUT held this finished run: nothing was trained
+
+
+class Running:
+    """An epoch's running loss and metric (what the progress bar shows, and metrics.json keeps)."""
+
+    def __init__(self, labels: Labels, state: dict | None = None):
+        self.labels = labels
+        state = state or {}
+        self.loss_sum = state.get("loss_sum", 0.0)
+        self.rows = state.get("rows", 0)
+        self.hits = state.get("hits", 0)
+        self.total = state.get("total", 0)
+        self.values = state.get("values", [])  # regression: (prediction, target) pairs
+        self.targets = state.get("targets", [])
+
+    def add(self, loss: float, rows: int, predictions: list, targets: list) -> None:
+        self.loss_sum += loss * rows
+        self.rows += rows
+        if self.labels.task == "regression":
+            self.values += [float(p) for p in predictions]
+            self.targets += [float(t) for t in targets]
+        elif self.labels.task == "classification":
+            self.hits += int(sum(int(p == t) for p, t in zip(predictions, targets)))
+            self.total += len(targets)
+        else:
+            self.hits += int(sum(int((p == t).sum()) for p, t in zip(predictions, targets)))
+            self.total += int(sum(len(t) for t in targets))
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.rows if self.rows else math.nan
+
+    @property
+    def metric(self) -> float:
+        if self.labels.task == "regression":
+            return metric(self.labels, [np.array(self.values)], self.targets)
+        return self.hits / self.total if self.total else math.nan
+
+    def state(self) -> dict:
+        keys = ("loss_sum", "rows", "hits", "total", "values", "targets")
+        return {k: getattr(self, k) for k in keys}
+
+
+def _check_options(lora_rank, lora_layers, lora_scale, head, pool, epochs, learning_rate, batch_tokens, patience):
+    positive_int(lora_rank, "lora_rank")
+    positive_int(epochs, "epochs")
+    positive_int(batch_tokens, "batch_tokens")
+    if lora_layers != "all":
+        positive_int(lora_layers, "lora_layers")
+    if head not in HEADS:
+        raise JobError(f"--head {head!r}: choose one of {', '.join(HEADS)}")
+    if pool not in POOLS:
+        raise JobError(f"--pool {pool!r}: choose one of {', '.join(POOLS)}")
+    for name, value in (("learning_rate", learning_rate), ("lora_scale", lora_scale)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise JobError(f"{name} must be a positive number, got {value!r}")
+    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+        raise JobError(f"patience must be 0 (no early stopping) or a positive integer, got {patience!r}")
+
+
+def _data_record(path: Path, data: LabeledSet) -> dict:
+    return {"file": public_path(path), "sha256": sha256(path), "rows": len(data.sequences)}
+
+
+@locked("out")
+def finetune(
+    model: str | Path,
+    train: str | Path,
+    out: str | Path,
+    *,
+    valid: str | Path | None = None,
+    task: str = "classification",
+    sequence_column: str = "sequence",
+    label_column: str = "label",
+    lora_rank: int = DEFAULTS["lora_rank"],
+    lora_layers: int | str = "all",
+    lora_scale: float = DEFAULTS["lora_scale"],
+    head: str = "linear",
+    pool: str = "mean",
+    epochs: int = DEFAULTS["epochs"],
+    learning_rate: float = DEFAULTS["learning_rate"],
+    batch_tokens: int = DEFAULTS["batch_tokens"],
+    seed: int = 0,
+    patience: int = DEFAULTS["patience"],
+    gradient_checkpointing: bool = False,
+    save_every: int = DEFAULTS["save_every"],
+    revision: str | None = None,
+    force: bool = False,
+    progress: bool = False,
+) -> FinetuneSummary:
+    """Fine-tune ``model`` (an alias, Hub repo id or MLX directory; float or quantized) on the
+    CSV ``train`` and write the adapter directory ``out`` (see ``finetune.adapter``).
+
+    ``task``: classification (one label per sequence), regression (a number per sequence) or
+    per-residue (a label string as long as the sequence, or 1-based positions "3,17" of class
+    "1"). LoRA of rank ``lora_rank`` on every block projection of the top ``lora_layers``
+    blocks ("all"), a ``head`` (linear, mlp) on the ``pool``-ed final hidden state (mean over
+    residues, or the <cls> token). AdamW at ``learning_rate``; batches of at most
+    ``batch_tokens`` padded tokens, grouped by length and shuffled per epoch from ``seed``.
+    With ``valid``, the weights kept are those of the epoch with the lowest validation loss,
+    and training stops after ``patience`` epochs without improvement (0: never).
+    ``gradient_checkpointing``: recompute each block's activations in the backward pass
+    (less memory for long inputs, about a third more compute).
+
+    A rerun with the same settings, data and base resumes from OUT's checkpoint (a finished
+    run: nothing to do); other settings are refused unless ``force``, which starts over.
+    Raises JobError (bad CSV, options, an OUT holding something else), SequenceError,
+    ConvertError / HubError (the model).
+    """
+    _check_options(lora_rank, lora_layers, lora_scale, head, pool, epochs, learning_rate, batch_tokens, patience)
+    save_every = int(save_every)
+    out, train = Path(out), Path(train)
+    train_set, labels = read_labeled(train, task, sequence_column, label_column)
+    valid_set = read_labeled(valid, task, sequence_column, label_column, labels)[0] if valid is not None else None
+    source = resolve(str(model), revision)
+    if source.is_pth or not source.path.is_dir():
+        raise JobError(f"{model}: not an MLX model directory; convert it first with esmc-convert")
+    base = files.base_identity(source)
+    raw_config = json.loads((source.path / "config.json").read_text())
+    layers_total = int(raw_config.get("num_hidden_layers") or raw_config.get("n_layers"))
+    num_layers = layers_total if lora_layers == "all" else min(int(lora_layers), layers_total)
+    training = {
+        "epochs": epochs,
+        "learning_rate": learning_rate,
+        "optimizer": "AdamW (mlx.optimizers, default betas and weight decay)",
+        "batch_tokens": batch_tokens,
+        "seed": seed,
+        "patience": patience,
+        "gradient_checkpointing": gradient_checkpointing,
+    }
+    config = {
+        "fine_tune_type": "lora",
+        "num_layers": num_layers,
+        "lora_parameters": lora_settings(lora_rank, lora_scale),
+        "esmc_mlx": {
+            "format": files.FORMAT,
+            "version": __version__,
+            "base": base,
+            "labels": labels.to_dict(),
+            "head": head,
+            "pool": pool,
+            "sequence_column": sequence_column,
+            "training": training,
+            "data": {
+                "train": _data_record(train, train_set),
+                "valid": _data_record(Path(valid), valid_set) if valid_set is not None else None,
+            },
+            "complete": False,
+        },
+    }
+    existing = _open_output(out, config, force, source.path if base["repo_id"] is None else None)
+    if existing is not None and existing["esmc_mlx"].get("complete"):
+        meta = existing["esmc_mlx"]
+        return FinetuneSummary(out, files._read_metrics(out), meta.get("best_epoch"), None, False, already_done=True)
+
+    base_model, _ = load(source.path, fuse=False, compile=False)
+    plain_quantized(base_model)
+    mx.random.seed(seed)
+    adapted = AdaptedModel(base_model, labels, head, pool)
+    adapted.add_lora(lora_rank, num_layers, lora_scale)
+    object.__setattr__(adapted, "gradient_checkpointing", gradient_checkpointing)
+    optimizer = optim.AdamW(learning_rate=learning_rate)
+    optimizer.init(adapted.trainable_parameters())
+    trainer = Trainer(adapted, optimizer, train_set, valid_set, out, config, batch_tokens, seed, patience)
+    resumed = trainer.restore()
+    trainer.run(epochs, save_every, progress)
+    return FinetuneSummary(out, trainer.history, trainer.best_epoch, resumed, trainer.stopped)
+
+
+def _open_output(out: Path, config: dict, force: bool, local_base: Path | None) -> dict | None:
+    """Make OUT (marked as esmc-mlx's), or check that it holds this same run (returned), or
+    with ``force`` clear it; JobError for an OUT holding anything else."""
+    if out.exists() and not force:
+        if not files.is_adapter(out) or read_marker(out) is None:
+            raise JobError(f"{out} exists and is not an esmc-mlx adapter directory; choose another output")
+        existing = files.read_adapter_config(out, complete=False)
+        differ = _differences(existing, config)
+        if differ:
+            raise JobError(
+                f"{out} holds a fine-tuning run with other settings ({'; '.join(differ[:4])}); "
+                "use another output directory, or --force to start over"
+            )
+        return existing
+    if out.exists():
+        check_target(out, force=True)  # only a directory esmc-mlx wrote, holding nothing else
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    write_marker(out, "adapter")
+    _write_json(out / files.CONFIG, config)
+    if local_base is not None:
+        with atomic_file(out / files.LOCAL_BASE) as f:
+            f.write(f"{local_base}\n")
+        add_to_marker(out, files.LOCAL_BASE)
+    return None
+
+
+def _differences(existing: dict, config: dict) -> list[str]:
+    """What differs between two runs' settings (the version and progress aside)."""
+
+    def flat(c):
+        meta = {k: v for k, v in c["esmc_mlx"].items() if k not in ("version", *OUTCOME)}
+        rest = {k: v for k, v in c.items() if k != "esmc_mlx"}
+        return dict(tree_flatten({**rest, **meta}))
+
+    a, b = flat(existing), flat(config)
+    return [f"{k}: {a.get(k)!r} there, {b.get(k)!r} now" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def _write_json(path: Path, data) -> None:
+    with atomic_file(path) as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+    add_to_marker(path.parent, path.name)
+
+
+def _write_arrays(path: Path, arrays: dict[str, mx.array], metadata: dict | None = None) -> None:
+    """A safetensors file, written whole (``atomic_file``): MLX's writer takes only a path."""
+    from safetensors.numpy import save
+
+    payload = save({k: np.array(v) for k, v in arrays.items()}, metadata=metadata)
+    with atomic_file(path, "wb") as f:
+        f.write(payload)
+    add_to_marker(path.parent, path.name)
+
+
+def training_step(model: AdaptedModel, optimizer: optim.Optimizer):
+    """``step(ids, attention, targets) -> (loss, outputs)``: one gradient step of the adapters
+    and the head. Compiled on a GPU, as ``load`` compiles the forward there (on the CPU a trace
+    JIT-builds C++ and measured no faster)."""
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+    state = [model.state, optimizer.state]
+
+    def step(ids, attention, targets):
+        (loss, outputs), grads = loss_and_grad(model, ids, attention, targets)
+        optimizer.update(model, grads)
+        return loss, outputs
+
+    return mx.compile(step, inputs=state, outputs=state) if mx.default_device() != mx.cpu else step
+
+
+def _set_leaves(tree, items) -> None:
+    """Put each (dotted name, array) into ``tree`` where ``tree_flatten`` found it, in place:
+    the optimizer's state keeps its structure (empty branches included, which flattening loses)."""
+    for name, value in items:
+        *path, last = name.split(".")
+        node = tree
+        for key in path:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        node[int(last) if isinstance(node, list) else last] = value
+
+
+class Trainer:
+    """The loop: epochs of shuffled length-grouped batches, validation, early stopping, the
+    checkpoint, and the final files."""
+
+    def __init__(self, model, optimizer, train_set, valid_set, out, config, batch_tokens, seed, patience):
+        self.model, self.optimizer = model, optimizer
+        self.train_set, self.valid_set = train_set, valid_set
+        self.out, self.config = out, config
+        self.labels = model.labels
+        self.seed, self.patience = seed, patience
+        self.train_encoded, self.train_batches = token_batches(train_set.sequences, batch_tokens)
+        self.valid_batches = token_batches(valid_set.sequences, batch_tokens) if valid_set is not None else None
+        self.metric_name = METRIC_NAMES[self.labels.task]
+        self.history: list[dict] = []
+        self.epoch, self.batch, self.running = 0, 0, Running(self.labels)
+        self.best_loss, self.best_epoch, self.stale, self.stopped = math.inf, None, 0, False
+        self.step = training_step(model, optimizer)
+
+    # --- checkpoint ---------------------------------------------------------------------------
+    def _weights(self) -> dict[str, dict[str, mx.array]]:
+        return {
+            "adapters": dict(tree_flatten(self.model.base.esmc.trainable_parameters())),
+            "head": dict(tree_flatten(self.model.head.parameters())),
+        }
+
+    def save_checkpoint(self) -> None:
+        arrays = {f"{part}.{k}": v for part, values in self._weights().items() for k, v in values.items()}
+        arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(self.optimizer.state)})
+        progress = {
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "running": self.running.state(),
+            "history": self.history,
+            "best_loss": self.best_loss if math.isfinite(self.best_loss) else None,
+            "best_epoch": self.best_epoch,
+            "stale": self.stale,
+        }
+        _write_arrays(self.out / files.CHECKPOINT, arrays, {"progress": json.dumps(progress)})
+
+    def restore(self) -> str | None:
+        """Load OUT's checkpoint, if any; returns where it resumes ("epoch N, step M")."""
+        path = self.out / files.CHECKPOINT
+        if not path.exists():
+            return None
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                progress = json.loads(f.metadata()["progress"])
+                arrays = {k: mx.array(f.get_tensor(k)) for k in f.keys()}  # noqa: SIM118 (not a dict)
+        except Exception as e:  # a file damaged since (a checkpoint is written whole)
+            raise JobError(f"{path}: unreadable checkpoint ({e}); use --force to start over") from None
+        part = lambda p: [(k[len(p) + 1 :], v) for k, v in arrays.items() if k.startswith(p + ".")]  # noqa: E731
+        adapters = part("adapters")
+        expected = {k for k, _ in tree_flatten(self.model.base.esmc.trainable_parameters())}
+        if {k for k, _ in adapters} != expected:
+            raise JobError(f"{path}: its adapters do not match this run's LoRA layers; use --force to start over")
+        self.model.base.esmc.load_weights(adapters, strict=False)  # the frozen base is not in it
+        self.model.head.load_weights(part("head"), strict=True)
+        _set_leaves(self.optimizer.state, part("optimizer"))
+        self.epoch, self.batch = progress["epoch"], progress["batch"]
+        self.running = Running(self.labels, progress["running"])
+        self.history = progress["history"]
+        self.best_loss = progress["best_loss"] if progress["best_loss"] is not None else math.inf
+        self.best_epoch, self.stale = progress["best_epoch"], progress["stale"]
+        mx.eval(self.model.parameters(), self.optimizer.state)
+        return f"epoch {self.epoch + 1}, step {self.batch}"
+
+    def save_weights(self) -> None:
+        weights = self._weights()
+        _write_arrays(self.out / files.ADAPTERS, weights["adapters"])
+        _write_arrays(self.out / files.HEAD, weights["head"])
+
+    # --- the loop -----------------------------------------------------------------------------
+    def run(self, epochs: int, save_every: int, progress: bool) -> None:
+        from tqdm.auto import tqdm
+
+        while self.epoch < epochs and not self.stopped:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.train_batches))
+            bar = tqdm(
+                total=len(order),
+                initial=self.batch,
+                desc=f"epoch {self.epoch + 1}/{epochs}",
+                unit="batch",
+                disable=not progress,
+                dynamic_ncols=True,
+            )
+            with bar:
+                self.model.train()
+                while self.batch < len(order):
+                    rows = self.train_batches[order[self.batch]]
+                    self.train_step(rows)
+                    self.batch += 1
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{self.running.loss:.4f}", **{self.metric_name: f"{self.running.metric:.3f}"})
+                    if save_every and self.batch % save_every == 0 and self.batch < len(order):
+                        self.save_checkpoint()
+            self.end_epoch()
+        self.finish()
+
+    def train_step(self, rows: np.ndarray) -> None:
+        ids, attention, targets = pack_batch(self.train_encoded, rows, self.train_set.targets, self.labels)
+        loss, outputs = self.step(ids, attention, targets)
+        mx.eval(loss, outputs, self.model.state, self.optimizer.state)
+        lengths = np.array([len(self.train_encoded[r]) - 2 for r in rows])
+        predictions = batch_predictions(self.labels, np.array(outputs), lengths)
+        self.running.add(loss.item(), len(rows), predictions, [self.train_set.targets[r] for r in rows])
+
+    def evaluate(self) -> tuple[float, float]:
+        encoded, batches = self.valid_batches
+        running = Running(self.labels)
+        self.model.eval()
+        for rows in batches:
+            ids, attention, targets = pack_batch(encoded, rows, self.valid_set.targets, self.labels)
+            loss, outputs = loss_fn(self.model, ids, attention, targets)
+            lengths = np.array([len(encoded[r]) - 2 for r in rows])
+            predictions = batch_predictions(self.labels, np.array(outputs), lengths)
+            running.add(loss.item(), len(rows), predictions, [self.valid_set.targets[r] for r in rows])
+        self.model.train()
+        return running.loss, running.metric
+
+    def end_epoch(self) -> None:
+        row = {
+            "epoch": self.epoch + 1,
+            "train_loss": self.running.loss,
+            f"train_{self.metric_name}": self.running.metric,
+        }
+        if self.valid_set is not None:
+            loss, value = self.evaluate()
+            row.update({"valid_loss": loss, f"valid_{self.metric_name}": value})
+            if loss < self.best_loss:
+                self.best_loss, self.best_epoch, self.stale = loss, self.epoch + 1, 0
+                self.save_weights()
+            else:
+                self.stale += 1
+                self.stopped = bool(self.patience) and self.stale >= self.patience
+        self.history.append({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()})
+        self.epoch, self.batch, self.running = self.epoch + 1, 0, Running(self.labels)
+        _write_json(self.out / files.METRICS, {"metric": self.metric_name, "epochs": self.history})
+        self.save_checkpoint()
+
+    def finish(self) -> None:
+        if self.valid_set is None:
+            self.save_weights()
+        meta = self.config["esmc_mlx"]
+        meta.update(complete=True, best_epoch=self.best_epoch, stopped_early=self.stopped)
+        if files.write_curves(self.out / files.CURVES, self.history, self.metric_name):
+            add_to_marker(self.out, files.CURVES)
+        _write_json(self.out / files.CONFIG, self.config)
+        with atomic_file(self.out / files.CARD) as f:
+            f.write(files.render_card(self.out))
+        add_to_marker(self.out, files.CARD)
+        (self.out / files.CHECKPOINT).unlink(missing_ok=True)
+        write_marker(self.out, "adapter")  # the entries it holds now: the checkpoint is gone
