@@ -955,6 +955,17 @@ class OutputFolder:
         """Several files of OUT written together (``StagedFiles``), each recorded."""
         return StagedFiles(self.make(), self.check_free, self.claim)
 
+    def remove(self, *names: str) -> None:
+        """Remove the entries ``names`` esmc-mlx wrote here (a checkpoint once the result is
+        complete) and drop them from the marker; a name esmc-mlx did not write is left alone."""
+        marker = read_marker(self.path)
+        ours = [n for n in names if marker is not None and n in marker["entries"]]
+        for name in ours:
+            _remove(self.path / name)
+        if ours:
+            extra = {k: v for k, v in marker.items() if k not in ("written_by", "version", "kind", "entries")}
+            write_marker(self.path, marker["kind"], [e for e in marker["entries"] if e not in ours], **extra)
+
     def foreign(self) -> list[str]:
         found = foreign_entries(self.path) if self.path.is_dir() else []
         return found or []
@@ -1003,13 +1014,13 @@ class OutputFile:
 
     def __enter__(self) -> OutputFile:
         check_file_target(self.path, self.option, self.sources)
-        if not written_in_place(self.path):
-            with self._stack:
+        with self._stack:
+            if not written_in_place(self.path):  # (a device or pipe: nothing to lock or clean)
                 self._stack.enter_context(output_lock(self.path, create_parent=False))
                 clean_leftovers(self.path)
-                _HELD[_real(self.path)] = self
-                self._stack.callback(_HELD.pop, _real(self.path), None)
-                self._stack = self._stack.pop_all()
+            _HELD[_real(self.path)] = self
+            self._stack.callback(_HELD.pop, _real(self.path), None)
+            self._stack = self._stack.pop_all()
         return self
 
     def open(self, mode: str = "w", **open_kwargs):

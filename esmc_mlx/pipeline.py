@@ -19,7 +19,7 @@ from .convert.sae import parse_sae_spec, spec_config, write_sae
 from .convert.writer import DEFAULT_SHARD_BYTES, check_shard_bytes
 from .errors import HubError, ValidationError, install_hint
 from .hub.push import PushResult, check_push_access, push_artifact
-from .outputs import StagedDirectory, check_target, local_paths
+from .outputs import StagedDirectory, check_target, guard, local_paths
 from .privacy import public_source_id
 from .runtime.load import load
 from .runtime.sae import load_sae
@@ -239,7 +239,8 @@ def quantize_validate_sae(
     OutputError before any work for a bad spec, source or output."""
     spec = parse_sae_spec(q, group_size)
     out = Path(output)
-    check_target(out, force)
+    inputs = local_paths(source, model)
+    check_target(out, force, inputs, kind="sae")  # before anything is read
     if validate_output and model is None:
         raise ValidationError(
             "validating an SAE needs the backbone it reads: give --model (or --no-validate to skip the check)"
@@ -252,7 +253,7 @@ def quantize_validate_sae(
     provenance = {"id": public_source_id(reference.name if not local.exists() else str(local.resolve()))}
     if reference.revision:
         provenance["revision"] = reference.revision
-    with StagedDirectory(out, force, sources=[local] if local.exists() else [], kind="sae") as stage:
+    with guard(out, "sae", "directory", force=force, inputs=inputs) as stage:
         write_sae(reference.config, reference.file, stage.path, spec, layers, provenance, lambda i: log(f"layer {i}"))
         report = None
         if backbone is not None:

@@ -36,7 +36,7 @@ from ..convert import write_config
 from ..convert.writer import ShardWriter
 from ..errors import HubError, JobError
 from ..hashes import file_hashes
-from ..outputs import StagedDirectory, atomic_file, check_target
+from ..outputs import atomic_file, check_target, guard, local_paths
 from ..privacy import public_path
 from ..resolve import LOCAL_ALIASES, Source, resolve
 from ..runtime.load import load
@@ -202,7 +202,8 @@ def fuse_adapter(
     OutputError for an ``out`` that cannot be written."""
     directory = resolve(str(path_or_repo_id)).path
     config = read_adapter_config(directory)
-    check_target(out, force, sources=[directory])  # before the model loads
+    inputs = [directory, *local_paths(base)]
+    check_target(out, force, sources=inputs)  # before the model loads
     model = _load(directory, config, base, str(path_or_repo_id)).base
     lora, _ = lora_module()
     fused = [(name, m.fuse(dequantize=True)) for name, m in model.named_modules() if isinstance(m, lora.LoRALinear)]
@@ -210,7 +211,7 @@ def fuse_adapter(
     dtype = model.dtype
     dequantize_model(model, dtype)
     meta = config["esmc_mlx"]
-    with StagedDirectory(out, force, sources=[directory]) as stage:
+    with guard(out, "model", "directory", force=force, inputs=inputs) as stage:
         writer = ShardWriter(stage.path)
         for name, array in tree_flatten(model.parameters()):
             writer.add(name, array.astype(dtype))
