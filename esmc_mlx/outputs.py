@@ -149,8 +149,8 @@ def _real(path: str | Path) -> Path:
 
 
 def _a(kind: str) -> str:
-    """``a model``, ``an adapter``."""
-    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind}"
+    """``a model``, ``an adapter``, ``an sae`` (said letter by letter)."""
+    return f"{'an' if kind[:1] in 'aeiou' or kind == 'sae' else 'a'} {kind}"
 
 
 def _is_within(inner: Path, outer: Path) -> bool:
@@ -625,10 +625,12 @@ def check_folder_target(
     there = marker_kind(out)
     if there is not None and there != kind:
         raise OutputError(f"{option} {out} holds an esmc-mlx {there}, not {kind} output; choose another folder")
-    if there is None and _visible(out) and (legacy is None or legacy(out) is None):
+    held_there = _visible(out) if there is None else []
+    if held_there and (legacy is None or legacy(out) is None):
         raise OutputError(
-            f"{option} {out} is a folder esmc-mlx did not make (no {MARKER} marker) and it is not empty: esmc-mlx "
-            "writes only into a new or empty folder, or one it made; choose another"
+            f"{option} {out} is a folder esmc-mlx did not make (no {MARKER} marker) and it is not empty (it holds "
+            f"{_listing(sorted(held_there), 3)}): esmc-mlx writes only into a new or empty folder, or one it made; "
+            "choose another"
         )
     if not os.access(out, os.W_OK | os.X_OK):
         raise OutputError(f"{option} {out}: not writable")
