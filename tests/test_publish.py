@@ -140,7 +140,7 @@ def test_an_access_token_in_any_file_sent_is_refused(hub, tmp_path, where):
 
 def test_the_token_in_use_is_refused_whatever_its_shape(hub, tmp_path):
     out = artifact(tmp_path / "out")
-    (out / "notes.md").write_text("pushed as hf_alice\n")  # the test Hub's token of this session
+    (out / "notes.md").write_text("pushed as hf_alice\n")  # the test Hub's token in use
     one_error_line(cli("push", out, "my-org/tiny", "--include", "notes.md"), "notes.md holds an access token")
     assert writes(hub) == []
 
