@@ -428,11 +428,10 @@ def output_lock(target: str | Path, create_parent: bool = True, optional: bool =
         _remove_made(target, made)
 
 
-def locked(
-    parameter: str, when: Callable[[dict], bool] = lambda args: True, create_parent: bool = True, optional: bool = False
-):
-    """Decorator: hold ``output_lock`` on the function's argument ``parameter`` (when it is not
-    None and ``when(arguments)``) for the whole call, leftovers of dead runs cleaned first."""
+def _around_output(parameter, when: Callable[[dict], bool], context: Callable[[object, dict], object]):
+    """Decorator: run the function inside ``context(output, arguments)``, the output being its
+    argument ``parameter`` (or what ``parameter(arguments)`` returns), when that is not None and
+    ``when(arguments)``."""
 
     def decorate(function):
         signature = inspect.signature(function)
@@ -441,17 +440,31 @@ def locked(
         def wrapper(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            target = bound.arguments.get(parameter)
+            target = parameter(bound.arguments) if callable(parameter) else bound.arguments.get(parameter)
             if target is None or not when(bound.arguments):
                 return function(*args, **kwargs)
-            with output_lock(target, create_parent, optional) as held_lock:
-                if held_lock:  # (unlocked: a read-only folder, where no run left anything since)
-                    clean_leftovers(Path(target))
+            with context(target, bound.arguments):
                 return function(*args, **kwargs)
 
         return wrapper
 
     return decorate
+
+
+def locked(
+    parameter: str, when: Callable[[dict], bool] = lambda args: True, create_parent: bool = True, optional: bool = False
+):
+    """Decorator: hold ``output_lock`` on the function's argument ``parameter`` (when it is not
+    None and ``when(arguments)``) for the whole call, leftovers of dead runs cleaned first."""
+
+    @contextlib.contextmanager
+    def lock(target, arguments):
+        with output_lock(target, create_parent, optional) as held_lock:
+            if held_lock:  # (unlocked: a read-only folder, where no run left anything since)
+                clean_leftovers(Path(target))
+            yield
+
+    return _around_output(parameter, when, lock)
 
 
 # --- what is ours in a directory --------------------------------------------------------------------
@@ -1088,20 +1101,8 @@ def guarded(
     and ``when(arguments)``; ``inputs`` names the arguments that are inputs (those naming local
     paths count). The function reaches its guard with ``held(path)``. Stacked, one per output."""
 
-    def decorate(function):
-        signature = inspect.signature(function)
+    def around(target, arguments):
+        sources = local_paths(*(arguments.get(name) for name in inputs))
+        return guard(target, kind, mode, inputs=sources, legacy=legacy)
 
-        @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            target = parameter(bound.arguments) if callable(parameter) else bound.arguments.get(parameter)
-            if target is None or not when(bound.arguments):
-                return function(*args, **kwargs)
-            sources = local_paths(*(bound.arguments.get(name) for name in inputs))
-            with guard(target, kind, mode, inputs=sources, legacy=legacy):
-                return function(*args, **kwargs)
-
-        return wrapper
-
-    return decorate
+    return _around_output(parameter, when, around)

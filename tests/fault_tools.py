@@ -70,6 +70,17 @@ def one_error_line(result, *fragments, code=1):
     return lines[0]
 
 
+def rewrite_header(path: Path, edit) -> None:
+    """Edit the safetensors header of ``path`` in place (``edit(header)``), the data left as is."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
+
+
 DEAD = 999999999  # no such process
 
 

@@ -36,6 +36,7 @@ from fault_tools import (
     dead_staging,
     debris,
     one_error_line,
+    rewrite_header,
     small_disk,  # noqa: F401  (fixture)
     snapshot,
     visible,
@@ -873,14 +874,7 @@ def test_a_disk_that_fills_during_the_embed_merge(small_disk, tmp_path):
 def _with_header(src: Path, dst: Path, edit) -> Path:
     """A copy of a checkpoint whose safetensors header was edited (the data left as is)."""
     shutil.copytree(src, dst)
-    f = dst / "model.safetensors"
-    data = f.read_bytes()
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + n])
-    edit(header)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    f.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
+    rewrite_header(dst / "model.safetensors", edit)
     return dst
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fault_tools import cli, convert_cli, debris, one_error_line, snapshot
+from fault_tools import cli, convert_cli, debris, one_error_line, rewrite_header, snapshot
 
 import esmc_mlx
 from esmc_mlx import readers
@@ -109,16 +109,6 @@ def test_a_csv_read_as_it_is(model, tmp_path):
 
 
 # --- rule 6: safetensors offsets as the safetensors library reads them --------------------------------
-def rewrite_header(path: Path, edit) -> None:
-    data = path.read_bytes()
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + n])
-    edit(header)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
-
-
 Q, K = "esmc.layers.0.self_attn.q_proj.weight", "esmc.layers.0.self_attn.k_proj.weight"
 
 
@@ -350,7 +340,9 @@ def test_a_mutation_position_of_five_thousand_digits(model, tmp_path):
         f"{csv_in}, line 3",
         "(5,000 digits) is out of range",
     )
-    assert "1" * 100 not in line and snapshot(csv_in) == before  # the number is not echoed whole and not (tmp_path / "s.csv").exists()
+    assert (
+        "1" * 100 not in line and snapshot(csv_in) == before
+    )  # the number is not echoed whole and not (tmp_path / "s.csv").exists()
 
 
 @pytest.mark.parametrize("form", ["raw pickle", "zip"])
