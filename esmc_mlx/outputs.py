@@ -1,13 +1,13 @@
 """The one guard every output of esmc-mlx goes through (docs/reliability.md). Three shapes:
 
-* ``directory`` (``StagedDirectory``: convert, quantize, and any artifact folder): built in a
+* ``directory`` (``StagedDirectory``: convert, quantize, quantize-sae, predict --fuse): built in a
   hidden staging sibling and moved into place whole by ``publish()``; an existing output stays
   as it was until then, and ``--force`` replaces only a directory esmc-mlx wrote, of the same
   kind, holding nothing else;
-* ``folder`` (``OutputFolder``: embed, scan, a report folder): a folder esmc-mlx adds files to,
+* ``folder`` (``OutputFolder``: embed, scan, features, attention, finetune): a folder esmc-mlx adds files to,
   run after run; made with its marker, reopened only by a run of its own kind, each file written
   whole and recorded in the marker; a file esmc-mlx did not write is never written over;
-* ``file`` (``OutputFile``: score's CSV): one file, replaced whole.
+* ``file`` (``OutputFile``: score's and predict's CSVs): one file, replaced whole.
 
 What every guard does, before any work: the target is not an input, holds none and lies inside
 none, nor inside another esmc-mlx output (a model, an embeddings or scan folder); a folder
@@ -1095,14 +1095,34 @@ def guarded(
     inputs: Iterable[str] = (),
     when: Callable[[dict], bool] = lambda args: True,
     legacy: Callable[[Path], Iterable[str] | None] | None = None,
+    agree: Callable[[dict, BaseException | None], None] | None = None,
 ):
     """Decorator: run the function inside ``guard`` on its argument ``parameter`` (or on the path
     ``parameter(arguments)`` returns: an output derived from the arguments), when it is not None
     and ``when(arguments)``; ``inputs`` names the arguments that are inputs (those naming local
-    paths count). The function reaches its guard with ``held(path)``. Stacked, one per output."""
+    paths count). The function reaches its guard with ``held(path)``. Stacked, one per output.
+    ``agree(arguments, error)``: for processes that run the function together (ranks of which
+    one writes): called where the guard is taken, with its refusal or None, and with None where
+    ``when`` is false, so that every process learns whether the writer may go on."""
 
     def around(target, arguments):
+        if not when(arguments):
+            return _agreed(contextlib.nullcontext(), lambda error: agree(arguments, error))
         sources = local_paths(*(arguments.get(name) for name in inputs))
-        return guard(target, kind, mode, inputs=sources, legacy=legacy)
+        taken = guard(target, kind, mode, inputs=sources, legacy=legacy)
+        return taken if agree is None else _agreed(taken, lambda error: agree(arguments, error))
 
-    return _around_output(parameter, when, around)
+    return _around_output(parameter, when if agree is None else (lambda args: True), around)
+
+
+@contextlib.contextmanager
+def _agreed(context, tell: Callable[[BaseException | None], None]):
+    """``context``, telling ``tell`` whether entering it failed (the error) or not (None)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(context)
+        except BaseException as error:
+            tell(error)
+            raise
+        tell(None)
+        yield

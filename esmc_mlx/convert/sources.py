@@ -233,6 +233,22 @@ def torch_to_mlx(t) -> mx.array:
     return mx.array(t.numpy())
 
 
+def _is_pickle(path: Path, zipped: bool) -> bool:
+    """Whether ``path`` holds a pickle (torch's zip format holds one): its first opcode is one, read
+    by ``pickletools`` (which runs nothing). Text or random bytes are no pickle: torch's
+    weights-only loader refuses both alike ("Unsupported operand")."""
+    import pickletools
+
+    if zipped:
+        return True
+    try:
+        with open(path, "rb") as f:
+            next(pickletools.genops(f))
+    except Exception:  # ValueError: an unknown opcode; EOF
+        return False
+    return True
+
+
 def _open_pth(path: Path) -> Checkpoint:
     try:
         import torch
@@ -248,7 +264,7 @@ def _open_pth(path: Path) -> Checkpoint:
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        if "Weights only load failed" in str(e) or "Unsupported global" in str(e):
+        if ("Weights only load failed" in str(e) or "Unsupported global" in str(e)) and _is_pickle(path, mmap):
             # torch's text goes on to advise unsafe loading: never repeat it
             raise ConvertError(
                 f"{path}: holds Python objects besides tensors; esmc-mlx reads only a plain state dict, because "

@@ -38,6 +38,8 @@ from .jobs import (
     GATHER_ROUNDS,
     RecordIndex,
     _model,
+    _rank_zero,
+    agree_on_output,
     check_batch_memory,
     check_fasta_file,
     check_input_options,
@@ -137,11 +139,7 @@ def _records(sequence: str | None, fasta, name: str | None):
 
 
 @guarded(
-    "out",
-    "features",
-    "folder",
-    inputs=("model", "sae", "fasta", "sequence"),
-    when=lambda a: World.of(a["group"]).is_root,
+    "out", "features", "folder", inputs=("model", "sae", "fasta", "sequence"), when=_rank_zero, agree=agree_on_output
 )
 def features_job(
     model: ESMC | str | Path,

@@ -88,13 +88,26 @@ def _model(model: ESMC | str | Path, name: str | None):
     return model, name
 
 
+def _rank_zero(args: dict) -> bool:
+    return World.of(args["group"]).is_root
+
+
+def agree_on_output(args: dict, error: BaseException | None) -> None:
+    """Every rank learns whether rank 0's output guard refused ``out`` (``outputs.guarded``'s
+    ``agree``): rank 0 raises its own error, the others a JobError, and none waits for the other."""
+    world = World.of(args["group"])
+    if world.size > 1 and world.broadcast(np.array([error is not None], dtype=np.int32))[0] and error is None:
+        raise JobError(f"rank 0 could not write {args['out']} (see its error)")
+
+
 @guarded(
     "out",
     "embeddings",
     "folder",
     inputs=("model", "fasta"),
-    when=lambda args: World.of(args["group"]).is_root,
+    when=_rank_zero,
     legacy=legacy_entries,
+    agree=agree_on_output,
 )
 def embed_fasta(
     model: ESMC | str | Path,
@@ -488,9 +501,7 @@ class ScanSummary:
     skipped: list[str] = dataclasses.field(default_factory=list)  # names already scanned in out
 
 
-@guarded(
-    "out", "scan", "folder", inputs=("model", "fasta", "sequence"), when=lambda args: World.of(args["group"]).is_root
-)
+@guarded("out", "scan", "folder", inputs=("model", "fasta", "sequence"), when=_rank_zero, agree=agree_on_output)
 def scan_job(
     model: ESMC | str | Path,
     out: str | Path,
@@ -700,8 +711,8 @@ def _rejects_out(args: dict) -> Path | None:
 _SCORE_INPUTS = ("model", "mutations_csv", "sequence")
 
 
-@guarded("out", "scores", "file", inputs=_SCORE_INPUTS, when=lambda args: World.of(args["group"]).is_root)
-@guarded(_rejects_out, "rejects", "file", inputs=_SCORE_INPUTS, when=lambda args: World.of(args["group"]).is_root)
+@guarded("out", "scores", "file", inputs=_SCORE_INPUTS, when=_rank_zero, agree=agree_on_output)
+@guarded(_rejects_out, "rejects", "file", inputs=_SCORE_INPUTS, when=_rank_zero, agree=agree_on_output)
 def score_csv(
     model: ESMC | str | Path,
     sequence: str,
