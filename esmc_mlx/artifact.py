@@ -6,21 +6,35 @@ beyond dtypes, so ``info`` and the model card stay cheap.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import json
+import os
+import re
 import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import mlx.core as mx
 
 from .config import ESMCConfig
-from .errors import ConfigError, ConvertError
+from .errors import ConfigError, ConvertError, EsmcMlxError
+from .readers import MAX_JSON_BYTES, parse_json, read_json
 
 FLOAT_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 SAFETENSORS_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+CARD_FILE = "README.md"
 FP_MODES = ("mxfp4", "mxfp8", "nvfp4")  # quantization modes whose name says their bits
+# The quantizations MLX runs (mx.quantize's table, mlx 0.32): mode -> (bits, group sizes). A
+# quantization record asking for anything else fails in MLX deep inside a load or a conversion.
+MLX_QUANTIZATIONS = {
+    "affine": ((1, 2, 3, 4, 5, 6, 8), (32, 64, 128)),
+    "mxfp4": ((4,), (32,)),
+    "mxfp8": ((8,), (32,)),
+    "nvfp4": ((4,), (16,)),
+}
 # The last line of a model card esmc-mlx generated (hub/card.py). A README.md without it was
 # written by a person: push never overwrites it, and --force never deletes it.
 GENERATED_CARD_LINE = (
@@ -32,6 +46,31 @@ GENERATED_CARD_LINE = (
 REPORT_DIR = "validation"
 PLOT_NAME = "per_position.png"
 REPORT_FILES = ("report.json", "report.md", PLOT_NAME)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactKind:
+    """One kind of artifact esmc-mlx writes and ``push`` publishes, named as its ``.esmc-mlx``
+    marker records it: ``config``, the file that describes it; ``files(directory)``, the files
+    it is made of there (paths relative to it; an ``EsmcMlxError`` naming what is missing when
+    it is incomplete); ``recognise(directory)``, whether a folder without the marker holds one.
+    Every kind is published with its model card and validation report when present
+    (``published_files``). A new kind declares itself once with ``register_artifact_kind``."""
+
+    name: str
+    config: str
+    files: Callable[[Path], Iterable[str]]
+    recognise: Callable[[Path], bool] = lambda directory: False
+
+
+ARTIFACT_KINDS: dict[str, ArtifactKind] = {}
+
+
+def register_artifact_kind(kind: ArtifactKind) -> ArtifactKind:
+    """Make ``kind`` known to the output guard and to ``push`` (an SAE folder, a LoRA adapter:
+    ``register_artifact_kind(ArtifactKind("adapter", "adapter_config.json", adapter_files))``)."""
+    ARTIFACT_KINDS[kind.name] = kind
+    return kind
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -103,10 +142,7 @@ def read_config(directory: Path) -> dict:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise ConvertError(f"{directory}: not an MLX model directory (no config.json)")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConvertError(f"{path}: unreadable config ({e})") from None
+    raw = read_json(path, ConvertError, max_bytes=1 << 20)
     if not isinstance(raw, dict):
         raise ConvertError(f"{path}: not a JSON object")
     problem = _artifact_fields_problem(raw)
@@ -128,67 +164,210 @@ def _artifact_fields_problem(raw: dict) -> str | None:
         return "esmc_mlx is not an object"
     for key in ("quantization", "quantization_config"):
         record = raw.get(key)
-        if record is None:
-            continue
-        if not isinstance(record, dict):
-            return f"{key} is not an object"
-        if not (_positive_int(record.get("bits")) and _positive_int(record.get("group_size"))):
+        if record is not None:
+            problem = quantization_record_problem(record)
+            if problem:
+                return f"{key}: {problem}"
+    return None
+
+
+def quantization_record_problem(record) -> str | None:
+    """What keeps MLX from running the quantization record ``record`` (mlx-lm's: mode, bits and
+    group size, then per-layer overrides of them), in words; None when it runs."""
+    if not isinstance(record, dict):
+        return "not an object"
+    default = {k: record.get(k) for k in ("mode", "bits", "group_size")}
+    entries = [("", default)] + [(k, {**default, **v}) for k, v in record.items() if isinstance(v, dict)]
+    for layer, params in entries:
+        where = f"entry {layer!r}: " if layer else ""
+        mode = params.get("mode") or "affine"
+        bits, group = params.get("bits"), params.get("group_size")
+        if not isinstance(mode, str) or mode not in MLX_QUANTIZATIONS:
+            return f"{where}mode {mode!r} is not one of {', '.join(MLX_QUANTIZATIONS)}"
+        allowed_bits, allowed_groups = MLX_QUANTIZATIONS[mode]
+        if not (_positive_int(bits) and _positive_int(group)):
+            return f"{where}needs positive integers bits and group_size, got {bits!r} and {group!r}"
+        if bits not in allowed_bits or group not in allowed_groups:
             return (
-                f"{key} needs positive integers bits and group_size, got {record.get('bits')!r} and "
-                f"{record.get('group_size')!r}"
+                f"{where}{mode} with bits {bits} and group_size {group} is not a quantization MLX runs "
+                f"(bits {', '.join(map(str, allowed_bits))}; group size {', '.join(map(str, allowed_groups))})"
             )
-        if not isinstance(record.get("mode", "affine"), str):
-            return f"{key} mode {record['mode']!r} is not a name"
-        for layer, params in record.items():
-            if isinstance(params, dict) and not all(_positive_int(params.get(k, 1)) for k in ("bits", "group_size")):
-                return f"{key} entry {layer!r} has bits / group_size that are not positive integers"
     return None
 
 
 def read_model_config(directory: Path) -> tuple[dict, ESMCConfig]:
-    """(config.json as a dict, the architecture it describes); ConvertError naming the file."""
+    """(config.json as a dict, the architecture it describes), checked against the weights'
+    headers before anything is built for it (a ``num_hidden_layers`` of 1e9 in config.json would
+    otherwise build a billion layers' names); ConvertError naming the file and the field."""
     raw = read_config(directory)
+    path = Path(directory) / "config.json"
     try:
-        return raw, ESMCConfig.from_dict(raw)
+        config = ESMCConfig.from_dict(raw)
     except ConfigError as e:
-        raise ConvertError(f"{Path(directory) / 'config.json'}: {e}") from None
+        raise ConvertError(f"{path}: {e}") from None
+    shapes = {}
+    for f in weight_files(directory):
+        shapes.update({n: tuple(t["shape"]) for n, t in safetensors_header(f).items() if n != "__metadata__"})
+    check_against_tensors(config, shapes, str(path))
+    return raw, config
+
+
+_BLOCK = re.compile(r"esmc\.layers\.(\d+)\.")
+# config field -> a tensor (MLX names) whose first dimension is that size, float or quantized alike
+_SIZED_BY = {
+    "hidden_size": "esmc.norm.weight",
+    "vocab_size": "lm_head.decoder.bias",
+    "intermediate_size": "esmc.layers.0.mlp.up_proj.weight",
+}
+
+
+def block_count(names) -> int:
+    """How many transformer blocks the tensor ``names`` (MLX names) hold: the blocks' numbers,
+    which must run 0..n-1 (a name numbered 999999999 among blocks 0 and 1 is not 1e9 blocks)."""
+    numbers = {int(m.group(1)) for n in names if (m := _BLOCK.match(n)) and len(m.group(1)) < 10}
+    if numbers != set(range(len(numbers))):
+        raise ConvertError(f"tensors of blocks numbered {_ranges(sorted(numbers))}: blocks are numbered 0, 1, 2 ...")
+    return len(numbers)
+
+
+def _ranges(numbers: list[int]) -> str:
+    return ", ".join(map(str, numbers[:6])) + (f" ... {numbers[-1]}" if len(numbers) > 6 else "")
+
+
+def check_against_tensors(config: ESMCConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """ConvertError naming ``where`` (config.json) and the field when ``config`` describes
+    another model than the tensors ``shapes`` (MLX names) hold: their number of blocks and the
+    sizes their shapes fix. What a config promises is checked here, before anything is built."""
+    try:
+        blocks = block_count(shapes)
+    except ConvertError as e:
+        raise ConvertError(f"{where}: the weights hold {e}") from None
+    if config.num_hidden_layers != blocks:
+        raise ConvertError(
+            f"{where}: num_hidden_layers is {config.num_hidden_layers:,}, but the weights hold {plural(blocks, 'block')}"
+        )
+    for field, name in _SIZED_BY.items():
+        if name in shapes and shapes[name] and shapes[name][0] != getattr(config, field):
+            raise ConvertError(
+                f"{where}: {field} is {getattr(config, field):,}, but {name} has shape {list(shapes[name])}"
+            )
 
 
 def index_files(index: Path) -> list[Path]:
-    """The files a ``model.safetensors.index.json`` names, beside it; ConvertError for an index
-    that cannot be read or that names a file elsewhere (``../other/model.safetensors``)."""
-    try:
-        names = set(json.loads(index.read_text())["weight_map"].values())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise ConvertError(f"{index}: unreadable index ({type(e).__name__}: {e})") from None
-    elsewhere = sorted(n for n in names if not isinstance(n, str) or Path(n).name != n or n in (".", ".."))
+    """The files a safetensors index (``model.safetensors.index.json``) names, beside it;
+    ConvertError for an index that cannot be read or that names a file elsewhere
+    (``../other/model.safetensors``)."""
+    data = read_json(index, ConvertError)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ConvertError(f"{index}: unreadable index (no weight_map object)")
+    names = set(weight_map.values()) if all(isinstance(v, str) for v in weight_map.values()) else None
+    if names is None:
+        raise ConvertError(f"{index}: unreadable index (a weight_map value is not a file name)")
+    elsewhere = sorted(n for n in names if Path(n).name != n or n in (".", "..", ""))
     if elsewhere:
         raise ConvertError(f"{index} names files outside its directory: {', '.join(map(str, elsewhere))}")
     return sorted(index.parent / n for n in names)
 
 
-def weight_files(directory: Path) -> list[Path]:
-    """The safetensors files that make up the model in ``directory``: those its index names, or
-    the single ``model.safetensors``. Any other ``model*.safetensors`` beside them (a stray
-    ``model_old.safetensors``) is refused rather than silently loaded or ignored."""
+def weight_files(directory: Path, single: str = SINGLE_FILE) -> list[Path]:
+    """The safetensors files that make up the weights in ``directory``: those its index
+    (``<single>.index.json``) names, or the single file ``single``. Any other
+    ``<stem>*.safetensors`` beside them (a stray ``model_old.safetensors``) is refused rather
+    than silently loaded or ignored."""
     directory = Path(directory)
-    index = directory / INDEX_FILE
+    index = directory / f"{single}.index.json"
     if index.is_file():
         files = index_files(index)
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ConvertError(f"{index} names shards that are missing: {', '.join(missing)}")
-    elif (directory / SINGLE_FILE).is_file():
-        files = [directory / SINGLE_FILE]
+    elif (directory / single).is_file():
+        files = [directory / single]
     else:
-        raise ConvertError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}")
-    strays = sorted(set(directory.glob("model*.safetensors")) - set(files))
+        raise ConvertError(f"{directory}: no {single} or {index.name}")
+    strays = sorted(set(directory.glob(single.removesuffix(".safetensors") + "*.safetensors")) - set(files))
     if strays:
         raise ConvertError(
             f"{directory}: {', '.join(f.name for f in strays)} not named by "
-            f"{INDEX_FILE if index.is_file() else SINGLE_FILE}; move it out of the model directory"
+            f"{index.name if index.is_file() else single}; move it out of the model directory"
         )
     return files
+
+
+def model_files(directory: Path) -> list[str]:
+    """The files a model directory is made of (the ``model`` kind): config.json, the index and
+    the weights it names (or the single model.safetensors), the tokenizer files present.
+    ConvertError when the config or a weight file is missing."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise ConvertError(f"{directory}: no config.json")
+    weights = [f.name for f in weight_files(directory)]
+    index = [INDEX_FILE] if (directory / INDEX_FILE).is_file() else []
+    return ["config.json", *index, *weights, *(n for n in TOKENIZER_FILES if (directory / n).is_file())]
+
+
+register_artifact_kind(ArtifactKind("model", "config.json", model_files, lambda d: (Path(d) / "config.json").is_file()))
+
+
+def artifact_kind(directory: Path, marked: str | None = None) -> ArtifactKind:
+    """The kind of artifact ``directory`` holds: ``marked`` (its marker's kind), else the first
+    kind that recognises it. ConvertError for an output of esmc-mlx that is no artifact (an
+    embeddings or scan folder) or a folder no kind recognises."""
+    if marked is not None:
+        if marked not in ARTIFACT_KINDS:
+            raise ConvertError(f"{directory} holds esmc-mlx {marked} output, not an artifact to publish")
+        return ARTIFACT_KINDS[marked]
+    for kind in reversed(ARTIFACT_KINDS.values()):  # the kinds declared later are the more specific
+        if kind.recognise(Path(directory)):
+            return kind
+    raise ConvertError(f"{directory}: no {ARTIFACT_KINDS['model'].config}; is this an esmc-mlx output directory?")
+
+
+def published_files(directory: Path, kind: ArtifactKind | None = None, include=()) -> list[str]:
+    """What publishing the artifact ``directory`` uploads, as paths relative to it: the files
+    its ``kind`` is made of (default: the model's), its model card, its validation report's
+    files, and the paths the user named in ``include`` (inside the directory; a folder gives
+    the files under it). ConvertError for a missing file, for anything outside the directory,
+    and for a link that leads out of it (its content would be published)."""
+    directory = Path(directory)
+    kind = kind or ARTIFACT_KINDS["model"]
+    try:
+        names = list(kind.files(directory))
+    except EsmcMlxError as e:
+        raise ConvertError(str(e)) from None
+    names += [CARD_FILE] if (directory / CARD_FILE).is_file() else []
+    names += [f"{REPORT_DIR}/{n}" for n in REPORT_FILES if (directory / REPORT_DIR / n).is_file()]
+    root = Path(os.path.realpath(directory))
+    for item in include:
+        names += _included(directory, item)
+    for name in names:
+        real = Path(os.path.realpath(directory / name))
+        if not real.is_relative_to(root) or real == root:
+            raise ConvertError(
+                f"{directory / name} leads outside {directory} (a link to {real}): its content would be "
+                "published; copy the file in, or leave it out"
+            )
+        if not real.is_file():
+            raise ConvertError(f"{directory / name}: not a regular file")
+    return list(dict.fromkeys(names))
+
+
+def _included(directory: Path, item) -> list[str]:
+    """The files ``--include ITEM`` names in ``directory``: ITEM relative to the directory (or
+    as typed, from the current directory), a folder giving its files that are not hidden."""
+    typed = Path(os.path.expanduser(str(item)))
+    candidates = [typed] if typed.is_absolute() else [directory / typed, typed]
+    path = next((c for c in candidates if os.path.lexists(c)), None)
+    if path is None:
+        raise ConvertError(f"--include {item}: no such file in {directory}")
+    relative = Path(os.path.relpath(os.path.abspath(path), os.path.abspath(directory)))
+    if relative.parts[:1] in ((".",), ("..",)) or str(relative) == ".":
+        raise ConvertError(f"--include {item}: not inside {directory}; only files of the artifact are published")
+    if path.is_dir() and not path.is_symlink():
+        found = sorted(p.relative_to(path) for p in path.rglob("*") if not p.is_dir() or p.is_symlink())
+        return [(relative / p).as_posix() for p in found if not any(part.startswith(".") for part in p.parts)]
+    return [relative.as_posix()]
 
 
 def tensor_files(files: list[Path]) -> dict[str, Path]:
@@ -227,31 +406,46 @@ SAFETENSORS_ITEMSIZE = {
 
 def safetensors_header(path: Path) -> dict:
     """Parse and check a safetensors header; raise ConvertError naming the file (and tensor) if
-    it is damaged: every tensor needs a known dtype, a shape, and data_offsets that match its
-    size and lie inside the file.
+    it is damaged: a header longer than the file or than 100 MB, nested or not JSON; a tensor
+    without a known dtype, a shape, or data_offsets that match its size; tensors whose bytes
+    overlap, leave a gap or do not end where the file ends (the safetensors library's rules).
 
-    Hand-written because mx.load of a truncated file fails late and without naming the file;
-    this check is a few lines of the documented format (8-byte length, JSON, data).
+    Hand-written because mx.load of a truncated file fails late and without naming the file, and
+    reads overlapping tensors without a word; this check is a few lines of the documented format
+    (8-byte length, JSON, data), bounded before anything is built.
     """
+    path = Path(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > size - 8:
-                raise ValueError(f"header length {length} exceeds the file size {size}")
-            header = json.loads(f.read(length))
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except (OSError, struct.error, ValueError, UnicodeDecodeError) as e:
-        raise ConvertError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-    end = 0
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            if length is None or length > min(size - 8, MAX_JSON_BYTES):
+                what = "shorter than a header" if length is None else f"a header length of {length:,} bytes"
+                raise ConvertError(f"{path}: not a readable safetensors file ({what}; the file has {size:,} bytes)")
+            data = f.read(length)
+    except OSError as e:
+        raise ConvertError(f"{path}: not a readable safetensors file ({e.strerror or e})") from None
+    header = parse_json(data, f"{path}: safetensors header", ConvertError)
+    if not isinstance(header, dict):
+        raise ConvertError(f"{path}: not a readable safetensors file (the header is not a JSON object)")
+    spans = []
     for name, t in header.items():
         if name == "__metadata__":
             continue
         problem = _tensor_entry_problem(t)
         if problem:
             raise ConvertError(f"{path}: corrupt safetensors header: tensor {name!r} {problem}")
-        end = max(end, t["data_offsets"][1])
+        spans.append((t["data_offsets"][0], t["data_offsets"][1], name))
+    end, previous = 0, None
+    for start, stop, name in sorted(spans):
+        if start != end:
+            how = f"overlaps tensor {previous!r}" if start < end else f"leaves bytes {end}..{start} unused"
+            raise ConvertError(
+                f"{path}: corrupt safetensors header: tensor {name!r}'s data_offsets [{start}, {stop}] {how}; "
+                "each tensor's bytes follow the previous one's"
+            )
+        end, previous = stop, name
     if 8 + length + end != size:
         raise ConvertError(
             f"{path}: truncated or corrupt safetensors file (header describes {8 + length + end} bytes, "
@@ -266,12 +460,12 @@ def _tensor_entry_problem(t) -> str | None:
     dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
     if dtype not in SAFETENSORS_ITEMSIZE:
         return f"has an unknown dtype {dtype!r}"
-    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
         return f"has no valid shape ({shape!r})"
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(isinstance(n, int) for n in offsets)
+        or not all(type(n) is int for n in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
         return f"has no valid data_offsets ({offsets!r})"
@@ -325,18 +519,18 @@ def model_facts(model_dir: Path) -> dict:
     q = quantization_record(raw)
     if q:
         overrides = {k: v for k, v in q.items() if isinstance(v, dict)}
-        storage = f"{q['mode']} {q['bits']}-bit, group size {q['group_size']}"
+        storage = f"{q.get('mode') or 'affine'} {q['bits']}-bit, group size {q['group_size']}"
         if overrides:
             kinds = sorted({f"{v['bits']}-bit" for v in overrides.values()})
             storage += f" ({plural(len(overrides), 'layer')} at {', '.join(kinds)})"
-        spec = (raw.get("esmc_mlx", {}).get("quantization") or {}).get("spec")
-        storage = (f"{spec}: " if spec and spec.startswith("mixed") else "") + storage  # name the recipe
+        spec = _record(_record(raw, "esmc_mlx"), "quantization").get("spec")
+        storage = (f"{spec}: " if isinstance(spec, str) and spec.startswith("mixed") else "") + storage  # the recipe
         storage += f"; {plural(sum(n.endswith('.scales') for n in names), 'layer')} quantized"
         head_quantized = "lm_head.decoder.scales" in names or "esmc.embed_tokens.scales" in names
         storage += f"; {'norms' if head_quantized else 'embedding, norms, LM head'} {raw.get('dtype')}"
     else:
         storage = raw.get("dtype", "float32")
-    source = raw.get("esmc_mlx", {}).get("source", {})
+    source = _record(_record(raw, "esmc_mlx"), "source")
     return {
         "directory": str(model_dir),
         "architecture": {
@@ -353,8 +547,14 @@ def model_facts(model_dir: Path) -> dict:
         "bits_per_weight": round(tensor_bytes * 8 / config.num_parameters, 3),
         "size_bytes": sum(f.stat().st_size for f in files),
         "shards": len(files),
-        "source": source.get("id", "unknown") + (f"@{source['revision']}" if source.get("revision") else ""),
+        "source": str(source.get("id", "unknown")) + (f"@{source['revision']}" if source.get("revision") else ""),
     }
+
+
+def _record(obj: dict, key: str) -> dict:
+    """``obj[key]`` when it is an object, else an empty one (provenance is informative only)."""
+    value = obj.get(key) if isinstance(obj, dict) else None
+    return value if isinstance(value, dict) else {}
 
 
 def describe(model_dir: Path) -> dict:

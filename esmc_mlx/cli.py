@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from ._version import __version__
 from .artifact import describe, human_size, model_facts, plural
@@ -26,6 +27,7 @@ from .finetune.model import HEADS, POOLS
 from .finetune.train import DEFAULTS as FINETUNE_DEFAULTS
 from .hub.push import push_artifact
 from .pipeline import convert_validate_many, convert_validate_push, quantize_validate_sae
+from .privacy import public_path
 from .runtime.cuda import cutlass_qmm
 from .runtime.load import plan as plan_model
 from .tasks.attention import attention_job
@@ -102,7 +104,37 @@ def _friendly(command):
 
 
 def _command_line() -> str:
-    return " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]])
+    """The command as provenance records it (config.json, the model card): the options given,
+    rebuilt from what click parsed, every path the user typed (a path option or argument, a
+    local SOURCE) by its basename, however it was spelt (``-o/abs/out``, ``--output=rel/out``)."""
+    ctx = click.get_current_context()
+    words = [Path(sys.argv[0]).name] + ([ctx.info_name] if ctx.parent is not None else [])
+    arguments, options = [], []
+    for param in ctx.command.params:
+        if ctx.get_parameter_source(param.name) is not ParameterSource.COMMANDLINE:
+            continue
+        value = ctx.params[param.name]
+        for v in value if param.multiple else [value]:
+            if isinstance(param, click.Argument):
+                arguments.append(_public_value(param, v))
+            elif param.is_flag:
+                options.append(param.opts[-1] if v else param.secondary_opts[-1])
+            else:
+                options += [max(param.opts, key=len), _public_value(param, v)]
+    return " ".join(shlex.quote(str(w)) for w in words + arguments + options)
+
+
+def _public_value(param: click.Parameter, value) -> str:
+    """A parameter's value as it may be published: a path by its basename (a SOURCE argument is
+    one when it names something here; else it is an alias or a Hub repo id)."""
+    if isinstance(param.type, click.Path):
+        return public_path(value)
+    if isinstance(param, click.Argument) and isinstance(value, str):
+        try:
+            return public_path(value) if os.path.lexists(os.path.expanduser(value)) else value
+        except (OSError, ValueError):
+            return value
+    return str(value)
 
 
 class OutputPath(click.Path):
@@ -547,8 +579,10 @@ def validate(
         sys.exit(1)
 
 
-PUSH_HELP = """Publish MLX_DIR, an MLX model directory, to the Hugging Face Hub model repo ORG/NAME, in one
-commit, with a generated model card (README.md) and the validation report.
+PUSH_HELP = """Publish MLX_DIR, an MLX model directory (or an SAE folder from quantize-sae, or an adapter
+from finetune), to the Hugging Face Hub model repo ORG/NAME, in one commit, with a generated model
+card (README.md) and the validation report. Only the artifact's own files are uploaded (plus what
+--include names); a link leading out of MLX_DIR, or an access token in any file sent, is refused.
 
 Checks everything before uploading: the artifact is complete, validation/report.json exists and
 passed (else refused, unless --allow-unvalidated), a token with write access (HF_TOKEN or
@@ -560,6 +594,7 @@ Examples:
   esmc-mlx push ESMC-6B-mxfp4-mlx my-org/ESMC-6B-mxfp4
   esmc-mlx push ESMC-6B-mxfp4-mlx my-org/ESMC-6B-mxfp4 --dry-run
   esmc-mlx push ESMC-6B-mxfp4-mlx my-org/ESMC-6B-mxfp4 --create-pr --commit-message "Re-quantize"
+  esmc-mlx push ESMC-6B-mxfp4-mlx my-org/ESMC-6B-mxfp4 --include benchmarks.md
 """
 
 
@@ -576,7 +611,16 @@ Examples:
     is_flag=True,
     help="Publish even without a passed validation report (the model card says so).",
 )
-def push(mlx_dir, repo_id, private, revision, commit_message, create_pr, dry_run, allow_unvalidated):
+@click.option(
+    "--include",
+    "include",
+    multiple=True,
+    metavar="PATH",
+    help="Also publish this file (or folder) of MLX_DIR; repeatable. Without it only the artifact's own files go "
+    "(a model's config, index, weights and tokenizer files; an SAE's config and layer files; an adapter's config, "
+    "weights, head and metrics), its model card and validation report.",
+)
+def push(mlx_dir, repo_id, private, revision, commit_message, create_pr, dry_run, allow_unvalidated, include):
     result = push_artifact(
         mlx_dir,
         repo_id,
@@ -586,6 +630,7 @@ def push(mlx_dir, repo_id, private, revision, commit_message, create_pr, dry_run
         create_pr=create_pr,
         dry_run=dry_run,
         allow_unvalidated=allow_unvalidated,
+        include=include,
     )
     click.echo(result.summary())
     if dry_run:

@@ -17,6 +17,7 @@ import math
 from typing import Any
 
 from .errors import ConfigError
+from .vocab import VOCAB
 
 HEAD_DIM = 64  # every released ESMC uses 64-wide heads (300M 960/15, 600M 1152/18, 6B 2560/40)
 VOCAB_SIZE = 64  # logits width; the tokenizer uses the first 33 ids
@@ -37,8 +38,21 @@ def _integer(value: Any, field: str) -> int:
         or not math.isfinite(value)
         or value != int(value)
     ):
-        raise ConfigError(f"{field} must be a positive integer, got {value!r}")
+        raise ConfigError(f"{field} must be a positive integer, got {_shown(value)}")
     return int(value)
+
+
+def _number(value: Any, field: str) -> float:
+    """A config number (a float or an integer), never a string, a bool, NaN or Inf."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{field} must be a number, got {_shown(value)}")
+    return float(value)
+
+
+def _shown(value: Any) -> str:
+    """A value in a message, cut short (a 5,000-digit number or a long string stays readable)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text):,} characters)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +69,9 @@ class ESMCConfig:
         for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{field} must be a positive integer, got {value!r}")
+                raise ConfigError(f"{field} must be a positive integer, got {_shown(value)}")
+        if self.vocab_size < len(VOCAB):  # every token id must have a row of the embedding
+            raise ConfigError(f"vocab_size must be at least the tokenizer's {len(VOCAB)} tokens, got {self.vocab_size}")
         if not (self.layer_norm_eps > 0 and self.rope_theta > 0):
             raise ConfigError(
                 f"layer_norm_eps and rope_theta must be positive, got {self.layer_norm_eps!r} and {self.rope_theta!r}"
@@ -110,36 +126,31 @@ class ESMCConfig:
             raise ConfigError(f"num_attention_heads must be a positive integer, got {heads!r}")
         rope = pick("rope_parameters", "rope_scaling", default={}) or {}
         if not isinstance(rope, dict):
-            raise ConfigError(f"rope_parameters must be an object, got {rope!r}")
-        theta = pick("rope_theta", "rope_base", default=rope.get("rope_theta", 10000.0))
-        if float(pick("residue_scaling_base", default=36)) != 36:
+            raise ConfigError(f"rope_parameters must be an object, got {_shown(rope)}")
+        theta = _number(pick("rope_theta", "rope_base", default=rope.get("rope_theta", 10000.0)), "rope_theta")
+        base = _number(pick("residue_scaling_base", default=36), "residue_scaling_base")
+        if base != 36:
             raise ConfigError(
-                f"residue_scaling_base {raw['residue_scaling_base']}: ESMC divides residuals by "
-                "sqrt(n_layers / 36); another base is not ESMC"
+                f"residue_scaling_base {base:g}: ESMC divides residuals by sqrt(n_layers / 36); another base is not ESMC"
             )
         if rope.get("rope_type", "default") != "default":
-            raise ConfigError(f"unsupported rope_type {rope['rope_type']!r}: ESMC uses plain RoPE")
+            raise ConfigError(f"unsupported rope_type {_shown(rope['rope_type'])}: ESMC uses plain RoPE")
         if pick("num_key_value_heads", default=heads) != heads:
             raise ConfigError("ESMC has no grouped-query attention: num_key_value_heads must equal num_attention_heads")
         head_dim = pick("head_dim")
-        if head_dim is not None and head_dim * heads != hidden:
+        if head_dim is not None and _integer(head_dim, "head_dim") * heads != hidden:
             raise ConfigError(f"head_dim {head_dim} x {heads} heads != hidden_size {hidden}")
-        try:
-            return cls(
-                hidden_size=hidden,
-                num_attention_heads=heads,
-                num_hidden_layers=layers,
-                intermediate_size=_integer(
-                    pick("intermediate_size", "d_ff", default=default_intermediate_size(hidden)), "intermediate_size"
-                ),
-                vocab_size=_integer(pick("vocab_size", default=VOCAB_SIZE), "vocab_size"),
-                rope_theta=float(theta),
-                layer_norm_eps=float(pick("layer_norm_eps", default=1e-5)),
-            )
-        except (TypeError, ValueError) as e:
-            if isinstance(e, ConfigError):
-                raise
-            raise ConfigError(f"config has a value that is not a number ({e})") from None
+        return cls(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_hidden_layers=layers,
+            intermediate_size=_integer(
+                pick("intermediate_size", "d_ff", default=default_intermediate_size(hidden)), "intermediate_size"
+            ),
+            vocab_size=_integer(pick("vocab_size", default=VOCAB_SIZE), "vocab_size"),
+            rope_theta=theta,
+            layer_norm_eps=_number(pick("layer_norm_eps", default=1e-5), "layer_norm_eps"),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """transformers' EsmcConfig spelling, so the output config loads there too."""

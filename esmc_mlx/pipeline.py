@@ -19,7 +19,7 @@ from .convert.sae import parse_sae_spec, spec_config, write_sae
 from .convert.writer import DEFAULT_SHARD_BYTES, check_shard_bytes
 from .errors import HubError, ValidationError, install_hint
 from .hub.push import PushResult, check_push_access, push_artifact
-from .outputs import StagedDirectory, check_target
+from .outputs import StagedDirectory, check_target, guard, local_paths
 from .privacy import public_source_id
 from .runtime.load import load
 from .runtime.sae import load_sae
@@ -79,7 +79,7 @@ def convert_validate_push(
     out = Path(output) if output else default_output(source, q, dtype, group_size)
     if validate_output and not validation_available():  # fail before an hour of converting
         raise ValidationError(f"--validate needs torch and transformers: {install_hint('torch')}")
-    check_target(out, force)  # before downloading anything
+    check_target(out, force, local_paths(source))  # before downloading anything
     _check_reference_device(validate_output, reference_device)
     if upload_repo is not None:  # an empty or bad id, no token, a foreign namespace: fail before converting
         check_push_access(upload_repo)
@@ -136,7 +136,7 @@ def convert_validate_many(
         raise ValidationError(f"--validate needs torch and transformers: {install_hint('torch')}")
     labels = [spec_label(q, dtype, group_size) for q in specs]
     for label in labels:
-        check_target(out / label, force)  # before downloading anything
+        check_target(out / label, force, local_paths(source))  # before downloading anything
     _check_reference_device(validate_output, reference_device)
     jobs = prepare_many(source, specs, dtype, group_size, quantize_head, revision, command)
     _prefetch_if_validating(validate_output)
@@ -239,7 +239,8 @@ def quantize_validate_sae(
     OutputError before any work for a bad spec, source or output."""
     spec = parse_sae_spec(q, group_size)
     out = Path(output)
-    check_target(out, force)
+    inputs = local_paths(source, model)
+    check_target(out, force, inputs, kind="sae")  # before anything is read
     if validate_output and model is None:
         raise ValidationError(
             "validating an SAE needs the backbone it reads: give --model (or --no-validate to skip the check)"
@@ -252,7 +253,7 @@ def quantize_validate_sae(
     provenance = {"id": public_source_id(reference.name if not local.exists() else str(local.resolve()))}
     if reference.revision:
         provenance["revision"] = reference.revision
-    with StagedDirectory(out, force, sources=[local] if local.exists() else [], kind="sae") as stage:
+    with guard(out, "sae", "directory", force=force, inputs=inputs) as stage:
         write_sae(reference.config, reference.file, stage.path, spec, layers, provenance, lambda i: log(f"layer {i}"))
         report = None
         if backbone is not None:

@@ -17,8 +17,15 @@ import socket
 from pathlib import Path
 
 # An absolute POSIX path (or one under ~) inside any text: a "/" not preceded by a word, a dot,
-# a colon or another slash (so URLs, "and/or", "1/2" and relative paths are left alone).
-_ABSOLUTE = re.compile(r"(?<![\w.:/~-])~?(?:/[^\s/'\"`<>|:;,()\[\]{}]+)+/?")
+# a colon or another slash (so URLs, "and/or", "1/2" and relative paths are left alone), or one
+# glued to a short option (-o/abs/out).
+_ABSOLUTE = re.compile(r"(?:(?<![\w.:/~-])|(?<=(?<![\w-])-[A-Za-z]))~?(?:/[^\s/'\"`<>|:;,()\[\]{}]+)+/?")
+# Access tokens, whoever's they are: Hugging Face (hf_..., api_org_...), GitHub (ghp_...,
+# github_pat_...), AWS access key ids. Published, a token is everyone's.
+TOKEN_PATTERN = re.compile(
+    r"(?<![A-Za-z0-9])(?:hf_[A-Za-z0-9]{30,}|api_org_[A-Za-z0-9]{30,}|gh[pousr]_[A-Za-z0-9]{30,}"
+    r"|github_pat_[A-Za-z0-9_]{40,}|AKIA[0-9A-Z]{16})(?![A-Za-z0-9])"
+)
 
 
 def public_path(path: str | Path, root: str | Path | None = None) -> str:
@@ -31,7 +38,7 @@ def public_path(path: str | Path, root: str | Path | None = None) -> str:
             return root.name
         if resolved.is_relative_to(root):
             return resolved.relative_to(root).as_posix()
-    return path.name
+    return path.name or path.as_posix()  # "." stays "." (its resolved name could be the user's)
 
 
 def public_source_id(source_id: str | None) -> str | None:
@@ -43,7 +50,10 @@ def public_source_id(source_id: str | None) -> str | None:
 
 def public_command(command: str | None) -> str | None:
     """The command line with every argument that names a local path cut to its basename:
-    ``esmc-convert /home/me/ckpt -o /data/out --q 4`` -> ``esmc-convert ckpt -o out --q 4``."""
+    ``esmc-convert /home/me/ckpt -o /data/out --q 4`` -> ``esmc-convert ckpt -o out --q 4``;
+    also ``-o/abs/out``, ``--output=rel/out`` and relative paths of several parts
+    (``SECRET/alice/out``: only a Hub repo id has exactly one ``/``, and one that names a local
+    path is cut too)."""
     if not command:
         return command
     try:
@@ -52,13 +62,25 @@ def public_command(command: str | None) -> str | None:
         return scrub(command)
     out = []
     for word in words:
-        option, eq, value = word.partition("=") if word.startswith("--") else ("", "", word)
+        if word.startswith("--"):
+            option, eq, value = word.partition("=")
+        elif len(word) > 2 and word[0] == "-" and word[1].isalpha() and word[2] in "/~.":
+            option, eq, value = word[:2], "", word[2:]  # -o/abs/out
+        else:
+            option, eq, value = "", "", word
         out.append(option + eq + (_public_word(value) if value else ""))
     return " ".join(shlex.quote(w) for w in out)
 
 
 def _public_word(word: str) -> str:
-    if word.startswith(("/", "~", "./", "../")) or ("/" in word and os.path.exists(word)):
+    if "://" in word:
+        return word
+    local = False
+    try:
+        local = os.path.exists(os.path.expanduser(word))
+    except (OSError, ValueError):
+        pass
+    if word.startswith(("/", "~", "./", "../")) or word.count("/") > 1 or ("/" in word and local):
         return public_path(word) or word
     return word
 
@@ -78,12 +100,18 @@ def scrub(obj, root: str | Path | None = None):
     return _ABSOLUTE.sub(lambda m: public_path(m.group(0), root) if m.group(0) != "~" else "~", text)
 
 
+def find_tokens(text: str, tokens: list[str] = ()) -> bool:
+    """Whether ``text`` holds one of ``tokens`` (the ones in use here) or anything shaped like an
+    access token (``TOKEN_PATTERN``)."""
+    return any(t and t in text for t in tokens) or TOKEN_PATTERN.search(text) is not None
+
+
 def private_findings(text: str, tokens: list[str] = ()) -> list[str]:
     """What in ``text`` must not be published: an access token, the home directory, an absolute
     path, the user's name as a path component, the host name. Each finding in words, the secret
     itself not repeated."""
     found = []
-    if any(t and t in text for t in tokens):
+    if find_tokens(text, tokens):
         found.append("an access token")
     home = str(Path.home())
     if len(home) > 1 and home in text:

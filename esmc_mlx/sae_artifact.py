@@ -22,7 +22,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .artifact import FLOAT_DTYPES, REPORT_DIR, REPORT_FILES, safetensors_header
+from .artifact import FLOAT_DTYPES, ArtifactKind, register_artifact_kind, safetensors_header
 from .errors import ConfigError
 
 CONFIG_NAME = "config.json"
@@ -151,10 +151,10 @@ def check_layer_file(path: Path, config: SAEConfig) -> None:
             )
 
 
-def sae_files(directory: Path) -> list[tuple[str, int]]:
-    """What an SAE folder is made of, as (posix path, size): config.json, every available
-    layer's file (ConfigError naming one that is missing), the model card and the validation
-    report when present. Nothing else in the folder is part of it."""
+def sae_files(directory: Path) -> list[str]:
+    """What an SAE folder is made of (the ``sae`` artifact kind): config.json and every
+    available layer's file (ConfigError naming one that is missing). Its model card and
+    validation report go with it (``artifact.published_files``); nothing else in the folder."""
     directory = Path(directory)
     config = read_sae_config(directory)
     names = [CONFIG_NAME]
@@ -162,5 +162,7 @@ def sae_files(directory: Path) -> list[tuple[str, int]]:
         if not (directory / layer_file(i)).is_file():
             raise ConfigError(f"{directory}: config.json lists layer {i} but {layer_file(i)} is missing")
         names.append(layer_file(i))
-    names += [n for n in ("README.md", *(f"{REPORT_DIR}/{f}" for f in REPORT_FILES)) if (directory / n).is_file()]
-    return [(n, (directory / n).stat().st_size) for n in names]
+    return names
+
+
+register_artifact_kind(ArtifactKind("sae", CONFIG_NAME, sae_files, is_sae_directory))

@@ -32,6 +32,7 @@ LAYERS = [
         "resolve",
         "privacy",
         "outputs",
+        "readers",
         "_blas",
     },
     {"quantize"},

@@ -178,14 +178,14 @@ def test_two_ranks_scan_and_embed_layers_like_one(converted, tmp_path):
     )
     assert out.count("Skipped p") == 4 and "Scanned p0" in out, out
     np.testing.assert_allclose(np.load(tmp_path / "scan" / "p0_matrix.npy"), model.scan(seqs[0][:-1]).scores, atol=1e-5)
-    # rank 0 refusing OUT (a manifest of another tool): both ranks stop, neither waits for the other
+    # rank 0 refusing OUT (a folder holding another tool's manifest): both ranks stop, neither waits
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "scan-manifest.json").write_text("[]")
     out = launch(["scan", str(converted), "--fasta", str(fasta), "-o", str(tmp_path / "other")], tmp_path, 60, ok=False)
     # Rank 1 stops too: it says why and exits 1, unless the launcher, seeing rank 0 fail first,
     # stops it (-15; CI read that once). Either way the launch ends within its 60 s: no rank waits.
-    assert "was not written by esmc-mlx scan" in out, out
-    assert "rank 0 could not read" in out or "rank 1 exited with code -15" in out, out
+    assert "is a folder esmc-mlx did not make" in out and "scan-manifest.json" in out, out  # the output guard's
+    assert "rank 0 could not write" in out or "rank 1 exited with code -15" in out, out
     assert "Traceback" not in out and not list((tmp_path / "other").glob("p*")), out
     embed_fasta(
         model,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import gzip
-import hashlib
 import json
 import os
 import re
@@ -30,12 +29,22 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[torch]' in the clone")
-from click.testing import CliRunner
+from fault_tools import (
+    DEAD,
+    cli,
+    convert_cli,
+    dead_staging,
+    debris,
+    one_error_line,
+    rewrite_header,
+    small_disk,  # noqa: F401  (fixture)
+    snapshot,
+    visible,
+)
 from safetensors.torch import load_file, save_file
 
 import esmc_mlx
 from esmc_mlx import outputs, pipeline, settings, testing
-from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
 from esmc_mlx.errors import ConvertError, EsmcMlxWarning, OutputError, SequenceError, ValidationError
 from esmc_mlx.tasks.fasta import read_fasta
@@ -45,54 +54,6 @@ SEQ = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"
 
 
 # --- helpers ---------------------------------------------------------------------------------------
-def cli(*args, command=main):
-    return CliRunner().invoke(command, [str(a) for a in args])
-
-
-def convert_cli(*args):
-    return cli(*args, command=convert_main)
-
-
-def snapshot(path: Path) -> dict:
-    """Every file under ``path`` (or the file itself) -> (sha256, mode): "byte-identical"."""
-    path = Path(path)
-    if path.is_file():
-        return {"": (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mode)}
-    return {
-        str(p.relative_to(path)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mode)
-        for p in sorted(path.rglob("*"))
-        if p.is_file()
-    }
-
-
-DEBRIS = (".partial-", ".old-", ".tmp", ".lock", ".merge")
-
-
-def debris(*folders: Path) -> list[str]:
-    """Hidden leftovers of a run (staging, swapped-out, temporary, lock files) in ``folders``."""
-    found = []
-    for folder in folders:
-        if Path(folder).is_dir():
-            found += [
-                p.name for p in Path(folder).iterdir() if p.name.startswith(".") and any(d in p.name for d in DEBRIS)
-            ]
-    return found
-
-
-def one_error_line(result, *fragments, code=1):
-    """Exit code, exactly one `Error:` line and no traceback; the line holds every fragment."""
-    assert result.exit_code == code, result.output
-    assert "Traceback" not in result.output and not isinstance(result.exception, (AssertionError, TypeError)), (
-        result.output
-    )
-    assert result.output.count("Error:") == 1, result.output
-    lines = [line for line in re.split(r"[\r\n]", result.output) if line.startswith("Error:")]
-    assert len(lines) == 1, result.output  # on a line of its own, after any progress bar
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
-
-
 @pytest.fixture
 def old_output(checkpoints, tmp_path):
     """An esmc-mlx output that later runs must not lose: (path, snapshot)."""
@@ -163,14 +124,13 @@ def test_force_refuses_the_source_itself_and_a_folder_holding_it(old_output, che
     convert(str(checkpoints["published"]), outer, progress=False)
     shutil.copytree(checkpoints["published"], outer / "ckpt")
     result = convert_cli(outer / "ckpt", "-o", outer, "--force", "--no-validate")
-    one_error_line(result, "ckpt", "--force will not replace")
+    one_error_line(result, str(outer / "ckpt"), "contains the input")
     assert (outer / "ckpt" / "model.safetensors").exists() and debris(tmp_path) == []
 
 
 @pytest.mark.parametrize("command", ["convert", "quantize"])
 def test_an_output_inside_its_input_is_refused(old_output, command):
-    # `quantize OUT -o OUT/sub` must not write a model inside the model it reads: a folder
-    # that later loads, uploads and hashes of OUT would carry along
+    # a model written inside the model it read would be carried along by OUT's loads and uploads
     out, before = old_output
     entries = sorted(out.rglob("*"))
     for inner in (out / "sub", out / "a" / "b"):
@@ -677,33 +637,48 @@ def test_console_command_runs_the_script_without_an_install(monkeypatch, tmp_pat
     assert done.returncode == 0 and done.stdout.startswith("esmc-mlx, version"), done.stderr
 
 
-def test_leftovers_of_older_versions_and_a_half_swapped_output(old_output, checkpoints, tmp_path):
+def test_leftovers_are_known_by_their_mark_and_a_half_swapped_output_goes_back(old_output, checkpoints, tmp_path):
     out, before = old_output
-    legacy = tmp_path / ".out.partial-k3j_x9a2"  # tempfile's name, no PID: from a version without locks
-    legacy.mkdir()
-    (legacy / "shard-0.tmp.safetensors").write_bytes(b"\0" * 100)
-    with pytest.warns(EsmcMlxWarning, match="removed .*partial-k3j_x9a2"):
+    staged = outputs.make_staging(tmp_path, "out", "partial")  # its marker names it and this process
+    dead = tmp_path / f".out.partial-{DEAD}-abcdef"
+    staged.rename(dead)  # the name it was made under no longer matches: not a leftover any more
+    (dead / "shard-0.tmp.safetensors").write_bytes(b"\0" * 100)
+    leftover = dead_staging(tmp_path, "out", "partial")
+    (leftover / "shard-0.tmp.safetensors").write_bytes(b"\0" * 100)
+    unmarked = tmp_path / ".out.partial-k3j_x9a2"  # a name alone decides nothing
+    unmarked.mkdir()
+    (unmarked / "notes.txt").write_text("mine")
+    with pytest.warns(EsmcMlxWarning, match=f"removed {re.escape(str(leftover))}"):
         convert(str(checkpoints["published"]), out, force=True, progress=False)
-    assert not legacy.exists() and debris(tmp_path) == []
+    assert not leftover.exists() and (unmarked / "notes.txt").read_text() == "mine" and dead.exists()
     # a run killed between its two renames: the old output sits aside and OUT is missing
-    moved = tmp_path / ".out.old-999999999-abcdef"
-    os.replace(out, moved)
-    kept = snapshot(moved)
+    aside = dead_staging(tmp_path, "out", "old")
+    os.replace(out, aside / "out")
+    kept = snapshot(aside / "out")
     with pytest.warns(EsmcMlxWarning, match="restored"):
         with pytest.raises(OutputError, match="already exists"):
             convert(str(checkpoints["published"]), out, progress=False)  # no --force: the restored one stays
-    assert snapshot(out) == kept and debris(tmp_path) == []
+    assert snapshot(out) == kept and not aside.exists()
 
 
-def test_embed_debris_of_a_failed_first_run_is_cleared(converted, tmp_path):
+def test_embed_force_clears_what_it_wrote_and_its_leftovers(converted, tmp_path):
     fasta = tmp_path / "in.fasta"
     fasta.write_text(f">a\n{SEQ}\n>b\nACDEFGHIK\n")
     emb = tmp_path / "emb"
-    (emb / "parts").mkdir(parents=True)
-    (emb / ".manifest.json.tmp").write_text('{"form')  # what main left when the disk filled up
-    result = cli("embed", converted, fasta, "-o", emb, "--force", "--no-progress")
-    assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in emb.iterdir()) == ["index.tsv", "manifest.json", "mean.npy"]
+    assert cli("embed", converted, fasta, "-o", emb, "--no-progress").exit_code == 0
+    dead_staging(emb, "manifest.json", "tmp")  # a manifest being written when the run was killed
+    result = cli("embed", converted, fasta, "-o", emb, "--force", "--pool", "max", "--no-progress")
+    assert result.exit_code == 0 and "Warning: removed" in result.output, result.output
+    assert visible(emb) == ["index.tsv", "manifest.json", "max.npy"] and debris(emb) == []
+    # what a version without the marker left (parts/, a temporary manifest) is not esmc-mlx's by
+    # its names: the folder is refused, untouched
+    old = tmp_path / "old"
+    (old / "parts").mkdir(parents=True)
+    (old / ".manifest.json.tmp").write_text('{"form')
+    before = snapshot(old)
+    for extra in ([], ["--force"]):
+        one_error_line(cli("embed", converted, fasta, "-o", old, "--no-progress", *extra), str(old), "did not make")
+    assert snapshot(old) == before and sorted(p.name for p in old.iterdir()) == [".manifest.json.tmp", "parts"]
     # a directory of someone else's is never cleared, with or without --force
     other = tmp_path / "other"
     other.mkdir()
@@ -743,7 +718,7 @@ def test_embed_never_clears_or_overwrites_a_users_arrays(converted, tmp_path):
     (emb / "umap.npy").unlink()
     result = cli("embed", converted, fasta, "-o", emb, "--no-progress", "--force", "--pool", "max")
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in emb.iterdir()) == ["index.tsv", "manifest.json", "max.npy"]
+    assert visible(emb) == ["index.tsv", "manifest.json", "max.npy"]
 
 
 @pytest.mark.parametrize(
@@ -795,20 +770,25 @@ def test_temporary_files_of_killed_jobs_are_removed_by_the_next_run(converted, t
     fasta.write_text(f">a\n{SEQ}\n")
     emb = tmp_path / "emb"
     assert cli("embed", converted, fasta, "-o", emb, "--no-progress").exit_code == 0
-    dead = 999999999  # no such process
     (emb / "parts").mkdir()
-    (emb / "parts" / f".part-x.npz.tmp-{dead}-abcdef").write_bytes(b"half a part")
-    (emb / f".manifest.json.tmp-{dead}-abcdef").write_text("{")
+    dead_staging(emb / "parts", "part-x.npz", "tmp")
+    dead_staging(emb, "manifest.json", "tmp")
     csv_in = tmp_path / "m.csv"
     csv_in.write_text("mutant\nM1A\n")
-    (tmp_path / f".scored.csv.tmp-{dead}-abcdef").write_text("half a csv")
+    scored_tmp = dead_staging(tmp_path, "scored.csv", "tmp")
+    # files named as esmc-mlx names its temporary files, without its mark: the user's
+    lookalikes = [emb / f".manifest.json.tmp-{DEAD}-abcdef", tmp_path / f".scored.csv.tmp-{DEAD}-abcdef"]
+    for path in lookalikes:
+        path.write_text("mine")
     result = cli("embed", converted, fasta, "-o", emb, "--no-progress")
     assert result.exit_code == 0 and result.output.count("Warning: removed") == 2, result.output
     result = cli(
         "score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", tmp_path / "scored.csv", "--no-progress"
     )
-    assert result.exit_code == 0 and f".scored.csv.tmp-{dead}-abcdef" in result.output, result.output
-    assert debris(tmp_path, emb, emb / "parts") == []
+    assert result.exit_code == 0 and f"removed {scored_tmp}" in result.output, result.output
+    assert all(path.read_text() == "mine" for path in lookalikes)
+    assert not [p for p in (*tmp_path.iterdir(), *emb.iterdir()) if outputs.staging_mark(p)]
+    assert not (emb / "parts").exists()  # its leftover gone, the empty folder went with the merge
 
 
 def test_a_failed_embed_into_a_new_folder_leaves_nothing(converted, tmp_path, monkeypatch):
@@ -854,23 +834,6 @@ def test_disk_full_during_conversion_is_one_line_naming_the_file(old_output, che
     assert snapshot(out) == before and debris(tmp_path) == []
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs (root only): a disk that really fills up."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if (
-        os.geteuid() != 0
-        or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
-        ).returncode
-        != 0
-    ):
-        pytest.skip("needs root to mount a small tmpfs")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
-
-
 @pytest.mark.slow  # over 5 s on the 2-core host (--durations=0)
 def test_a_really_full_disk(small_disk, checkpoints, tmp_path):
     result = convert_cli(checkpoints["published"], "-o", small_disk / "out", "--no-validate")
@@ -911,14 +874,7 @@ def test_a_disk_that_fills_during_the_embed_merge(small_disk, tmp_path):
 def _with_header(src: Path, dst: Path, edit) -> Path:
     """A copy of a checkpoint whose safetensors header was edited (the data left as is)."""
     shutil.copytree(src, dst)
-    f = dst / "model.safetensors"
-    data = f.read_bytes()
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + n])
-    edit(header)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    f.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
+    rewrite_header(dst / "model.safetensors", edit)
     return dst
 
 
@@ -1008,9 +964,9 @@ def test_nonsense_config_values(old_output, checkpoints, tmp_path, field, value)
     [
         (
             lambda c: c.__setitem__("quantization", {"bits": 4}),
-            "quantization needs positive integers bits and group_size",
+            "quantization: needs positive integers bits and group_size",
         ),
-        (lambda c: c.__setitem__("quantization", "yes"), "quantization is not an object"),
+        (lambda c: c.__setitem__("quantization", "yes"), "quantization: not an object"),
         (
             lambda c: c.__setitem__("quantization_config", {"bits": 4, "group_size": 64, "x.y": {"bits": "4"}}),
             "entry 'x.y'",
@@ -1040,20 +996,18 @@ def test_damaged_artifact_config_fields(old_output, tmp_path, edit, message):
 )
 def test_a_quantization_record_mlx_cannot_run(tmp_path, change):
     """A well-formed record MLX refuses (7 bits, a group size the widths do not divide, mxfp4
-    with group size 64): load, embed and every command on it failed with MLX's ValueError
-    traceback ('[quantize] The requested number of bits 7 is not supported')."""
+    with group size 64) is refused where config.json is read, naming the file and MLX's table."""
     out = convert("tiny", tmp_path / "q4", q="4", progress=False)
     config = json.loads((out / "config.json").read_text())
     config["quantization"].update(change)
     (out / "config.json").write_text(json.dumps(config))
     fasta = tmp_path / "in.fasta"
     fasta.write_text(f">a\n{SEQ}\n")
-    one_error_line(cli("embed", out, fasta, "-o", tmp_path / "emb"), "config.json", "[quantize]")
-    with pytest.raises(ConvertError, match="quantization record does not describe"):
+    one_error_line(cli("embed", out, fasta, "-o", tmp_path / "emb"), "config.json", "is not a quantization MLX runs")
+    with pytest.raises(ConvertError, match="is not a quantization MLX runs"):
         esmc_mlx.load(out)
-    if "bits" in change:  # validate's bounds table has no 7-bit row: it said only "Error: 7bit"
-        result = cli("validate", out, "--reference", "tiny", "--report", tmp_path / "rep")
-        one_error_line(result, "no validation bounds for a 7bit artifact")
+    result = cli("validate", out, "--reference", "tiny", "--report", tmp_path / "rep")
+    one_error_line(result, "config.json", "is not a quantization MLX runs")
     assert not (tmp_path / "emb").exists() and not (tmp_path / "rep").exists() and debris(tmp_path) == []
 
 
@@ -1077,7 +1031,7 @@ def test_info_on_folders_that_are_not_models(tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text("{not json")
-    one_error_line(cli("info", bad), "unreadable config")
+    one_error_line(cli("info", bad), "config.json", "not valid JSON")
     (bad / "config.json").write_text("[1, 2]")
     one_error_line(cli("info", bad), "not a JSON object")
     (bad / "config.json").write_text('{"hidden_size": 128}')

@@ -125,11 +125,12 @@ class StubModel:
     """Shapes of ESMC without its compute: counting passes of a 300-residue job stays cheap."""
 
     def __init__(self):
-        from types import SimpleNamespace
 
         import mlx.nn as nn
 
-        self.config = SimpleNamespace(num_hidden_layers=2, hidden_size=8, vocab_size=64)
+        from esmc_mlx.config import ESMCConfig
+
+        self.config = ESMCConfig(hidden_size=8, num_attention_heads=1, num_hidden_layers=2, intermediate_size=32)
         self.lm_head = nn.Linear(8, 64)
         self.calls, self.rows = 0, 0
 
@@ -320,7 +321,7 @@ def test_embed_refuses_foreign_directory(model, tmp_path):
     fasta = write_fasta(tmp_path / "in.fa", ["MKV"])
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "thesis.tex").write_text("precious")
-    with pytest.raises(JobError, match="not an esmc-mlx embeddings directory"):
+    with pytest.raises(JobError, match="busy is a folder esmc-mlx did not make"):
         embed_fasta(model, fasta, tmp_path / "busy", force=True)
     assert (tmp_path / "busy" / "thesis.tex").exists()
 

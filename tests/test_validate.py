@@ -118,7 +118,7 @@ def test_user_fasta_replaces_the_panel(tmp_path):
     fasta.write_text(">a\nMKTAYIAKQRQISFVKSHFSRQ\n>b\nGSHMSLFDKLGGLKVTEAQQRWXX\n")
     panel = build_panel(fasta, marginal_positions=4)
     assert [i.name for i in panel.inputs if i.kind == "record"] == ["a", "b"]
-    assert panel.describe()["source"] == str(fasta)
+    assert panel.describe()["source"] == fasta.name  # published with the report: no local path
 
 
 # --- the references ------------------------------------------------------------------------------

@@ -17,11 +17,11 @@ import mlx.core as mx
 import numpy as np
 
 from .._version import __version__
-from ..artifact import FLOAT_DTYPES, dtype_name, expected_shapes, read_config
+from ..artifact import FLOAT_DTYPES, TOKENIZER_FILES, dtype_name, expected_shapes, read_config
 from ..config import ESMCConfig
 from ..errors import ConvertError, QuantizeError
 from ..hashes import file_hashes
-from ..outputs import StagedDirectory, check_target
+from ..outputs import StagedDirectory, check_target, local_paths
 from ..privacy import public_command, public_source_id, scrub
 from ..quantize import QuantParams, QuantPlan, parse_spec, quantize_tensor, refuse_quantized
 from ..resolve import Source, resolve
@@ -29,8 +29,6 @@ from ..vocab import write_tokenizer_files
 from . import mapping
 from .sources import Checkpoint, open_checkpoint
 from .writer import DEFAULT_SHARD_BYTES, ShardWriter, check_shard_bytes
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def check_tensors(ckpt: Checkpoint, config_origin: str, where: str = "checkpoint") -> None:
@@ -185,7 +183,7 @@ def convert(
     (``quantize_directory`` keeps it for the model card).
     """
     check_shard_bytes(shard_bytes)
-    check_target(out_dir, force)  # fail before downloading anything
+    check_target(out_dir, force, local_paths(source))  # fail before downloading anything
     job = prepare(source, dtype, q, group_size, quantize_head, revision, command, derived_from)
     with StagedDirectory(out_dir, force, sources=job.inputs) as stage:
         write_artifact(job, stage.path, shard_bytes, progress)

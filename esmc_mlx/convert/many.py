@@ -17,7 +17,7 @@ import contextlib
 from pathlib import Path
 
 from ..errors import ConvertError
-from ..outputs import StagedDirectory, check_target
+from ..outputs import StagedDirectory, check_target, local_paths
 from . import Conversion, prepare, write_artifacts
 from .writer import DEFAULT_SHARD_BYTES, check_shard_bytes
 
@@ -71,7 +71,7 @@ def convert_many(
     out_dir = Path(out_dir)
     labels = [spec_label(q, dtype, group_size) for q in specs]
     for label in labels:
-        check_target(out_dir / label, force)
+        check_target(out_dir / label, force, local_paths(source))
     jobs = prepare_many(source, specs, dtype, group_size, quantize_head, revision, command)
     with contextlib.ExitStack() as stack:
         stages = [

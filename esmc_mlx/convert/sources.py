@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import mlx.core as mx
 
-from ..artifact import INDEX_FILE, SAFETENSORS_DTYPES, index_files, safetensors_header, tensor_files
+from ..artifact import (
+    INDEX_FILE,
+    SAFETENSORS_DTYPES,
+    check_against_tensors,
+    index_files,
+    quantization_record_problem,
+    safetensors_header,
+    tensor_files,
+)
 from ..config import ESMCConfig
 from ..errors import ConfigError, ConvertError, install_hint
+from ..readers import read_json
 from ..resolve import Source
 from . import mapping
 
@@ -103,8 +112,10 @@ def open_checkpoint(source: Source) -> Checkpoint:
     if detect_layout(shapes) == "mlx-lm" and any(n.endswith(".scales") for n in shapes):
         packed = {n for n in shapes if n.endswith(".weight") and n.removesuffix(".weight") + ".scales" in shapes}
         shapes, read = _dequantized(shapes, read, source.path)
+    config = _read_config(source.path, shapes)
+    _check_config(config, shapes, source.path)
     return Checkpoint(
-        config=_read_config(source.path, shapes),
+        config=config,
         shapes=shapes,
         dtype=_dominant(dtypes),
         files=files,
@@ -136,15 +147,13 @@ def _dequantized(shapes: dict, read: Callable[[str], mx.array], directory: Path)
     record of config.json (mlx-lm's: ``group_size``, ``bits``, ``mode``, per-module overrides
     keyed by module path). The converter then handles it as any float source."""
     path = directory / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConvertError(
-            f"{path}: unreadable ({e}); an mlx-lm-quantized checkpoint needs its quantization record"
-        ) from None
-    record = raw.get("quantization") or raw.get("quantization_config")
+    raw = read_json(path, ConvertError, max_bytes=1 << 20)
+    record = raw.get("quantization") or raw.get("quantization_config") if isinstance(raw, dict) else None
     if not isinstance(record, dict):
         raise ConvertError(f"{directory}: quantized tensors (*.scales) but no quantization record in {path}")
+    problem = quantization_record_problem(record)
+    if problem:
+        raise ConvertError(f"{path}: quantization: {problem}")
     params, out = {}, {}
     for name, shape in shapes.items():
         module, _, leaf = name.rpartition(".")
@@ -154,11 +163,9 @@ def _dequantized(shapes: dict, read: Callable[[str], mx.array], directory: Path)
         if not (quantized and leaf == "weight"):
             out[name] = shape
             continue
-        p = record.get(module, record)
-        if not isinstance(p, dict) or "bits" not in p or "group_size" not in p:
-            raise ConvertError(f"{path}: no bits/group_size for the quantized tensor {name}")
-        bits, mode = int(p["bits"]), p.get("mode", "affine")
-        params[name] = (module, bits, int(p["group_size"]), mode)
+        p = {**record, **record[module]} if isinstance(record.get(module), dict) else record
+        bits, mode = p["bits"], p.get("mode") or "affine"
+        params[name] = (module, bits, p["group_size"], mode)
         out[name] = (shape[0], shape[1] * 32 // bits)
 
     def read_float(name: str) -> mx.array:
@@ -182,11 +189,26 @@ def _dominant(dtypes: set) -> mx.Dtype:
 def _read_config(directory: Path, shapes: dict[str, tuple[int, ...]]) -> ESMCConfig:
     path = directory / "config.json"
     if not path.exists():
-        return mapping.infer_config(shapes)
+        try:
+            return mapping.infer_config(shapes)
+        except ConfigError as e:
+            raise ConvertError(f"{directory}: {e}") from None
     try:
-        return ESMCConfig.from_dict(json.loads(path.read_text()))
-    except (json.JSONDecodeError, ConfigError) as e:
+        return ESMCConfig.from_dict(read_json(path, ConvertError, max_bytes=1 << 20))
+    except ConfigError as e:
         raise ConvertError(f"{path}: {e}") from None
+
+
+def _check_config(config: ESMCConfig, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
+    """The config against the checkpoint's tensors (in MLX names), before anything is built for
+    it: a num_hidden_layers of 1e9 would otherwise build a billion layers' names."""
+    renamed: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        targets = mapping.target_names(name) or ()
+        for target in targets:
+            renamed[target] = (shape[0] // len(targets), *shape[1:]) if shape else shape
+    origin = where / "config.json" if (where / "config.json").is_file() else where
+    check_against_tensors(config, renamed, str(origin))
 
 
 def _read_license(directory: Path) -> str | None:
@@ -211,6 +233,22 @@ def torch_to_mlx(t) -> mx.array:
     return mx.array(t.numpy())
 
 
+def _is_pickle(path: Path, zipped: bool) -> bool:
+    """Whether ``path`` holds a pickle (torch's zip format holds one): its first opcode is one, read
+    by ``pickletools`` (which runs nothing). Text or random bytes are no pickle: torch's
+    weights-only loader refuses both alike ("Unsupported operand")."""
+    import pickletools
+
+    if zipped:
+        return True
+    try:
+        with open(path, "rb") as f:
+            next(pickletools.genops(f))
+    except Exception:  # ValueError: an unknown opcode; EOF
+        return False
+    return True
+
+
 def _open_pth(path: Path) -> Checkpoint:
     try:
         import torch
@@ -222,9 +260,12 @@ def _open_pth(path: Path) -> Checkpoint:
     # torch's mmap reads only the zip format (torch >= 1.6); an older checkpoint loads whole
     mmap = zipfile.is_zipfile(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        with warnings.catch_warnings():  # its notes on pickle protocols are not the user's business
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        if "Unsupported global" in str(e):  # torch's text goes on to advise unsafe loading: never repeat it
+        if ("Weights only load failed" in str(e) or "Unsupported global" in str(e)) and _is_pickle(path, mmap):
+            # torch's text goes on to advise unsafe loading: never repeat it
             raise ConvertError(
                 f"{path}: holds Python objects besides tensors; esmc-mlx reads only a plain state dict, because "
                 "unpickling anything else can run code. Save one from the code that made the file: "
@@ -249,8 +290,8 @@ def _open_pth(path: Path) -> Checkpoint:
         return torch_to_mlx(state[name])
 
     torch_to_mx = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}
-    config_path = path.parent / "config.json"
-    config = _read_config(path.parent, shapes) if config_path.exists() else mapping.infer_config(shapes)
+    config = _read_config(path.parent, shapes)
+    _check_config(config, shapes, path.parent)
     return Checkpoint(
         config=config,
         shapes=shapes,

@@ -7,7 +7,15 @@ answers, ``predict_csv`` is ``esmc-mlx predict``, ``fuse_adapter`` writes the me
 (``esmc-mlx predict --fuse``). docs/finetune.md has the guide and an evaluation.
 """
 
-from .adapter import ADAPTER_FILES, adapter_files, fuse_adapter, is_adapter, load_adapter, render_card
+from .adapter import (
+    ADAPTER_FILES,
+    adapter_files,
+    check_adapter_base,
+    fuse_adapter,
+    is_adapter,
+    load_adapter,
+    render_card,
+)
 from .data import TASKS
 from .model import AdaptedModel, Predictions
 from .predict import predict_csv
@@ -19,6 +27,7 @@ __all__ = [
     "AdaptedModel",
     "Predictions",
     "adapter_files",
+    "check_adapter_base",
     "finetune",
     "fuse_adapter",
     "is_adapter",

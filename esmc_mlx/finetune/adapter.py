@@ -24,12 +24,19 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .._version import __version__
-from ..artifact import GENERATED_CARD_LINE, precision_label, read_config, weight_files
+from ..artifact import (
+    GENERATED_CARD_LINE,
+    ArtifactKind,
+    precision_label,
+    read_config,
+    register_artifact_kind,
+    weight_files,
+)
 from ..convert import write_config
 from ..convert.writer import ShardWriter
 from ..errors import HubError, JobError
 from ..hashes import file_hashes
-from ..outputs import StagedDirectory, atomic_file, check_target
+from ..outputs import atomic_file, check_target, guard, local_paths
 from ..privacy import public_path
 from ..resolve import LOCAL_ALIASES, Source, resolve
 from ..runtime.load import load
@@ -130,24 +137,30 @@ def is_adapter(directory: str | Path) -> bool:
     return True
 
 
-def adapter_files(directory: str | Path) -> list[tuple[str, int]]:
-    """What a push of the adapter ``directory`` uploads: (name, size) of ADAPTER_FILES present.
-    HubError for an unfinished adapter, a missing weight file, or a base it cannot name."""
+def adapter_files(directory: str | Path) -> list[str]:
+    """What a finished adapter directory is made of (the ``adapter`` artifact kind): its config,
+    adapters, head and metrics (ADAPTER_FILES present; the card goes with it as every kind's).
+    JobError for an unfinished adapter or a missing weight file."""
     directory = Path(directory)
-    try:
-        config = read_adapter_config(directory)
-    except JobError as e:
-        raise HubError(f"refusing to push {directory}: {e}") from None
-    base = config["esmc_mlx"]["base"]
+    read_adapter_config(directory)
+    missing = [n for n in (ADAPTERS, HEAD) if not (directory / n).is_file()]
+    if missing:
+        raise JobError(f"{directory}: {', '.join(missing)} missing")
+    return [n for n in ADAPTER_FILES if n != CARD and (directory / n).is_file()]
+
+
+register_artifact_kind(ArtifactKind("adapter", CONFIG, adapter_files, is_adapter))
+
+
+def check_adapter_base(directory: str | Path) -> None:
+    """HubError, before a push, for an adapter whose base model is a local directory: nobody
+    else could load it."""
+    base = read_adapter_config(directory, complete=False)["esmc_mlx"]["base"]
     if base.get("repo_id") is None:
         raise HubError(
             f"refusing to push {directory}: its base model is a local directory ({base.get('name')}), which nobody "
             "can load from the Hub. Publish the base first (esmc-mlx push BASE ORG/NAME) and fine-tune from ORG/NAME"
         )
-    missing = [n for n in (ADAPTERS, HEAD) if not (directory / n).is_file()]
-    if missing:
-        raise HubError(f"refusing to push {directory}: {', '.join(missing)} missing")
-    return [(n, (directory / n).stat().st_size) for n in ADAPTER_FILES if (directory / n).is_file()]
 
 
 def load_adapter(
@@ -189,7 +202,8 @@ def fuse_adapter(
     OutputError for an ``out`` that cannot be written."""
     directory = resolve(str(path_or_repo_id)).path
     config = read_adapter_config(directory)
-    check_target(out, force, sources=[directory])  # before the model loads
+    inputs = [directory, *local_paths(base)]
+    check_target(out, force, sources=inputs)  # before the model loads
     model = _load(directory, config, base, str(path_or_repo_id)).base
     lora, _ = lora_module()
     fused = [(name, m.fuse(dequantize=True)) for name, m in model.named_modules() if isinstance(m, lora.LoRALinear)]
@@ -197,7 +211,7 @@ def fuse_adapter(
     dtype = model.dtype
     dequantize_model(model, dtype)
     meta = config["esmc_mlx"]
-    with StagedDirectory(out, force, sources=[directory]) as stage:
+    with guard(out, "model", "directory", force=force, inputs=inputs) as stage:
         writer = ShardWriter(stage.path)
         for name, array in tree_flatten(model.parameters()):
             writer.add(name, array.astype(dtype))

@@ -1,5 +1,6 @@
 """``esmc-mlx predict``: an adapter's predictions for one sequence, a FASTA file or a CSV,
-written as a CSV (whole, ``outputs.atomic_file``)."""
+written as a CSV through the output guard (``outputs.guard``: checked before the model loads,
+replaced whole)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import csv
 import dataclasses
 from pathlib import Path
 
-from ..outputs import atomic_file, check_file_target, locked, written_in_place
+from ..outputs import guarded, held
 from .adapter import load_adapter
 from .data import prediction_inputs
 
@@ -19,7 +20,7 @@ class PredictSummary:
     task: str
 
 
-@locked("out", when=lambda args: not written_in_place(args["out"]), create_parent=False)
+@guarded("out", "predictions", "file", inputs=("adapter", "fasta", "csv_path", "sequence", "base"))
 def predict_csv(
     adapter: str | Path,
     out: str | Path,
@@ -36,7 +37,6 @@ def predict_csv(
     columns kept), and write ``out``: the CSV with a ``prediction`` column, and for
     classification one ``p_CLASS`` column per class. Inputs are checked before the model loads.
     Raises JobError, SequenceError, HubError."""
-    check_file_target(out, sources=[p for p in (fasta, csv_path) if p is not None])
     ids, sequences, table = prediction_inputs(sequence, fasta, csv_path, sequence_column)
     model = load_adapter(adapter, base)
     result = model.predict(sequences, batch_tokens=batch_tokens)
@@ -52,7 +52,7 @@ def predict_csv(
         row["prediction"] = f"{value:.8g}" if isinstance(value, float) else value
         if result.probabilities is not None:
             row.update({name: f"{p:.6g}" for name, p in zip(extra, result.probabilities[k])})
-    with atomic_file(Path(out), "w", newline="", encoding="utf-8") as f:
+    with held(out).open("w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)

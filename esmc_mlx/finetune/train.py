@@ -1,7 +1,7 @@
 """``esmc-mlx finetune``: train LoRA adapters and a task head on labeled sequences, resumable.
 
-The output directory is written in place under its lock (``outputs.locked``), each file whole
-(``outputs.atomic_file``), as ``esmc-mlx embed`` writes its directory: a checkpoint (adapters,
+The output directory is an ``outputs.OutputFolder``, as ``esmc-mlx embed``'s is: checked before
+any work, written in place under its lock, each file whole and recorded in its marker: a checkpoint (adapters,
 head, optimizer state, progress) after every epoch and every ``save_every`` steps, so that a
 killed run, started again with the same command, resumes from its last checkpoint and ends
 with the weights an uninterrupted run would have (batches are drawn from the seed and the
@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,7 +24,7 @@ from mlx.utils import tree_flatten
 from .._version import __version__
 from ..artifact import sha256
 from ..errors import JobError
-from ..outputs import add_to_marker, atomic_file, check_target, locked, read_marker, write_marker
+from ..outputs import guarded, held
 from ..privacy import public_path
 from ..resolve import resolve
 from ..runtime.load import load
@@ -133,7 +132,7 @@ def _data_record(path: Path, data: LabeledSet) -> dict:
     return {"file": public_path(path), "sha256": sha256(path), "rows": len(data.sequences)}
 
 
-@locked("out")
+@guarded("out", "adapter", "folder", inputs=("model", "train", "valid"))
 def finetune(
     model: str | Path,
     train: str | Path,
@@ -239,11 +238,13 @@ def finetune(
 
 
 def _open_output(out: Path, config: dict, force: bool, local_base: Path | None) -> dict | None:
-    """Make OUT (marked as esmc-mlx's), or check that it holds this same run (returned), or
-    with ``force`` clear it; JobError for an OUT holding anything else."""
-    if out.exists() and not force:
-        if not files.is_adapter(out) or read_marker(out) is None:
-            raise JobError(f"{out} exists and is not an esmc-mlx adapter directory; choose another output")
+    """Check that OUT (an adapter folder the output guard holds: new, empty or esmc-mlx's)
+    holds this same run (returned), or start it there; ``force`` first clears what esmc-mlx
+    wrote there (never a folder holding anything else). JobError for another run's settings."""
+    folder = held(out)
+    if force:
+        folder.clear()
+    elif folder.owns(files.CONFIG) and (out / files.CONFIG).is_file():
         existing = files.read_adapter_config(out, complete=False)
         differ = _differences(existing, config)
         if differ:
@@ -252,16 +253,10 @@ def _open_output(out: Path, config: dict, force: bool, local_base: Path | None) 
                 "use another output directory, or --force to start over"
             )
         return existing
-    if out.exists():
-        check_target(out, force=True)  # only a directory esmc-mlx wrote, holding nothing else
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    write_marker(out, "adapter")
     _write_json(out / files.CONFIG, config)
     if local_base is not None:
-        with atomic_file(out / files.LOCAL_BASE) as f:
+        with folder.file(files.LOCAL_BASE) as f:
             f.write(f"{local_base}\n")
-        add_to_marker(out, files.LOCAL_BASE)
     return None
 
 
@@ -278,19 +273,19 @@ def _differences(existing: dict, config: dict) -> list[str]:
 
 
 def _write_json(path: Path, data) -> None:
-    with atomic_file(path) as f:
+    """``path`` in the adapter folder, written whole through its guard (recorded as esmc-mlx's)."""
+    with held(path.parent).file(path.name) as f:
         f.write(json.dumps(data, indent=2) + "\n")
-    add_to_marker(path.parent, path.name)
 
 
 def _write_arrays(path: Path, arrays: dict[str, mx.array], metadata: dict | None = None) -> None:
-    """A safetensors file, written whole (``atomic_file``): MLX's writer takes only a path."""
+    """A safetensors file of the adapter folder, written whole through its guard (MLX's writer
+    takes only a path)."""
     from safetensors.numpy import save
 
     payload = save({k: np.array(v) for k, v in arrays.items()}, metadata=metadata)
-    with atomic_file(path, "wb") as f:
+    with held(path.parent).file(path.name, "wb") as f:
         f.write(payload)
-    add_to_marker(path.parent, path.name)
 
 
 def training_step(model: AdaptedModel, optimizer: optim.Optimizer):
@@ -357,6 +352,7 @@ class Trainer:
             "stale": self.stale,
         }
         _write_arrays(self.out / files.CHECKPOINT, arrays, {"progress": json.dumps(progress)})
+        held(self.out).commit()  # a run to resume from: kept if this one fails later
 
     def restore(self) -> str | None:
         """Load OUT's checkpoint, if any; returns where it resumes ("epoch N, step M")."""
@@ -465,11 +461,10 @@ class Trainer:
             self.save_weights()
         meta = self.config["esmc_mlx"]
         meta.update(complete=True, best_epoch=self.best_epoch, stopped_early=self.stopped)
-        if files.write_curves(self.out / files.CURVES, self.history, self.metric_name):
-            add_to_marker(self.out, files.CURVES)
+        folder = held(self.out)
+        if not files.write_curves(folder.claim(files.CURVES), self.history, self.metric_name):
+            folder.remove(files.CURVES)  # (no matplotlib)
         _write_json(self.out / files.CONFIG, self.config)
-        with atomic_file(self.out / files.CARD) as f:
+        with folder.file(files.CARD) as f:
             f.write(files.render_card(self.out))
-        add_to_marker(self.out, files.CARD)
-        (self.out / files.CHECKPOINT).unlink(missing_ok=True)
-        write_marker(self.out, "adapter")  # the entries it holds now: the checkpoint is gone
+        folder.remove(files.CHECKPOINT)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import json
 import time
 from pathlib import Path
 
@@ -34,13 +33,22 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, Mo
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
 from .._version import __version__
-from ..artifact import REPORT_DIR, human_size, plural, precision_label, weight_files
-from ..errors import ConfigError, ConvertError, HubError
-from ..finetune import adapter_files, is_adapter
+from ..artifact import (
+    CARD_FILE,
+    REPORT_DIR,
+    ArtifactKind,
+    artifact_kind,
+    human_size,
+    plural,
+    precision_label,
+    published_files,
+)
+from ..errors import ConvertError, EsmcMlxError, HubError
+from ..finetune import check_adapter_base
 from ..finetune import render_card as render_adapter_card
-from ..outputs import locked
-from ..privacy import private_findings
-from ..sae_artifact import is_sae_directory, sae_files
+from ..outputs import add_to_marker, atomic_file, locked, read_marker
+from ..privacy import find_tokens, private_findings
+from ..readers import read_json
 from .card import MARKER, Validation, base_model_of, read_validation, render_card, render_sae_card
 from .repo_id import check_repo_id
 
@@ -50,10 +58,7 @@ ATTEMPTS = 3  # tries of the whole commit on a transient failure (the client als
 RETRY_WAITS = (5.0, 20.0)  # seconds before the 2nd and the 3rd attempt
 # Paths a push owns in the repo: deleted there when the artifact no longer has them.
 OWNED_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "layer_*.safetensors", "validation/*")
-SKIPPED_NAMES = {"__pycache__", ".DS_Store", ".git", ".cache", ".ipynb_checkpoints"}
-# The text files of an artifact (what esmc-mlx writes, and the tokenizer files it copies from the
-# source); checked for private data before a push sends them. A hand-written README.md is yours.
-TEXT_FILES = ("*.json", "*.txt", "validation/*.json", "validation/*.md")
+SNIFF_BYTES = 8192  # a file holding a NUL byte in its first 8 KiB is binary (git's own test)
 
 
 @dataclasses.dataclass
@@ -111,34 +116,40 @@ class PushResult:
 
 
 # --- local checks -----------------------------------------------------------------------------------
-def artifact_files(model_dir: Path) -> list[tuple[str, int]]:
-    """The files a push uploads, as (posix path relative to the directory, size); checks that the
-    weights the index names are all there. Hidden files and caches are left out."""
+def publishing_kind(model_dir: Path) -> ArtifactKind:
+    """The kind of artifact ``model_dir`` holds (``artifact.artifact_kind``: its marker's, else
+    the kind that recognises it); HubError for a folder that holds none."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise HubError(f"{model_dir}: no such directory")
-    if not (model_dir / "config.json").is_file():
-        raise HubError(f"{model_dir}: no config.json; is this an esmc-mlx output directory?")
-    if not list(model_dir.glob("model*.safetensors")):
-        raise HubError(f"{model_dir}: no model*.safetensors weights; is this an esmc-mlx output directory?")
-    try:  # the files its index names, and no stray model*.safetensors beside them (what load reads)
-        weight_files(model_dir)
-    except ConvertError as e:
-        raise HubError(f"incomplete artifact, refusing to push: {e}") from None
-    files = []
-    for path in sorted(model_dir.rglob("*")):
-        rel = path.relative_to(model_dir)
-        if path.is_file() and not any(p in SKIPPED_NAMES or p.startswith(".") for p in rel.parts):
-            files.append((rel.as_posix(), path.stat().st_size))
-    return files
-
-
-def sae_artifact_files(sae_dir: Path) -> list[tuple[str, int]]:
-    """The files a push of an SAE folder uploads (``sae_artifact.sae_files``)."""
+    marker = read_marker(model_dir)
     try:
-        return sae_files(sae_dir)
-    except ConfigError as e:
-        raise HubError(f"incomplete SAE folder, refusing to push: {e}") from None
+        kind = artifact_kind(model_dir, marker["kind"] if marker is not None else None)
+    except ConvertError as e:
+        raise HubError(str(e)) from None
+    if not (model_dir / kind.config).is_file():
+        raise HubError(f"{model_dir}: no {kind.config}; is this an esmc-mlx output directory?")
+    return kind
+
+
+def artifact_files(model_dir: Path, include=()) -> list[tuple[str, int]]:
+    """The files a push uploads, as (posix path relative to the directory, size): what the
+    artifact is made of (its kind's files: a model's config, index, weights and tokenizer
+    files; an SAE's config and layer files; an adapter's config, weights, head and metrics),
+    its card and validation report (``artifact.published_files``), and the files ``include``
+    names; nothing else the folder holds. HubError for an incomplete artifact, or a file that
+    leads out of the folder."""
+    model_dir = Path(model_dir)
+    kind = publishing_kind(model_dir)
+    try:
+        list(kind.files(model_dir))
+    except EsmcMlxError as e:
+        raise HubError(f"incomplete artifact, refusing to push: {e}") from None
+    try:
+        names = published_files(model_dir, kind, include)
+    except ConvertError as e:
+        raise HubError(f"refusing to push {model_dir}: {e}") from None
+    return [(name, (model_dir / name).stat().st_size) for name in names]
 
 
 def check_validation(model_dir: Path, repo_id: str, allow_unvalidated: bool) -> Validation:
@@ -147,12 +158,12 @@ def check_validation(model_dir: Path, repo_id: str, allow_unvalidated: bool) -> 
     if validation.passed or allow_unvalidated:
         return validation
     try:
-        meta = json.loads((Path(model_dir) / "config.json").read_text()).get("esmc_mlx") or {}
-    except (OSError, json.JSONDecodeError):
+        meta = read_json(Path(model_dir) / "config.json", HubError).get("esmc_mlx") or {}
+    except (HubError, AttributeError):
         meta = {}
     reference = base_model_of(meta) or (meta.get("source") or {}).get("id") or "SOURCE"
     revalidate = f"esmc-mlx validate {model_dir} --reference {reference}"
-    if is_sae_directory(model_dir):
+    if publishing_kind(model_dir).name == "sae":
         revalidate = f"esmc-mlx quantize-sae {reference} -o {model_dir} --q SPEC --model MODEL --force"
     anyway = f"esmc-mlx push {model_dir} {repo_id} --allow-unvalidated"
     if validation.state == "failed":
@@ -169,20 +180,33 @@ def check_validation(model_dir: Path, repo_id: str, allow_unvalidated: bool) -> 
     )
 
 
-def check_private(model_dir: Path, card: str | None, tokens: list[str]) -> None:
-    """Refuse to send a text file of the artifact (or the generated card) that holds a token, the
-    home directory, an absolute path, the user or the host name. esmc-mlx writes none of these;
-    an artifact from an older version, or a copied tokenizer file, can."""
-    texts = {p.relative_to(model_dir).as_posix(): p for pattern in TEXT_FILES for p in sorted(model_dir.glob(pattern))}
-    for name, path in texts.items():
-        found = private_findings(path.read_text(errors="replace"), tokens)
+def check_private(
+    model_dir: Path,
+    files: list[str],
+    ours: set[str],
+    card: str | None,
+    tokens: list[str],
+    texts: dict[str, str] | None = None,
+) -> None:
+    """Refuse to send any of ``files`` (paths in ``model_dir``) that holds an access token (the
+    ones in use, or anything shaped like one), a binary file's bytes and a weight file's header
+    included; and a text file of the artifact's own (``ours``: config, tokenizer files, the
+    validation report), the generated ``card`` or the commit's ``texts`` that holds the home
+    directory, an absolute path, the user or the host name."""
+    for name in files:
+        path = Path(model_dir) / name
+        text, binary = _readable_text(path)
+        written = name in ours and name != CARD_FILE and not binary  # (a plot's bytes are no path)
+        found = (
+            private_findings(text, tokens) if written else (["an access token"] if find_tokens(text, tokens) else [])
+        )
         if found:
             fix = (
                 "run `esmc-mlx validate` again to rewrite it"
-                if name.startswith("validation/")
+                if name.startswith(f"{REPORT_DIR}/")
                 else "convert again with this esmc-mlx, or edit the file"
                 if name == "config.json"
-                else "edit the file"
+                else "edit the file, or leave it out"
             )
             raise HubError(
                 f"refusing to push {model_dir}: {name} holds {' and '.join(found)}, which must not leave "
@@ -192,6 +216,25 @@ def check_private(model_dir: Path, card: str | None, tokens: list[str]) -> None:
         raise HubError(
             f"refusing to push {model_dir}: the model card would hold {' and '.join(found)}; edit or delete README.md."
         )
+    for what, text in (texts or {}).items():
+        if found := private_findings(text, tokens):
+            raise HubError(f"refusing to push {model_dir}: the {what} would hold {' and '.join(found)}.")
+
+
+def _readable_text(path: Path) -> tuple[str, bool]:
+    """What of ``path`` a reader could take for text: all of a text file; the header of a
+    safetensors file (its metadata is free text); the bytes of any other binary file, as Latin-1.
+    And whether the file is binary."""
+    with open(path, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+        if path.suffix == ".safetensors" and len(head) >= 8:
+            length = int.from_bytes(head[:8], "little")
+            f.seek(8)
+            return f.read(min(length, 100_000_000)).decode("latin-1"), True
+        rest = f.read()
+    data = head + rest
+    binary = b"\0" in head
+    return (data.decode("latin-1") if binary else data.decode("utf-8", errors="replace")), binary
 
 
 def _check_card(card: str, readme: Path) -> None:
@@ -288,17 +331,21 @@ def push_artifact(
     allow_unvalidated: bool = False,
     token: str | None = None,
     hold_lock: bool = True,
+    include=(),
 ) -> PushResult:
     """Publish the artifact ``model_dir`` to the model repo ``repo_id`` in one commit.
 
-    Writes README.md (the generated model card) into ``model_dir`` unless a hand-written one is
-    there (no esmc-mlx marker line). ``revision`` is the branch to commit to (created from main if
-    new); ``create_pr`` opens a pull request against it instead. ``private`` applies when the repo
+    Uploads what the artifact is made of (``artifact_files``) and the files ``include`` names in
+    ``model_dir``; nothing else there. Writes README.md (the generated model card) into
+    ``model_dir`` unless a hand-written one is there (no esmc-mlx marker line). ``revision`` is
+    the branch to commit to (created from main if new); ``create_pr`` opens a pull request
+    against it instead. ``private`` applies when the repo
     is created. ``dry_run`` makes every check, including the read-only Hub ones, and returns what a
     push would upload, without writing anything anywhere.
 
     Raises HubError, before any upload, for an incomplete artifact, a missing or failed validation
-    (unless ``allow_unvalidated``), private data in the files esmc-mlx wrote, offline mode, a
+    (unless ``allow_unvalidated``), a file leading out of ``model_dir``, an access token in any
+    file it would send, private data in the files esmc-mlx wrote, offline mode, a
     missing, invalid or read-only token, or a namespace the user cannot write to; after uploads
     start, when the commit fails (with what the Hub said, the repo and the branch). On failure
     nothing is committed; a branch this call created is deleted again, and so is a repo it created
@@ -311,19 +358,44 @@ def push_artifact(
     if revision is not None and (not isinstance(revision, str) or not revision.strip()):  # never main in its place
         raise HubError(f"--revision {revision!r}: give the branch to commit to (or leave the option out for main)")
     branch = revision or "main"
-    # An SAE folder and an adapter (esmc-mlx finetune's output) list their own files and cards; an
-    # adapter has no validation report (its card holds its metrics) and must name its base.
-    sae, adapter = is_sae_directory(model_dir), is_adapter(model_dir)
-    files = sae_artifact_files(model_dir) if sae else adapter_files(model_dir) if adapter else artifact_files(model_dir)
+    # The artifact's kind says what it is made of, its card and how it loads; an adapter has no
+    # validation report (its card holds its metrics) and must name its base.
+    kind = publishing_kind(model_dir)
+    sae, adapter = kind.name == "sae", kind.name == "adapter"
+    if adapter:
+        check_adapter_base(model_dir)
+    files = artifact_files(model_dir, include)
     validation = ADAPTER_VALIDATION if adapter else check_validation(model_dir, repo_id, allow_unvalidated)
-    readme = model_dir / "README.md"
+    readme = model_dir / CARD_FILE
     generated = not (readme.is_file() and MARKER not in readme.read_text(errors="replace"))
     render = render_sae_card if sae else render_adapter_card if adapter else render_card
     card = render(model_dir, repo_id) if generated else readme.read_text(errors="replace")
     _check_card(card, readme)
-    check_private(model_dir, card if generated else None, [t for t in (token, get_token()) if t])
-    if generated and not any(path == "README.md" for path, _ in files):
-        files = sorted([*files, ("README.md", len(card.encode()))])
+    config = read_json(model_dir / kind.config, HubError)
+    if not isinstance(config, dict):
+        raise HubError(f"{model_dir / kind.config}: not a JSON object")
+    meta = config.get("esmc_mlx") if isinstance(config.get("esmc_mlx"), dict) else {}
+    description = "\n".join(
+        filter(
+            None,
+            [
+                f"Converted with: `{meta['command']}`" if isinstance(meta.get("command"), str) else None,
+                f"Validation: {validation.headline()}",
+                f"Pushed with esmc-mlx {__version__}",
+            ],
+        )
+    )
+    ours = {name for name, _ in artifact_files(model_dir)}
+    check_private(
+        model_dir,
+        [name for name, _ in files],
+        ours,
+        card if generated else None,
+        [t for t in (token, get_token()) if t],
+        {"commit message": commit_message or "", "commit description": description},
+    )
+    if generated and not any(path == CARD_FILE for path, _ in files):
+        files = sorted([*files, (CARD_FILE, len(card.encode()))])
     if dry_run and (is_offline_mode() or not (token or get_token())):
         return _local_preview(repo_id, branch, files, card, generated, validation)
 
@@ -350,10 +422,6 @@ def push_artifact(
     if dry_run:
         return result
 
-    if generated:
-        readme.write_text(card)
-    config = json.loads((model_dir / ("adapter_config.json" if adapter else "config.json")).read_text())
-    meta = config.get("esmc_mlx") or {}
     if adapter:
         what = f"LoRA adapter on {meta['base']['repo_id']}"
     else:
@@ -361,16 +429,10 @@ def push_artifact(
     message = commit_message or (
         f"{'Update' if exists else 'Upload'} {repo_id.split('/')[1]}: {what} for MLX (esmc-mlx {__version__})"
     )
-    description = "\n".join(
-        filter(
-            None,
-            [
-                f"Converted with: `{meta['command']}`" if meta.get("command") else None,
-                f"Validation: {validation.headline()}",
-                f"Pushed with esmc-mlx {__version__}",
-            ],
-        )
-    )
+    if generated:
+        with atomic_file(readme) as f:
+            f.write(card)
+        add_to_marker(model_dir, CARD_FILE)
     created_repo = created_branch = False
     try:
         if not exists:

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import JobError, ScoringError
-from ..outputs import atomic_file, locked
+from ..outputs import guard, guarded, held
 from ..runtime.model import ESMC, PLAIN, Ops, additive_mask, attention_mask_for
 from .distributed import World
 from .heatmap import check_plotting
@@ -169,33 +169,38 @@ def write_attention(
     plot: bool = True,
     head_chunk: int | None = None,
 ) -> AttentionMaps:
-    """Write one protein's per-layer maps, contact map and plot into ``out_dir`` (each file whole,
-    through ``atomic_file``); the layout is this module's docstring."""
+    """Write one protein's per-layer maps, contact map and plot into the attention folder
+    ``out_dir`` (``outputs.OutputFolder``: a new or empty folder, or one esmc-mlx made for
+    attention maps); the files are written aside and go into place together, or none of them.
+    The layout is this module's docstring."""
     stem = safe_name(name)
     T, L = len(sequence) + 2, len(sequence)
-    files: dict[str, Path] = {}
+    names: dict[str, str] = {}
     total = np.zeros((L, L), np.float64)
     count, nbytes = 0, 0
     chunks = iter_attention(model, sequence, layers, heads, head_chunk)
-    for block, group in itertools.groupby(chunks, key=lambda chunk: chunk[0]):
-        files[f"layer{block}"] = path = out_dir / f"{stem}_layer{block}.npy"
-        with atomic_file(path, "wb") as f:  # the .npy format, written a few heads at a time
-            np.lib.format.write_array_header_1_0(
-                f, {"descr": "<f4", "fortran_order": False, "shape": (len(heads), T, T)}
-            )
-            for _, chosen, weights, symmetric in group:
-                f.write(np.ascontiguousarray(weights, dtype="<f4").tobytes())
-                nbytes += weights.nbytes
-                total += symmetric
-                count += len(chosen)
-    contacts = (total / max(count, 1)).astype(np.float32)
-    if use_apc:
-        contacts = apc(contacts).astype(np.float32)
-    files["contacts"] = out_dir / f"{stem}_contacts.npy"
-    with atomic_file(files["contacts"], "wb") as f:
-        np.save(f, contacts)
-    if plot:
-        files["png"] = plot_contacts(out_dir / f"{stem}_contacts.png", contacts, name, use_apc, layers, len(heads))
+    with guard(out_dir, "attention", "folder") as folder, folder.files() as staged:
+        for block, group in itertools.groupby(chunks, key=lambda chunk: chunk[0]):
+            names[f"layer{block}"] = f"{stem}_layer{block}.npy"
+            with staged.open(names[f"layer{block}"], "wb") as f:  # the .npy format, a few heads at a time
+                np.lib.format.write_array_header_1_0(
+                    f, {"descr": "<f4", "fortran_order": False, "shape": (len(heads), T, T)}
+                )
+                for _, chosen, weights, symmetric in group:
+                    f.write(np.ascontiguousarray(weights, dtype="<f4").tobytes())
+                    nbytes += weights.nbytes
+                    total += symmetric
+                    count += len(chosen)
+        contacts = (total / max(count, 1)).astype(np.float32)
+        if use_apc:
+            contacts = apc(contacts).astype(np.float32)
+        names["contacts"] = f"{stem}_contacts.npy"
+        with staged.open(names["contacts"], "wb") as f:
+            np.save(f, contacts)
+        if plot:
+            names["png"] = f"{stem}_contacts.png"
+            plot_contacts(staged.path(names["png"]), contacts, name, use_apc, layers, len(heads))
+    files = {key: Path(out_dir) / n for key, n in names.items()}
     return AttentionMaps(name, L, files, contacts, nbytes)
 
 
@@ -223,7 +228,7 @@ def plot_contacts(path: Path, contacts: np.ndarray, name: str, use_apc: bool, la
         else "blocks " + ",".join(map(str, layers))
     )
     ax.set_title(f"{name}: {what}mean attention, {span}, {n_heads} heads", fontsize=8)
-    with atomic_file(path, "wb") as f:
+    with open(path, "xb") as f:  # (a new file: staged by the caller)
         fig.savefig(f, dpi=100, format="png")
     return path
 
@@ -235,7 +240,7 @@ class AttentionSummary:
     skipped: list[str]
 
 
-@locked("out")
+@guarded("out", "attention", "folder", inputs=("model", "fasta", "sequence"))
 def attention_job(
     model: ESMC | str | Path,
     out: str | Path,
@@ -264,8 +269,7 @@ def attention_job(
     check_stems([ident for ident, _ in records], fasta, "{}_*")
     if plot:
         check_plotting()
-    Path(out).mkdir(parents=True, exist_ok=True)
-    manifest = AttentionManifest(out)
+    manifest = AttentionManifest(held(out))
     model, _ = _model(model, None)
     blocks = resolve_blocks(layers, model.config.num_hidden_layers)
     chosen = resolve_heads(heads, model.config.num_attention_heads)

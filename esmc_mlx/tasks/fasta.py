@@ -1,9 +1,11 @@
 """A small FASTA reader whose errors name the file, the record and the position.
 
 A record's ID is its header up to the first whitespace (``>sp|P69905|HBA_HUMAN Hemoglobin``
--> ``sp|P69905|HBA_HUMAN``), as in Biopython and UniProt tools. Sequence lines are joined,
-whitespace is dropped, lower case is read as upper case and one trailing ``*`` (a stop codon
-from translated genomes) is removed, as ``vocab.check_sequence`` does for every sequence. Anything else outside ESMC's residue alphabet is an
+-> ``sp|P69905|HBA_HUMAN``), as in Biopython and UniProt tools. Lines are cut and decoded by
+``readers.text_lines`` (only ``\n`` and ``\r`` end a line); sequence lines are joined, ASCII
+spaces and tabs are dropped, lower case is read as upper case and one trailing ``*`` (a stop
+codon from translated genomes) is removed, as ``vocab.check_sequence`` does for every sequence.
+Anything else outside ESMC's residue alphabet is an
 error, as are empty records, text before the first header and IDs seen twice.
 """
 
@@ -11,12 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import re
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ..errors import FastaError
+from ..readers import open_binary, split_lines, text_lines
 from ..vocab import check_sequence
+
+BLANK = " \t\v\f\r\n"  # the whitespace a FASTA line may hold: ASCII only (U+2028, U+0085 are not)
+_BLANKS = re.compile(f"[{re.escape(BLANK)}]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,16 +45,16 @@ class _Parser:
         self.seen: dict[str, int] = {}
 
     def line(self, number: int, line: str) -> Record | None:
-        line = line.strip()
+        line = line.strip(BLANK)
         if not line or line.startswith(";"):
             return None
         if line.startswith(">"):
             done = self.finish()
-            self.header, self.header_line, self.chunks = line[1:].strip().replace("\t", " "), number, []
+            self.header, self.header_line, self.chunks = line[1:].replace("\t", " ").strip(BLANK), number, []
             return done
         if self.header is None:
             raise FastaError(f"{self.source}, line {number}: text before the first '>' header (is this FASTA?)")
-        self.chunks.append("".join(line.split()))
+        self.chunks.append(_BLANKS.sub("", line))
         return None
 
     def finish(self) -> Record | None:
@@ -55,7 +62,6 @@ class _Parser:
             return None
         source, header_line = self.source, self.header_line
         ident, _, description = self.header.partition(" ")
-        ident = ident.strip()
         if not ident:
             raise FastaError(f"{source}, line {header_line}: record header has no ID")
         sequence = "".join(self.chunks)
@@ -68,7 +74,7 @@ class _Parser:
             )
         self.seen[ident] = header_line
         sequence = check_sequence(sequence, ident, f"{source}, ")
-        return Record(ident, sequence, description.strip(), header_line)
+        return Record(ident, sequence, description.strip(BLANK), header_line)
 
 
 def _records(lines: Iterable[str], source: str) -> Iterator[Record]:
@@ -90,22 +96,7 @@ def parse_fasta(text: str, source: str = "<string>") -> list[Record]:
     """Parse FASTA text; raise FastaError for anything that is not clean protein FASTA."""
     if not isinstance(text, str):
         raise FastaError(f"{source}: expected FASTA text as a string, got {type(text).__name__}")
-    return list(_records(text.splitlines(), source))
-
-
-def _text_lines(binary: Iterable[bytes], path: Path) -> Iterator[str]:
-    """Decoded lines: UTF-8 with or without a byte-order mark, or a Windows code page in a
-    description (residues are ASCII either way); a NUL byte means a binary file."""
-    for number, raw in enumerate(binary):
-        if b"\x00" in raw:
-            raise FastaError(f"{path}: a binary file, not FASTA")
-        if number == 0 and raw.startswith(b"\xef\xbb\xbf"):
-            raw = raw[3:]
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            text = raw.decode("latin-1")
-        yield from text.splitlines()  # also splits old Mac files, whose lines end in a lone CR
+    return list(_records(split_lines(text), source))
 
 
 def iter_fasta(path: str | Path) -> Iterator[Record]:
@@ -114,14 +105,12 @@ def iter_fasta(path: str | Path) -> Iterator[Record]:
     number), with or without a byte-order mark. Raises FastaError; a missing file too."""
     path = Path(path)
     try:
-        raw = open(path, "rb")  # opened once and peeked at: a pipe (<(zcat ...)) can be read only once
+        stream = open_binary(path)
     except OSError as e:
         raise FastaError(f"{path}: cannot read FASTA ({e})") from None
-    with raw:
+    with stream:
         try:
-            compressed = raw.peek(2)[:2] == b"\x1f\x8b"  # .gz, .fa.gz, .fasta.gzip ...
-            f = gzip.GzipFile(fileobj=raw, mode="rb") if compressed else raw
-            yield from _records(_text_lines(f, path), str(path))
+            yield from _records(text_lines(stream, path, FastaError), str(path))
         except (OSError, EOFError, zlib.error, gzip.BadGzipFile) as e:
             raise FastaError(f"{path}: cannot read FASTA ({e})") from None
 

@@ -21,13 +21,12 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
-import re
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import JobError
-from ..outputs import atomic_file, locked
+from ..outputs import atomic_file, guard, guarded, held
 from ..runtime.model import ESMC
 from ..runtime.sae import SparseAutoencoder, load_sae
 from .distributed import World
@@ -39,6 +38,9 @@ from .jobs import (
     GATHER_ROUNDS,
     RecordIndex,
     _model,
+    _rank_zero,
+    agree_on_output,
+    check_batch_memory,
     check_fasta_file,
     check_input_options,
     check_stems,
@@ -71,7 +73,6 @@ class FeatureStore(EmbeddingStore):
     KIND = "SAE features"
     COMMAND = "features"
     SETTINGS_KEYS = ("layers", "normalize", "storage", "model_weights", "sae_weights")
-    OWNED = re.compile(r"summary\.csv|heatmap_.+\.png")
 
 
 def array_name(layer: int, part: str) -> str:
@@ -137,7 +138,9 @@ def _records(sequence: str | None, fasta, name: str | None):
     return lambda: iter([record])
 
 
-@locked("out", when=lambda args: World.of(args["group"]).is_root)
+@guarded(
+    "out", "features", "folder", inputs=("model", "sae", "fasta", "sequence"), when=_rank_zero, agree=agree_on_output
+)
 def features_job(
     model: ESMC | str | Path,
     sae: SparseAutoencoder | str | Path,
@@ -184,6 +187,7 @@ def features_job(
     if not isinstance(sae, SparseAutoencoder):
         sae = load_sae(sae)
     plan = probes(model, sae, layers)
+    check_batch_memory(model, index, batch_tokens, fasta or "--sequence", hidden_states=False)
     layers = [p.layer for p in plan]
     k, names = sae.config.k, {(layer, part): array_name(layer, part) for layer in layers for part in PARTS}
     settings = {
@@ -204,7 +208,7 @@ def features_job(
         "sae_weights": sae.fingerprint(layers),
         "input": str(fasta) if fasta is not None else "--sequence",
     }
-    store = FeatureStore(out) if world.is_root else None
+    store = FeatureStore(out, held(out)) if world.is_root else None
     is_done, id_index = open_store(
         store, world, settings, index, force=force, drop_missing=drop_missing, source=fasta or "--sequence"
     )
@@ -309,7 +313,7 @@ def write_summary(stored: StoredFeatures, records, out: Path, top: int, plot: bo
     """Write OUT/summary.csv (tidy: one row per protein, layer and top feature) and, with
     ``plot``, each protein's heatmap that is not drawn yet. Returns how many heatmaps were drawn."""
     drawn = 0
-    with atomic_file(out / SUMMARY, "w", newline="", encoding="utf-8") as f:
+    with guard(out, "features", "folder") as folder, folder.file(SUMMARY, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(SUMMARY_COLUMNS)
         for i, record in enumerate(records()):
@@ -319,9 +323,9 @@ def write_summary(stored: StoredFeatures, records, out: Path, top: int, plot: bo
                 per_layer[layer] = ranked
                 for row in ranked:
                     writer.writerow([record.id, layer] + [_fmt(row[c]) for c in SUMMARY_COLUMNS[2:]])
-            path = out / f"heatmap_{safe_name(record.id)}.png"
-            if plot and not path.exists():
-                plot_features(path, record, per_layer, stored.sae)
+            heatmap = f"heatmap_{safe_name(record.id)}.png"
+            if plot and not (folder.owns(heatmap) and (out / heatmap).is_file()):
+                plot_features(folder.claim(heatmap), record, per_layer, stored.sae)
                 drawn += 1
     return drawn
 

@@ -18,7 +18,9 @@ import numpy as np
 
 from ..artifact import plural
 from ..errors import EsmcMlxError, JobError
-from ..outputs import atomic_file, check_file_target, locked, written_in_place
+from ..outputs import atomic_file, guarded, written_in_place
+from ..outputs import held as held_output
+from ..readers import open_binary, text_lines
 from ..runtime.load import load
 from ..runtime.model import ESMC
 from ..vocab import check_sequence, nonstandard_positions
@@ -33,6 +35,7 @@ from .scoring import (
     PAD_MULTIPLE,
     NonstandardTally,
     Rejected,
+    check_forward_memory,
     check_multi_window,
     check_mutants,
     default_batch_tokens,
@@ -48,7 +51,17 @@ from .scoring import (
     score_mutations,
 )
 from .stats import spearman
-from .store import FLUSH_BYTES, FORMATS, EmbeddingStore, IdIndex, IdList, array_names, require_h5py, sequence_hash
+from .store import (
+    FLUSH_BYTES,
+    FORMATS,
+    EmbeddingStore,
+    IdIndex,
+    IdList,
+    array_names,
+    legacy_entries,
+    require_h5py,
+    sequence_hash,
+)
 
 CHUNK_RECORDS = 8192  # FASTA records read, sorted by length and embedded at a time
 GATHER_BYTES = 64 << 20  # results a rank holds before sending them to rank 0 (upper bound)
@@ -75,7 +88,27 @@ def _model(model: ESMC | str | Path, name: str | None):
     return model, name
 
 
-@locked("out", when=lambda args: World.of(args["group"]).is_root)
+def _rank_zero(args: dict) -> bool:
+    return World.of(args["group"]).is_root
+
+
+def agree_on_output(args: dict, error: BaseException | None) -> None:
+    """Every rank learns whether rank 0's output guard refused ``out`` (``outputs.guarded``'s
+    ``agree``): rank 0 raises its own error, the others a JobError, and none waits for the other."""
+    world = World.of(args["group"])
+    if world.size > 1 and world.broadcast(np.array([error is not None], dtype=np.int32))[0] and error is None:
+        raise JobError(f"rank 0 could not write {args['out']} (see its error)")
+
+
+@guarded(
+    "out",
+    "embeddings",
+    "folder",
+    inputs=("model", "fasta"),
+    when=_rank_zero,
+    legacy=legacy_entries,
+    agree=agree_on_output,
+)
 def embed_fasta(
     model: ESMC | str | Path,
     fasta: str | Path,
@@ -146,6 +179,7 @@ def embed_fasta(
     model, model_name = _model(model, model_name)
     n_layers = model.config.num_hidden_layers
     layers = resolve_layers(layers, n_layers)
+    check_batch_memory(model, index, batch_tokens, fasta, hidden_states=any(i != n_layers for i in layers))
     names = array_names(layers, pools)
     settings = {
         "layers": list(layers),
@@ -163,7 +197,7 @@ def embed_fasta(
         "model_weights": model.fingerprint(),  # what decides whether a rerun may resume
         "fasta": str(fasta),
     }
-    store = EmbeddingStore(out) if world.is_root else None
+    store = EmbeddingStore(out, held_output(out)) if world.is_root else None
     # the residue policy changes nothing for sequences of standard residues: any store of them resumes
     moot = () if nonstandard else ("keep_nonstandard",)
     is_done, id_index = open_store(
@@ -196,6 +230,34 @@ def embed_fasta(
 
 
 # --- jobs that fill a store (embed, features) ---------------------------------------------------
+
+
+def check_batch_memory(model: ESMC, index: RecordIndex, batch_tokens: int, fasta, hidden_states: bool) -> None:
+    """ScoringError, before anything is written, when the longest record alone, or a batch of
+    ``batch_tokens`` padded tokens, would not fit in memory (``scoring.check_forward_memory``)."""
+    if not len(index.lengths):
+        return
+    longest = int(np.argmax(index.lengths))
+    residues = int(index.lengths[longest])
+    width = -(-(residues + 2) // PAD_MULTIPLE) * PAD_MULTIPLE
+    if width > batch_tokens:
+        check_forward_memory(
+            model.config,
+            1,
+            width,
+            f"{fasta}: record {index.ids[longest]!r} ({residues:,} residues)",
+            "attention grows with the square of the length: split the record (into domains, or "
+            "overlapping pieces) before running it",
+            hidden_states=hidden_states,
+        )
+    check_forward_memory(
+        model.config,
+        max(1, batch_tokens // width),
+        width,
+        f"--batch-tokens {batch_tokens:,}",
+        "give a smaller --batch-tokens",
+        hidden_states=hidden_states,
+    )
 
 
 def check_fasta_file(fasta: str | Path, job: str) -> None:
@@ -439,7 +501,7 @@ class ScanSummary:
     skipped: list[str] = dataclasses.field(default_factory=list)  # names already scanned in out
 
 
-@locked("out", when=lambda args: World.of(args["group"]).is_root)
+@guarded("out", "scan", "folder", inputs=("model", "fasta", "sequence"), when=_rank_zero, agree=agree_on_output)
 def scan_job(
     model: ESMC | str | Path,
     out: str | Path,
@@ -478,7 +540,7 @@ def scan_job(
     manifest, failure, status = None, None, np.zeros(1, dtype=np.int32)
     if world.is_root:
         try:
-            manifest = ScanManifest(out)
+            manifest = ScanManifest(held_output(out))
         except EsmcMlxError as e:
             failure, status[0] = e, 1
     if world.broadcast(status)[0]:
@@ -582,10 +644,10 @@ def read_mutants_csv(path: str | Path, mutant_column: str = "mutant") -> tuple[l
     """(column names, rows, a 'file, line N: ' prefix per row). Raises JobError."""
     path = Path(path)
     try:
-        # utf-8-sig: spreadsheet programs start the file with a byte-order mark; newline="" lets
-        # the csv module read CRLF rows (and line breaks inside quoted fields)
-        with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.DictReader(f)
+        # the bytes as they are (readers.text_lines): a byte-order mark dropped, CRLF, CR or LF
+        # lines, a Windows code page in a description; line endings kept for quoted fields
+        with open_binary(path) as f:
+            reader = csv.DictReader(text_lines(f, path, JobError, keepends=True))
             columns = list(reader.fieldnames or [])
             rows, where = [], []
             for row in reader:
@@ -593,7 +655,7 @@ def read_mutants_csv(path: str | Path, mutant_column: str = "mutant") -> tuple[l
                     continue  # ",,," rows a spreadsheet leaves below the data: not a mutant
                 rows.append(row)
                 where.append(f"{path}, line {reader.line_num}: ")
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
+    except (OSError, EOFError, csv.Error) as e:
         raise JobError(f"{path}: cannot read CSV ({e})") from None
     if mutant_column not in columns:
         raise JobError(
@@ -640,11 +702,17 @@ def _names_input(path: Path) -> bool:
         return False
 
 
-@locked(
-    "out",
-    when=lambda args: World.of(args["group"]).is_root and not written_in_place(args["out"]),  # not /dev/null
-    create_parent=False,
-)
+def _rejects_out(args: dict) -> Path | None:
+    """Where ``score_csv``'s call ``args`` writes the rows it rejects (``rejects_path``), if anywhere."""
+    out = args["out"]
+    return rejects_path(out) if args["skip_invalid"] and out is not None and not written_in_place(out) else None
+
+
+_SCORE_INPUTS = ("model", "mutations_csv", "sequence")
+
+
+@guarded("out", "scores", "file", inputs=_SCORE_INPUTS, when=_rank_zero, agree=agree_on_output)
+@guarded(_rejects_out, "rejects", "file", inputs=_SCORE_INPUTS, when=_rank_zero, agree=agree_on_output)
 def score_csv(
     model: ESMC | str | Path,
     sequence: str,
@@ -680,13 +748,7 @@ def score_csv(
     world = World.of(group)
     methods = resolve_methods(methods)
     check_multi_window(multi, window, methods)
-    rejects_out = rejects_path(out) if skip_invalid and out is not None and not written_in_place(out) else None
-    if out is not None and world.is_root:
-        # a missing or unwritable folder, or -o naming an input, fails now, not after the scoring
-        wt_file = Path(sequence).expanduser()
-        sources = [mutations_csv, *([wt_file] if _names_input(wt_file) else [])]
-        for target in filter(None, (out, rejects_out)):
-            check_file_target(target, sources=sources)
+    rejects_out = _rejects_out({"out": out, "skip_invalid": skip_invalid})  # (checked by its guard)
     wt = resolve_sequence(sequence)
     columns, rows, where = read_mutants_csv(mutations_csv, mutant_column)
     mutants = [row[mutant_column] or "" for row in rows]

@@ -17,6 +17,12 @@ from ..vocab import AMINO_ACIDS
 AMINO_ACIDS_20 = "".join(sorted(AMINO_ACIDS))  # alphabetical, as DMS tables list them
 WILD_TYPE_NAMES = frozenset({"", "wt", "_wt", "wildtype", "wild_type", "wild-type"})
 _SITE_RE = re.compile(r"^([A-Za-z])(-?\d+)([A-Za-z])$")
+MAX_DIGITS = 18  # a position fits a 64-bit integer: far past any protein
+
+
+def _shown(text: str) -> str:
+    """A mutant in a message, cut short when it is long."""
+    return repr(text) if len(text) <= 60 else repr(text[:40] + "...")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,13 +56,16 @@ def parse_mutant(text: str, sequence: str, offset: int = 1, where: str = "") -> 
                 f"{where}{text!r}: {part!r} is not a substitution like A23G (wild type, 1-based "
                 "position, mutant; join several with ':')"
             )
-        wt, pos, mut = match.group(1).upper(), int(match.group(2)), match.group(3).upper()
-        index = pos - offset
-        if not 0 <= index < len(sequence):
+        digits = match.group(2)
+        pos = int(digits) if len(digits) <= MAX_DIGITS else None  # Python reads no more than 4,300 digits
+        index = None if pos is None else pos - offset
+        if index is None or not 0 <= index < len(sequence):
             last = offset + len(sequence) - 1
+            shown = digits if pos is not None else f"{digits[:8]}... ({len(digits):,} digits)"
             raise MutationError(
-                f"{where}{text!r}: position {pos} is out of range (the sequence spans {offset}..{last})"
+                f"{where}{_shown(text)}: position {shown} is out of range (the sequence spans {offset}..{last})"
             )
+        wt, mut = match.group(1).upper(), match.group(3).upper()
         if sequence[index] != wt:
             raise MutationError(
                 f"{where}{text!r}: wild-type residue {wt} at position {pos} does not match the "

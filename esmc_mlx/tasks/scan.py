@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import JobError, ScoringError
-from ..outputs import atomic_file
+from ..outputs import OutputFolder, guard
+from ..readers import read_json
 from ..runtime.model import ESMC
 from ..vocab import check_sequence
 from .distributed import World
@@ -73,38 +74,36 @@ class Scan:
     def write(self, out_dir: str | Path, plot: bool = True, per_row: int = 100) -> dict[str, Path]:
         """Write ``<name>_scan.csv`` (tidy: one row per variant), ``<name>_matrix.npy`` (n x 20
         float32), ``<name>_matrix.csv`` (position, wt, 20 columns, entropy) and, with ``plot``,
-        ``<name>_heatmap.png`` into ``out_dir``. Each file is written beside and renamed."""
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
+        ``<name>_heatmap.png`` into the scan folder ``out_dir`` (``outputs.OutputFolder``: a new or
+        empty folder, or one esmc-mlx made for scans). The files are written aside and go into
+        place together, or none of them."""
         stem = safe_name(self.name)
-        paths = {
-            "csv": out_dir / f"{stem}_scan.csv",
-            "npy": out_dir / f"{stem}_matrix.npy",
-            "matrix_csv": out_dir / f"{stem}_matrix.csv",
-        }
-        with atomic_file(paths["csv"], "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["mutant", "position", "wt", "mut", self.method, "entropy"])
-            for pos, wt, mut, score, ent in self.variants():
-                w.writerow([f"{wt}{pos}{mut}", pos, wt, mut, f"{score:.6g}", f"{ent:.6g}"])
-        with atomic_file(paths["npy"], "wb") as f:
-            np.save(f, self.scores.astype(np.float32))
-        with atomic_file(paths["matrix_csv"], "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["position", "wt", *AMINO_ACIDS_20, "entropy"])
-            for k, p in enumerate(self.positions):
-                w.writerow(
-                    [
-                        int(p) + self.offset,
-                        self.sequence[p],
-                        *(f"{v:.6g}" for v in self.scores[k]),
-                        f"{self.entropy[k]:.6g}",
-                    ]
-                )
+        names = {"csv": f"{stem}_scan.csv", "npy": f"{stem}_matrix.npy", "matrix_csv": f"{stem}_matrix.csv"}
         if plot:
-            paths["png"] = out_dir / f"{stem}_heatmap.png"
-            plot_heatmap(self, paths["png"], per_row=per_row)
-        return paths
+            names["png"] = f"{stem}_heatmap.png"
+        with guard(out_dir, "scan", "folder") as folder, folder.files() as staged:
+            with staged.open(names["csv"], "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["mutant", "position", "wt", "mut", self.method, "entropy"])
+                for pos, wt, mut, score, ent in self.variants():
+                    w.writerow([f"{wt}{pos}{mut}", pos, wt, mut, f"{score:.6g}", f"{ent:.6g}"])
+            with staged.open(names["npy"], "wb") as f:
+                np.save(f, self.scores.astype(np.float32))
+            with staged.open(names["matrix_csv"], "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["position", "wt", *AMINO_ACIDS_20, "entropy"])
+                for k, p in enumerate(self.positions):
+                    w.writerow(
+                        [
+                            int(p) + self.offset,
+                            self.sequence[p],
+                            *(f"{v:.6g}" for v in self.scores[k]),
+                            f"{self.entropy[k]:.6g}",
+                        ]
+                    )
+            if plot:
+                plot_heatmap(self, staged.path(names["png"]), per_row=per_row)
+        return {key: Path(out_dir) / name for key, name in names.items()}
 
 
 class ScanManifest:
@@ -112,22 +111,26 @@ class ScanManifest:
     its sequence, the settings that shape its files (method, window, offset, model, plot) and
     each file's size. A rerun skips a protein whose entry matches and whose files are all there
     at those sizes: a FASTA of many proteins stopped half-way resumes where it stopped, and
-    nothing is computed twice. Each file is written whole (``atomic_file``) before the entry
-    that names it, so an entry never vouches for a file that was cut short."""
+    nothing is computed twice. A protein's files go into place before the entry that names them,
+    so an entry never vouches for a file that was cut short. Only names the folder's marker
+    records as esmc-mlx's are read from the manifest (a planted one names nothing else)."""
 
     NAME = "scan-manifest.json"
     FORMAT = "esmc-mlx-scan/1"
     TOOL = "scan"  # the command that writes it (a subclass's manifest is another command's)
 
-    def __init__(self, out: str | Path):
-        self.path = Path(out) / self.NAME
+    def __init__(self, folder: OutputFolder):
+        self.folder = folder
+        self.path = folder.path / self.NAME
         self.proteins: dict[str, dict] = {}
         if not self.path.exists():
             return
+        if not folder.owns(self.NAME):
+            raise JobError(f"{self.path} was not written by esmc-mlx scan; use another output directory")
         try:
-            data = json.loads(self.path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise JobError(f"{self.path}: unreadable ({e}); remove it to scan everything again") from None
+            data = read_json(self.path, JobError)
+        except JobError as e:
+            raise JobError(f"{e}; remove it to scan everything again") from None
         if (
             not isinstance(data, dict)
             or data.get("format") != self.FORMAT
@@ -136,31 +139,39 @@ class ScanManifest:
             raise JobError(f"{self.path} was not written by esmc-mlx {self.TOOL}; use another output directory")
         self.proteins = data["proteins"]
 
+    def _files(self, stem: str) -> dict[str, int]:
+        """The files ``stem``'s entry names that are esmc-mlx's in this folder, with their sizes."""
+        entry = self.proteins.get(stem)
+        files = entry.get("files") if isinstance(entry, dict) else None
+        if not isinstance(files, dict):
+            return {}
+        return {n: size for n, size in files.items() if self.folder.owns(n) and isinstance(size, int)}
+
     def done(self, stem: str, settings: dict) -> bool:
         """Whether OUT already holds ``stem``'s files, made with ``settings``."""
         entry = self.proteins.get(stem)
         if not isinstance(entry, dict) or entry.get("settings") != settings or not isinstance(entry.get("files"), dict):
             return False
-        folder = self.path.parent
-        return all(
-            (folder / name).is_file() and (folder / name).stat().st_size == size
-            for name, size in entry["files"].items()
+        files = self._files(stem)
+        folder = self.folder.path
+        return len(files) == len(entry["files"]) and all(
+            (folder / name).is_file() and not (folder / name).is_symlink() and (folder / name).stat().st_size == size
+            for name, size in files.items()
         )
 
     def record(self, stem: str, settings: dict, paths: dict[str, Path]) -> None:
         """Enter ``stem``'s new files. A file of its previous entry that this run did not write
         (the heatmap of a scan now run with --no-plot) would describe the old scores: it is
-        removed if it is still the file we wrote (same size), else left to its owner."""
+        removed if esmc-mlx wrote it in this folder and it is still that file (same size)."""
         files = {p.name: p.stat().st_size for p in paths.values()}
-        old = self.proteins.get(stem)
-        if isinstance(old, dict) and isinstance(old.get("files"), dict):
-            for name, size in old["files"].items():
-                stale = self.path.parent / name
-                if name not in files and stale.is_file() and stale.stat().st_size == size:
-                    stale.unlink()
+        for name, size in self._files(stem).items():
+            stale = self.folder.path / name
+            if name not in files and stale.is_file() and not stale.is_symlink() and stale.stat().st_size == size:
+                stale.unlink()
         self.proteins[stem] = {"settings": settings, "files": files}
-        with atomic_file(self.path, "w") as f:
+        with self.folder.file(self.NAME) as f:
             json.dump({"format": self.FORMAT, "proteins": self.proteins}, f, indent=1, sort_keys=True)
+        self.folder.commit()
 
 
 def scan_settings(

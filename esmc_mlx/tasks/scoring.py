@@ -23,14 +23,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from ..config import TRAINED_TOKENS
+from ..config import TRAINED_TOKENS, ESMCConfig
 from ..errors import EsmcMlxWarning, JobError, MutationError, ScoringError, SequenceError
+from ..runtime.execution import layer_activation_bytes
 from ..runtime.model import ESMC
 from ..runtime.quantized import backend
 from ..runtime.tokenizer import ESMCTokenizer
@@ -189,6 +191,44 @@ def positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ScoringError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def memory_bytes() -> int:
+    """The memory a forward pass may use: the GPU's (MLX's ``device_info``) on a GPU, else the
+    machine's RAM."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        try:
+            size = int(mx.device_info().get("memory_size") or 0)
+        except (AttributeError, RuntimeError, ValueError, TypeError):
+            size = 0
+        if size:
+            return size
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def forward_bytes(config: ESMCConfig, rows: int, width: int, hidden_states: bool = False) -> int:
+    """An upper estimate of one forward pass's memory over ``rows`` x ``width`` tokens (fp32):
+    one block's intermediates (the runtime evaluates the residual stream in chunks), with the
+    (rows, heads, width, width) attention scores on the CPU, where attention is not fused; and
+    every hidden state when they are all kept."""
+    per_layer = layer_activation_bytes(config, rows, width, 4)
+    if mx.default_device().type != mx.DeviceType.cpu:
+        per_layer -= 4 * rows * config.num_attention_heads * width**2
+    kept = 4 * rows * width * config.hidden_size * (config.num_hidden_layers + 1) if hidden_states else 0
+    return per_layer + kept
+
+
+def check_forward_memory(config: ESMCConfig, rows: int, width: int, what: str, fix: str, **kwargs) -> None:
+    """ScoringError naming ``what`` (the input or option at fault) and saying how to run it
+    (``fix``) when a forward pass over ``rows`` x ``width`` tokens needs more memory than this
+    machine has: checked before any work, where MLX would fail deep inside or the process
+    would be killed."""
+    need, have = forward_bytes(config, rows, width, **kwargs), memory_bytes()
+    if need > have:
+        raise ScoringError(
+            f"{what}: one forward pass would need about {need / 2**30:,.1f} GiB, more than the "
+            f"{have / 2**30:,.1f} GiB here; {fix}"
+        )
 
 
 def default_batch_tokens() -> int:
@@ -405,6 +445,15 @@ def run_jobs(
     encoded = encode(sequences)
     lengths = np.array([len(e) - 2 for e in encoded], dtype=np.int64)
     rows_per_job = np.array([len(r) for r in reads], dtype=np.int64)
+    if len(seq_index):
+        longest = int(lengths[seq_index].max())
+        check_forward_memory(
+            model.config,
+            min(batch_size, len(seq_index)),
+            longest + 2,
+            f"a sequence of {longest:,} residues in batches of {batch_size}",
+            "score it in windows (--window, 2046 residues by default) or with a smaller --batch-size",
+        )
     order = np.argsort(lengths[seq_index], kind="stable")  # similar lengths share a batch
     mine = world.shard(order)
     mask_id, vocab = _TOKENIZER.mask_token_id, model.config.vocab_size

@@ -41,7 +41,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import JobError, install_hint
-from ..outputs import apply_umask, atomic_file, clean_leftovers
+from ..outputs import OutputFolder, apply_umask, atomic_file, clean_leftovers, make_staging
+from ..readers import read_json
 
 FORMAT = "esmc-mlx-embeddings"
 FORMAT_VERSION = 2
@@ -67,15 +68,13 @@ SETTINGS_BEFORE = {"keep_nonstandard": True}
 ST_INDEX = "embeddings.safetensors.index.json"
 H5_FILE = "embeddings.h5"
 COPY_ROWS = 1 << 16  # rows per copy when converting the merged arrays to safetensors / HDF5
-# what an embeddings directory may hold besides its arrays (NAME.npy, named by its manifest)
+# what an embeddings directory written before the .esmc-mlx marker holds of its own, besides the
+# arrays its manifest names (``legacy_entries``)
 _OURS = re.compile(
     r"manifest\.json|index\.tsv|offsets\.npy|embeddings-\d+-of-\d+\.safetensors"
-    r"|embeddings\.safetensors\.index\.json|embeddings\.h5|parts|\.merge"
-    r"|\.esmc-mlx|\..+\.tmp(-\d+-[0-9a-f]+)?"
+    r"|embeddings\.safetensors\.index\.json|embeddings\.h5|parts"
 )
-# all a first run can leave before its manifest exists: parts/ and temporary files
-_DEBRIS = re.compile(r"parts|\.merge|\..+\.tmp(-\d+-[0-9a-f]+)?")
-_PART = re.compile(r"part-.+\.npz|\..+\.tmp(-\d+-[0-9a-f]+)?")
+_PART = re.compile(r"part-.+\.npz")
 _ARRAY = re.compile(r"[A-Za-z0-9_]+\.npy")
 
 
@@ -203,19 +202,46 @@ def require_h5py():
 # --- the embedding directory (rank 0 only) ---------------------------------------------------
 
 
+def legacy_entries(out: Path) -> list[str] | None:
+    """What an embeddings directory written before the .esmc-mlx marker holds of its own (its
+    manifest.json says it is esmc-mlx's embeddings): the manifest, the index, the arrays the
+    manifest names, the merged files, parts/ while it holds only part files. None for a folder
+    without such a manifest."""
+    try:
+        data = read_json(Path(out) / "manifest.json", JobError)
+    except JobError:
+        return None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return None
+    arrays = data.get("arrays")
+    if data.get("version") == 1 and "layer" in data:  # one layer, mean (+ per_residue)
+        arrays = ["mean"] + (["per_residue"] if data.get("per_residue") else [])
+    arrays = {f"{n}.npy" for n in arrays if isinstance(n, str)} if isinstance(arrays, list) else set()
+    ours = []
+    for p in sorted(Path(out).iterdir()):
+        if p.name in arrays or _OURS.fullmatch(p.name):
+            if p.name == "parts" and not (p.is_dir() and all(_PART.fullmatch(q.name) for q in p.iterdir())):
+                continue
+            ours.append(p.name)
+    return ours
+
+
 class EmbeddingStore:
     """A directory of per-record arrays that a job fills in parts and merges. Subclasses for
-    other jobs set what they write: FORMAT, KIND (its name in messages), SETTINGS_KEYS (the
-    settings a rerun must share) and OWNED (other entries the job writes into OUT)."""
+    other jobs set what they write: FORMAT, KIND (its name in messages), COMMAND (what writes
+    it) and SETTINGS_KEYS (the settings a rerun must share); the files a job adds to OUT go
+    through its output guard (``folder.file``), which records them as esmc-mlx's."""
 
     FORMAT = FORMAT
     KIND = "embeddings"
-    COMMAND = "embed"  # what writes it
+    COMMAND = "embed"
     SETTINGS_KEYS = SETTINGS_KEYS
-    OWNED: re.Pattern | None = None
 
-    def __init__(self, out: str | Path):
+    def __init__(self, out: str | Path, folder: OutputFolder | None = None):
+        """The directory ``out``; ``folder``: its output guard (held by the job that writes it;
+        reading needs none)."""
         self.out = Path(out)
+        self.folder = folder
         self.parts = self.out / "parts"
         self._existing: dict | None = None  # the manifest open() found
         self.manifest_path = self.out / "manifest.json"
@@ -226,9 +252,9 @@ class EmbeddingStore:
         if not self.manifest_path.exists():
             return None
         try:
-            data = json.loads(self.manifest_path.read_text())
-        except (OSError, ValueError) as e:
-            raise JobError(f"{self.manifest_path}: unreadable ({e}); use --force to start over") from None
+            data = read_json(self.manifest_path, JobError)
+        except JobError as e:
+            raise JobError(f"{e}; use --force to start over") from None
         if not isinstance(data, dict) or data.get("format") != self.FORMAT:  # another tool's manifest.json
             raise JobError(f"{self.out}: not an esmc-mlx {self.KIND} directory")
         if data.get("version") == 1 and "layer" in data:  # one layer, mean (+ per_residue), npy
@@ -238,33 +264,15 @@ class EmbeddingStore:
 
     def open(self, settings: dict, force: bool, moot: tuple[str, ...] = ()) -> None:
         """Check that an existing directory holds the same settings (a new one is made by
-        ``begin``; ``moot``: settings that change nothing for these sequences, not compared). With ``force``, clear an embeddings directory (also one a failed first run
-        left without a manifest); a directory holding anything else is never cleared. Nothing
-        else changes until ``begin``, which the job calls once its own checks pass."""
-        created = not self.out.exists()
-        try:
-            self._open(settings, force, moot)
-        except BaseException:
-            if created:  # leave nothing behind a run that could not even start
-                shutil.rmtree(self.out, ignore_errors=True)
-            raise
-
-    def _open(self, settings: dict, force: bool, moot: tuple[str, ...] = ()) -> None:
-        if self.out.exists() and not self.out.is_dir():
-            raise JobError(f"{self.out} is a file; give a directory for the embeddings")
-        foreign = self._foreign() if self.out.exists() else []
-        existing = self.manifest() if self.out.exists() and not (force and not foreign) else None
-        if foreign and existing is None:
-            raise JobError(f"{self.out} exists, is not empty and is not an esmc-mlx {self.KIND} directory")
-        if force and self.out.exists():
-            if foreign:
-                raise JobError(
-                    f"--force will not clear {self.out}: it holds files esmc-mlx did not write "
-                    f"({', '.join(foreign[:5])}); move them out first"
-                )
-            for p in self.out.iterdir():
-                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-            existing = None
+        ``begin``; ``moot``: settings that change nothing for these sequences, not compared). With
+        ``force``, clear what esmc-mlx wrote there (``OutputFolder.clear``: never a folder holding
+        anything else). Nothing else changes until ``begin``, which the job calls once its own
+        checks pass."""
+        existing = None
+        if force:
+            self.folder.clear()
+        elif self.out.exists():
+            existing = self.manifest()
         if existing is not None:
             differ = [
                 f"{k}: {_shown(existing.get(k, SETTINGS_BEFORE.get(k)))} there, {_shown(settings[k])} now"
@@ -290,45 +298,13 @@ class EmbeddingStore:
 
     def begin(self, settings: dict) -> None:
         """Mark the directory as being written (``complete: false``), made if new."""
-        self.parts.mkdir(parents=True, exist_ok=True)
-        for folder in (self.out, self.parts):  # temporary files of runs that were killed
-            clean_leftovers(folder=folder)
+        self.folder.record("parts", "manifest.json")
+        self.parts.mkdir(exist_ok=True)
+        clean_leftovers(folder=self.parts)  # parts being written by runs that were killed
         self._write_manifest(dict(self._existing or {}, **settings, complete=False))
 
-    def _foreign(self) -> list[str]:
-        """Entries of OUT that esmc-mlx did not write. With our manifest: anything but the files
-        of an embeddings directory (arrays: those it names); without one, anything but what a
-        first run leaves before writing it. parts/ counts as ours only holding part files."""
-        try:
-            data = json.loads(self.manifest_path.read_text())
-        except FileNotFoundError:
-            data = None
-        except (OSError, ValueError):  # ours, cut short: its array names are unknown
-            data = {"format": self.FORMAT}
-        if isinstance(data, dict) and data.get("version") == 1 and "layer" in data:
-            data = self.manifest()
-        ours = isinstance(data, dict) and data.get("format") == self.FORMAT
-        arrays = data.get("arrays") if ours else None
-        if ours and isinstance(arrays, list):
-            names = {f"{n}.npy" for n in arrays if isinstance(n, str)}
-        else:  # an unreadable manifest of ours: any array name
-            names = None
-        foreign = []
-        for p in sorted(self.out.iterdir()):
-            if not ours:
-                mine = bool(_DEBRIS.fullmatch(p.name))
-            elif _ARRAY.fullmatch(p.name) and p.name != "offsets.npy":
-                mine = names is None or p.name in names
-            else:
-                mine = bool(_OURS.fullmatch(p.name) or (self.OWNED and self.OWNED.fullmatch(p.name)))
-            if mine and p.name == "parts":
-                mine = p.is_dir() and all(_PART.fullmatch(q.name) for q in p.iterdir())
-            if not mine:
-                foreign.append(p.name)
-        return foreign
-
     def _write_manifest(self, data: dict) -> None:
-        with atomic_file(self.manifest_path) as f:
+        with self.folder.file(self.manifest_path.name) as f:
             f.write(
                 json.dumps(
                     dict(
@@ -359,7 +335,7 @@ class EmbeddingStore:
                     lengths.append(int(length))
                     hashes.append(digest)
             arrays, offsets = _READERS[kind](self.out, names)
-        except (OSError, KeyError, ValueError, TypeError, AttributeError, StopIteration):
+        except (OSError, JobError, KeyError, ValueError, TypeError, AttributeError, StopIteration):
             # a merge that was cut short, or merged files damaged since: what they held is computed
             # again (the parts they came from, if any, are still there)
             return None
@@ -417,6 +393,7 @@ class EmbeddingStore:
         path = self.parts / f"part-{self.run_id}-{self._count:06d}.npz"
         with atomic_file(path, "wb") as f:
             np.savez(f, ids=np.array(ids), sha1=np.array(hashes), lengths=lengths, **arrays)
+        self.folder.commit()  # a result a rerun resumes from: kept if this run fails later
         return path
 
     def merge(self, ids: list[str], lengths: np.ndarray, hashes, settings: dict, index: IdIndex | None = None) -> int:
@@ -438,9 +415,7 @@ class EmbeddingStore:
         dtype, d, names = np.dtype(settings["dtype"]), settings["hidden_size"], settings["arrays"]
         lengths = np.asarray(lengths, dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        staging = self.out / ".merge"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
+        staging = make_staging(self.out, "merge", "partial")
         try:
             files, dropped = self._merge_into(
                 staging, merged, ids, lengths, hashes, offsets, index, names, dtype, d, settings
@@ -449,12 +424,13 @@ class EmbeddingStore:
         except BaseException:  # a full disk, Ctrl-C: the parts stay and a rerun merges again
             shutil.rmtree(staging, ignore_errors=True)
             raise
+        self.folder.record(*files)
         for name in files:
             if name != "index.tsv":
-                os.replace(staging / name, self.out / name)
-        os.replace(staging / "index.tsv", self.out / "index.tsv")  # last: it makes the rest count
+                os.replace(staging / name, self.folder.claim(name))
+        os.replace(staging / "index.tsv", self.folder.claim("index.tsv"))  # last: it makes the rest count
         for stale in self.out.glob("embeddings-*-of-*.safetensors"):  # shards of an earlier merge
-            if stale.name not in files:
+            if stale.name not in files and self.folder.owns(stale.name):
                 stale.unlink()
         shutil.rmtree(staging, ignore_errors=True)
         self._write_manifest(dict(self.manifest() or {}, **settings, complete=True, count=len(ids)))
@@ -597,7 +573,7 @@ class _Sharded:
 
 
 def _safetensors_read(out: Path, names):
-    index = json.loads((out / ST_INDEX).read_text())
+    index = read_json(out / ST_INDEX, JobError)
     shards = index["shards"]
     if not all((out / s["file"]).exists() for s in shards):
         raise OSError("missing shard")
@@ -682,7 +658,7 @@ def _h5_read(out: Path, names):
 
 def _h5_write(staging: Path, names, offsets) -> list[str]:
     h5py = require_h5py()
-    ids = [line.split("\t")[0] for line in (staging / "index.tsv").read_text().splitlines()[1:]]
+    ids = [line.split("\t")[0] for line in (staging / "index.tsv").read_text().split("\n")[1:-1]]
     with h5py.File(staging / H5_FILE, "w") as f:
         f.attrs["format"] = FORMAT
         for n in names:

@@ -38,11 +38,11 @@ import numpy as np
 
 from .. import _blas
 from .._version import __version__
-from ..artifact import FLOAT_DTYPES, REPORT_DIR, sha256, weight_files
+from ..artifact import ARTIFACT_KINDS, FLOAT_DTYPES, REPORT_DIR, sha256, weight_files
 from ..config import ESMCConfig
 from ..errors import EsmcMlxError, ValidationError, install_hint
 from ..hashes import file_hashes
-from ..outputs import ensure_parent, locked
+from ..outputs import check_folder_target, ensure_parent, local_paths, locked
 from . import cache as ref_cache
 from . import mlx_side
 from . import reference as torch_ref
@@ -51,7 +51,7 @@ from .metrics import fidelity as fidelity_metrics
 from .metrics import quality as quality_metrics
 from .panel import build_panel
 from .reference import Outputs, fp32_bytes
-from .report import check_report_folder, text_summary, write_report
+from .report import check_report_folder, report_entries, text_summary, write_report
 from .weights import ArtifactWeights, SourceWeights, names_for
 
 MODES = ("auto", "full", "layered")
@@ -367,6 +367,15 @@ def validate(
     if write:  # a report folder that cannot be made fails now, not after the whole validation
         ensure_parent(report_folder / "report.json", create=False)
         check_report_folder(report_folder)
+        if report_dir is not None:  # a folder of its own: the target check every output gets
+            check_folder_target(
+                report_folder,
+                "report",
+                [Path(mlx_dir), *local_paths(reference, sequences)],
+                legacy=report_entries,
+                hosts=(*ARTIFACT_KINDS, "staging"),
+                option="--report",
+            )
     source = SourceWeights(reference, revision)
     panel = build_panel(sequences, max_length=max_length, marginal_positions=marginal_positions)
     batches = panel.batches(max_tokens)
@@ -613,7 +622,7 @@ def validate(
         )
         report = Report(passed, checks, data)
         if write:
-            report.directory = write_report(report, panel, report_folder, draw=plot)
+            report.directory = write_report(report, panel, report_folder, draw=plot, own_folder=report_dir is not None)
         return report
     finally:
         bar.close()  # on an error too: the bar ends its line, so the Error line starts on its own

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..privacy import public_path
 from ..runtime.tokenizer import ESMCTokenizer
 from ..tasks.fasta import read_fasta
 from ..vocab import AMINO_ACIDS
@@ -160,7 +161,8 @@ def build_panel(
         inputs.append(Input(f"{name} (15% masked)", masked, "masked"))
     inputs.extend(_marginal_rows(recs, marginal_positions, rng, marginal_window))
     digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
-    return Panel(inputs, str(path) if fasta is not None else "esmc_mlx/data/panel.fasta", digest, max_length)
+    # the FASTA by its name alone: the report is published, a path typed here never is
+    return Panel(inputs, public_path(path) if fasta is not None else "esmc_mlx/data/panel.fasta", digest, max_length)
 
 
 def _spread(records: list[tuple[str, tuple[str, ...]]], n: int) -> list[tuple[str, tuple[str, ...]]]:

@@ -9,8 +9,9 @@ import numpy as np
 
 from ..artifact import PLOT_NAME, REPORT_FILES
 from ..errors import ValidationError
-from ..outputs import add_to_marker, atomic_file, output_lock
+from ..outputs import add_to_marker, atomic_file, output_lock, read_marker, write_marker
 from ..privacy import public_source_id, scrub
+from ..readers import read_json
 from .panel import Panel
 
 LABELS = {
@@ -274,9 +275,9 @@ def check_report_folder(directory: Path) -> None:
     if not present:
         return
     try:
-        data = json.loads((directory / "report.json").read_text())
+        data = read_json(directory / "report.json", ValidationError)
         ours = isinstance(data, dict) and {"passed", "checks", "thresholds", "panel"} <= data.keys()
-    except (OSError, ValueError):
+    except ValidationError:
         ours = False
     if not ours:
         raise ValidationError(
@@ -285,9 +286,21 @@ def check_report_folder(directory: Path) -> None:
         )
 
 
-def write_report(report, panel: Panel, directory: Path, draw: bool = True) -> Path:
+def report_entries(directory: Path) -> list[str] | None:
+    """The report files of a report folder written before the .esmc-mlx marker (its
+    report.json is an esmc-mlx report), or None."""
+    try:
+        check_report_folder(directory)
+    except ValidationError:
+        return None
+    present = [n for n in REPORT_FILES if (Path(directory) / n).exists()]
+    return present or None
+
+
+def write_report(report, panel: Panel, directory: Path, draw: bool = True, own_folder: bool = False) -> Path:
     """Write report.json, the plot and report.md into ``directory``, each file whole or not at all
-    (a full disk is one error naming the file); a model directory's marker records the folder."""
+    (a full disk is one error naming the file). The model directory's marker records its report
+    folder; a folder of its own (``validate --report DIR``, ``own_folder``) gets its own marker."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -297,6 +310,9 @@ def write_report(report, panel: Panel, directory: Path, draw: bool = True) -> Pa
     root = (report.data.get("artifact") or {}).get("path")
     public = _finite(scrub(report.data, root))  # NaN/Inf never reach JSON
     with output_lock(directory):  # two validations of one artifact never mix their files
+        if own_folder:
+            marker = read_marker(directory)
+            write_marker(directory, "report", [*(marker or {}).get("entries", []), *REPORT_FILES])
         with atomic_file(directory / "report.json") as f:
             f.write(json.dumps(public, indent=1, allow_nan=False) + "\n")
         drew = draw and plot(report, panel, directory / PLOT_NAME)
@@ -304,5 +320,6 @@ def write_report(report, panel: Panel, directory: Path, draw: bool = True) -> Pa
             (directory / PLOT_NAME).unlink()
         with atomic_file(directory / "report.md") as f:
             f.write(scrub(markdown(report, PLOT_NAME if drew else None), root))
-    add_to_marker(directory.parent, directory.name)
+    if not own_folder:
+        add_to_marker(directory.parent, directory.name)
     return directory

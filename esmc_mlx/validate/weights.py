@@ -14,13 +14,19 @@ run in the same sweep, read that layer from disk once.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from ..artifact import expected_shapes, quantization_record, safetensors_header, weight_files
+from ..artifact import (
+    check_against_tensors,
+    expected_shapes,
+    quantization_record,
+    read_config,
+    safetensors_header,
+    weight_files,
+)
 from ..config import ESMCConfig
 from ..convert import mapping
 from ..convert.sources import open_checkpoint
@@ -198,9 +204,9 @@ class ArtifactWeights:
         if not path.exists():
             raise ValidationError(f"{self.directory}: no config.json (is this an esmc-mlx output directory?)")
         try:
-            self.raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValidationError(f"{path}: not valid JSON ({e})") from None
+            self.raw = read_config(self.directory)  # bounded; its dtype and quantization record checked
+        except ConvertError as e:
+            raise ValidationError(str(e)) from None
         self.config_error: str | None = None
         try:
             self.config: ESMCConfig | None = ESMCConfig.from_dict(self.raw)
@@ -219,6 +225,11 @@ class ArtifactWeights:
                 if name != "__metadata__":
                     self._where[name] = f
                     self.shapes[name] = tuple(info["shape"])
+        if self.config is not None:  # a config the weights contradict fails the config check
+            try:
+                check_against_tensors(self.config, self.shapes, str(path))
+            except ConvertError as e:
+                self.config, self.config_error = None, str(e)
         self._memo: dict[str, mx.array] | None = None
 
     def share_reads(self) -> None:
