@@ -118,9 +118,8 @@ def apc(x: np.ndarray) -> np.ndarray:
 
 def iter_attention(model: ESMC, sequence: str, layers, heads, head_chunk: int | None = None):
     """For each block of ``layers`` (1-based), in model order: (block, heads' indices, weights
-    (h, T, T) float32 numpy, the sum over those heads of each map made symmetric over the residues
-    (L, L)) a few heads at a time (``MAP_BYTES`` at a time), for one sequence; the residual
-    stream runs through every block up to the last one asked for."""
+    (h, T, T) float32 numpy) a few heads at a time (``MAP_BYTES`` at a time), for one sequence;
+    the residual stream runs through every block up to the last one asked for."""
     ids, _, sid = _pack(encode([sequence]), [0])
     T = ids.shape[1]
     mask = attention_mask_for(None, None if sid is None else mx.array(sid))
@@ -138,11 +137,9 @@ def iter_attention(model: ESMC, sequence: str, layers, heads, head_chunk: int | 
                 scores = q[:, chosen] @ k[:, chosen].transpose(0, 1, 3, 2)
                 if mask is not None:
                     scores = scores + mask
-                weights = mx.softmax(scores.astype(mx.float32), axis=-1)[0]
-                inner = weights[:, 1:-1, 1:-1]
-                symmetric = (inner + inner.transpose(0, 2, 1)).sum(axis=0) / 2
-                yield block, heads[start : start + per], np.array(weights), np.array(symmetric)
-                del scores, weights, inner, symmetric
+                weights = np.array(mx.softmax(scores.astype(mx.float32), axis=-1)[0])
+                del scores
+                yield block, heads[start : start + per], weights
         x = layer.step(x, layer.input_layernorm(x), mask, ops=ROW_CHUNKS)[0]
         mx.eval(x)
 
@@ -186,12 +183,14 @@ def write_attention(
                 np.lib.format.write_array_header_1_0(
                     f, {"descr": "<f4", "fortran_order": False, "shape": (len(heads), T, T)}
                 )
-                for _, chosen, weights, symmetric in group:
-                    f.write(np.ascontiguousarray(weights, dtype="<f4").tobytes())
+                for _, chosen, weights in group:
+                    f.write(np.ascontiguousarray(weights, dtype="<f4").data)
                     nbytes += weights.nbytes
-                    total += symmetric
+                    for inner in weights[:, 1:-1, 1:-1]:  # (A + A^T) summed in place: no (L, L) copies
+                        np.add(total, inner, out=total)
+                        np.add(total, inner.T, out=total)
                     count += len(chosen)
-        contacts = (total / max(count, 1)).astype(np.float32)
+        contacts = (total / (2 * max(count, 1))).astype(np.float32)
         if use_apc:
             contacts = apc(contacts).astype(np.float32)
         names["contacts"] = f"{stem}_contacts.npy"
