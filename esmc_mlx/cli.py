@@ -639,6 +639,18 @@ def push(mlx_dir, repo_id, private, revision, commit_message, create_pr, dry_run
 
 MODEL_HELP = "MODEL: an MLX model directory (what esmc-convert writes) or a Hub repo id of one."
 
+
+def echo_resumable(verb: str, s, fasta, stored: str, detail: str = "") -> None:
+    """The closing lines of a resumable FASTA job (embed, features): what it computed, on how
+    many ranks, and the stored records it dropped."""
+    ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
+    click.echo(
+        f"{verb} {plural(s.computed, 'sequence')}{ranks} ({s.skipped} already done, {s.total} in all{detail}) -> {s.out}"
+    )
+    if s.dropped:
+        click.echo(f"Dropped {plural(s.dropped, stored)} of IDs not in {fasta}")
+
+
 EMBED_HELP = """Embed every sequence of a FASTA file into the directory OUT: for each hidden state
 of --layers, each pooling of --pool, all from one forward pass per batch (see docs/scoring.md).
 Results are flushed as they come: rerun the same command to resume an interrupted run. The
@@ -756,13 +768,8 @@ def embed(
         progress=not no_progress,
     )
     if s.rank == 0:
-        ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
-        click.echo(
-            f"Embedded {plural(s.computed, 'sequence')}{ranks} ({s.skipped} already done, {s.total} in all; "
-            f"{time.perf_counter() - started:.1f} s, the model's loading included) -> {s.out}"
-        )
-        if s.dropped:
-            click.echo(f"Dropped {plural(s.dropped, 'stored embedding')} of IDs not in {fasta}")
+        seconds = f"; {time.perf_counter() - started:.1f} s, the model's loading included"
+        echo_resumable("Embedded", s, fasta, "stored embedding", seconds)
 
 
 SCORE_HELP = """Score mutants against a wild-type sequence and write the CSV back with one column per
@@ -1140,14 +1147,9 @@ def features(
         progress=not no_progress,
     )
     if s.rank == 0:
-        ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
-        click.echo(
-            f"Encoded {plural(s.computed, 'sequence')}{ranks} ({s.skipped} already done, {s.total} in all) -> {s.out}"
-        )
+        echo_resumable("Encoded", s, fasta, "stored record")
         if s.heatmaps:
             click.echo(f"Drew {plural(s.heatmaps, 'heatmap')}")
-        if s.dropped:
-            click.echo(f"Dropped {plural(s.dropped, 'stored record')} of IDs not in {fasta}")
 
 
 ATTENTION_HELP = """Attention maps of a protein: every head of every --layers block, as
