@@ -2,7 +2,7 @@
 
   1. LoRA (default): rank R on every block projection (q, k, v, o, gate, up, down) of all
      blocks of a random-weight ESMC, a linear head on the mean-pooled final hidden state, AdamW,
-     B x L batches. MLX runs esmc-mlx's own training step (``finetune.train.training_step``);
+     B x L batches. MLX runs esmc-mlx's own training step (``finetune.train.Updates``);
      torch runs transformers' ``EsmcForMaskedLM`` wrapped by peft's ``get_peft_model`` with the
      same rank, modules, head and batch. Each side in its own process, one after the other;
      prints training tokens per second of each and MLX / torch.
@@ -11,7 +11,8 @@
      peak memory (weights, adapters, optimizer, activations).
 
     python -m benchmarks.finetune_speed --model 300M --dtype bfloat16 --shape 16x256     # GPU, 1.
-    python -m benchmarks.finetune_speed --qlora --model 6B --shape 1x4096                # GPU, 2.
+    python -m benchmarks.finetune_speed --qlora --model 6B --shape 4x1024                # GPU, 2.
+    python -m benchmarks.finetune_speed --qlora --model 6B --shape 1x1024 --grad-accumulation-steps 4
     python -m benchmarks.finetune_speed --model tiny --dtype float32 --shape 4x64 --steps 3   # CPU
 
 Writes OUT/finetune_speed.json (or finetune_qlora.json). peft is only needed by the torch side
@@ -78,7 +79,7 @@ def mlx_side(job: dict) -> dict:
     from esmc_mlx.bench import config_for
     from esmc_mlx.finetune.data import Labels
     from esmc_mlx.finetune.model import AdaptedModel
-    from esmc_mlx.finetune.train import training_step
+    from esmc_mlx.finetune.train import Updates
     from esmc_mlx.testing import random_mlx_model
 
     mx.set_default_device(mx.gpu if job["device"] == "gpu" else mx.cpu)
@@ -92,15 +93,17 @@ def mlx_side(job: dict) -> dict:
     object.__setattr__(model, "gradient_checkpointing", job["qlora"])
     model.train()
     optimizer = optim.AdamW(learning_rate=1e-4)
-    step = training_step(model, optimizer)
+    step = Updates(model, optimizer, job["accumulate"])
     ids, targets = batch_arrays(job["batch"], job["length"])
     ids, targets = mx.array(ids.astype(np.int32)), mx.array(targets.astype(np.int32))
     attention = mx.ones(ids.shape, dtype=mx.int32)
 
-    def run():
-        loss, _ = step(ids, attention, targets)
-        mx.eval(loss, model.state, optimizer.state)
+    def run():  # one AdamW update: --grad-accumulation-steps batches
+        for _ in range(job["accumulate"]):
+            loss, _ = step(ids, attention, targets)
+            mx.eval(loss, step.state)
 
+    mx.reset_peak_memory()  # the training's peak, not the block-by-block build's
     times = time_steps(run, job["steps"], job["warmup"])
     return {
         "median_s": statistics.median(times),
@@ -170,6 +173,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--qlora", action="store_true", help="affine 4-bit base, gradient checkpointing, MLX only")
+    p.add_argument(
+        "--grad-accumulation-steps",
+        dest="accumulate",
+        type=int,
+        default=1,
+        help="batches averaged into one update (MLX only: a step is then that many batches)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results/finetune"))
     p.add_argument("--side", nargs=2, metavar=("KIND", "JOB"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -182,12 +192,15 @@ def main() -> None:
     batch, length = (int(n) for n in args.shape.lower().split("x"))
     args.out.mkdir(parents=True, exist_ok=True)
     job = dict(vars(args), out=str(args.out), batch=batch, length=length, side=None)
-    tokens = batch * length
+    if args.accumulate > 1 and not args.qlora:
+        p.error("--grad-accumulation-steps is for --qlora runs (the torch side does not accumulate)")
+    tokens = batch * length * args.accumulate
     results = {"job": {k: v for k, v in job.items() if k != "side"}, "mlx": run_side("mlx", job)}
     mlx_tps = tokens / results["mlx"]["median_s"]
     results["mlx"]["tokens_per_s"] = mlx_tps
     what = f"{args.model} {'affine4 QLoRA + checkpointing' if args.qlora else args.dtype + ' LoRA'} rank {args.rank}"
-    print(f"{what}, {args.shape} ({tokens} tokens a step), {args.device}")
+    per_update = f" x {args.accumulate} batches" if args.accumulate > 1 else ""
+    print(f"{what}, {args.shape}{per_update} ({tokens} tokens a step), {args.device}")
     print(f"  MLX   {mlx_tps:10.0f} tokens/s  ({results['mlx']['median_s'] * 1e3:.1f} ms a step)", end="")
     print(f", peak memory {results['mlx']['peak_memory_gb']:.2f} GB")
     if not args.qlora:

@@ -1452,6 +1452,14 @@ Examples:
     help="Recompute each block's activations in the backward pass: less memory for long inputs.",
 )
 @click.option(
+    "--grad-accumulation-steps",
+    type=click.IntRange(1),
+    default=FINETUNE_DEFAULTS["grad_accumulation_steps"],
+    show_default=True,
+    help="Batches whose gradients are averaged into one update: N x --batch-tokens tokens an update "
+    "at the memory of one batch.",
+)
+@click.option(
     "--save-every",
     type=click.IntRange(0),
     default=FINETUNE_DEFAULTS["save_every"],

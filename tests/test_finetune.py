@@ -115,6 +115,34 @@ def test_gradient_checkpointing_gives_the_same_gradients(base):
         np.testing.assert_allclose(np.array(grads[True][k]), np.array(grads[False][k]), rtol=1e-4, atol=1e-7)
 
 
+def test_accumulated_batches_make_one_update_of_their_mean_gradient(base):
+    from mlx.utils import tree_map
+
+    from esmc_mlx.finetune.train import Updates
+
+    sequences = random_sequences(6, 8, 40, seed=6)
+    parts = [batch(adapted_model(base), sequences[i : i + 3], [0, 1, 1])[0] for i in (0, 3)]
+    reference, accumulated = adapted_model(base), adapted_model(base)
+    for m in (reference, accumulated):  # non-zero gradients into the adapters
+        m.head.layers[0].weight = m.head.layers[0].weight + 0.5
+    grads = [nn.value_and_grad(reference, loss_fn)(reference, *p)[1] for p in parts]
+    optim.AdamW(learning_rate=1e-2).update(reference, tree_map(lambda a, b: (a + b) / 2, *grads))
+
+    updates = Updates(accumulated, optim.AdamW(learning_rate=1e-2), accumulate=2)
+    before = {k: np.array(v) for k, v in tree_flatten(accumulated.trainable_parameters())}
+    updates(*parts[0])
+    mx.eval(updates.state)
+    assert updates.pending == 1
+    unchanged = dict(tree_flatten(accumulated.trainable_parameters()))
+    assert all(np.array_equal(before[k], np.array(v)) for k, v in unchanged.items())  # no update yet
+    updates(*parts[1])
+    mx.eval(updates.state)
+    assert updates.pending == 0
+    want = dict(tree_flatten(reference.trainable_parameters()))
+    for k, v in tree_flatten(accumulated.trainable_parameters()):
+        np.testing.assert_allclose(np.array(v), np.array(want[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+
+
 # --- training, predicting, fusing -----------------------------------------------------------------
 def test_finetune_writes_the_adapter_and_predicts(base, tmp_path):
     train = write_csv(tmp_path / "train.csv", labeled(32))
@@ -249,11 +277,13 @@ def test_a_position_outside_the_sequence_is_named(base, tmp_path):
 
 # --- resume after SIGKILL -----------------------------------------------------------------------
 @pytest.mark.slow  # two runs of a few epochs in child processes
-def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(base, tmp_path):
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(base, tmp_path, accumulate):
     train = write_csv(tmp_path / "train.csv", labeled(48))
     valid = write_csv(tmp_path / "valid.csv", labeled(12, seed=2))
     args = ["finetune", str(base), "--train", str(train), "--valid", str(valid), "--epochs", "6", "--patience", "0"]
     args += ["--batch-tokens", "512", "--save-every", "1", "--no-progress"]
+    args += ["--grad-accumulation-steps", str(accumulate)]
     env = child_env()
     whole = tmp_path / "whole"
     subprocess.run(console_command("esmc-mlx") + args + ["-o", str(whole)], env=env, check=True, capture_output=True)

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from .._version import __version__
 from ..artifact import sha256
@@ -53,6 +53,7 @@ DEFAULTS = {
     "batch_tokens": 4096,
     "patience": 3,
     "save_every": 100,
+    "grad_accumulation_steps": 1,
 }
 
 
@@ -111,8 +112,11 @@ class Running:
         return {k: getattr(self, k) for k in keys}
 
 
-def _check_options(lora_rank, lora_layers, lora_scale, head, pool, epochs, learning_rate, batch_tokens, patience):
+def _check_options(
+    lora_rank, lora_layers, lora_scale, head, pool, epochs, learning_rate, batch_tokens, patience, accumulate
+):
     positive_int(lora_rank, "lora_rank")
+    positive_int(accumulate, "grad_accumulation_steps")
     positive_int(epochs, "epochs")
     positive_int(batch_tokens, "batch_tokens")
     if lora_layers != "all":
@@ -153,6 +157,7 @@ def finetune(
     seed: int = 0,
     patience: int = DEFAULTS["patience"],
     gradient_checkpointing: bool = False,
+    grad_accumulation_steps: int = DEFAULTS["grad_accumulation_steps"],
     save_every: int = DEFAULTS["save_every"],
     revision: str | None = None,
     force: bool = False,
@@ -170,14 +175,27 @@ def finetune(
     With ``valid``, the weights kept are those of the epoch with the lowest validation loss,
     and training stops after ``patience`` epochs without improvement (0: never).
     ``gradient_checkpointing``: recompute each block's activations in the backward pass
-    (less memory for long inputs, about a third more compute).
+    (less memory for long inputs, about a third more compute). ``grad_accumulation_steps``:
+    batches whose gradients are averaged into one AdamW update (mlx-lm's option): updates of
+    that many batches at the memory of one.
 
     A rerun with the same settings, data and base resumes from OUT's checkpoint (a finished
     run: nothing to do); other settings are refused unless ``force``, which starts over.
     Raises JobError (bad CSV, options, an OUT holding something else), SequenceError,
     ConvertError / HubError (the model).
     """
-    _check_options(lora_rank, lora_layers, lora_scale, head, pool, epochs, learning_rate, batch_tokens, patience)
+    _check_options(
+        lora_rank,
+        lora_layers,
+        lora_scale,
+        head,
+        pool,
+        epochs,
+        learning_rate,
+        batch_tokens,
+        patience,
+        grad_accumulation_steps,
+    )
     save_every = int(save_every)
     out, train = Path(out), Path(train)
     train_set, labels = read_labeled(train, task, sequence_column, label_column)
@@ -197,6 +215,7 @@ def finetune(
         "seed": seed,
         "patience": patience,
         "gradient_checkpointing": gradient_checkpointing,
+        "grad_accumulation_steps": grad_accumulation_steps,
     }
     config = {
         "fine_tune_type": "lora",
@@ -231,7 +250,8 @@ def finetune(
     object.__setattr__(adapted, "gradient_checkpointing", gradient_checkpointing)
     optimizer = optim.AdamW(learning_rate=learning_rate)
     optimizer.init(adapted.trainable_parameters())
-    trainer = Trainer(adapted, optimizer, train_set, valid_set, out, config, batch_tokens, seed, patience)
+    updates = Updates(adapted, optimizer, grad_accumulation_steps)
+    trainer = Trainer(adapted, updates, train_set, valid_set, out, config, batch_tokens, seed, patience)
     resumed = trainer.restore()
     trainer.run(epochs, save_every, progress)
     return FinetuneSummary(out, trainer.history, trainer.best_epoch, resumed, trainer.stopped)
@@ -288,19 +308,56 @@ def _write_arrays(path: Path, arrays: dict[str, mx.array], metadata: dict | None
         f.write(payload)
 
 
-def training_step(model: AdaptedModel, optimizer: optim.Optimizer):
-    """``step(ids, attention, targets) -> (loss, outputs)``: one gradient step of the adapters
-    and the head. Compiled on a GPU, as ``load`` compiles the forward there (on the CPU a trace
+def _compiled(step, inputs, outputs=None):
+    """``step`` compiled on a GPU, as ``load`` compiles the forward there (on the CPU a trace
     JIT-builds C++ and measured no faster)."""
-    loss_and_grad = nn.value_and_grad(model, loss_fn)
-    state = [model.state, optimizer.state]
+    return mx.compile(step, inputs=inputs, outputs=outputs) if mx.default_device() != mx.cpu else step
 
-    def step(ids, attention, targets):
-        (loss, outputs), grads = loss_and_grad(model, ids, attention, targets)
-        optimizer.update(model, grads)
+
+class Updates:
+    """Training steps of the adapters and the head: ``self(ids, attention, targets) -> (loss,
+    outputs)`` for one batch. With ``accumulate`` 1 each batch is one AdamW update (gradient and
+    update in one step); with more, the gradients of that many batches are averaged into one
+    update (as mlx-lm's ``grad_accumulation_steps``), so an update holds several batches' tokens
+    at the memory of one. ``pending``: batches whose gradients await their update."""
+
+    def __init__(self, model: AdaptedModel, optimizer: optim.Optimizer, accumulate: int = 1):
+        self.model, self.optimizer, self.accumulate = model, optimizer, accumulate
+        self.grads, self.pending = None, 0
+        loss_and_grad = nn.value_and_grad(model, loss_fn)
+
+        def step(ids, attention, targets):
+            (loss, outputs), grads = loss_and_grad(model, ids, attention, targets)
+            optimizer.update(model, grads)
+            return loss, outputs
+
+        def gradient(ids, attention, targets):
+            (loss, outputs), grads = loss_and_grad(model, ids, attention, targets)
+            return loss, outputs, grads
+
+        self.step = _compiled(step, [model.state, optimizer.state], [model.state, optimizer.state])
+        self.gradient = _compiled(gradient, [model.state])
+
+    @property
+    def state(self) -> list:
+        """What a step changes: for ``mx.eval``."""
+        return [self.model.state, self.optimizer.state] + ([self.grads] if self.grads is not None else [])
+
+    def __call__(self, ids, attention, targets):
+        if self.accumulate == 1:
+            return self.step(ids, attention, targets)
+        loss, outputs, grads = self.gradient(ids, attention, targets)
+        self.grads = grads if self.grads is None else tree_map(mx.add, self.grads, grads)
+        self.pending += 1
+        if self.pending == self.accumulate:
+            self.flush()
         return loss, outputs
 
-    return mx.compile(step, inputs=state, outputs=state) if mx.default_device() != mx.cpu else step
+    def flush(self) -> None:
+        """Apply the update of the pending batches (fewer than ``accumulate`` at an epoch's end)."""
+        if self.pending:
+            self.optimizer.update(self.model, tree_map(lambda g: g / self.pending, self.grads))
+            self.grads, self.pending = None, 0
 
 
 def _set_leaves(tree, items) -> None:
@@ -318,8 +375,8 @@ class Trainer:
     """The loop: epochs of shuffled length-grouped batches, validation, early stopping, the
     checkpoint, and the final files."""
 
-    def __init__(self, model, optimizer, train_set, valid_set, out, config, batch_tokens, seed, patience):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model, updates, train_set, valid_set, out, config, batch_tokens, seed, patience):
+        self.model, self.optimizer, self.updates = model, updates.optimizer, updates
         self.train_set, self.valid_set = train_set, valid_set
         self.out, self.config = out, config
         self.labels = model.labels
@@ -330,7 +387,6 @@ class Trainer:
         self.history: list[dict] = []
         self.epoch, self.batch, self.running = 0, 0, Running(self.labels)
         self.best_loss, self.best_epoch, self.stale, self.stopped = math.inf, None, 0, False
-        self.step = training_step(model, optimizer)
 
     # --- checkpoint ---------------------------------------------------------------------------
     def _weights(self) -> dict[str, dict[str, mx.array]]:
@@ -402,6 +458,7 @@ class Trainer:
                 disable=not progress,
                 dynamic_ncols=True,
             )
+            saved = self.batch
             with bar:
                 self.model.train()
                 while self.batch < len(order):
@@ -410,15 +467,18 @@ class Trainer:
                     self.batch += 1
                     bar.update(1)
                     bar.set_postfix(loss=f"{self.running.loss:.4f}", **{self.metric_name: f"{self.running.metric:.3f}"})
-                    if save_every and self.batch % save_every == 0 and self.batch < len(order):
+                    due = save_every and self.batch - saved >= save_every and self.batch < len(order)
+                    if due and not self.updates.pending:  # a checkpoint holds no half-made update
                         self.save_checkpoint()
+                        saved = self.batch
+            self.updates.flush()
             self.end_epoch()
         self.finish()
 
     def train_step(self, rows: np.ndarray) -> None:
         ids, attention, targets = pack_batch(self.train_encoded, rows, self.train_set.targets, self.labels)
-        loss, outputs = self.step(ids, attention, targets)
-        mx.eval(loss, outputs, self.model.state, self.optimizer.state)
+        loss, outputs = self.updates(ids, attention, targets)
+        mx.eval(loss, outputs, self.updates.state)
         lengths = np.array([len(self.train_encoded[r]) - 2 for r in rows])
         predictions = batch_predictions(self.labels, np.array(outputs), lengths)
         self.running.add(loss.item(), len(rows), predictions, [self.train_set.targets[r] for r in rows])
