@@ -115,7 +115,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(base):
         np.testing.assert_allclose(np.array(grads[True][k]), np.array(grads[False][k]), rtol=1e-4, atol=1e-7)
 
 
-def test_accumulated_batches_make_one_update_of_their_mean_gradient(base):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_accumulated_batches_make_one_update_of_their_mean_gradient(base, compiled):
     from mlx.utils import tree_map
 
     from esmc_mlx.finetune.train import Updates
@@ -128,7 +129,7 @@ def test_accumulated_batches_make_one_update_of_their_mean_gradient(base):
     grads = [nn.value_and_grad(reference, loss_fn)(reference, *p)[1] for p in parts]
     optim.AdamW(learning_rate=1e-2).update(reference, tree_map(lambda a, b: (a + b) / 2, *grads))
 
-    updates = Updates(accumulated, optim.AdamW(learning_rate=1e-2), accumulate=2)
+    updates = Updates(accumulated, optim.AdamW(learning_rate=1e-2), accumulate=2, compile=compiled)
     before = {k: np.array(v) for k, v in tree_flatten(accumulated.trainable_parameters())}
     updates(*parts[0])
     mx.eval(updates.state)

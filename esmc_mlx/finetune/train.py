@@ -308,20 +308,18 @@ def _write_arrays(path: Path, arrays: dict[str, mx.array], metadata: dict | None
         f.write(payload)
 
 
-def _compiled(step, inputs, outputs=None):
-    """``step`` compiled on a GPU, as ``load`` compiles the forward there (on the CPU a trace
-    JIT-builds C++ and measured no faster)."""
-    return mx.compile(step, inputs=inputs, outputs=outputs) if mx.default_device() != mx.cpu else step
-
-
 class Updates:
     """Training steps of the adapters and the head: ``self(ids, attention, targets) -> (loss,
     outputs)`` for one batch. With ``accumulate`` 1 each batch is one AdamW update (gradient and
     update in one step); with more, the gradients of that many batches are averaged into one
     update (as mlx-lm's ``grad_accumulation_steps``), so an update holds several batches' tokens
-    at the memory of one. ``pending``: batches whose gradients await their update."""
+    at the memory of one. ``pending``: batches whose gradients await their update. ``compile``
+    (default: on a GPU, as ``load`` compiles the forward there; on the CPU a trace JIT-builds
+    C++ and measured no faster): trace each step with ``mx.compile``."""
 
-    def __init__(self, model: AdaptedModel, optimizer: optim.Optimizer, accumulate: int = 1):
+    def __init__(
+        self, model: AdaptedModel, optimizer: optim.Optimizer, accumulate: int = 1, compile: bool | None = None
+    ):
         self.model, self.optimizer, self.accumulate = model, optimizer, accumulate
         self.grads, self.pending = None, 0
         loss_and_grad = nn.value_and_grad(model, loss_fn)
@@ -335,8 +333,11 @@ class Updates:
             (loss, outputs), grads = loss_and_grad(model, ids, attention, targets)
             return loss, outputs, grads
 
-        self.step = _compiled(step, [model.state, optimizer.state], [model.state, optimizer.state])
-        self.gradient = _compiled(gradient, [model.state])
+        if compile if compile is not None else mx.default_device() != mx.cpu:
+            # the model's state as output too: value_and_grad leaves its traced parameters in it
+            step = mx.compile(step, inputs=[model.state, optimizer.state], outputs=[model.state, optimizer.state])
+            gradient = mx.compile(gradient, inputs=model.state, outputs=model.state)
+        self.step, self.gradient = step, gradient
 
     @property
     def state(self) -> list:
