@@ -251,7 +251,7 @@ def finetune(
     optimizer = optim.AdamW(learning_rate=learning_rate)
     optimizer.init(adapted.trainable_parameters())
     updates = Updates(adapted, optimizer, grad_accumulation_steps)
-    trainer = Trainer(adapted, updates, train_set, valid_set, out, config, batch_tokens, seed, patience)
+    trainer = Trainer(updates, train_set, valid_set, out, config, batch_tokens, seed, patience)
     resumed = trainer.restore()
     trainer.run(epochs, save_every, progress)
     return FinetuneSummary(out, trainer.history, trainer.best_epoch, resumed, trainer.stopped)
@@ -333,7 +333,9 @@ class Updates:
             (loss, outputs), grads = loss_and_grad(model, ids, attention, targets)
             return loss, outputs, grads
 
-        if compile if compile is not None else mx.default_device() != mx.cpu:
+        if compile is None:
+            compile = mx.default_device() != mx.cpu
+        if compile:
             # the model's state as output too: value_and_grad leaves its traced parameters in it
             step = mx.compile(step, inputs=[model.state, optimizer.state], outputs=[model.state, optimizer.state])
             gradient = mx.compile(gradient, inputs=model.state, outputs=model.state)
@@ -376,11 +378,11 @@ class Trainer:
     """The loop: epochs of shuffled length-grouped batches, validation, early stopping, the
     checkpoint, and the final files."""
 
-    def __init__(self, model, updates, train_set, valid_set, out, config, batch_tokens, seed, patience):
-        self.model, self.optimizer, self.updates = model, updates.optimizer, updates
+    def __init__(self, updates, train_set, valid_set, out, config, batch_tokens, seed, patience):
+        self.updates, self.model, self.optimizer = updates, updates.model, updates.optimizer
         self.train_set, self.valid_set = train_set, valid_set
         self.out, self.config = out, config
-        self.labels = model.labels
+        self.labels = self.model.labels
         self.seed, self.patience = seed, patience
         self.train_encoded, self.train_batches = token_batches(train_set.sequences, batch_tokens)
         self.valid_batches = token_batches(valid_set.sequences, batch_tokens) if valid_set is not None else None
