@@ -210,3 +210,18 @@ def test_quantized_layers_encode_close_to_float(saes, tmp_path):
         shared = np.mean([len(set(a) & set(b)) / K for a, b in zip(np.array(idx), np.array(want_idx))])
         assert shared >= 0.9, spec
         assert rel_l2(np.sort(np.array(val), 1), np.sort(np.array(want_val), 1)) <= 0.05, spec
+
+
+@pytest.mark.parametrize("columns,k", [(256, 8), (2048, 64), (64, 8), (100, 7)])
+def test_top_k_finds_the_k_largest_values(columns, k):
+    from esmc_mlx.runtime.sae import top_k
+
+    rng = np.random.default_rng(columns + k)
+    x = np.maximum(rng.normal(size=(300, columns)), 0).astype(np.float32)  # ReLU: many tied zeros
+    x[:50] = np.round(x[:50] * 2) / 2  # and rows of tied positive values
+    x[50:60] = 0
+    idx = np.array(top_k(mx.array(x), k))
+    assert idx.shape == (300, k)
+    assert all(len(set(row)) == k for row in idx)  # k distinct columns per row
+    found = np.sort(np.take_along_axis(x, idx, axis=1), axis=1)
+    np.testing.assert_array_equal(found, np.sort(x, axis=1)[:, -k:])
