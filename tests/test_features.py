@@ -78,6 +78,23 @@ def test_summary_of_one_feature_is_exact():
     assert rows[1]["positions"] == "2;4"  # feature 1 at residue 3 has value 0: not active
 
 
+def test_summary_ranks_by_total_then_feature_number():
+    """The top features are those of the largest totals, ties in feature order, and each one's
+    profile is its activation at every residue."""
+    rng = np.random.default_rng(3)
+    idx = np.stack([rng.permutation(40)[:6] for _ in range(30)]).astype(np.int32)
+    vals = (rng.integers(0, 3, size=(30, 6)) / 2).astype(np.float32)  # many tied totals, zeros
+    dense = np.zeros((30, 40))
+    np.put_along_axis(dense, idx, vals, axis=1)
+    totals = dense.sum(axis=0)
+    want = [f for f in sorted(range(40), key=lambda f: (-totals[f], f)) if totals[f] > 0][:7]
+    rows = top_features(SAEFeatures(idx, vals, 40, 1, "x"), 7)
+    assert [r["feature"] for r in rows] == want
+    for r in rows:
+        np.testing.assert_array_equal(r["profile"], dense[:, r["feature"]])
+        assert r["residues_active"] == int((dense[:, r["feature"]] > 0).sum())
+
+
 def test_features_resume_and_refuse_other_settings(converted, sae_dir, fasta, tmp_path, monkeypatch):
     path, seqs = fasta
     out = tmp_path / "feats"

@@ -278,11 +278,18 @@ def top_features(features: SAEFeatures, top: int) -> list[dict]:
     n = len(idx)
     active = vals > 0
     totals = np.bincount(idx[active], weights=vals[active], minlength=features.codebook_dim)
-    ranked = [f for f in np.argsort(-totals, kind="stable")[:top] if totals[f] > 0]
+    ranked = [int(f) for f in _largest(totals, top)]
+    # Every ranked feature's activation along the residues in one pass over the (n, k) entries
+    # (a feature appears at most once in a residue's k).
+    slot = np.full(features.codebook_dim, -1, np.int64)
+    slot[ranked] = np.arange(len(ranked))
+    residue, column = np.nonzero(active & (slot[idx] >= 0))
+    profiles = np.bincount(
+        slot[idx[residue, column]] * n + residue, weights=vals[residue, column], minlength=len(ranked) * n
+    ).reshape(len(ranked), n)
     rows = []
     for rank, f in enumerate(ranked, 1):
-        hit = (idx == f) & active
-        per_residue = np.where(hit, vals, 0).sum(axis=1)
+        per_residue = profiles[rank - 1].astype(np.float32)
         where = np.nonzero(per_residue)[0]
         rows.append(
             {
@@ -297,6 +304,16 @@ def top_features(features: SAEFeatures, top: int) -> list[dict]:
             }
         )
     return rows
+
+
+def _largest(totals: np.ndarray, top: int) -> np.ndarray:
+    """The indices of the ``top`` largest positive ``totals``, largest first, ties by index (a
+    stable sort of the entries at or above the top-th value, not of the whole codebook)."""
+    candidates = np.flatnonzero(totals > 0)
+    if len(candidates) > top:
+        cut = np.partition(totals[candidates], len(candidates) - top)[len(candidates) - top]
+        candidates = candidates[totals[candidates] >= cut]
+    return candidates[np.argsort(-totals[candidates], kind="stable")][:top]
 
 
 def _ranges(positions: np.ndarray) -> str:
