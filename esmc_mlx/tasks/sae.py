@@ -4,8 +4,8 @@ Which hidden state an SAE reads is the ``esm`` package's choice (3.4, ``EsmcMode
 layer N is ``hidden_states[N]`` (0 = token embeddings, N = the input of block N + 1, n_layers =
 after the final norm); an SAE trained on residual updates
 (``use_residual_update_instead_of_states``) reads ``hidden_states[N] - hidden_states[N - 1]``
-(layer 0 stays the state itself). Every token but padding is encoded, ``<cls>`` and ``<eos>``
-included; inputs holding ``<mask>`` are refused (the SAEs were trained on unmasked sequences).
+(layer 0 stays the state itself). Every token is encoded, ``<cls>`` and ``<eos>`` included
+(padding is dropped); inputs holding ``<mask>`` are refused (the SAEs were trained on unmasked sequences).
 
 One forward per batch serves every (SAE, layer) asked for, and stops at the deepest hidden state
 they need (``ESMC.hidden_states_at``). Batches are bucketed by length as ``embed``'s.
@@ -128,20 +128,22 @@ def iter_sae_features(
         )
         tokens = np.array([len(encoded[r]) for r in rows])
         B, L = ids.shape
-        real = mx.array(np.nonzero((np.arange(L)[None, :] < tokens[:, None]).reshape(-1))[0])  # no padding
+        real = (np.arange(L)[None, :] < tokens[:, None]).reshape(-1)
         lazy = []
         for p in plan:
             h = states[p.layer].astype(mx.float32)
             if p.residual:
                 h = h - states[p.layer - 1].astype(mx.float32)
-            lazy.append(p.sae.layer(p.layer).encode(h.reshape(B * L, -1)[real], normalize))
-        return rows, tokens, lazy
+            # padding rows too, dropped on the host: the encoder then sees the forward's few
+            # shapes, not a new row count every batch
+            lazy.append(p.sae.layer(p.layer).encode(h.reshape(B * L, -1), normalize))
+        return rows, tokens, real, lazy
 
-    def finish(rows, tokens, lazy):
+    def finish(rows, tokens, real, lazy):
         cuts = np.cumsum(tokens)[:-1]
         out = []
         for top, vals in lazy:
-            top, vals = np.array(top), np.array(vals)
+            top, vals = np.array(top)[real], np.array(vals)[real]
             out.append(list(zip(np.split(top, cuts), np.split(vals, cuts))))
         return rows, out
 
