@@ -189,11 +189,11 @@ def main() -> None:
         result = SIDES[kind](job)
         Path(job_path).with_name(f"finetune-{kind}.json").write_text(json.dumps(result, indent=2))
         return
+    if args.accumulate > 1 and not args.qlora:
+        p.error("--grad-accumulation-steps is for --qlora runs (the torch side does not accumulate)")
     batch, length = (int(n) for n in args.shape.lower().split("x"))
     args.out.mkdir(parents=True, exist_ok=True)
     job = dict(vars(args), out=str(args.out), batch=batch, length=length, side=None)
-    if args.accumulate > 1 and not args.qlora:
-        p.error("--grad-accumulation-steps is for --qlora runs (the torch side does not accumulate)")
     tokens = batch * length * args.accumulate
     results = {"job": {k: v for k, v in job.items() if k != "side"}, "mlx": run_side("mlx", job)}
     mlx_tps = tokens / results["mlx"]["median_s"]
