@@ -112,6 +112,7 @@ def main() -> None:
     codebook, k, layer = DEFAULTS[args.shape]
     args.codebook, args.k, args.layer = args.codebook or codebook, args.k or k, args.layer or layer
     model, sae, fasta = prepare(args)
+    mx.clear_cache()  # the buffers that drew the random model: the children need the GPU's memory
     rows = []
     for run in range(args.repeat):
         for side in ("embed", "features"):
