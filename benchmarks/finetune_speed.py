@@ -103,11 +103,14 @@ def mlx_side(job: dict) -> dict:
             loss, _ = step(ids, attention, targets)
             mx.eval(loss, step.state)
 
+    if job["memory_limit"]:
+        mx.set_memory_limit(int(job["memory_limit"] * 1e9))
     mx.reset_peak_memory()  # the training's peak, not the block-by-block build's
     times = time_steps(run, job["steps"], job["warmup"])
     return {
         "median_s": statistics.median(times),
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        "memory_limit_gb": mx.get_memory_limit() / 1e9,
         "mlx": mx.__version__,
         "device": str(mx.default_device()),
     }
@@ -180,6 +183,14 @@ def main() -> None:
         default=1,
         help="batches averaged into one update (MLX only: a step is then that many batches)",
     )
+    p.add_argument(
+        "--memory-limit",
+        type=float,
+        metavar="GB",
+        help="MLX's memory limit (mx.set_memory_limit): past it MLX waits for queued GPU work, and the "
+        "buffers that work holds, before it queues more. Default: MLX's own, 0.95 x the GPU's memory on "
+        "CUDA, at most 0.95 x the memory of a Mac (15.2 GiB on a 16 GB Mac)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results/finetune"))
     p.add_argument("--side", nargs=2, metavar=("KIND", "JOB"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -202,7 +213,8 @@ def main() -> None:
     per_update = f" x {args.accumulate} batches" if args.accumulate > 1 else ""
     print(f"{what}, {args.shape}{per_update} ({tokens} tokens a step), {args.device}")
     print(f"  MLX   {mlx_tps:10.0f} tokens/s  ({results['mlx']['median_s'] * 1e3:.1f} ms a step)", end="")
-    print(f", peak memory {results['mlx']['peak_memory_gb']:.2f} GB")
+    print(f", peak memory {results['mlx']['peak_memory_gb']:.2f} GB", end="")
+    print(f" (memory limit {results['mlx']['memory_limit_gb']:.1f} GB)")
     if not args.qlora:
         results["torch"] = run_side("torch", job)
         if "skipped" in results["torch"]:

@@ -1466,6 +1466,13 @@ Examples:
     show_default=True,
     help="Also checkpoint every N steps within an epoch (0: at epoch ends only).",
 )
+@click.option(
+    "--memory-limit",
+    type=click.FloatRange(0, min_open=True),
+    metavar="GB",
+    help="Memory MLX may hold before it waits for queued GPU work. Default: 0.7 x the GPU's memory "
+    "(12 GB on a 16 GB Mac); on the CPU, MLX's own.",
+)
 @click.option("--revision", help="Hub revision of MODEL.")
 @click.option("--force", is_flag=True, help="Discard what OUT holds (a run with other settings) and start over.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")

@@ -24,9 +24,11 @@ pytest.importorskip("mlx_lm", reason="fine-tuning needs the finetune extra (mlx-
 from esmc_mlx import load, load_adapter  # noqa: E402
 from esmc_mlx.cli import main  # noqa: E402
 from esmc_mlx.convert import quantize_directory  # noqa: E402
+from esmc_mlx.errors import JobError  # noqa: E402
 from esmc_mlx.finetune import ADAPTER_FILES, finetune, fuse_adapter  # noqa: E402
 from esmc_mlx.finetune.data import Labels  # noqa: E402
 from esmc_mlx.finetune.model import AdaptedModel, loss_fn, pack, plain_quantized, token_batches  # noqa: E402
+from esmc_mlx.finetune.train import Trainer, training_memory_limit  # noqa: E402
 from esmc_mlx.hub.push import push_artifact  # noqa: E402
 from esmc_mlx.testing import child_env, console_command, random_sequences, tiny_config, write_random_artifact  # noqa: E402
 
@@ -266,6 +268,40 @@ def test_bad_csvs_get_one_clear_error_and_leave_nothing(base, tmp_path, rows, op
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.output
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["train.csv"]
+
+
+def test_training_runs_under_the_memory_limit_and_restores_mlxs(base, tmp_path, monkeypatch):
+    seen, run = [], Trainer.run
+    monkeypatch.setattr(Trainer, "run", lambda self, *a: (seen.append(mx.get_memory_limit()), run(self, *a)))
+    before = mx.get_memory_limit()
+    finetune(base, write_csv(tmp_path / "train.csv", labeled(8)), tmp_path / "a", epochs=1, memory_limit=0.5)
+    assert seen == [int(0.5e9)] and mx.get_memory_limit() == before
+    finetune(base, write_csv(tmp_path / "train.csv", labeled(8)), tmp_path / "b", epochs=1)
+    assert seen[1] == before  # on the CPU: MLX's own
+
+
+def test_the_default_memory_limit_is_a_share_of_the_gpus_memory():
+    gib = 2**30
+    metal, cuda = {"memory_size": 16 * gib, "device_name": "Apple M2"}, {"total_memory": 80 * gib}
+    assert training_memory_limit(None, metal) == int(
+        0.7 * 16 * gib
+    )  # 12.0 GB: what the 6B QLoRA step was measured under
+    assert training_memory_limit(None, cuda) == int(0.7 * 80 * gib)
+    assert training_memory_limit(None, None) is None and training_memory_limit(None, {}) is None
+    assert training_memory_limit(2.5, cuda) == 2_500_000_000
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_a_bad_memory_limit_is_refused_before_anything_is_written(base, tmp_path, value):
+    train = write_csv(tmp_path / "train.csv", labeled(8))
+    out = tmp_path / "adapter"
+    result = CliRunner().invoke(
+        main, ["finetune", str(base), "--train", str(train), "-o", str(out), "--memory-limit", value]
+    )
+    assert result.exit_code == 2 and "--memory-limit" in result.output and not out.exists(), result.output
+    with pytest.raises(JobError, match="memory_limit must be a positive number"):
+        finetune(base, train, out, memory_limit=0)
+    assert not out.exists()
 
 
 def test_a_position_outside_the_sequence_is_named(base, tmp_path):
