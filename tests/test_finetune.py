@@ -283,9 +283,8 @@ def test_training_runs_under_the_memory_limit_and_restores_mlxs(base, tmp_path, 
 def test_the_default_memory_limit_is_a_share_of_the_gpus_memory():
     gib = 2**30
     metal, cuda = {"memory_size": 16 * gib, "device_name": "Apple M2"}, {"total_memory": 80 * gib}
-    assert training_memory_limit(None, metal) == int(
-        0.7 * 16 * gib
-    )  # 12.0 GB: what the 6B QLoRA step was measured under
+    # 12.0 GB on the Mac: the limit the 6B QLoRA step was measured under
+    assert training_memory_limit(None, metal) == int(0.7 * 16 * gib)
     assert training_memory_limit(None, cuda) == int(0.7 * 80 * gib)
     assert training_memory_limit(None, None) is None and training_memory_limit(None, {}) is None
     assert training_memory_limit(2.5, cuda) == 2_500_000_000

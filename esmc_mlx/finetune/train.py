@@ -10,6 +10,7 @@ epoch, and nothing else is random after the adapters are made).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -125,8 +126,22 @@ def training_memory_limit(gb: float | None, device_info: dict | None) -> int | N
     training runs on, None on the CPU); None: MLX's own."""
     if gb is not None:
         return int(gb * 1e9)
-    total = (device_info or {}).get("memory_size") or (device_info or {}).get("total_memory")
+    info = device_info or {}
+    total = info.get("memory_size") or info.get("total_memory")  # Metal's key, CUDA's
     return int(total * GPU_MEMORY_SHARE) if total else None
+
+
+@contextlib.contextmanager
+def under_memory_limit(gb: float | None):
+    """Run the block under ``training_memory_limit`` for the default device; MLX's previous
+    limit is restored afterwards."""
+    limit = training_memory_limit(gb, None if mx.default_device() == mx.cpu else mx.device_info())
+    previous = None if limit is None else mx.set_memory_limit(limit)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            mx.set_memory_limit(previous)
 
 
 def _check_options(
@@ -287,13 +302,8 @@ def finetune(
     updates = Updates(adapted, optimizer, grad_accumulation_steps)
     trainer = Trainer(updates, train_set, valid_set, out, config, batch_tokens, seed, patience)
     resumed = trainer.restore()
-    limit = training_memory_limit(memory_limit, None if mx.default_device() == mx.cpu else mx.device_info())
-    previous = None if limit is None else mx.set_memory_limit(limit)
-    try:
+    with under_memory_limit(memory_limit):
         trainer.run(epochs, save_every, progress)
-    finally:
-        if previous is not None:
-            mx.set_memory_limit(previous)
     return FinetuneSummary(out, trainer.history, trainer.best_epoch, resumed, trainer.stopped)
 
 
