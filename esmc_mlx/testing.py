@@ -377,3 +377,68 @@ def random_sequences(
 ) -> list[str]:
     rng = np.random.default_rng(seed)
     return ["".join(rng.choice(list(alphabet), size=rng.integers(min_len, max_len + 1))) for _ in range(n)]
+
+
+def tiny_fold_config(**overrides) -> dict:
+    """A small ESMFold2 config in transformers' spelling (``EsmFold2Config.from_dict`` reads it):
+    every part of the published architecture, a few blocks each, on a 2-block ESMC of width 128.
+    Keyword arguments replace top-level fields (nested ones are dicts)."""
+    atom = dict(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_spatial_rope_pairs_per_axis=1,
+        num_uid_rope_pairs=4,
+    )
+    base = dict(
+        model_type="esmfold2",
+        hidden_size=32,
+        pairwise_hidden_size=32,
+        pair_transition_intermediate_size=64,
+        single_inputs_size=32 + 2 * 33 + 1,
+        sliding_window=32,
+        chunk_size=8,
+        folding_trunk_num_hidden_layers=2,
+        parcae_num_coda_layers=1,
+        num_loops=2,
+        atom_encoder=dict(atom, output_dim=32),
+        structure_head=dict(
+            num_diffusion_samples=2,
+            inference_num_steps=6,
+            diffusion_module=dict(
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=128,
+                pair_intermediate_size=64,
+                fourier_dim=16,
+                atom_encoder=dict(atom, output_dim=64),
+            ),
+        ),
+        confidence_head=dict(num_hidden_layers=1),
+        msa_encoder=dict(enabled=False),
+        lm_encoder=dict(num_hidden_layers=1),
+        esmc_config=hf_config(tiny_config()).to_dict(),
+    )
+    base.update(overrides)
+    return base
+
+
+def random_transformers_fold_model(config: dict | None = None, seed: int = 0):
+    """transformers' EsmFold2Model with every weight random (``init_random_``), the zero-initialised
+    gates and heads included, so that a dropped or swapped tensor changes the fold; the
+    confidence head's distance ``boundaries`` keep their values (a buffer, not a weight)."""
+    import torch
+    from transformers import EsmFold2Config, EsmFold2Model
+
+    torch.manual_seed(seed)
+    model = EsmFold2Model(EsmFold2Config.from_dict(config or tiny_fold_config())).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            init_random_(name, p, generator)
+        for name, b in model.named_buffers():
+            if name.endswith(("frequencies", "phases")):
+                b.normal_(0.0, 1.0, generator=generator)
+    return model

@@ -25,6 +25,7 @@ LAYERS = [
         "errors",
         "settings",
         "config",
+        "fold_config",
         "vocab",
         "artifact",
         "sae_artifact",

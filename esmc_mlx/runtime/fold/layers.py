@@ -1,0 +1,98 @@
+"""The small layers every part of ESMFold2 shares (transformers' ``modeling_esmfold2`` twins).
+
+Attribute names are transformers' own, so checkpoint names need no mapping. Norms compute in
+float32 and return their input's dtype, as the reference's do; its float32-pinned weights
+(``_keep_in_fp32_modules_strict``) stay float32 in every artifact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm computed in float32 (weights float32), returning the input's dtype."""
+
+    def __init__(self, dims: int, eps: float = 1e-5, bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = mx.ones((dims,))
+        if bias:
+            self.bias = mx.zeros((dims,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        bias = self.bias if "bias" in self else None
+        return mx.fast.layer_norm(x.astype(mx.float32), self.weight, bias, self.eps).astype(x.dtype)
+
+
+def plain_layer_norm(x: mx.array, eps: float = 1e-5) -> mx.array:
+    """Weightless LayerNorm in float32 (the result stays float32)."""
+    return mx.fast.layer_norm(x.astype(mx.float32), None, None, eps)
+
+
+def rms_norm(x: mx.array, eps: float = 1e-6) -> mx.array:
+    """Weightless RMSNorm in float32, returning the input's dtype."""
+    x32 = x.astype(mx.float32)
+    return (x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """``down(up * silu(gate))`` with gate and up fused in ``gate_up_proj`` (gate rows first)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(up * nn.silu(gate))
+
+
+class Transition(nn.Module):
+    """LayerNorm + SwiGLU residual, ``chunk_size`` rows of axis 1 at a time (None: all at once)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, chunk_size: int | None):
+        super().__init__()
+        self.norm = LayerNorm(hidden_size)
+        self.mlp = SwiGLU(hidden_size, intermediate_size)
+        self.chunk_size = chunk_size
+
+    def __call__(self, x: mx.array) -> mx.array:
+        n = x.shape[1]
+        step = self.chunk_size or n
+        if step >= n:
+            return x + self.mlp(self.norm(x))
+        parts = [x[:, i : i + step] + self.mlp(self.norm(x[:, i : i + step])) for i in range(0, n, step)]
+        return mx.concatenate(parts, axis=1)
+
+
+class AdaptiveLayerNorm(nn.Module):
+    """adaLN-Zero: ``sigmoid(gate(c)) * LN(x) + shift(c)`` with ``c`` the normed conditioning."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.cond_norm = LayerNorm(hidden_size, eps=eps, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, hidden_size, bias=True)
+        self.shift_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+
+    def __call__(self, x: mx.array, single: mx.array) -> mx.array:
+        normed = plain_layer_norm(x, self.eps)  # float32: the affine below rounds once
+        cond = self.cond_norm(single)
+        return (mx.sigmoid(self.gate_proj(cond)) * normed + self.shift_proj(cond)).astype(x.dtype)
+
+
+class FourierEmbedding(nn.Module):
+    """``cos(2 pi (t * frequencies + phases))`` with fixed (stored, not learned) float32 buffers."""
+
+    def __init__(self, dims: int):
+        super().__init__()
+        self.frequencies = mx.zeros((dims,))
+        self.phases = mx.zeros((dims,))
+
+    def __call__(self, t: mx.array) -> mx.array:
+        return mx.cos(2.0 * math.pi * (t[:, None] * self.frequencies[None, :] + self.phases[None, :]))
