@@ -98,6 +98,15 @@ def load(
     dtype = compute_dtype(dtype)
     directory = resolve_model_dir(path_or_repo_id, revision)
     raw, config = read_model_config(directory)
+    weights = read_weights(directory)
+    model = build(model_class(config), raw, weights, directory, dtype, lazy)
+    prepare(model, fuse=False if lazy else fuse, compile=compile)
+    return model, ESMCTokenizer()
+
+
+def read_weights(directory: Path) -> dict[str, mx.array]:
+    """Every tensor of an artifact's weight files, lazily, after the header checks. Raises
+    ConvertError naming the file for a damaged one or a tensor that is neither float nor packed."""
     weights: dict[str, mx.array] = {}
     files = weight_files(directory)
     # truncated or damaged files, a tensor in two files: one error naming them, before MLX reads them
@@ -113,7 +122,12 @@ def load(
             f"{where[odd[0]]}: tensor {odd[0]} is {str(weights[odd[0]].dtype).split('.')[-1]}, not a float "
             "weight (only quantized weights and their scales are integers); convert the model again"
         )
-    model = model_class(config)
+    return weights
+
+
+def build(model: ESMC, raw: dict, weights: dict, directory: Path, dtype: mx.Dtype | None, lazy: bool) -> ESMC:
+    """``model`` with the artifact's ``weights`` in place: quantized layers where its record says,
+    cast to ``dtype`` (default: stored on a GPU, float32 on the CPU), evaluated unless ``lazy``."""
     record = quantization_record(raw)
     if record:
         try:
@@ -136,8 +150,7 @@ def load(
         model.set_dtype(target)
     if not lazy:
         mx.eval(model.parameters())
-    prepare(model, fuse=False if lazy else fuse, compile=compile)
-    return model, ESMCTokenizer()
+    return model
 
 
 def prepare(model: ESMC, fuse: bool | None = None, compile: bool | None = None) -> ESMC:

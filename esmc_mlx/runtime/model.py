@@ -199,11 +199,12 @@ class MaskedLMHead(nn.Module):
 class ESMC(Execution, nn.Module):
     """ESMC masked language model. Call it with token ids from ``ESMCTokenizer``."""
 
-    def __init__(self, config: ESMCConfig):
+    def __init__(self, config: ESMCConfig, lm_head: bool = True):
         super().__init__()
         self.config = config
         self.esmc = Encoder(config)
-        self.lm_head = MaskedLMHead(config)
+        if lm_head:  # ESMFold2's backbone has none: it reads hidden states only
+            self.lm_head = MaskedLMHead(config)
         object.__setattr__(self, "ops", PLAIN)  # not a module: the fused steps' implementation
         self.init_execution()
 
@@ -260,7 +261,7 @@ class ESMC(Execution, nn.Module):
         if hidden is not None and complete:
             hidden[-1] = normed
         return ESMCOutput(
-            logits=self.lm_head(normed) if complete else None,
+            logits=self.lm_head(normed) if complete and "lm_head" in self else None,
             last_hidden_state=normed if complete else x,
             hidden_states=tuple(hidden) if hidden is not None else None,
             attentions=tuple(weights) if weights is not None else None,
