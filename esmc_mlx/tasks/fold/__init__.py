@@ -1,0 +1,1 @@
+"""ESMFold2 structure prediction: featurization, the diffusion sampler, structure files."""
