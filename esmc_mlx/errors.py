@@ -48,6 +48,12 @@ class JobError(EsmcMlxError):
     """An output directory or input file that a job cannot use as asked."""
 
 
+class FoldError(EsmcMlxError, ValueError):
+    """A structure prediction that cannot run as asked: a chain the fold does not take (empty,
+    characters outside the 20 amino acids and X, a nucleic acid, a ligand), sampling settings that
+    do not apply, or a structure a file format cannot hold."""
+
+
 class ValidationError(EsmcMlxError):
     """Validation could not run as asked (bad threshold name, unreadable reference ...)."""
 

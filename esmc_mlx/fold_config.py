@@ -40,7 +40,11 @@ def _read(cls, raw: Any, where: str):
         raise ConfigError(f"{where} is not a JSON object (got {type(raw).__name__})")
     values = {}
     for field in dataclasses.fields(cls):
-        if field.name not in raw or raw[field.name] is None:
+        if field.name not in raw:
+            continue
+        if raw[field.name] is None:
+            if "None" in str(field.type):  # transformers' None is a value: no sigma cap, no chunking
+                values[field.name] = None
             continue
         value, name = raw[field.name], f"{where}.{field.name}" if where else field.name
         nested = _NESTED.get((cls.__name__, field.name))
