@@ -308,6 +308,16 @@ def test_bad_checkpoints_are_refused_before_anything_is_read_or_written(edit, me
     assert not out.exists() and no_debris(tmp_path)
 
 
+def test_a_damaged_tensor_is_refused_and_nothing_is_left(source, tmp_path):
+    bad = shutil.copytree(source, tmp_path / "nan")
+    state = load_file(bad / "model.safetensors")
+    state["structure_head.token_transformer.layers.1.mlp_gate.weight"][3, 5] = float("nan")
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(ConvertError, match="structure_head.token_transformer.layers.1.mlp_gate.weight .* 1 NaN"):
+        convert(str(bad), tmp_path / "out", q="4", progress=False)
+    assert not (tmp_path / "out").exists() and no_debris(tmp_path)
+
+
 def test_config_contradicting_the_tensors_names_the_field(source, tmp_path):
     bad = shutil.copytree(source, tmp_path / "cfg")
     config = json.loads((bad / "config.json").read_text())
