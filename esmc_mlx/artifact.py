@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from .config import ESMCConfig
 from .errors import ConfigError, ConvertError, EsmcMlxError
+from .fold_config import MODEL_TYPE as FOLD_MODEL_TYPE
 from .readers import MAX_JSON_BYTES, parse_json, read_json
 
 FLOAT_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -55,12 +56,16 @@ class ArtifactKind:
     it is made of there (paths relative to it; an ``EsmcMlxError`` naming what is missing when
     it is incomplete); ``recognise(directory)``, whether a folder without the marker holds one.
     Every kind is published with its model card and validation report when present
-    (``published_files``). A new kind declares itself once with ``register_artifact_kind``."""
+    (``published_files``). A new kind declares itself once with ``register_artifact_kind``.
+    ``facts`` and ``describe``, for a kind ``esmc-mlx info`` describes: ``model_facts`` and
+    ``describe`` of a directory it recognises."""
 
     name: str
     config: str
     files: Callable[[Path], Iterable[str]]
     recognise: Callable[[Path], bool] = lambda directory: False
+    facts: Callable[[Path], dict] | None = None
+    describe: Callable[[Path], dict] | None = None
 
 
 ARTIFACT_KINDS: dict[str, ArtifactKind] = {}
@@ -201,6 +206,8 @@ def read_model_config(directory: Path) -> tuple[dict, ESMCConfig]:
     otherwise build a billion layers' names); ConvertError naming the file and the field."""
     raw = read_config(directory)
     path = Path(directory) / "config.json"
+    if raw.get("model_type") == FOLD_MODEL_TYPE:  # ESMCConfig would say only that a field is missing
+        raise ConvertError(f"{path}: an ESMFold2 model (a fold artifact), not an ESMC one; load it with load_fold")
     try:
         config = ESMCConfig.from_dict(raw)
     except ConfigError as e:
@@ -305,9 +312,6 @@ def model_files(directory: Path) -> list[str]:
     weights = [f.name for f in weight_files(directory)]
     index = [INDEX_FILE] if (directory / INDEX_FILE).is_file() else []
     return ["config.json", *index, *weights, *(n for n in TOKENIZER_FILES if (directory / n).is_file())]
-
-
-register_artifact_kind(ArtifactKind("model", "config.json", model_files, lambda d: (Path(d) / "config.json").is_file()))
 
 
 def artifact_kind(directory: Path, marked: str | None = None) -> ArtifactKind:
@@ -502,10 +506,47 @@ def human_size(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
+def storage_text(raw: dict, names: set[str]) -> str:
+    """How an ESMC's tensors ``names`` (MLX names) are stored, in words, from its config.json
+    ``raw``: the float dtype, or the quantization (mode, bits, group size, the recipe and its
+    per-layer overrides, the layers quantized) and what stays in float."""
+    q = quantization_record(raw)
+    if not q:
+        return raw.get("dtype", "float32")
+    overrides = {k: v for k, v in q.items() if isinstance(v, dict)}
+    storage = f"{q.get('mode') or 'affine'} {q['bits']}-bit, group size {q['group_size']}"
+    if overrides:
+        kinds = sorted({f"{v['bits']}-bit" for v in overrides.values()})
+        storage += f" ({plural(len(overrides), 'layer')} at {', '.join(kinds)})"
+    spec = _record(_record(raw, "esmc_mlx"), "quantization").get("spec")
+    storage = (f"{spec}: " if isinstance(spec, str) and spec.startswith("mixed") else "") + storage  # the recipe
+    storage += f"; {plural(sum(n.endswith('.scales') for n in names), 'layer')} quantized"
+    kept = [
+        part
+        for part, module in (("embedding", "esmc.embed_tokens"), ("norms", None), ("LM head", "lm_head.decoder"))
+        if module is None or (f"{module}.weight" in names and f"{module}.scales" not in names)
+    ]
+    return storage + f"; {', '.join(kept)} {raw.get('dtype')}"
+
+
+def _described_kind(directory: Path) -> ArtifactKind:
+    """The kind whose facts ``esmc-mlx info`` gives for ``directory``: the most specific kind
+    that describes artifacts and recognises it, else the model's."""
+    for kind in reversed(ARTIFACT_KINDS.values()):
+        if kind.facts is not None and kind.recognise(Path(directory)):
+            return kind
+    return ARTIFACT_KINDS["model"]
+
+
 def model_facts(model_dir: Path) -> dict:
-    """What ``esmc-mlx info --json`` prints, as numbers where they are numbers: architecture,
-    parameter count, storage (words), dtype, quantization record, bits per weight (stored bytes x
-    8 / parameters), size on disk in bytes, shards, source."""
+    """What ``esmc-mlx info --json`` prints, as numbers where they are numbers, by the artifact's
+    kind (``ArtifactKind.facts``): for an ESMC model its architecture, parameter count, storage
+    (words), dtype, quantization record, bits per weight (stored bytes x 8 / parameters), size on
+    disk in bytes, shards, source."""
+    return _described_kind(model_dir).facts(Path(model_dir))
+
+
+def _model_facts(model_dir: Path) -> dict:
     model_dir = Path(model_dir)
     raw, config = read_model_config(model_dir)
     files = weight_files(model_dir)
@@ -517,19 +558,7 @@ def model_facts(model_dir: Path) -> dict:
                 tensor_bytes += t["data_offsets"][1] - t["data_offsets"][0]
                 names.add(name)
     q = quantization_record(raw)
-    if q:
-        overrides = {k: v for k, v in q.items() if isinstance(v, dict)}
-        storage = f"{q.get('mode') or 'affine'} {q['bits']}-bit, group size {q['group_size']}"
-        if overrides:
-            kinds = sorted({f"{v['bits']}-bit" for v in overrides.values()})
-            storage += f" ({plural(len(overrides), 'layer')} at {', '.join(kinds)})"
-        spec = _record(_record(raw, "esmc_mlx"), "quantization").get("spec")
-        storage = (f"{spec}: " if isinstance(spec, str) and spec.startswith("mixed") else "") + storage  # the recipe
-        storage += f"; {plural(sum(n.endswith('.scales') for n in names), 'layer')} quantized"
-        head_quantized = "lm_head.decoder.scales" in names or "esmc.embed_tokens.scales" in names
-        storage += f"; {'norms' if head_quantized else 'embedding, norms, LM head'} {raw.get('dtype')}"
-    else:
-        storage = raw.get("dtype", "float32")
+    storage = storage_text(raw, names)
     source = _record(_record(raw, "esmc_mlx"), "source")
     return {
         "directory": str(model_dir),
@@ -558,9 +587,14 @@ def _record(obj: dict, key: str) -> dict:
 
 
 def describe(model_dir: Path) -> dict:
-    """``model_facts`` in words, what ``esmc-mlx info`` prints and the model card shows:
-    architecture, parameters (5,220,416), storage, bits per weight, size on disk (2.26 MiB)."""
-    facts = model_facts(model_dir)
+    """``model_facts`` in words, what ``esmc-mlx info`` prints and the model card shows, by the
+    artifact's kind (``ArtifactKind.describe``): for an ESMC model its architecture, parameters
+    (5,220,416), storage, bits per weight, size on disk (2.26 MiB)."""
+    return _described_kind(model_dir).describe(Path(model_dir))
+
+
+def _describe_model(model_dir: Path) -> dict:
+    facts = _model_facts(model_dir)
     arch = facts["architecture"]
     return {
         "directory": facts["directory"],
@@ -575,3 +609,15 @@ def describe(model_dir: Path) -> dict:
         "shards": facts["shards"],
         "source": facts["source"],
     }
+
+
+register_artifact_kind(
+    ArtifactKind(
+        "model",
+        "config.json",
+        model_files,
+        lambda d: (Path(d) / "config.json").is_file(),
+        facts=_model_facts,
+        describe=_describe_model,
+    )
+)

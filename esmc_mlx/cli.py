@@ -28,6 +28,7 @@ from .finetune.train import DEFAULTS as FINETUNE_DEFAULTS
 from .hub.push import push_artifact
 from .pipeline import convert_validate_many, convert_validate_push, quantize_validate_sae
 from .privacy import public_path
+from .resolve import ALIASES, LOCAL_ALIASES
 from .runtime.cuda import cutlass_qmm
 from .runtime.load import plan as plan_model
 from .tasks.attention import attention_job
@@ -37,7 +38,11 @@ from .tasks.jobs import embed_fasta, scan_job, score_csv
 from .tasks.scoring import DEFAULT_WINDOW
 from .validate import validate as run_validation
 
-SOURCE_HELP = "SOURCE: an alias (300M, 600M, 6B, tiny), a Hub repo id, a local directory or a legacy .pth file."
+SOURCE_HELP = (
+    f"SOURCE: an alias ({', '.join([*ALIASES, *LOCAL_ALIASES])}), a Hub repo id, a local directory or a legacy "
+    ".pth file. An ESMFold2 checkpoint (config.json with model_type esmfold2) converts to a fold artifact: "
+    "--dtype applies to its folding model and backbone, --q quantizes its ESMC backbone."
+)
 
 
 def _error_line(error: EsmcMlxError | OSError) -> click.ClickException:
@@ -318,11 +323,14 @@ Examples:
   esmc-convert 300M --dtype bfloat16            # biohub/ESMC-300M from the Hub
   esmc-convert 6B --q mxfp4 --upload-repo my-org/ESMC-6B-mxfp4
   esmc-convert ./esmc_300m_2024_12_v0.pth -o esmc-300m-mlx
+  esmc-convert ESMFold2-Fast --q mxfp4 --no-validate
 """
 
 
 @_friendly
-@click.command(name="esmc-convert", help="Convert an ESMC checkpoint to MLX.\n\n" + SOURCE_HELP + "\n" + EXAMPLES)
+@click.command(
+    name="esmc-convert", help="Convert an ESMC or ESMFold2 checkpoint to MLX.\n\n" + SOURCE_HELP + "\n" + EXAMPLES
+)
 @_apply(convert_options)
 @click.version_option(__version__)
 def convert_main(**kwargs):
@@ -335,7 +343,9 @@ def main():
     pass
 
 
-@main.command(help="Convert an ESMC checkpoint to MLX (same as esmc-convert).\n\n" + SOURCE_HELP + "\n" + EXAMPLES)
+@main.command(
+    help="Convert an ESMC or ESMFold2 checkpoint to MLX (same as esmc-convert).\n\n" + SOURCE_HELP + "\n" + EXAMPLES
+)
 @_apply(convert_options)
 def convert(**kwargs):
     run_convert(**kwargs)
@@ -383,7 +393,8 @@ def quantize(model_dir, output, q, group_size, quantize_head, force, shard_size)
 
 
 INFO_HELP = """Describe MODEL_DIR, an MLX model directory: architecture, parameters, dtype or
-quantization, bits per weight, size on disk.
+quantization, bits per weight, size on disk (of an ESMFold2 fold artifact: its folding model and
+its ESMC backbone apart).
 
 With --plan, say what runs for each kind of layer at each token count (--tokens) on this
 machine's default device, or on another (--device cpu, metal or cuda:sm_XY, e.g. cuda:sm_80 for

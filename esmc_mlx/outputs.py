@@ -572,13 +572,13 @@ def check_target(
     force: bool,
     sources: Iterable[str | Path] = (),
     create_parent: bool = False,
-    kind: str = "model",
+    kind: str | tuple[str, ...] = "model",
 ) -> None:
     """Fail before any work when the output directory ``out`` cannot be (re)placed: it exists and
     ``force`` is off; it is, contains or lies inside one of ``sources`` or another esmc-mlx
     output; or, with ``force``, it is a file, a link, the current directory or one holding it, a
-    directory esmc-mlx did not write (or wrote as another kind than ``kind``), or one holding
-    files esmc-mlx did not write."""
+    directory esmc-mlx did not write (or wrote as another kind than ``kind``, or than each of
+    the kinds a tuple names), or one holding files esmc-mlx did not write."""
     out = Path(out)
     exists = os.path.lexists(out)
     if out.is_symlink() and not out.exists():  # "already exists" would puzzle: ls shows nothing usable
@@ -604,8 +604,10 @@ def check_target(
                 f"{refuse} esmc-mlx did not write it (no {MARKER} marker); remove it yourself or choose another output"
             )
         there = marker_kind(out)
-        if there != kind:
-            raise OutputError(f"{refuse} it holds an esmc-mlx {there}, not {_a(kind)}; choose another output")
+        kinds = (kind,) if isinstance(kind, str) else tuple(kind)
+        if there not in kinds:
+            wanted = " or ".join(map(_a, kinds))
+            raise OutputError(f"{refuse} it holds an esmc-mlx {there}, not {wanted}; choose another output")
         if foreign:
             raise OutputError(
                 f"{refuse} it holds files esmc-mlx did not write ({_listing(foreign)}); move them out first"

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .artifact import REPORT_DIR
-from .convert import prepare, write_artifact, write_artifacts
+from .convert import CONVERTED_KINDS, prepare, write_artifact, write_artifacts
 from .convert.many import prepare_many, spec_label
 from .convert.sae import parse_sae_spec, spec_config, write_sae
 from .convert.writer import DEFAULT_SHARD_BYTES, check_shard_bytes
@@ -35,10 +35,11 @@ class PipelineResult:
 
 
 def default_output(source: str, q: str | None, dtype: str | None, group_size: int | None = None) -> Path:
-    """ESMC-<name>[-<label> | -<dtype>]-mlx in the current directory; the label is the one of
-    ``--q``'s sub-directories (``spec_label``: 4bit, 4bit-g32, mxfp4)."""
+    """ESMC-<name>[-<label> | -<dtype>]-mlx in the current directory (an ESMFold2 source keeps its
+    name: ESMFold2-Fast-mxfp4-mlx); the label is the one of ``--q``'s sub-directories
+    (``spec_label``: 4bit, 4bit-g32, mxfp4)."""
     stem = Path(source.rstrip("/")).name.removesuffix(".pth") or "model"
-    if not stem.lower().startswith("esmc"):
+    if not stem.lower().startswith(("esmc", "esmfold")):
         stem = f"ESMC-{stem}"
     if q:
         return Path(f"{stem}-{spec_label(q, None, group_size)}-mlx")
@@ -79,17 +80,20 @@ def convert_validate_push(
     out = Path(output) if output else default_output(source, q, dtype, group_size)
     if validate_output and not validation_available():  # fail before an hour of converting
         raise ValidationError(f"--validate needs torch and transformers: {install_hint('torch')}")
-    check_target(out, force, local_paths(source))  # before downloading anything
+    check_target(out, force, local_paths(source), kind=CONVERTED_KINDS)  # before downloading anything
     _check_reference_device(validate_output, reference_device)
     if upload_repo is not None:  # an empty or bad id, no token, a foreign namespace: fail before converting
         check_push_access(upload_repo)
     job = prepare(source, dtype, q, group_size, quantize_head, revision, command)
+    validator = _validator(job.kind, validate_output)
     _prefetch_if_validating(validate_output)  # after the source is found and read, before converting
     # The old output stays in place until the new one is proven: convert and validate in the
     # staging directory, swap in only after validation passed (or was skipped).
-    with StagedDirectory(out, force, sources=job.inputs) as stage:
+    with StagedDirectory(out, force, sources=job.inputs, kind=job.kind) as stage:
         write_artifact(job, stage.path, shard_bytes)
-        where, report = _prove_and_place(stage, out, source, validate_output, revision, reference_device, log)
+        where, report = _prove_and_place(
+            stage, out, source, validate_output, revision, reference_device, log, validator
+        )
         result = PipelineResult(where, report)
         if report is not None and not report.passed:
             failed = ", ".join(c.name for c in report.failed)
@@ -136,19 +140,21 @@ def convert_validate_many(
         raise ValidationError(f"--validate needs torch and transformers: {install_hint('torch')}")
     labels = [spec_label(q, dtype, group_size) for q in specs]
     for label in labels:
-        check_target(out / label, force, local_paths(source))  # before downloading anything
+        check_target(out / label, force, local_paths(source), kind=CONVERTED_KINDS)  # before downloading anything
     _check_reference_device(validate_output, reference_device)
     jobs = prepare_many(source, specs, dtype, group_size, quantize_head, revision, command)
+    validator = _validator(next(iter(jobs.values())).kind, validate_output)  # one source: one kind
     _prefetch_if_validating(validate_output)
     results, failures = [], []
     with contextlib.ExitStack() as stack:
         stages = [
-            stack.enter_context(StagedDirectory(out / label, force, sources=job.inputs)) for label, job in jobs.items()
+            stack.enter_context(StagedDirectory(out / label, force, sources=job.inputs, kind=job.kind))
+            for label, job in jobs.items()
         ]
         write_artifacts(list(jobs.values()), [s.path for s in stages], shard_bytes)
         for label, stage in zip(jobs, stages):
             where, report = _prove_and_place(
-                stage, out / label, source, validate_output, revision, reference_device, log
+                stage, out / label, source, validate_output, revision, reference_device, log, validator
             )
             if report is not None and not report.passed:
                 failures.append(f"{label} ({', '.join(c.name for c in report.failed)}; kept at {where})")
@@ -176,6 +182,20 @@ def _prefetch_if_validating(validate_output: bool | None) -> None:
         prefetch_torch()
 
 
+def _validator(kind: str, validate_output: bool | None) -> Callable[..., Report] | None:
+    """The validation of a conversion that writes ``kind`` (``Conversion.kind``), called as
+    ``validate`` is: ESMC's for a model. An ESMFold2's (``validate.fold.validate_fold_artifact``,
+    the same call) is not written yet: a fold conversion to validate is refused here, before it
+    converts anything; without validation it gets None."""
+    if kind == "model":
+        return validate
+    if _validating(validate_output):
+        raise ValidationError(
+            "validating an ESMFold2 conversion is not available in this esmc-mlx; convert it with --no-validate"
+        )
+    return None
+
+
 def _prove_and_place(
     stage: StagedDirectory,
     target: Path,
@@ -184,14 +204,16 @@ def _prove_and_place(
     revision: str | None,
     reference_device: str,
     log: Callable[[str], None],
+    validator: Callable[..., Report] | None = validate,
 ) -> tuple[Path, Report | None]:
-    """Validate the staged artifact (unless ``validate_output`` is False or torch is missing) and
-    put it in place: at ``target`` when it passed, was not validated, or there is no old output to
-    keep; else beside the old one as ``target.failed-<time>``. Returns (where it is, the report)."""
+    """Validate the staged artifact with ``validator`` (unless ``validate_output`` is False or
+    torch is missing) and put it in place: at ``target`` when it passed, was not validated, or
+    there is no old output to keep; else beside the old one as ``target.failed-<time>``. Returns
+    (where it is, the report)."""
     report = None
     if _validating(validate_output):
         log(f"Validating the conversion against {source} before it goes to {target} ...")
-        report = validate(
+        report = validator(
             stage.path,
             source,
             revision=revision,

@@ -17,6 +17,9 @@ ALIASES = {
     "300M": "biohub/ESMC-300M",
     "600M": "biohub/ESMC-600M",
     "6B": "biohub/ESMC-6B",
+    # ESMFold2 on its ESMC-6B backbone: 48 folding blocks, optional MSA input; Fast: 24, single sequence
+    "ESMFold2": "biohub/ESMFold2",
+    "ESMFold2-Fast": "biohub/ESMFold2-Fast",
 }
 PACKAGED = Path(__file__).resolve().parent / "data"
 LOCAL_ALIASES = {"tiny": PACKAGED / "esmc-tiny"}  # ships inside the package, works offline

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -442,3 +443,25 @@ def random_transformers_fold_model(config: dict | None = None, seed: int = 0):
             if name.endswith(("frequencies", "phases")):
                 b.normal_(0.0, 1.0, generator=generator)
     return model
+
+
+def write_fold_checkpoint(path: Path, config: dict | None = None, seed: int = 0, dtype: str = "float32") -> Path:
+    """An ESMFold2 checkpoint as transformers saves one (``save_pretrained``: config.json,
+    model.safetensors) with ESMC's tokenizer files beside it, from
+    ``random_transformers_fold_model(config, seed)``. A half ``dtype`` is what transformers makes
+    of it: loaded with ``from_pretrained(dtype=...)`` (its float32-pinned tensors stay float32)
+    and saved again."""
+    import torch
+    from transformers import EsmcTokenizer, EsmFold2Model
+
+    path = Path(path)
+    model = random_transformers_fold_model(config, seed)
+    if dtype != "float32":
+        with tempfile.TemporaryDirectory() as full:  # read back from elsewhere: it may be memory-mapped
+            model.save_pretrained(full)
+            model = EsmFold2Model.from_pretrained(full, dtype=getattr(torch, dtype))
+            model.save_pretrained(path)
+    else:
+        model.save_pretrained(path)
+    EsmcTokenizer().save_pretrained(path)
+    return path

@@ -29,6 +29,7 @@ LAYERS = [
         "vocab",
         "artifact",
         "sae_artifact",
+        "fold_artifact",
         "hashes",
         "resolve",
         "privacy",

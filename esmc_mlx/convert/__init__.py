@@ -1,4 +1,4 @@
-"""Convert an ESMC checkpoint to an MLX directory, one tensor at a time.
+"""Convert an ESMC or ESMFold2 checkpoint to an MLX directory, one tensor at a time.
 
 source -> resolve -> open (headers only) -> check names and shapes against the config ->
 stream: read tensor, rename/split, cast or quantize, hand to the shard writer -> config.json,
@@ -20,6 +20,8 @@ from .._version import __version__
 from ..artifact import FLOAT_DTYPES, TOKENIZER_FILES, dtype_name, expected_shapes, read_config
 from ..config import ESMCConfig
 from ..errors import ConvertError, QuantizeError
+from ..fold_artifact import FOLD, expected_fold_shapes, keeps_float32
+from ..fold_config import FoldConfig
 from ..hashes import file_hashes
 from ..outputs import StagedDirectory, check_target, local_paths
 from ..privacy import public_command, public_source_id, scrub
@@ -30,15 +32,20 @@ from . import mapping
 from .sources import Checkpoint, open_checkpoint
 from .writer import DEFAULT_SHARD_BYTES, ShardWriter, check_shard_bytes
 
+# The artifact kinds a conversion writes: an existing output of either may be replaced (--force)
+# before the source is opened; once it is, the output takes the kind of the source.
+CONVERTED_KINDS = ("model", FOLD.name)
+
 
 def check_tensors(ckpt: Checkpoint, config_origin: str, where: str = "checkpoint") -> None:
-    """Names, dtypes and shapes, from headers alone, before any weight is read; ``where`` names
-    the checkpoint in the error."""
-    expected = expected_shapes(ckpt.config)
+    """Names, dtypes and shapes, from headers alone, before any weight is read: every tensor the
+    config's model has (an ESMC's ``expected_shapes``, an ESMFold2's ``expected_fold_shapes``) and
+    no other; ``where`` names the checkpoint in the one error listing what is wrong."""
+    expected = expected_fold_shapes(ckpt.config) if ckpt.is_fold else expected_shapes(ckpt.config)
     produced: dict[str, tuple[int, ...]] = {}
     unknown, odd = [], []
     for name, shape in ckpt.shapes.items():
-        targets = mapping.target_names(name)
+        targets = ckpt.target_names(name)
         if targets is None:
             if not mapping.IGNORED.match(name):
                 unknown.append(name)
@@ -65,7 +72,7 @@ def check_tensors(ckpt: Checkpoint, config_origin: str, where: str = "checkpoint
             )
     if problems:
         listing = problems[0] if len(problems) == 1 else "\n  " + "\n  ".join(problems[:20])
-        raise ConvertError(f"{where} does not match an ESMC model: {listing}")
+        raise ConvertError(f"{where} does not match an {'ESMFold2' if ckpt.is_fold else 'ESMC'} model: {listing}")
 
 
 def _listing(names: list[str], limit: int = 8) -> str:
@@ -87,6 +94,11 @@ class Conversion:
     def inputs(self) -> list[Path]:
         """The paths the conversion reads; an output may be none of them nor hold one."""
         return [self.src.path, *self.ckpt.files]
+
+    @property
+    def kind(self) -> str:
+        """The artifact kind it writes (``artifact.ARTIFACT_KINDS``): ``fold`` for an ESMFold2."""
+        return FOLD.name if self.ckpt.is_fold else "model"
 
 
 def prepare(
@@ -116,7 +128,8 @@ def prepare(
     origin = f"{src.path / 'config.json'}" if (src.path / "config.json").exists() else "the inferred config"
     check_tensors(ckpt, origin, str(src.path))
     out_dtype = FLOAT_DTYPES[dtype] if dtype else ckpt.dtype
-    plan = QuantPlan.parse(q, group_size, ckpt.config, quantize_head) if q else None  # checks widths
+    # an ESMFold2's backbone is quantized as an ESMC is; its folding model is never quantized
+    plan = QuantPlan.parse(q, group_size, ckpt.esmc_config, quantize_head) if q else None  # checks widths
     return Conversion(src, ckpt, out_dtype, plan, command, derived_from)
 
 
@@ -183,9 +196,9 @@ def convert(
     (``quantize_directory`` keeps it for the model card).
     """
     check_shard_bytes(shard_bytes)
-    check_target(out_dir, force, local_paths(source))  # fail before downloading anything
+    check_target(out_dir, force, local_paths(source), kind=CONVERTED_KINDS)  # fail before downloading anything
     job = prepare(source, dtype, q, group_size, quantize_head, revision, command, derived_from)
-    with StagedDirectory(out_dir, force, sources=job.inputs) as stage:
+    with StagedDirectory(out_dir, force, sources=job.inputs, kind=job.kind) as stage:
         write_artifact(job, stage.path, shard_bytes, progress)
         stage.publish()
     return Path(out_dir)
@@ -210,8 +223,8 @@ def write_tensors(
     with tqdm(total=len(ckpt.shapes), unit="tensor", desc=desc, disable=not progress) as bar:
         for source_name, tensor in ckpt.tensors():
             if not mapping.IGNORED.match(source_name):
-                for name, t in mapping.rename(source_name, tensor):
-                    t, source = t.astype(dtype), t
+                for name, t in mapping.rename(source_name, tensor, ckpt.target_names):
+                    t, source = t.astype(mx.float32 if ckpt.is_fold and keeps_float32(name) else dtype), t
                     check_finite(source_name, source, t)  # evaluates the cast once for every target
                     for writer, plan, record in zip(writers, plans, quantized):
                         params = plan.params_for(name, t.shape) if plan else None
@@ -274,7 +287,7 @@ def source_record(src: Source, ckpt: Checkpoint) -> dict:
 
 def write_config(
     directory: Path,
-    config: ESMCConfig,
+    config: ESMCConfig | FoldConfig,
     dtype: mx.Dtype,
     quantization: dict | None,
     provenance: dict,

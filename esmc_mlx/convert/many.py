@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import ConvertError
 from ..outputs import StagedDirectory, check_target, local_paths
-from . import Conversion, prepare, write_artifacts
+from . import CONVERTED_KINDS, Conversion, prepare, write_artifacts
 from .writer import DEFAULT_SHARD_BYTES, check_shard_bytes
 
 
@@ -71,11 +71,11 @@ def convert_many(
     out_dir = Path(out_dir)
     labels = [spec_label(q, dtype, group_size) for q in specs]
     for label in labels:
-        check_target(out_dir / label, force, local_paths(source))
+        check_target(out_dir / label, force, local_paths(source), kind=CONVERTED_KINDS)
     jobs = prepare_many(source, specs, dtype, group_size, quantize_head, revision, command)
     with contextlib.ExitStack() as stack:
         stages = [
-            stack.enter_context(StagedDirectory(out_dir / label, force, sources=job.inputs))
+            stack.enter_context(StagedDirectory(out_dir / label, force, sources=job.inputs, kind=job.kind))
             for label, job in jobs.items()
         ]
         write_artifacts(list(jobs.values()), [s.path for s in stages], shard_bytes, progress)

@@ -1,6 +1,8 @@
 """The one table from checkpoint tensor names to MLX names, for all four input layouts.
 
-MLX names are transformers' ``EsmcForMaskedLM`` names (the published layout maps to itself).
+MLX names are transformers' ``EsmcForMaskedLM`` names (the published layout maps to itself); an
+ESMFold2 checkpoint's backbone (``esmc.*``) goes through the same table, its folding model keeps
+transformers' ``EsmFold2Model`` names.
 The ``esm`` package, the legacy ``.pth`` and mlx-lm's ESMC port fuse q/k/v rows into one matrix
 and gate/up rows into ``fc1``; those are split here. See docs/formats.md.
 """
@@ -8,7 +10,7 @@ and gate/up rows into ``fc1``; those are split here. See docs/formats.md.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
@@ -82,9 +84,21 @@ def target_names(source_name: str) -> tuple[str, ...] | None:
     return None
 
 
-def rename(source_name: str, tensor: mx.array) -> Iterator[tuple[str, mx.array]]:
-    """Yield (mlx_name, tensor) for one source tensor, splitting fused rows."""
-    names = target_names(source_name)
+def fold_target_names(source_name: str) -> tuple[str, ...] | None:
+    """MLX names of an ESMFold2 checkpoint's tensor: the backbone's (``esmc.*``) through the rules
+    above, the folding model's unchanged (its MLX modules use transformers' names); None for a
+    name no rule knows and for the weightless buffers ``IGNORED`` names."""
+    if source_name.startswith("esmc.") or IGNORED.match(source_name):
+        return target_names(source_name)
+    return (source_name,)
+
+
+def rename(
+    source_name: str, tensor: mx.array, names_of: Callable[[str], tuple[str, ...] | None] = target_names
+) -> Iterator[tuple[str, mx.array]]:
+    """Yield (mlx_name, tensor) for one source tensor, splitting fused rows; ``names_of``: the
+    names a source tensor becomes (``target_names``, or ``fold_target_names`` for ESMFold2)."""
+    names = names_of(source_name)
     if names is None:
         raise KeyError(source_name)
     if len(names) == 1:

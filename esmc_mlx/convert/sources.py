@@ -20,6 +20,8 @@ from ..artifact import (
 )
 from ..config import ESMCConfig
 from ..errors import ConfigError, ConvertError, install_hint
+from ..fold_artifact import BACKBONE, check_fold_against_tensors, float32_in_transformers, is_fold_config
+from ..fold_config import FoldConfig
 from ..readers import read_json
 from ..resolve import Source
 from . import mapping
@@ -55,9 +57,10 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 @dataclasses.dataclass
 class Checkpoint:
-    """Tensor names, shapes and a lazy reader for one source checkpoint."""
+    """Tensor names, shapes and a lazy reader for one source checkpoint: an ESMC, or an ESMFold2
+    (``config`` a ``FoldConfig``: the folding model and its ESMC backbone under ``esmc.*``)."""
 
-    config: ESMCConfig
+    config: ESMCConfig | FoldConfig
     shapes: dict[str, tuple[int, ...]]
     dtype: mx.Dtype  # dtype of the floating weights
     files: list[Path]
@@ -65,6 +68,19 @@ class Checkpoint:
     license: str | None = None
     # tensors stored in a dtype that is not a float weight MLX reads (an integer, bool, F64): name -> dtype
     odd_dtypes: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_fold(self) -> bool:
+        return isinstance(self.config, FoldConfig)
+
+    @property
+    def esmc_config(self) -> ESMCConfig:
+        """The ESMC's architecture: the model's, or the backbone's of an ESMFold2."""
+        return self.config.esmc_config if self.is_fold else self.config
+
+    def target_names(self, source_name: str) -> tuple[str, ...] | None:
+        """The MLX names a tensor of this checkpoint becomes (``mapping``), None if no rule knows it."""
+        return (mapping.fold_target_names if self.is_fold else mapping.target_names)(source_name)
 
     def tensors(self) -> Iterator[tuple[str, mx.array]]:
         for name in self.shapes:
@@ -88,7 +104,7 @@ def open_checkpoint(source: Source) -> Checkpoint:
             )
     files = _safetensors_files(source.path)
     tensor_files(files)  # each tensor in one file
-    shapes, dtypes, where, stored = {}, set(), {}, {}
+    shapes, where, stored = {}, {}, {}
     for f in files:
         for name, info in safetensors_header(f).items():
             if name == "__metadata__":
@@ -96,8 +112,6 @@ def open_checkpoint(source: Source) -> Checkpoint:
             shapes[name] = tuple(info["shape"])
             where[name] = f
             stored[name] = info["dtype"]
-            if info["dtype"] in SAFETENSORS_DTYPES:
-                dtypes.add(SAFETENSORS_DTYPES[info["dtype"]])
     loaded: dict[Path, dict[str, mx.array]] = {}
 
     def read(name: str) -> mx.array:
@@ -114,10 +128,11 @@ def open_checkpoint(source: Source) -> Checkpoint:
         shapes, read = _dequantized(shapes, read, source.path)
     config = _read_config(source.path, shapes)
     _check_config(config, shapes, source.path)
+    dtypes = {n: SAFETENSORS_DTYPES[d] for n, d in stored.items() if d in SAFETENSORS_DTYPES}
     return Checkpoint(
         config=config,
         shapes=shapes,
-        dtype=_dominant(dtypes),
+        dtype=_dominant(config, dtypes),
         files=files,
         read=read,
         license=_read_license(source.path),
@@ -179,36 +194,50 @@ def _dequantized(shapes: dict, read: Callable[[str], mx.array], directory: Path)
     return out, read_float
 
 
-def _dominant(dtypes: set) -> mx.Dtype:
+def _dominant(config: ESMCConfig | FoldConfig, dtypes: dict[str, mx.Dtype]) -> mx.Dtype:
+    """The dtype of the floating weights (``dtypes``: name -> dtype): float32 if any is. An
+    ESMFold2 saved in half precision by transformers holds some tensors in float32 still
+    (``fold_artifact.float32_in_transformers``): its dtype is that of the others."""
+    if isinstance(config, FoldConfig):
+        dtypes = {n: d for n, d in dtypes.items() if not float32_in_transformers(n)}
     for dt in (mx.float32, mx.bfloat16, mx.float16):
-        if dt in dtypes:
+        if dt in dtypes.values():
             return dt
     return mx.float32
 
 
-def _read_config(directory: Path, shapes: dict[str, tuple[int, ...]]) -> ESMCConfig:
+def _read_config(directory: Path, shapes: dict[str, tuple[int, ...]]) -> ESMCConfig | FoldConfig:
+    """The architecture config.json describes (an ESMFold2 by its ``model_type``, else an ESMC in
+    any spelling), or the one the shapes imply when there is no config.json."""
     path = directory / "config.json"
     if not path.exists():
         try:
             return mapping.infer_config(shapes)
         except ConfigError as e:
             raise ConvertError(f"{directory}: {e}") from None
+    raw = read_json(path, ConvertError, max_bytes=1 << 20)
     try:
-        return ESMCConfig.from_dict(read_json(path, ConvertError, max_bytes=1 << 20))
+        return FoldConfig.from_dict(raw) if is_fold_config(raw) else ESMCConfig.from_dict(raw)
     except ConfigError as e:
         raise ConvertError(f"{path}: {e}") from None
 
 
-def _check_config(config: ESMCConfig, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
+def _check_config(config: ESMCConfig | FoldConfig, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
     """The config against the checkpoint's tensors (in MLX names), before anything is built for
     it: a num_hidden_layers of 1e9 would otherwise build a billion layers' names."""
+    fold = isinstance(config, FoldConfig)
     renamed: dict[str, tuple[int, ...]] = {}
     for name, shape in shapes.items():
-        targets = mapping.target_names(name) or ()
+        targets = (mapping.fold_target_names if fold else mapping.target_names)(name) or ()
         for target in targets:
             renamed[target] = (shape[0] // len(targets), *shape[1:]) if shape else shape
-    origin = where / "config.json" if (where / "config.json").is_file() else where
-    check_against_tensors(config, renamed, str(origin))
+    origin = str(where / "config.json" if (where / "config.json").is_file() else where)
+    if fold:
+        backbone = {n: s for n, s in renamed.items() if n.startswith(BACKBONE)}
+        check_against_tensors(config.esmc_config, backbone, f"{origin} (esmc_config)")
+        check_fold_against_tensors(config, renamed, origin)
+    else:
+        check_against_tensors(config, renamed, origin)
 
 
 def _read_license(directory: Path) -> str | None:
@@ -283,7 +312,6 @@ def _open_pth(path: Path) -> Checkpoint:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConvertError(f"{path}: not a state dict of tensors")
     shapes = {k: tuple(v.shape) for k, v in state.items()}
-    dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
     odd = {k: str(v.dtype).removeprefix("torch.") for k, v in state.items() if not v.is_floating_point()}
 
     def read(name: str) -> mx.array:
@@ -292,10 +320,11 @@ def _open_pth(path: Path) -> Checkpoint:
     torch_to_mx = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}
     config = _read_config(path.parent, shapes)
     _check_config(config, shapes, path.parent)
+    dtypes = {k: torch_to_mx.get(v.dtype, mx.float32) for k, v in state.items() if v.is_floating_point()}
     return Checkpoint(
         config=config,
         shapes=shapes,
-        dtype=_dominant({torch_to_mx.get(d, mx.float32) for d in dtypes}),
+        dtype=_dominant(config, dtypes),
         files=[path],
         read=read,
         odd_dtypes=odd,

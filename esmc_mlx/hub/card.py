@@ -29,6 +29,7 @@ from ..artifact import (
 )
 from ..artifact import GENERATED_CARD_LINE as MARKER  # the card's last line
 from ..errors import ConfigError, HubError
+from ..fold_artifact import BACKBONE, FOLD
 from ..sae_artifact import read_sae_config, sae_files
 from .repo_id import is_repo_id
 
@@ -171,8 +172,9 @@ def base_model_of(meta: dict) -> str | None:
     return None
 
 
-def _tags(config: dict) -> list[str]:
-    tags = ["mlx", "esmc", "protein", "protein-language-model", "biology"]
+def _tags(config: dict, family: tuple[str, ...] = ("esmc", "protein", "protein-language-model")) -> list[str]:
+    """The card's tags: mlx, the model ``family``'s, biology and the precision's."""
+    tags = ["mlx", *family, "biology"]
     q = quantization_record(config) or {}
     bits = quantized_bits(q) if q else []
     if len(bits) > 1:
@@ -279,21 +281,28 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
     ]
     if base:
         out.append(f"esmc-mlx validate {repo_id.split('/')[-1]} --reference {base}   # re-check it yourself")
-    out += ["```", "", "## Conversion", ""]
+    out += ["```", "", "## Conversion", ""] + _conversion_section(meta, base_link, converted_with)
+    out += ["", "## Quantization", ""] + _quantization_section(config, facts, info)
+    out += ["", "## Validation", ""] + _validation_section(validation, repo_id, base)
+    out += ["", MARKER, ""]
+    return "\n".join(out)
+
+
+def _conversion_section(meta: dict, base_link: str, converted_with: str) -> list[str]:
+    """How the artifact was made: the command, the source and its files' sha256."""
+    source = meta.get("source") or {}
+    revision = source.get("revision")
     command = meta.get("command")
     if command:
-        out += [f"Made with {converted_with} by this command:", "", "```bash", command, "```", ""]
+        out = [f"Made with {converted_with} by this command:", "", "```bash", command, "```", ""]
     else:
-        out += [f"Made with {converted_with} through its Python API (no command line was recorded).", ""]
+        out = [f"Made with {converted_with} through its Python API (no command line was recorded).", ""]
     files = source.get("files") or {}
     if source:
         out.append(f"Source: {base_link}" + (f", commit `{revision}`" if revision else "") + ".")
     if files:
         out += ["", "| Source file | sha256 |", "|---|---|"] + [f"| {n} | `{h}` |" for n, h in sorted(files.items())]
-    out += ["", "## Quantization", ""] + _quantization_section(config, facts, info)
-    out += ["", "## Validation", ""] + _validation_section(validation, repo_id, base)
-    out += ["", MARKER, ""]
-    return "\n".join(out)
+    return out
 
 
 def _local_source(source: dict) -> str:
@@ -338,13 +347,27 @@ def _quantization_section(config: dict, facts: dict, info: dict) -> list[str]:
             f"Not quantized: every tensor is stored as {dtype} ({info['bits per weight']} bits per weight, "
             f"{info['size on disk']})."
         ]
+    lines = _quantized_lines(
+        q,
+        f"{len(facts['quantized_layers'])} of {len(facts['matrices'])} weight matrices; every other "
+        f"tensor (norms, biases and the matrices left in float) is {dtype}",
+    )
+    lines += [
+        f"- Bits per weight: **{info['bits per weight']}** (stored bytes x 8 / parameters; scales and biases included)",
+        f"- Size on disk: {info['size on disk']} ({plural(info['shards'], 'safetensors shard')})",
+    ]
+    return lines
+
+
+def _quantized_lines(q: dict, quantized: str) -> list[str]:
+    """The quantization record ``q`` in words: mode, bits, group size, what is ``quantized``, the
+    per-layer overrides of a mixed recipe."""
     mode = q.get("mode", "affine")
     overrides = {k: v for k, v in q.items() if isinstance(v, (dict, bool))}
     lines = [
         f"- Mode: `{mode}`" + (" (scale and bias per group)" if mode == "affine" else " (shared scale per group)"),
         f"- Bits: {q.get('bits')}{' by default' if overrides else ''}, group size {q.get('group_size')}",
-        f"- Quantized: {len(facts['quantized_layers'])} of {len(facts['matrices'])} weight matrices; every other "
-        f"tensor (norms, biases and the matrices left in float) is {dtype}",
+        f"- Quantized: {quantized}",
     ]
     if overrides:
         by_bits: dict[str, int] = {}
@@ -358,10 +381,6 @@ def _quantization_section(config: dict, facts: dict, info: dict) -> list[str]:
             by_bits[key] = by_bits.get(key, 0) + 1
         counts = ", ".join(f"{plural(n, 'layer')} {k}" for k, n in sorted(by_bits.items()))
         lines.append(f"- Per-layer overrides (mixed recipe): {counts}")
-    lines += [
-        f"- Bits per weight: **{info['bits per weight']}** (stored bytes x 8 / parameters; scales and biases included)",
-        f"- Size on disk: {info['size on disk']} ({plural(info['shards'], 'safetensors shard')})",
-    ]
     return lines
 
 
@@ -505,3 +524,144 @@ def _sae_validation_banner(v: Validation) -> str:
     if v.state == "failed":
         return f"**Validation: FAILED.** {len(v.failed_checks)} of {len(v.enforced)} checks failed; do not rely on it."
     return "**Not validated.** Nothing has compared these SAEs with the float32 ones they came from."
+
+
+# --- ESMFold2 -----------------------------------------------------------------------------------
+FOLD_SEQUENCE = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"
+
+
+def render_fold_card(model_dir: Path, repo_id: str | None = None, endpoint: str | None = None) -> str:
+    """The README.md of a fold artifact (``fold_artifact``'s layout) as published under
+    ``repo_id``: what ESMFold2 is, the precision of its folding model and of its ESMC backbone,
+    how to fold with it, how it was made and its validation report. HubError when the directory
+    is not a readable fold artifact."""
+    from huggingface_hub import ModelCardData, constants
+
+    model_dir = Path(model_dir)
+    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
+    if not FOLD.recognise(model_dir):
+        raise HubError(f"{model_dir}: its config.json does not describe an ESMFold2 model")
+    facts = artifact_facts(model_dir)
+    config, meta, info = facts["config"], facts["meta"], facts["describe"]
+    validation = read_validation(model_dir)
+    base = base_model_of(meta)
+    license_ = meta.get("license")
+    q = quantization_record(config) or {}
+    repo_id = repo_id or model_dir.name
+    name = repo_id.split("/")[-1]
+    dtype = config.get("dtype", "float32")
+    converter = meta.get("converter") or {}
+    converted_with = f"esmc-mlx {converter.get('version', __version__)}"
+    revision = (meta.get("source") or {}).get("revision")
+    msa = isinstance(config.get("msa_encoder"), dict) and config["msa_encoder"].get("enabled", True) is not False
+
+    data = ModelCardData(
+        library_name="mlx",
+        license=license_ or None,
+        license_name=meta.get("license_name"),
+        license_link=meta.get("license_link"),
+        base_model=base,
+        base_model_relation="quantized" if (base and q) else None,
+        tags=_tags(config, ("esmfold2", "esmc", "protein", "protein-structure-prediction")),
+    )
+    base_link = f"[{base}]({endpoint}/{base})" if base else _local_source(meta.get("source") or {})
+    backbone = f"quantized to **{precision_label(config)}**" if q else f"stored as **{dtype}**"
+    out: list[str] = ["---", data.to_yaml(), "---", "", f"# {repo_id}", ""]
+    out += [
+        (f"ESMFold2 protein structure model {base_link}" if base else f"An ESMFold2 model from {base_link},")
+        + f" converted to [MLX](https://github.com/ml-explore/mlx) with esmc-mlx: the folding model stored as "
+        f"**{dtype}**, its ESMC backbone {backbone}; {info['size on disk']} on disk.",
+        "",
+        _validation_banner(validation),
+        "",
+        "| | |",
+        "|---|---|",
+        f"| Base model | {base_link}" + (f" at `{revision[:12]}`" if revision else "") + " |",
+        f"| Architecture | {info['architecture']} |",
+        f"| Folding model | {info['folding parameters']} parameters, {info['folding storage']} |",
+        f"| Backbone | {info['backbone']}, {info['backbone parameters']} parameters |",
+        f"| Backbone weights | {info['backbone storage']}; {info['backbone bits per weight']} bits per weight |",
+        f"| Size on disk | {info['size on disk']} in {plural(info['shards'], 'shard')} |",
+        f"| Validation | {validation.headline()} |",
+        f"| Converter | {converted_with} |",
+        f"| License | {_license_text(license_, base, endpoint)} |",
+        "",
+        "## What this model is",
+        "",
+        "ESMFold2 predicts the three-dimensional structure of a protein from its amino-acid sequence. An ESMC "
+        "protein language model (the backbone) reads the sequence; the hidden states of all its layers feed a "
+        "folding trunk of pair updates (triangle multiplicative updates and transitions) that runs for several "
+        "recycling loops; a diffusion module samples the atoms' coordinates from that representation, and a "
+        "confidence head scores them (pLDDT per residue, PAE, pTM).",
+        "",
+        "This repository holds that network in MLX format, for Apple-silicon Macs (Metal), NVIDIA GPUs (CUDA) "
+        "and plain CPUs. It is read by the `esmc_mlx` package (no PyTorch needed)"
+        + ("; transformers cannot read its MLX-quantized backbone." if q else ".")
+        + (
+            " The checkpoint's MSA encoder is kept with the other weights; esmc-mlx folds single sequences and "
+            "does not run it."
+            if msa
+            else ""
+        ),
+        "",
+        "## Usage",
+        "",
+        install_text(converter.get("version", __version__)),
+        "",
+        "```bash",
+        f"esmc-mlx fold {repo_id} --sequence {FOLD_SEQUENCE}",
+        "```",
+        "",
+        "```python",
+        "from esmc_mlx import load_fold",
+        "",
+        f'model = load_fold("{repo_id}")',
+        "```",
+        "",
+        "To keep a local copy and describe it:",
+        "",
+        "```bash",
+        f"hf download {repo_id} --local-dir {name}",
+        f"esmc-mlx info {name}",
+        "```",
+        "",
+        "## Conversion",
+        "",
+    ]
+    out += _conversion_section(meta, base_link, converted_with)
+    out += ["", "## Precision", ""] + _fold_precision_section(config, facts, info)
+    out += ["", "## Validation", ""] + _validation_section(validation, repo_id, base)
+    out += ["", MARKER, ""]
+    return "\n".join(out)
+
+
+def _fold_precision_section(config: dict, facts: dict, info: dict) -> list[str]:
+    dtype = config.get("dtype", "float32")
+    folding = f"- Folding model: every tensor {dtype}"
+    if dtype != "float32":
+        folding += (
+            ", but for those transformers keeps in float32 in a half-precision model (every norm, the Fourier "
+            "noise features, the confidence head's distance bins, the distogram head, parcae.log_delta), "
+            "stored as float32"
+        )
+    lines = [folding + "."]
+    q = quantization_record(config)
+    if not q:
+        lines.append(f"- Backbone (ESMC): every tensor {dtype}.")
+    else:
+        matrices = [m for m in facts["matrices"] if m.startswith(BACKBONE)]
+        lines.append("- Backbone (ESMC), quantized as esmc-mlx quantizes an ESMC:")
+        lines += [
+            "  " + line
+            for line in _quantized_lines(
+                q,
+                f"{len(facts['quantized_layers'])} of the backbone's {len(matrices)} weight matrices (its blocks' "
+                f"projections); its other tensors are {dtype}",
+            )
+        ]
+    lines += [
+        f"- Backbone bits per weight: **{info['backbone bits per weight']}** (stored bytes x 8 / parameters; "
+        "scales and biases included)",
+        f"- Size on disk: {info['size on disk']} ({plural(info['shards'], 'safetensors shard')})",
+    ]
+    return lines

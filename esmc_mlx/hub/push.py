@@ -46,10 +46,11 @@ from ..artifact import (
 from ..errors import ConvertError, EsmcMlxError, HubError
 from ..finetune import check_adapter_base
 from ..finetune import render_card as render_adapter_card
+from ..fold_artifact import FOLD
 from ..outputs import add_to_marker, atomic_file, locked, read_marker
 from ..privacy import find_tokens, private_findings
 from ..readers import read_json
-from .card import MARKER, Validation, base_model_of, read_validation, render_card, render_sae_card
+from .card import MARKER, Validation, base_model_of, read_validation, render_card, render_fold_card, render_sae_card
 from .repo_id import check_repo_id
 
 # What an adapter's push reports for validation: it has none of the model's kind.
@@ -80,7 +81,7 @@ class PushResult:
     pr_url: str | None = None
     unchanged: bool = False  # the repo already held exactly this artifact: no commit
     notes: list[str] = dataclasses.field(default_factory=list)
-    loader: str = "load"  # the esmc_mlx function that loads it (load_sae, load_adapter for those kinds)
+    loader: str = "load"  # the esmc_mlx function that loads it (load_sae, load_adapter, load_fold for those kinds)
     hub_checked: bool = True  # False: a dry run that did not ask the Hub (offline, no token)
 
     @property
@@ -361,14 +362,14 @@ def push_artifact(
     # The artifact's kind says what it is made of, its card and how it loads; an adapter has no
     # validation report (its card holds its metrics) and must name its base.
     kind = publishing_kind(model_dir)
-    sae, adapter = kind.name == "sae", kind.name == "adapter"
+    sae, adapter, fold = kind.name == "sae", kind.name == "adapter", kind.name == FOLD.name
     if adapter:
         check_adapter_base(model_dir)
     files = artifact_files(model_dir, include)
     validation = ADAPTER_VALIDATION if adapter else check_validation(model_dir, repo_id, allow_unvalidated)
     readme = model_dir / CARD_FILE
     generated = not (readme.is_file() and MARKER not in readme.read_text(errors="replace"))
-    render = render_sae_card if sae else render_adapter_card if adapter else render_card
+    render = render_sae_card if sae else render_adapter_card if adapter else render_fold_card if fold else render_card
     card = render(model_dir, repo_id) if generated else readme.read_text(errors="replace")
     _check_card(card, readme)
     config = read_json(model_dir / kind.config, HubError)
@@ -412,7 +413,7 @@ def push_artifact(
     result = PushResult(
         repo_id, url, branch, files, deletions, card, generated, validation, dry_run=dry_run, created=not exists
     )
-    result.loader = "load_sae" if sae else "load_adapter" if adapter else "load"
+    result.loader = "load_sae" if sae else "load_adapter" if adapter else "load_fold" if fold else "load"
     if not generated:
         result.notes.append("README.md has no esmc-mlx marker line, so it was published as written")
     if not validation.passed and not adapter:
@@ -424,6 +425,8 @@ def push_artifact(
 
     if adapter:
         what = f"LoRA adapter on {meta['base']['repo_id']}"
+    elif fold:
+        what = f"ESMFold2, ESMC backbone {precision_label(config)}"
     else:
         what = f"ESMC {'sparse autoencoders, ' if sae else ''}{precision_label(config)}"
     message = commit_message or (
