@@ -28,7 +28,7 @@ def lm_layout(asym_id: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     positions = np.arange(len(asym_id)) + 1 + 2 * chain_of  # one <cls> before, <eos><cls> between chains
     total = len(asym_id) + 2 * len(chains)
     sequence_id = np.zeros(total, dtype=np.int64)
-    for i, chain in enumerate(chains):
+    for i in range(len(chains)):
         members = positions[chain_of == i]
         sequence_id[members[0] - 1 : members[-1] + 2] = i
     return positions, sequence_id, chains

@@ -101,13 +101,17 @@ class MSAEncoder(nn.Module):
         msa = config.msa_encoder
         self.embed = nn.Linear(config.num_res_types + 2, msa.hidden_size, bias=False)
         self.project_inputs = nn.Linear(config.single_inputs_size, msa.hidden_size, bias=False)
-        self.layers = [MSAEncoderLayer(config, updates_msa=i != msa.num_hidden_layers - 1) for i in range(msa.num_hidden_layers)]
+        self.layers = [
+            MSAEncoderLayer(config, updates_msa=i != msa.num_hidden_layers - 1) for i in range(msa.num_hidden_layers)
+        ]
 
     def __call__(self, pair_states, single_inputs, msa_one_hot, has_deletion, deletion_value, msa_mask):
         """Inputs in the reference's transposed layout: ``msa_one_hot`` (B, L, M, res types), the
         deletion features and ``msa_mask`` (B, L, M)."""
         features = mx.concatenate([msa_one_hot, has_deletion[..., None], deletion_value[..., None]], axis=-1)
-        msa_states = self.embed(features.astype(self.embed.weight.dtype)) + self.project_inputs(single_inputs)[:, :, None]
+        msa_states = (
+            self.embed(features.astype(self.embed.weight.dtype)) + self.project_inputs(single_inputs)[:, :, None]
+        )
         token_mask = msa_mask[:, :, 0].astype(mx.bool_)
         pair_mask = token_mask[:, :, None] & token_mask[:, None, :]
         for layer in self.layers:

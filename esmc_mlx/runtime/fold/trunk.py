@@ -9,6 +9,7 @@ in the order the reference draws them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -197,6 +198,7 @@ def run_trunk_loops(
     distogram_head: nn.Linear,
     draws: Draws,
     num_loops: int | None = None,
+    inject: Callable[[mx.array], mx.array] | None = None,
 ) -> TrunkOutput:
     """The trunk of ``EsmFold2Model.forward`` after the input embedder and the language-model encoder:
     the truncated-normal initial state, ``max(1, num_loops + 1)`` parcae steps each followed by the
@@ -206,7 +208,8 @@ def run_trunk_loops(
     ``initial_pair_states`` and ``lm_pair_states`` are ``[B, L, L, pairwise]`` in the compute dtype,
     ``pair_mask`` the float32 ``[B, L, L]`` of ``pair_mask_of``. Without MSA input, as the reference
     runs when no MSA is given. Draws: one ``truncated_normal``, then one ``keep`` per loop when the
-    config's per-loop dropout is on and language-model states are given.
+    config's per-loop dropout is on and language-model states are given. ``inject``: what turns
+    ``initial_pair_states`` into each loop's input (the MSA encoder, where the model has one).
     """
     num_loops = config.num_loops if num_loops is None else num_loops
     dtype = initial_pair_states.dtype
@@ -229,7 +232,8 @@ def run_trunk_loops(
         if per_loop_dropout:
             keep = draws.keep(tuple(lm_pair_states.shape), p).astype(lm_pair_states.dtype)
             refined_lm = lm_encoder(lm_pair_states * keep / (1.0 - p), pair_attention_mask=pair_mask)
-        injected = initial_pair_states if refined_lm is None else initial_pair_states + refined_lm
+        injected = initial_pair_states if inject is None else inject(initial_pair_states)
+        injected = injected if refined_lm is None else injected + refined_lm
         pair_states = parcae(pair_states, injected, state_decay, input_matrix)
         pair_states = folding_trunk(pair_states, pair_attention_mask=pair_mask)
         # one loop's graph at a time: its L^2-sized temporaries are freed before the next loop

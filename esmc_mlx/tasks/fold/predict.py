@@ -109,7 +109,6 @@ def fold(
     coords = sample_structure(
         denoise, atoms.atom_attention_mask, schedule, gammas, head.noise_scale, head.step_scale, samples, draws
     )
-    del conditioning
     confidence = model.confidence_head(
         single_inputs=trunk.single_inputs,
         pair_states=trunk.pair_states,
