@@ -22,6 +22,7 @@ from .finetune import load_adapter  # noqa: E402
 from .runtime import ESMC, ESMCOutput, ESMCTokenizer  # noqa: E402
 from .runtime.sae import SparseAutoencoder, load_sae  # noqa: E402
 from .tasks import ProteinModel, load, read_embeddings  # noqa: E402
+from .tasks.fold import FoldingModel, Structure, load_fold  # noqa: E402
 
 __all__ = [
     "ESMC",
@@ -29,12 +30,15 @@ __all__ = [
     "ESMCTokenizer",
     "EsmcMlxError",
     "EsmcMlxWarning",
+    "FoldingModel",
     "ProteinModel",
     "SequenceError",
     "SparseAutoencoder",
+    "Structure",
     "TokenizerError",
     "load",
     "load_adapter",
+    "load_fold",
     "load_sae",
     "read_embeddings",
     "__version__",

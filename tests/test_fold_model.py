@@ -12,7 +12,7 @@ pytest.importorskip("transformers", reason="needs transformers: pip install -e '
 
 from esmc_mlx.convert import convert
 from esmc_mlx.runtime.fold.draws import Replay
-from esmc_mlx.runtime.fold.load import load_fold
+from esmc_mlx import load_fold
 from esmc_mlx.tasks.fold import fold, protein_features
 from esmc_mlx.testing import random_transformers_fold_model, tiny_fold_config, write_fold_checkpoint
 from esmc_mlx.validate.fold_reference import reference_fold

@@ -2,7 +2,7 @@
 sampler over a denoiser, structure files (PDB, mmCIF)."""
 
 from .features import chain_tag, chains_from_text, check_chain, protein_features
-from .predict import Structure, fold
+from .predict import FoldingModel, Structure, fold, load_fold
 from .sampler import (
     center_random_augmentation,
     inference_noise_schedule,
@@ -14,8 +14,10 @@ from .sampler import (
 from .structure import rank_samples, to_mmcif, to_pdb
 
 __all__ = [
+    "FoldingModel",
     "Structure",
     "fold",
+    "load_fold",
     "center_random_augmentation",
     "chain_tag",
     "chains_from_text",

@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...runtime.fold.draws import Draws
+from ...runtime.fold.load import load_fold as load_runtime
 from ...runtime.fold.model import ESMFold2
 from .features import protein_features
 from .sampler import noise_schedule, sample_structure
@@ -132,3 +133,16 @@ def fold(
         seconds=time.perf_counter() - start,
         **kept,
     )
+
+
+class FoldingModel(ESMFold2):
+    """ESMFold2 with ``fold`` as a method; ``esmc_mlx.load_fold`` returns one."""
+
+    def fold(self, chains: str | Sequence[str], **kwargs) -> Structure:
+        """Fold one chain or a complex; see ``tasks.fold.fold``."""
+        return fold(self, chains, **kwargs)
+
+
+def load_fold(path_or_repo_id, revision: str | None = None, dtype=None) -> FoldingModel:
+    """``esmc_mlx.runtime.fold.load.load_fold`` returning a ``FoldingModel`` (same arguments, same errors)."""
+    return load_runtime(path_or_repo_id, revision, dtype, model_class=FoldingModel)
