@@ -252,6 +252,38 @@ def test_a_damaged_metrics_file_and_local_base_record_name_the_file(adapter, bas
     check_untouched(before, tmp_path)
 
 
+@pytest.mark.parametrize("fault", ["cut", "nan", "progress"])
+def test_a_damaged_training_checkpoint_is_refused_on_resume(base, tmp_path, monkeypatch, fault):
+    from safetensors import safe_open
+
+    from esmc_mlx.finetune.train import Trainer
+
+    train, out = write_csv(tmp_path / "train.csv", labeled(12)), tmp_path / "adapter"
+    with monkeypatch.context() as patch:  # a run stopped after its last epoch's checkpoint
+        patch.setattr(Trainer, "finish", lambda self: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            finetune(base, train, out, epochs=2)
+    checkpoint = out / "checkpoint.safetensors"
+    with safe_open(str(checkpoint), framework="numpy") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    if fault == "cut":
+        checkpoint.write_bytes(checkpoint.read_bytes()[:-16])
+        fragment = "truncated or corrupt safetensors file"
+    elif fault == "nan":
+        name = next(k for k in tensors if k.startswith("adapters.") and k.endswith("lora_b"))
+        tensors[name][0, 0] = np.nan
+        save_file(tensors, str(checkpoint), metadata=metadata)
+        fragment = "NaN or Inf"
+    else:
+        save_file(tensors, str(checkpoint), metadata={"progress": "[" * 1000 + "]" * 1000})
+        fragment = "progress: JSON nested 1000 levels deep"
+    before = state(out, train)
+    result = cli("finetune", base, "--train", train, "-o", out, "--epochs", "2", "--no-progress")
+    line = one_error_line(result, "unreadable checkpoint", "checkpoint.safetensors", fragment)
+    assert "--force" in line
+    check_untouched(before, tmp_path)
+
+
 SAE_CONFIG_FAULTS = {
     "nested": ('{"d_model": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested"),
     "k-text": (lambda c: c.update(k="4"), "k must be a positive integer"),
