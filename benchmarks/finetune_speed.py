@@ -7,14 +7,19 @@
      same rank, modules, head and batch. Each side in its own process, one after the other;
      prints training tokens per second of each and MLX / torch.
   2. QLoRA (``--qlora``): the same on an affine 4-bit model (built block by block: the bf16
-     weights never exist whole) with gradient checkpointing; prints tokens per second and MLX's
-     peak memory (weights, adapters, optimizer, activations), under the memory limit that
-     ``esmc-mlx finetune`` sets (``--memory-limit GB`` for another).
+     weights never exist whole) with gradient checkpointing (``--no-checkpointing``: without,
+     as LoRA runs); prints tokens per second and MLX's peak memory (weights, adapters,
+     optimizer, activations), under the memory limit that ``esmc-mlx finetune`` sets
+     (``--memory-limit GB`` for another). The base goes through ``finetune.model.training_base``
+     as ``esmc-mlx finetune``'s does: on the CPU dequantized once where memory allows
+     (``--packed``: kept packed, MLX's quantized matmul in every step).
 
     python -m benchmarks.finetune_speed --model 300M --dtype bfloat16 --shape 16x256     # GPU, 1.
     python -m benchmarks.finetune_speed --qlora --model 6B --shape 4x1024                # GPU, 2.
     python -m benchmarks.finetune_speed --qlora --model 6B --shape 1x1024 --grad-accumulation-steps 4
     python -m benchmarks.finetune_speed --model tiny --dtype float32 --shape 4x64 --steps 3   # CPU
+    python -m benchmarks.finetune_speed --device cpu --model small --dtype float32 --shape 4x128 --steps 3 \
+        --qlora --no-checkpointing [--packed]     # CPU QLoRA against the LoRA run above it, same batch
 
 Writes OUT/finetune_speed.json (or finetune_qlora.json). peft is only needed by the torch side
 (the dev extra has it); without it that side is skipped with a note.
@@ -78,8 +83,9 @@ def mlx_side(job: dict) -> dict:
     import mlx.optimizers as optim
 
     from esmc_mlx.bench import config_for
+    from esmc_mlx.finetune import model as finetune_model
     from esmc_mlx.finetune.data import Labels
-    from esmc_mlx.finetune.model import AdaptedModel
+    from esmc_mlx.finetune.model import AdaptedModel, training_base
     from esmc_mlx.finetune.train import Updates, under_memory_limit
     from esmc_mlx.testing import random_mlx_model
 
@@ -89,9 +95,12 @@ def mlx_side(job: dict) -> dict:
         base = quantized_model(config, 4, 64, dtype)
     else:
         base = random_mlx_model(config, dtype)
+    if job["packed"]:
+        finetune_model.FLOAT_BASE_SHARE = 0.0  # QLoRA as it ran before the float base
+    path = training_base(base)  # as esmc-mlx finetune readies its base
     model = AdaptedModel(base, Labels("classification", classes=["0", "1"]))
     model.add_lora(job["rank"], config.num_hidden_layers, 2.0)
-    object.__setattr__(model, "gradient_checkpointing", job["qlora"])
+    object.__setattr__(model, "gradient_checkpointing", job["qlora"] and not job["no_checkpointing"])
     model.train()
     optimizer = optim.AdamW(learning_rate=1e-4)
     step = Updates(model, optimizer, job["accumulate"])
@@ -114,6 +123,7 @@ def mlx_side(job: dict) -> dict:
         "memory_limit_gb": limit / 1e9,
         "mlx": mx.__version__,
         "device": str(mx.default_device()),
+        "base": path,
     }
 
 
@@ -177,6 +187,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--qlora", action="store_true", help="affine 4-bit base, gradient checkpointing, MLX only")
+    p.add_argument("--no-checkpointing", action="store_true", help="--qlora without gradient checkpointing")
+    p.add_argument("--packed", action="store_true", help="--qlora with the base kept packed on the CPU too")
     p.add_argument(
         "--grad-accumulation-steps",
         dest="accumulate",
@@ -210,7 +222,8 @@ def main() -> None:
     results = {"job": {k: v for k, v in job.items() if k != "side"}, "mlx": run_side("mlx", job)}
     mlx_tps = tokens / results["mlx"]["median_s"]
     results["mlx"]["tokens_per_s"] = mlx_tps
-    what = f"{args.model} {'affine4 QLoRA + checkpointing' if args.qlora else args.dtype + ' LoRA'} rank {args.rank}"
+    qlora = f"affine4 QLoRA ({results['mlx']['base']} base){'' if args.no_checkpointing else ' + checkpointing'}"
+    what = f"{args.model} {qlora if args.qlora else args.dtype + ' LoRA'} rank {args.rank}"
     per_update = f" x {args.accumulate} batches" if args.accumulate > 1 else ""
     print(f"{what}, {args.shape}{per_update} ({tokens} tokens a step), {args.device}")
     print(f"  MLX   {mlx_tps:10.0f} tokens/s  ({results['mlx']['median_s'] * 1e3:.1f} ms a step)", end="")

@@ -42,6 +42,7 @@ or, for a library function whose argument ``out`` is the output, ``@guarded("out
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import functools
@@ -67,6 +68,7 @@ from .artifact import (
 )
 from .errors import EsmcMlxError, EsmcMlxWarning, OutputError
 from .readers import read_json
+from .resolve import local_copy
 
 MARKER = ".esmc-mlx"
 MARKER_BYTES = 16 << 20  # a marker lists names: a folder of 100,000 files is ~4 MB
@@ -155,6 +157,28 @@ def _a(kind: str) -> str:
 
 def _is_within(inner: Path, outer: Path) -> bool:
     return inner == outer or outer in inner.parents
+
+
+@dataclasses.dataclass(frozen=True)
+class Found(os.PathLike):
+    """An input the user did not name as a path, found through a record or a resolution: the
+    base model an adapter records, the folder of a Hub repo id in the HF cache, a packaged model.
+    ``how`` says how, in the refusal (``the base model my-adapter records``). The guard treats
+    it as every other input."""
+
+    path: Path
+    how: str
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+def _input(source) -> str:
+    """An input as a refusal names it: the path, and for a ``Found`` one how it was found."""
+    return f"{source} ({source.how})" if isinstance(source, Found) else str(source)
 
 
 # --- the marker -----------------------------------------------------------------------------------
@@ -551,9 +575,9 @@ def check_sources(out: str | Path, sources: Iterable[str | Path] = (), option: s
         s = _real(source)
         if _is_within(s, real):
             what = "is" if s == real else "contains"
-            raise OutputError(f"{option} {out} {what} the input {source}; write the output somewhere else")
+            raise OutputError(f"{option} {out} {what} the input {_input(source)}; write the output somewhere else")
         if s.is_dir() and _is_within(real, s):  # it would become part of the input (and its upload)
-            raise OutputError(f"{option} {out} is inside the input {source}; write the output somewhere else")
+            raise OutputError(f"{option} {out} is inside the input {_input(source)}; write the output somewhere else")
 
 
 def check_not_inside_output(out: str | Path, hosts: Iterable[str] = (), option: str = "the output") -> None:
@@ -666,7 +690,7 @@ def check_file_target(path: str | Path, option: str = "-o", sources: Iterable[st
     for source in sources:
         with contextlib.suppress(OSError):
             if os.path.samefile(path, source):
-                raise OutputError(f"{option} {path} is the input {source}; write the output somewhere else")
+                raise OutputError(f"{option} {path} is the input {_input(source)}; write the output somewhere else")
     if written_in_place(path):  # /dev/null, /dev/stdout, a FIFO
         if not os.access(path, os.W_OK):
             raise OutputError(f"{option} {path}: not writable")
@@ -680,7 +704,7 @@ def check_file_target(path: str | Path, option: str = "-o", sources: Iterable[st
         raise OutputError(f"{option} {path}: is a directory; give a file name")
     for source in sources:
         if Path(source).is_dir() and _is_within(target, _real(source)):
-            raise OutputError(f"{option} {path} is inside the input {source}; write the output somewhere else")
+            raise OutputError(f"{option} {path} is inside the input {_input(source)}; write the output somewhere else")
     check_not_inside_output(path, option=option)
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise OutputError(f"{option} {path}: {path.parent} is not writable")
@@ -1076,17 +1100,23 @@ def guard(
     return OutputFile(path, sources)
 
 
-def local_paths(*values) -> list[Path]:
-    """The values that name something on this machine (a model given as a path, a FASTA ...);
-    a Hub repo id, an alias, a sequence or a loaded model is none."""
+def local_paths(*values) -> list[Path | Found]:
+    """What the values name on this machine: a path as given (a model directory, a FASTA ...);
+    for an alias or a Hub repo id, the copy already here (``resolve.local_copy``: a packaged
+    model, the repo's folder in the HF cache), as a ``Found`` input. A sequence or a loaded
+    model is none."""
     found = []
     for value in values:
-        if isinstance(value, (list, tuple)):
+        if isinstance(value, Found):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
             found += local_paths(*value)
         elif isinstance(value, (str, os.PathLike)) and str(value):
             with contextlib.suppress(OSError, ValueError):
                 if os.path.lexists(os.path.expanduser(str(value))):
                     found.append(Path(os.path.expanduser(str(value))))
+                elif isinstance(value, str) and (copy := local_copy(value)) is not None:
+                    found.append(Found(copy, f"where {value} is kept on this machine"))
     return found
 
 
@@ -1098,11 +1128,14 @@ def guarded(
     when: Callable[[dict], bool] = lambda args: True,
     legacy: Callable[[Path], Iterable[str] | None] | None = None,
     agree: Callable[[dict, BaseException | None], None] | None = None,
+    found: Callable[[dict], Iterable[Found]] | None = None,
 ):
     """Decorator: run the function inside ``guard`` on its argument ``parameter`` (or on the path
     ``parameter(arguments)`` returns: an output derived from the arguments), when it is not None
-    and ``when(arguments)``; ``inputs`` names the arguments that are inputs (those naming local
-    paths count). The function reaches its guard with ``held(path)``. Stacked, one per output.
+    and ``when(arguments)``; ``inputs`` names the arguments that are inputs (``local_paths``:
+    those naming something on this machine count), ``found(arguments)`` gives the inputs found
+    through what those name (an adapter's base model). The function reaches its guard with
+    ``held(path)``. Stacked, one per output.
     ``agree(arguments, error)``: for processes that run the function together (ranks of which
     one writes): called where the guard is taken, with its refusal or None, and with None where
     ``when`` is false, so that every process learns whether the writer may go on."""
@@ -1111,6 +1144,7 @@ def guarded(
         if not when(arguments):
             return _agreed(contextlib.nullcontext(), lambda error: agree(arguments, error))
         sources = local_paths(*(arguments.get(name) for name in inputs))
+        sources += list(found(arguments)) if found is not None else []
         taken = guard(target, kind, mode, inputs=sources, legacy=legacy)
         return taken if agree is None else _agreed(taken, lambda error: agree(arguments, error))
 

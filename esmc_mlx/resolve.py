@@ -159,3 +159,21 @@ def resolve(source: str, revision: str | None = None) -> Source:
             raise HubError(f"{source}: no such file or directory here, and not a model on the Hub ({e})") from None
         raise
     return Source(local, repo_id or source, commit)
+
+
+def local_copy(source: str) -> Path | None:
+    """Where what ``source`` names already lies on this machine, found without the network: a
+    packaged model's folder (``tiny``), or the folder of a Hub repo (an alias's or ``org/name``)
+    in the HF cache, every revision under it. None when there is none (a local path is itself)."""
+    if not isinstance(source, str) or not source or Path(source).expanduser().exists():
+        return None
+    name = source.removeprefix("esmc-mlx/")
+    if name in LOCAL_ALIASES:
+        return LOCAL_ALIASES[name]
+    repo_id = ALIASES.get(source) or ALIASES.get(source.upper()) or source
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")) or not all(repo_id.split("/")):
+        return None
+    from huggingface_hub import constants
+
+    folder = Path(constants.HF_HUB_CACHE) / ("models--" + repo_id.replace("/", "--"))
+    return folder if folder.is_dir() else None

@@ -19,11 +19,11 @@ is ``W_dec`` transposed (d_model, codebook_dim) likewise. The vectors stay float
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from .artifact import FLOAT_DTYPES, ArtifactKind, register_artifact_kind, safetensors_header
 from .errors import ConfigError
+from .readers import read_json
 
 CONFIG_NAME = "config.json"
 MATRICES = ("W_enc", "W_dec")
@@ -114,30 +114,43 @@ class SAEConfig:
         return shapes
 
 
-def read_sae_config(directory: Path) -> SAEConfig:
-    """The SAE config of ``directory``; ConfigError naming the file when missing or not an SAE's."""
+CONFIG_BYTES = 1 << 20  # an SAE's config.json lists its layers: a few hundred bytes
+
+
+def read_sae_json(directory: Path) -> dict:
+    """config.json of an SAE folder as a JSON object, through the bounded reader
+    (``readers.read_json``); ConfigError naming the file when it is missing, too large, too
+    deeply nested, not UTF-8, not JSON or not an object."""
     path = Path(directory) / CONFIG_NAME
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{directory}: no {CONFIG_NAME}; not a sparse autoencoder folder") from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ConfigError(f"{path}: unreadable ({e})") from None
-    return SAEConfig.from_dict(raw, str(path))
+    if not path.is_file():
+        raise ConfigError(f"{directory}: no {CONFIG_NAME}; not a sparse autoencoder folder")
+    raw = read_json(path, ConfigError, max_bytes=CONFIG_BYTES)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return raw
+
+
+def read_sae_config(directory: Path) -> SAEConfig:
+    """The SAE config of ``directory``, every field checked (``SAEConfig.from_dict``); ConfigError
+    naming the file (and the field) when missing, damaged or not an SAE's."""
+    return SAEConfig.from_dict(read_sae_json(directory), str(Path(directory) / CONFIG_NAME))
 
 
 def is_sae_directory(directory: Path) -> bool:
-    """Whether ``directory`` holds an SAE (its config.json has a codebook) rather than a model."""
+    """Whether ``directory`` holds an SAE (its config.json has a codebook) rather than a model; a
+    config.json that cannot be read beside SAE layer files is a damaged SAE's (reading it says
+    what is wrong)."""
     try:
-        raw = json.loads((Path(directory) / CONFIG_NAME).read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(raw, dict) and "codebook_dim" in raw and "d_model" in raw
+        raw = read_sae_json(directory)
+    except ConfigError:
+        return (Path(directory) / CONFIG_NAME).is_file() and any(Path(directory).glob("layer_*.safetensors"))
+    return "codebook_dim" in raw and "d_model" in raw
 
 
 def check_layer_file(path: Path, config: SAEConfig) -> None:
-    """ConfigError naming the file and tensor when a layer file lacks a tensor or holds one of
-    another shape (read from the header: nothing is loaded)."""
+    """ConfigError naming the file and tensor when a layer file is damaged (the header check:
+    cut, overlapping offsets), lacks a tensor, or holds one of another shape or dtype (read from
+    the header: nothing is loaded)."""
     try:
         header = safetensors_header(path)
     except Exception as e:  # ConvertError: damaged or truncated
@@ -149,6 +162,16 @@ def check_layer_file(path: Path, config: SAEConfig) -> None:
             raise ConfigError(
                 f"{path}: tensor {name} has shape {tuple(header[name]['shape'])}, config.json says {shape}"
             )
+        packed = name.endswith(".weight") and config.quantization
+        wanted = ("U32",) if packed else _FLOAT_SAFETENSORS
+        if header[name]["dtype"] not in wanted:
+            raise ConfigError(
+                f"{path}: tensor {name} is {header[name]['dtype']}, not {' or '.join(wanted)} "
+                "(an SAE's matrices and vectors are float; a quantized matrix is packed in U32)"
+            )
+
+
+_FLOAT_SAFETENSORS = ("F32", "F16", "BF16")
 
 
 def sae_files(directory: Path) -> list[str]:

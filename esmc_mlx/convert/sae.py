@@ -16,8 +16,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from .._version import __version__
-from ..artifact import FLOAT_DTYPES
-from ..errors import ConvertError, QuantizeError
+from ..artifact import FLOAT_DTYPES, check_finite, load_safetensors
+from ..errors import ConfigError, QuantizeError
 from ..quantize import QuantParams, parse_spec, quantize_tensor
 from ..sae_artifact import CONFIG_NAME, MATRICES, VECTORS, SAEConfig, layer_file
 
@@ -48,16 +48,21 @@ def spec_config(config: SAEConfig, spec: str | QuantParams, layers: Iterable[int
     return dataclasses.replace(config, available_layers=tuple(layers), dtype="float32", quantization=spec.as_dict())
 
 
-def layer_tensors(tensors: dict[str, mx.array], spec: str | QuantParams) -> dict[str, mx.array]:
-    """One layer's tensors as ``spec`` stores them (the layout in ``sae_artifact``)."""
+def layer_tensors(tensors: dict[str, mx.array], spec: str | QuantParams, where: str = "the SAE") -> dict[str, mx.array]:
+    """One layer's tensors as ``spec`` stores them (the layout in ``sae_artifact``). QuantizeError
+    naming the tensor of ``where`` (its file) when a cast overflows float16 (or bfloat16)."""
     out = {name: tensors[name].astype(mx.float32) for name in VECTORS}
     for name in MATRICES:
         matrix = tensors[name].astype(mx.float32)
         if isinstance(spec, str):
             out[name] = matrix.astype(FLOAT_DTYPES[spec])
+            check_finite(name, tensors[name], out[name], where=where, error=QuantizeError, fix=_OVERFLOW_FIX)
         else:  # as nn.QuantizedLinear holds its weight: rows = outputs, groups along the inputs
             out.update(quantize_tensor(f"{name}.weight", matrix.T, spec))
     return out
+
+
+_OVERFLOW_FIX = "store it as bf16 or 8 instead (--q bf16)"
 
 
 def write_sae(
@@ -72,16 +77,14 @@ def write_sae(
     """Write ``config``'s SAE (``layer_path(i)``: the local file of layer i) with its matrices as
     ``spec`` makes them into the existing folder ``out``: config.json and each of ``layers``
     (default: all) as ``layer_{i}.safetensors``. ``source`` (id, revision) is recorded in
-    config.json. Raises ConvertError for an unreadable layer file."""
+    config.json. Raises ConfigError for a damaged layer file (its header, a NaN or Inf value),
+    QuantizeError for a matrix whose cast overflows."""
     layers = tuple(config.available_layers if layers is None else layers)
     made = spec_config(config, spec, layers)
     for i in layers:
         path = layer_path(i)
-        try:
-            tensors = mx.load(str(path))
-        except (RuntimeError, ValueError, OSError) as e:
-            raise ConvertError(f"{path}: cannot read the SAE weights ({e})") from None
-        stored = layer_tensors(tensors, spec)
+        tensors = load_safetensors(path, ConfigError)  # header checked, every value finite
+        stored = layer_tensors(tensors, spec, str(path))
         mx.eval(stored)
         mx.save_safetensors(str(out / layer_file(i)), stored, metadata={"format": "mlx"})
         del tensors, stored

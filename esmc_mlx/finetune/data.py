@@ -106,6 +106,14 @@ class Labels:
         """Each row's target: a class index, a scaled float, or an int array (one class per residue)."""
         if self.task == "regression":
             values = _numbers(texts, table.where, column)
+            with np.errstate(over="ignore"):
+                scaled = ((values - self.mean) / self.std).astype(np.float32)  # what training reads
+            far = np.flatnonzero(~np.isfinite(scaled))
+            if len(far):
+                raise JobError(
+                    f"{table.where[far[0]]}{column} column: {values[far[0]]:g} is too far from the training labels "
+                    f"(mean {self.mean:g}, standard deviation {self.std:g}) to scale; rescale the labels"
+                )
             return list((values - self.mean) / self.std)
         index = {c: i for i, c in enumerate(self.classes)}
         targets = []
@@ -135,12 +143,20 @@ def labels_from_training(
             raise JobError(f"{where}{column} column: empty label")
     if task == "regression":
         values = _numbers(texts, table.where, column)
-        std = float(values.std())
+        with np.errstate(over="ignore", invalid="ignore"):
+            mean, std = float(values.mean()), float(values.std())
+        if not (math.isfinite(mean) and math.isfinite(std)):
+            low, high = int(values.argmin()), int(values.argmax())
+            raise JobError(
+                f"{table.path}: the {column} column spans {values[low]:g} ({table.where[low].rstrip(': ')}) to "
+                f"{values[high]:g} ({table.where[high].rstrip(': ')}), too wide a spread to scale in float64 "
+                "(its mean or standard deviation overflows); rescale the labels (divide them, or take their log)"
+            )
         if not std > 0:
             raise JobError(
                 f"{table.path}: every row of the {column} column is {values[0]:g}; regression needs targets that vary"
             )
-        return Labels(task, mean=float(values.mean()), std=std)
+        return Labels(task, mean=mean, std=std)
     if task == "classification":
         classes = sorted(set(texts))
         if len(classes) < 2:

@@ -9,6 +9,7 @@ states, and a forward through the blocks that gradients can pass (see ``encode``
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -18,9 +19,9 @@ from mlx.utils import tree_unflatten
 
 from ..errors import JobError, install_hint
 from ..runtime.model import ESMC, additive_mask, attention_mask_for
-from ..runtime.quantized import QuantizedLinear
+from ..runtime.quantized import QuantizedLinear, dequantize_model
 from ..runtime.tokenizer import ESMCTokenizer
-from ..tasks.scoring import PAD_MULTIPLE, encode, length_batches
+from ..tasks.scoring import PAD_MULTIPLE, check_records_memory, encode, length_batches, memory_bytes
 from ..tasks.stats import spearman
 from ..vocab import as_sequences, check_sequence
 from .data import Labels
@@ -80,6 +81,31 @@ def plain_quantized(model: nn.Module) -> None:
             swaps.append((path, plain))
     if swaps:
         model.update_modules(tree_unflatten(swaps))
+
+
+# On the CPU, MLX's quantized matmul, and its transpose for the input gradient, runs at a few
+# GFLOP/s against a float32 GEMM's ~200 through OpenBLAS: a QLoRA step took 26x a LoRA step of
+# the same model and batch (docs/decisions.md). There the frozen base is dequantized once, when
+# its float32 weights take at most this share of the machine's memory.
+FLOAT_BASE_SHARE = 0.5
+
+
+def training_base(model: ESMC) -> str:
+    """Ready a loaded base (``load(fuse=False)``) for training adapters on it, frozen: on the
+    CPU, a quantized base whose float32 weights fit ``FLOAT_BASE_SHARE`` of the memory is
+    dequantized once (``"float"``); else its quantized layers become mlx's own (``plain_quantized``,
+    ``"packed"``: QLoRA). Returns which; a float base is ``"float"`` as it is."""
+    quantized = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    if not quantized:
+        return "float"
+    dequantized = sum(4 * m.weight.size * 32 // m.bits for m in quantized)  # float32 bytes
+    if mx.default_device() == mx.cpu and dequantized <= FLOAT_BASE_SHARE * memory_bytes():
+        dequantize_model(model, mx.float32)
+        model.freeze()
+        mx.eval(model.parameters())
+        return "float"
+    plain_quantized(model)
+    return "packed"
 
 
 def block(layer: nn.Module, x: mx.array, mask: mx.array | None) -> mx.array:
@@ -147,12 +173,19 @@ class AdaptedModel(nn.Module):
             h = h[:, 0] if self.pool == "cls" else _residue_mean(h, attention)
         return self.head(h)
 
-    def predict(self, sequences: str | Sequence[str], batch_tokens: int = 4096) -> Predictions:
+    def predict(
+        self, sequences: str | Sequence[str], batch_tokens: int = 4096, names: Sequence[str] | None = None
+    ) -> Predictions:
         """Predictions for ``sequences`` (one string or a list): a label per sequence
         (classification, with the probability of every class), a value (regression), or a
-        label per residue (per-residue). Raises SequenceError for an invalid sequence."""
+        label per residue (per-residue). ``names``: how errors name each sequence (a FASTA ID,
+        a CSV line). Raises SequenceError for an invalid sequence, ScoringError for a sequence
+        or batch too large for this machine's memory (checked before any forward), JobError
+        for a prediction that is not a finite number."""
         sequences = [check_sequence(s, label="sequence") for s in as_sequences(sequences)]
+        names = list(names) if names is not None else [f"sequence {i + 1}" for i in range(len(sequences))]
         encoded, batches = token_batches(sequences, batch_tokens)
+        check_records_memory(self.base.config, [len(e) - 2 for e in encoded], batch_tokens, names.__getitem__)
         labels, values, scores = self.labels, [None] * len(sequences), [None] * len(sequences)
         was_training = self.training
         self.eval()
@@ -164,6 +197,13 @@ class AdaptedModel(nn.Module):
                     out = mx.softmax(out, axis=-1)
                 out = np.array(out)
                 lengths = np.array([len(encoded[r]) - 2 for r in rows])
+                for k, (r, n) in enumerate(zip(rows, lengths)):
+                    used = out[k, 1 : 1 + n] if labels.task == "per-residue" else out[k]
+                    if not np.isfinite(used).all():
+                        raise JobError(
+                            f"{names[r]}: the model's output is NaN or Inf, not a prediction: the adapter or its base "
+                            "model computes non-finite values for it"
+                        )
                 for k, (r, p) in enumerate(zip(rows, batch_predictions(labels, out, lengths))):
                     if labels.task == "regression":
                         values[r] = float(p) * labels.std + labels.mean
@@ -173,6 +213,12 @@ class AdaptedModel(nn.Module):
                         values[r] = "".join(labels.classes[int(c)] for c in p)
         finally:
             self.train(was_training)
+        bad = [k for k, v in enumerate(values) if isinstance(v, float) and not math.isfinite(v)]
+        if bad:  # a finite output scaled past float64 (labels.std)
+            raise JobError(
+                f"{names[bad[0]]}: the prediction {values[bad[0]]} is not a finite number (the adapter's target "
+                f"scaling, mean {labels.mean:g} and std {labels.std:g}, takes it past float64)"
+            )
         probabilities = np.stack(scores) if labels.task == "classification" else None
         return Predictions(labels.task, values, labels.classes, probabilities)
 

@@ -9,7 +9,7 @@ import dataclasses
 from pathlib import Path
 
 from ..outputs import guarded, held
-from .adapter import load_adapter
+from .adapter import found_inputs, load_adapter
 from .data import prediction_inputs
 
 
@@ -20,7 +20,13 @@ class PredictSummary:
     task: str
 
 
-@guarded("out", "predictions", "file", inputs=("adapter", "fasta", "csv_path", "sequence", "base"))
+@guarded(
+    "out",
+    "predictions",
+    "file",
+    inputs=("adapter", "fasta", "csv_path", "sequence", "base"),
+    found=lambda arguments: found_inputs(arguments["adapter"], arguments["base"]),
+)
 def predict_csv(
     adapter: str | Path,
     out: str | Path,
@@ -35,11 +41,18 @@ def predict_csv(
     """Predict with the adapter ``adapter`` (directory or Hub repo) for exactly one of
     ``sequence``, ``fasta`` (one row per record, ``id`` its ID) and ``csv_path`` (its rows and
     columns kept), and write ``out``: the CSV with a ``prediction`` column, and for
-    classification one ``p_CLASS`` column per class. Inputs are checked before the model loads.
-    Raises JobError, SequenceError, HubError."""
+    classification one ``p_CLASS`` column per class. Inputs are checked before the model loads;
+    the longest record and a batch against the memory before the first forward. Raises
+    JobError, SequenceError, ScoringError (memory), ConfigError (a damaged adapter), HubError."""
     ids, sequences, table = prediction_inputs(sequence, fasta, csv_path, sequence_column)
+    if table is not None:
+        names = [where.rstrip(": ") for where in table.where]
+    elif fasta is not None:
+        names = [f"{fasta}: record {i!r}" for i in ids]
+    else:
+        names = ["--sequence"]
     model = load_adapter(adapter, base)
-    result = model.predict(sequences, batch_tokens=batch_tokens)
+    result = model.predict(sequences, batch_tokens=batch_tokens, names=names)
     extra = [f"p_{c}" for c in result.classes] if result.probabilities is not None else []
     if table is not None:
         rows = [dict(r) for r in table.rows]

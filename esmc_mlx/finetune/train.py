@@ -23,13 +23,16 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from .._version import __version__
-from ..artifact import sha256
+from ..artifact import load_safetensors, read_model_config, safetensors_header, sha256
+from ..config import ESMCConfig
 from ..errors import JobError
 from ..outputs import guarded, held
 from ..privacy import public_path
+from ..readers import parse_json
 from ..resolve import resolve
 from ..runtime.load import load
-from ..tasks.scoring import positive_int
+from ..tasks import scoring
+from ..tasks.scoring import check_records_memory, forward_bytes, positive_int
 from . import adapter as files
 from .data import LabeledSet, Labels, read_labeled
 from .model import (
@@ -40,8 +43,8 @@ from .model import (
     batch_predictions,
     loss_fn,
     metric,
-    plain_quantized,
     token_batches,
+    training_base,
 )
 from .model import lora_parameters as lora_settings
 from .model import pack as pack_batch
@@ -177,6 +180,40 @@ def _check_options(
         raise JobError(f"patience must be 0 (no early stopping) or a positive integer, got {patience!r}")
 
 
+def check_training_memory(
+    config: ESMCConfig, train: LabeledSet, valid: LabeledSet | None, batch_tokens: int, checkpointing: bool
+) -> None:
+    """ScoringError, before the output is made, when the longest sequence of the training CSV
+    alone, or a batch of ``batch_tokens``, would not fit a training step in this machine's
+    memory (the validation CSV: a forward pass): the check ``embed`` makes before its first
+    forward (``scoring.check_records_memory``), for a step whose backward needs the forward's
+    activations. Says whether --gradient-checkpointing would make it fit."""
+    lengths = [len(s) for s in train.sequences]
+    fits = forward_bytes(config, 1, max(lengths, default=0) + 2, training=True, checkpointing=True)
+    if not checkpointing and fits <= scoring.memory_bytes():
+        fix_record = f"pass --gradient-checkpointing (about {fits / 2**30:,.1f} GiB: each block recomputed)"
+    else:
+        fix_record = "attention grows with the square of the length: split the sequence or leave it out of the CSV"
+    check_records_memory(
+        config,
+        lengths,
+        batch_tokens,
+        lambda i: train.table.where[i].rstrip(": "),
+        fix_record=fix_record,
+        fix_batch="give a smaller --batch-tokens" + ("" if checkpointing else " or pass --gradient-checkpointing"),
+        training=True,
+        checkpointing=checkpointing,
+    )
+    if valid is not None:
+        check_records_memory(
+            config,
+            [len(s) for s in valid.sequences],
+            batch_tokens,
+            lambda i: valid.table.where[i].rstrip(": "),
+            fix_record="attention grows with the square of the length: split the sequence or leave it out of the CSV",
+        )
+
+
 def _data_record(path: Path, data: LabeledSet) -> dict:
     return {"file": public_path(path), "sha256": sha256(path), "rows": len(data.sequences)}
 
@@ -252,9 +289,10 @@ def finetune(
     source = resolve(str(model), revision)
     if source.is_pth or not source.path.is_dir():
         raise JobError(f"{model}: not an MLX model directory; convert it first with esmc-convert")
+    base_config = read_model_config(source.path)[1]  # bounded, checked against the weights' headers
+    check_training_memory(base_config, train_set, valid_set, batch_tokens, gradient_checkpointing)
     base = files.base_identity(source)
-    raw_config = json.loads((source.path / "config.json").read_text())
-    layers_total = int(raw_config.get("num_hidden_layers") or raw_config.get("n_layers"))
+    layers_total = base_config.num_hidden_layers
     num_layers = layers_total if lora_layers == "all" else min(int(lora_layers), layers_total)
     training = {
         "epochs": epochs,
@@ -292,7 +330,7 @@ def finetune(
         return FinetuneSummary(out, files._read_metrics(out), meta.get("best_epoch"), None, False, already_done=True)
 
     base_model, _ = load(source.path, fuse=False, compile=False)
-    plain_quantized(base_model)
+    training_base(base_model)
     mx.random.seed(seed)
     adapted = AdaptedModel(base_model, labels, head, pool)
     adapted.add_lora(lora_rank, num_layers, lora_scale)
@@ -344,8 +382,9 @@ def _differences(existing: dict, config: dict) -> list[str]:
 
 def _write_json(path: Path, data) -> None:
     """``path`` in the adapter folder, written whole through its guard (recorded as esmc-mlx's)."""
+    text = json.dumps(data, indent=2, allow_nan=False)  # NaN or Infinity is not JSON: stopped where they enter
     with held(path.parent).file(path.name) as f:
-        f.write(json.dumps(data, indent=2) + "\n")
+        f.write(text + "\n")
 
 
 def _write_arrays(path: Path, arrays: dict[str, mx.array], metadata: dict | None = None) -> None:
@@ -468,14 +507,13 @@ class Trainer:
         path = self.out / files.CHECKPOINT
         if not path.exists():
             return None
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(path), framework="numpy") as f:
-                progress = json.loads(f.metadata()["progress"])
-                arrays = {k: mx.array(f.get_tensor(k)) for k in f.keys()}  # noqa: SIM118 (not a dict)
-        except Exception as e:  # a file damaged since (a checkpoint is written whole)
-            raise JobError(f"{path}: unreadable checkpoint ({e}); use --force to start over") from None
+        try:  # header checked, values finite, progress bounded: the checkpoint is read as any artifact
+            arrays = load_safetensors(path, JobError)
+            metadata = safetensors_header(path).get("__metadata__") or {}
+            progress = parse_json(metadata.get("progress", ""), f"{path}: progress", JobError)
+            self.check_progress(progress)
+        except JobError as e:  # a file damaged since (a checkpoint is written whole)
+            raise JobError(f"unreadable checkpoint: {e}; use --force to start over") from None
         part = lambda p: [(k[len(p) + 1 :], v) for k, v in arrays.items() if k.startswith(p + ".")]  # noqa: E731
         adapters = part("adapters")
         expected = {k for k, _ in tree_flatten(self.model.base.esmc.trainable_parameters())}
@@ -491,6 +529,18 @@ class Trainer:
         self.best_epoch, self.stale = progress["best_epoch"], progress["stale"]
         mx.eval(self.model.parameters(), self.optimizer.state)
         return f"epoch {self.epoch + 1}, step {self.batch}"
+
+    @staticmethod
+    def check_progress(progress) -> None:
+        """JobError unless ``progress`` holds what ``save_checkpoint`` writes."""
+        keys = ("epoch", "batch", "running", "history", "best_loss", "best_epoch", "stale")
+        if not (isinstance(progress, dict) and all(k in progress for k in keys)):
+            raise JobError(f"its progress record lacks {', '.join(k for k in keys if k not in (progress or {}))}")
+        counts = [progress[k] for k in ("epoch", "batch", "stale")]
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+            raise JobError("its progress record's epoch, batch and stale are not counts")
+        if not (isinstance(progress["running"], dict) and isinstance(progress["history"], list)):
+            raise JobError("its progress record's running totals or history are damaged")
 
     def save_weights(self) -> None:
         weights = self._weights()
@@ -532,6 +582,11 @@ class Trainer:
         ids, attention, targets = pack_batch(self.train_encoded, rows, self.train_set.targets, self.labels)
         loss, outputs = self.updates(ids, attention, targets)
         mx.eval(loss, outputs, self.updates.state)
+        if not math.isfinite(loss.item()):  # the weights it updated hold NaN from here on: keep none of it
+            raise JobError(
+                f"training diverged: the loss of epoch {self.epoch + 1}, step {self.batch + 1} is {loss.item()}; "
+                f"lower --learning-rate (now {self.optimizer.learning_rate.item():g}) and run again with --force"
+            )
         lengths = np.array([len(self.train_encoded[r]) - 2 for r in rows])
         predictions = batch_predictions(self.labels, np.array(outputs), lengths)
         self.running.add(loss.item(), len(rows), predictions, [self.train_set.targets[r] for r in rows])
@@ -564,7 +619,7 @@ class Trainer:
             else:
                 self.stale += 1
                 self.stopped = bool(self.patience) and self.stale >= self.patience
-        self.history.append({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()})
+        self.history.append({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()})
         self.epoch, self.batch, self.running = self.epoch + 1, 0, Running(self.labels)
         _write_json(self.out / files.METRICS, {"metric": self.metric_name, "epochs": self.history})
         self.save_checkpoint()

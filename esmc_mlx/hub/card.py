@@ -10,7 +10,6 @@ by hand, so the card cannot drift from the weights it describes.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 
@@ -24,13 +23,15 @@ from ..artifact import (
     precision_label,
     quantization_record,
     quantized_bits,
+    read_config,
     safetensors_header,
     weight_files,
 )
 from ..artifact import GENERATED_CARD_LINE as MARKER  # the card's last line
-from ..errors import ConfigError, HubError
+from ..errors import ConfigError, EsmcMlxError, HubError
 from ..fold_artifact import BACKBONE, FOLD
-from ..sae_artifact import read_sae_config, sae_files
+from ..readers import read_json
+from ..sae_artifact import read_sae_config, read_sae_json, sae_files
 from .repo_id import is_repo_id
 
 
@@ -104,8 +105,8 @@ def read_validation(model_dir: Path) -> Validation:
     if not report_path.is_file():
         return Validation("missing", markdown=markdown, plots=plots, problem="validation/report.json is missing")
     try:
-        report = json.loads(report_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        report = read_json(report_path, HubError)
+    except HubError as e:
         return Validation("unreadable", plots=plots, problem=f"validation/report.json is not readable JSON ({e})")
     if not isinstance(report, dict) or not isinstance(report.get("passed"), bool):
         return Validation("unreadable", plots=plots, problem='validation/report.json has no boolean "passed"')
@@ -141,9 +142,9 @@ def artifact_facts(model_dir: Path) -> dict:
     if not config_path.is_file():
         raise HubError(f"{model_dir}: no config.json; is this an esmc-mlx output directory?")
     try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise HubError(f"{config_path}: not readable JSON ({e})") from None
+        config = read_config(model_dir)  # bounded, its fields checked
+    except EsmcMlxError as e:
+        raise HubError(str(e)) from None
     try:
         facts = describe(model_dir)
     except Exception as e:  # a config or shard that does not parse: say which artifact, not a traceback
@@ -451,8 +452,8 @@ def render_sae_card(sae_dir: Path, repo_id: str | None = None, endpoint: str | N
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
     try:
         config = read_sae_config(sae_dir)
-        raw = json.loads((sae_dir / "config.json").read_text())
-    except (ConfigError, OSError, ValueError) as e:
+        raw = read_sae_json(sae_dir)
+    except ConfigError as e:
         raise HubError(str(e)) from None
     meta = raw.get("esmc_mlx") or {}
     base = base_model_of(meta)

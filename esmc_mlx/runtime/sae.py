@@ -21,7 +21,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..errors import ConfigError, ConvertError, ScoringError
+from ..artifact import check_finite, load_safetensors
+from ..errors import ConfigError, ScoringError
 from ..hashes import file_hashes
 from ..resolve import download_checkpoint, download_file
 from ..sae_artifact import CONFIG_NAME, SAEConfig, check_layer_file, layer_file, read_sae_config
@@ -65,7 +66,14 @@ def top_k(x: mx.array, k: int) -> mx.array:
 class SAELayer:
     """One backbone layer's SAE: the encoder's matrix (float or 8-bit), ``b_dec``, ``idf``, ``max``."""
 
-    def __init__(self, config: SAEConfig, layer: int, tensors: dict[str, mx.array], dtype: mx.Dtype | None = None):
+    def __init__(
+        self,
+        config: SAEConfig,
+        layer: int,
+        tensors: dict[str, mx.array],
+        dtype: mx.Dtype | None = None,
+        where: str = "the SAE",
+    ):
         self.config, self.layer = config, layer
         self.b_dec, self.idf, self.max = (tensors[n].astype(mx.float32) for n in ("b_dec", "idf", "max"))
         q = config.quantization
@@ -76,6 +84,8 @@ class SAELayer:
         else:
             w = tensors["W_enc"]
             self.w_enc = w if dtype is None else w.astype(dtype)
+            if dtype is not None and dtype != w.dtype:  # a float16 copy of float32 values may overflow
+                check_finite("W_enc", w, self.w_enc, where=where, error=ConfigError, fix="load it in float32")
         mx.eval(self.arrays())
 
     def arrays(self) -> list[mx.array]:
@@ -174,15 +184,16 @@ class SparseAutoencoder:
             self._files[layer] = path
         return self._files[layer]
 
+    def tensors(self, layer: int) -> dict[str, mx.array]:
+        """The stored tensors of ``layer``'s file: its header checked (``file``), then read, each
+        checked finite (``artifact.load_safetensors``). ConfigError naming the file and tensor."""
+        return load_safetensors(self.file(layer), ConfigError)
+
     def layer(self, layer: int) -> SAELayer:
         """The SAE of backbone hidden state ``layer``, read from its file on first use."""
         if layer not in self._layers:
-            path = self.file(layer)
-            try:
-                tensors = mx.load(str(path))
-            except (RuntimeError, ValueError, OSError) as e:
-                raise ConvertError(f"{path}: cannot read the SAE weights ({e})") from None
-            self._layers[layer] = SAELayer(self.config, layer, tensors, self._dtype)
+            where = str(self.file(layer))
+            self._layers[layer] = SAELayer(self.config, layer, self.tensors(layer), self._dtype, where)
         return self._layers[layer]
 
     def release(self, layer: int) -> None:

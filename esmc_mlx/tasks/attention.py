@@ -36,7 +36,7 @@ from .distributed import World
 from .heatmap import check_plotting
 from .jobs import _model, check_stems, input_records
 from .scan import ScanManifest, safe_name
-from .scoring import _pack, encode
+from .scoring import _pack, check_records_memory, encode
 from .store import sequence_hash
 
 MAP_BYTES = 16 << 20  # attention maps computed (and held) at a time: whole heads, at least one
@@ -270,6 +270,13 @@ def attention_job(
         check_plotting()
     manifest = AttentionManifest(held(out))
     model, _ = _model(model, None)
+    check_records_memory(  # one protein a forward: the batch is the record
+        model.config,
+        [len(seq) for _, seq in records],
+        1,
+        lambda i: f"{fasta}: record {records[i][0]!r}" if fasta is not None else "--sequence",
+        attentions=True,
+    )
     blocks = resolve_blocks(layers, model.config.num_hidden_layers)
     chosen = resolve_heads(heads, model.config.num_attention_heads)
     weights = model.fingerprint()

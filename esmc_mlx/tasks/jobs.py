@@ -35,9 +35,9 @@ from .scoring import (
     PAD_MULTIPLE,
     NonstandardTally,
     Rejected,
-    check_forward_memory,
     check_multi_window,
     check_mutants,
+    check_records_memory,
     default_batch_tokens,
     encode,
     iter_embeddings,
@@ -234,28 +234,12 @@ def embed_fasta(
 
 def check_batch_memory(model: ESMC, index: RecordIndex, batch_tokens: int, fasta, hidden_states: bool) -> None:
     """ScoringError, before anything is written, when the longest record alone, or a batch of
-    ``batch_tokens`` padded tokens, would not fit in memory (``scoring.check_forward_memory``)."""
-    if not len(index.lengths):
-        return
-    longest = int(np.argmax(index.lengths))
-    residues = int(index.lengths[longest])
-    width = -(-(residues + 2) // PAD_MULTIPLE) * PAD_MULTIPLE
-    if width > batch_tokens:
-        check_forward_memory(
-            model.config,
-            1,
-            width,
-            f"{fasta}: record {index.ids[longest]!r} ({residues:,} residues)",
-            "attention grows with the square of the length: split the record (into domains, or "
-            "overlapping pieces) before running it",
-            hidden_states=hidden_states,
-        )
-    check_forward_memory(
+    ``batch_tokens`` padded tokens, would not fit in memory (``scoring.check_records_memory``)."""
+    check_records_memory(
         model.config,
-        max(1, batch_tokens // width),
-        width,
-        f"--batch-tokens {batch_tokens:,}",
-        "give a smaller --batch-tokens",
+        index.lengths,
+        batch_tokens,
+        lambda i: f"{fasta}: record {index.ids[i]!r}",
         hidden_states=hidden_states,
     )
 

@@ -206,29 +206,79 @@ def memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def forward_bytes(config: ESMCConfig, rows: int, width: int, hidden_states: bool = False) -> int:
+def forward_bytes(
+    config: ESMCConfig,
+    rows: int,
+    width: int,
+    hidden_states: bool = False,
+    training: bool = False,
+    checkpointing: bool = False,
+    attentions: bool = False,
+) -> int:
     """An upper estimate of one forward pass's memory over ``rows`` x ``width`` tokens (fp32):
     one block's intermediates (the runtime evaluates the residual stream in chunks), with the
     (rows, heads, width, width) attention scores on the CPU, where attention is not fused; and
-    every hidden state when they are all kept."""
+    every hidden state when they are all kept. ``training``: a training step's, whose backward
+    pass needs what the forward made: every block's intermediates, attention scores included
+    (attention's gradient is not fused on any device), or with ``checkpointing`` every block's
+    input and one block's intermediates, recomputed. ``attentions``: a forward that gives its
+    attention maps (computed unfused on every device), one block's kept beside it."""
     per_layer = layer_activation_bytes(config, rows, width, 4)
+    n, scores = config.num_hidden_layers, 4 * rows * config.num_attention_heads * width**2
+    if training:
+        stream = 4 * rows * width * config.hidden_size * (n + 1)
+        return stream + 2 * per_layer if checkpointing else (n + 1) * per_layer
+    if attentions:
+        return per_layer + scores
     if mx.default_device().type != mx.DeviceType.cpu:
-        per_layer -= 4 * rows * config.num_attention_heads * width**2
-    kept = 4 * rows * width * config.hidden_size * (config.num_hidden_layers + 1) if hidden_states else 0
+        per_layer -= scores
+    kept = 4 * rows * width * config.hidden_size * (n + 1) if hidden_states else 0
     return per_layer + kept
 
 
 def check_forward_memory(config: ESMCConfig, rows: int, width: int, what: str, fix: str, **kwargs) -> None:
     """ScoringError naming ``what`` (the input or option at fault) and saying how to run it
-    (``fix``) when a forward pass over ``rows`` x ``width`` tokens needs more memory than this
-    machine has: checked before any work, where MLX would fail deep inside or the process
-    would be killed."""
+    (``fix``) when a forward pass (``training``: a training step) over ``rows`` x ``width``
+    tokens needs more memory than this machine has (``forward_bytes``): checked before any
+    work, where MLX would fail deep inside or the process would be killed."""
     need, have = forward_bytes(config, rows, width, **kwargs), memory_bytes()
     if need > have:
+        step = "one training step" if kwargs.get("training") else "one forward pass"
         raise ScoringError(
-            f"{what}: one forward pass would need about {need / 2**30:,.1f} GiB, more than the "
+            f"{what}: {step} would need about {need / 2**30:,.1f} GiB, more than the "
             f"{have / 2**30:,.1f} GiB here; {fix}"
         )
+
+
+SPLIT_RECORD = (
+    "attention grows with the square of the length: split the record (into domains, or overlapping pieces) "
+    "before running it"
+)
+
+
+def check_records_memory(
+    config: ESMCConfig,
+    lengths: Sequence[int],
+    batch_tokens: int,
+    name_of,
+    fix_record: str = SPLIT_RECORD,
+    fix_batch: str = "give a smaller --batch-tokens",
+    **kwargs,
+) -> None:
+    """ScoringError, before anything is written, when the longest of the records (``lengths``:
+    residues) alone, or a batch of ``batch_tokens`` padded tokens, would not fit in memory
+    (``check_forward_memory``; ``kwargs``: its ``forward_bytes`` options). ``name_of(i)`` names
+    record i (its file and ID). The one check of every job: embed, features, finetune, predict,
+    attention."""
+    if not len(lengths):
+        return
+    longest = int(np.argmax(lengths))
+    residues = int(lengths[longest])
+    width = -(-(residues + 2) // PAD_MULTIPLE) * PAD_MULTIPLE
+    if width > batch_tokens:
+        check_forward_memory(config, 1, width, f"{name_of(longest)} ({residues:,} residues)", fix_record, **kwargs)
+    rows = max(1, batch_tokens // width)
+    check_forward_memory(config, rows, width, f"--batch-tokens {batch_tokens:,}", fix_batch, **kwargs)
 
 
 def default_batch_tokens() -> int:
