@@ -490,7 +490,11 @@ def locked(
         with output_lock(target, create_parent, optional) as held_lock:
             if held_lock:  # (unlocked: a read-only folder, where no run left anything since)
                 clean_leftovers(Path(target))
-            yield
+            try:
+                yield
+            except KeyboardInterrupt:  # (validate's report, push's card: each file written whole)
+                _stopped(f"nothing in {target} was left half-written")
+                raise
 
     return _around_output(parameter, when, lock)
 
