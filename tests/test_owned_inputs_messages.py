@@ -146,6 +146,8 @@ def test_predict_never_replaces_a_users_csv_without_force(model, work):
     (work / "train.csv").write_text("sequence,label\n" + "".join(f"{s},{'ab'[i % 2]}\n" for i, s in enumerate(rows)))
     trained = cli("finetune", model, "--train", "train.csv", "-o", "adapter", "--epochs", "1", "--no-progress")
     assert trained.exit_code == 0, trained.output
+    card = (work / "adapter" / "README.md").read_text()
+    assert "pypi.org" not in card and "not published on PyPI" in card  # no link to a page that does not exist
     mine = users_file(work / "notes.csv")
     one_error_line(cli("predict", "adapter", "--sequence", WT, "-o", "notes.csv"), "notes.csv", "did not write it")
     assert snapshot(work / "notes.csv") == mine and debris(work) == []
@@ -381,3 +383,16 @@ def test_the_packaged_sae_runs_offline_on_esmc_tiny(model, work):
     assert result.exit_code == 0, result.output
     summary = (work / "feats" / "summary.csv").read_text().splitlines()
     assert summary[0].startswith("id,layer,rank") and len(summary) > 1
+
+
+# --- cards say what exists -----------------------------------------------------------------------------
+def test_a_model_card_reruns_validation_against_the_source_it_records(model, tmp_path):
+    from esmc_mlx.hub.card import render_card, rerun_reference
+
+    card = render_card(model, "my-org/tiny")
+    assert "--reference tiny" in card and "SOURCE_CHECKPOINT" not in card  # converted from the bundled tiny
+    assert rerun_reference({"source": {"id": "biohub/ESMC-300M"}}) == "biohub/ESMC-300M"
+    assert (
+        rerun_reference({"source": {"id": "/home/alice/ckpt/esmc_300m_2024_12_v0.pth"}}) == "esmc_300m_2024_12_v0.pth"
+    )
+    assert rerun_reference({}) == "SOURCE_CHECKPOINT"  # only where nothing was recorded
