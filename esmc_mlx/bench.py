@@ -33,7 +33,7 @@ from . import _blas
 from .config import ESMCConfig
 from .convert.sources import torch_to_mlx
 from .errors import EsmcMlxError, install_hint
-from .outputs import atomic_file, ensure_parent
+from .outputs import atomic_file, guard, held
 from .quantize import BLOCK_LINEAR  # what `esmc-convert --q` quantizes by default
 from .runtime import dispatch
 from .runtime.cuda import cutlass_qmm
@@ -354,7 +354,11 @@ def plot(results: dict, path: Path, title: str | None = None) -> Path | None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    folder = held(path.parent)  # bench's output folder (``run``), or a caller's own folder
+    if folder is not None:
+        folder.claim(path.name)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with atomic_file(path, "wb") as f:  # whole or not at all, a full disk named
             fig.savefig(f, dpi=120, format="png")
@@ -364,12 +368,13 @@ def plot(results: dict, path: Path, title: str | None = None) -> Path | None:
 
 
 def write(results: dict, out_dir: Path, stem: str = "bench") -> tuple[Path, Path | None]:
+    """``{stem}.json`` and ``{stem}.png`` in ``out_dir``, through the output guard of the folder
+    (a bench folder: a file esmc-mlx did not write there is never replaced)."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{stem}.json"
-    with atomic_file(path) as f:
-        f.write(json.dumps(results, indent=2, default=str) + "\n")
-    return path, plot(results, out_dir / f"{stem}.png")
+    with guard(out_dir, "bench", "folder", resumable=False) as folder:
+        with folder.file(f"{stem}.json") as f:
+            f.write(json.dumps(results, indent=2, default=str) + "\n")
+        return out_dir / f"{stem}.json", plot(results, out_dir / f"{stem}.png")
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -404,8 +409,15 @@ def run(
     those weights, checks its logits against the reference and times its variants. In one
     process each library's BLAS, threads and memory disturb the other's (torch ran 9x slower
     on the CPU there). Writes ``{stem}.json`` and ``{stem}.png`` under
-    ``out_dir`` and returns the results."""
-    ensure_parent(Path(out_dir) / f"{stem}.json", create=False)  # fails now, not after the timing
+    ``out_dir`` (a folder esmc-mlx made, or a new or empty one: the output guard's, checked
+    now, not after the timing) and returns the results."""
+    with guard(out_dir, "bench", "folder", resumable=False) as folder:
+        folder.check_free(f"{stem}.json")
+        folder.check_free(f"{stem}.png")
+        return _run(models, shapes, device, dtype, variants, quant, out_dir, with_torch, budget_s, log, stem)
+
+
+def _run(models, shapes, device, dtype, variants, quant, out_dir, with_torch, budget_s, log, stem) -> dict:
     if device == "auto":
         device = "gpu" if mx.default_device() == mx.gpu else "cpu"
     if device == "gpu" and not mx.is_available(mx.gpu):  # else the MLX child's traceback, after the torch side

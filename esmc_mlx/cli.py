@@ -26,6 +26,7 @@ from .finetune import TASKS, finetune, fuse_adapter, predict_csv
 from .finetune.model import HEADS, POOLS
 from .finetune.train import DEFAULTS as FINETUNE_DEFAULTS
 from .hub.push import push_artifact
+from .outputs import shown_path, stopped_notes
 from .pipeline import convert_validate_many, convert_validate_push, quantize_validate_sae
 from .privacy import public_path
 from .resolve import ALIASES, LOCAL_ALIASES
@@ -33,6 +34,7 @@ from .runtime.cuda import cutlass_qmm
 from .runtime.load import plan as plan_model
 from .tasks.attention import attention_job
 from .tasks.distributed import World
+from .tasks.fasta import SEQUENCE_OPTION
 from .tasks.features import features_job
 from .tasks.jobs import embed_fasta, scan_job, score_csv
 from .tasks.scoring import DEFAULT_WINDOW
@@ -55,7 +57,7 @@ def _error_line(error: EsmcMlxError | OSError) -> click.ClickException:
         return click.ClickException(
             f"the disk is full: could not write {error.filename or 'the output'}; free some space and run again"
         )
-    where = f"{error.filename}: " if error.filename else ""
+    where = f"{shown_path(error.filename)}: " if error.filename else ""
     return click.ClickException(f"{where}{error.strerror or error}")
 
 
@@ -71,6 +73,7 @@ def _terminate(signum, frame):
 def _run(invoke, ctx):
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    stopped_notes()  # (what an earlier call in this process left unsaid)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("default", EsmcMlxWarning)  # once per message
@@ -83,9 +86,19 @@ def _run(invoke, ctx):
                 raise _error_line(e) from None
             except EsmcMlxError as e:
                 raise _error_line(e) from None
+            except KeyboardInterrupt as e:
+                _say_stopped("SIGTERM" if isinstance(e, Terminated) else "Ctrl-C")
+                raise click.exceptions.Exit(1) from None
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _say_stopped(how: str) -> None:
+    """In place of click's bare ``Aborted!``: what the stopped run left at each output (the
+    guards say: as it was, not written, or what it keeps and that the same command resumes)."""
+    notes = stopped_notes()
+    click.echo(f"Stopped ({how})" + (": " + "; ".join(notes) if notes else "") + ".", err=True)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
@@ -838,7 +851,7 @@ window_option = click.option(
 
 @main.command(help=SCORE_HELP + "\n" + MODEL_HELP)
 @click.argument("model")
-@click.option("--sequence", required=True, help="Wild-type sequence (any length), or a FASTA file holding one record.")
+@click.option("--sequence", required=True, help="The wild type. " + SEQUENCE_OPTION)
 @click.option(
     "--mutations",
     required=True,
@@ -849,7 +862,8 @@ window_option = click.option(
     "-o",
     "--output",
     type=OutputPath(dir_okay=False, path_type=Path),
-    help="Scored CSV (default: <mutations>.scored.csv beside the input; needed when --mutations is a pipe).",
+    help="Scored CSV (default: <mutations>.scored.csv beside the input; needed when --mutations is a pipe). "
+    "An existing file is replaced only if esmc-mlx wrote it and it is unchanged since, else with --force.",
 )
 @click.option(
     "--method",
@@ -881,6 +895,9 @@ window_option = click.option(
     "(default: report every invalid row and score nothing).",
 )
 @keep_nonstandard_option
+@click.option(
+    "--force", is_flag=True, help="Replace an existing output CSV that esmc-mlx did not write (yours, or edited since)."
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def score(
     model,
@@ -896,6 +913,7 @@ def score(
     dms_column,
     skip_invalid,
     keep_nonstandard,
+    force,
     no_progress,
 ):
     if output is None and not mutations.is_file():  # a pipe (<(...), /dev/stdin) has no folder to write beside
@@ -920,6 +938,7 @@ def score(
         dms_column=dms_column,
         skip_invalid=skip_invalid,
         keep_nonstandard=keep_nonstandard,
+        force=force,
         group=World.current(),
         progress=not no_progress,
     )
@@ -947,9 +966,12 @@ SCAN_HELP = """Saturation scan: score every single substitution of a protein (19
 write, per protein, into OUT:
 
 \b
-  NAME_scan.csv      one row per variant: mutant, position, wt, mut, score, entropy
-  NAME_matrix.npy    L x 20 float32 scores, columns ACDEFGHIKLMNPQRSTVWY, wild type = 0
-  NAME_matrix.csv    the same matrix with position, wt and entropy columns
+  NAME_scan.csv      one row per variant: mutant, position, wt, mut, the score (a column
+                     named by --method: masked_marginal or wt_marginal), entropy
+  NAME_matrix.npy    n x 20 float32 scores, one row per position scanned (n = L, less the
+                     gaps, chain breaks and, unless --keep-nonstandard, X B Z U O positions),
+                     columns ACDEFGHIKLMNPQRSTVWY, wild type = 0
+  NAME_matrix.csv    the same rows with position, wt and entropy columns (which rows they are)
   NAME_heatmap.png   positions x amino acids, wild type dotted, 100 positions per row
 
 Scores are log p(mut) - log p(wt): masked-marginal (default; one masked copy per residue,
@@ -976,7 +998,7 @@ Examples:
 
 @main.command(help=SCAN_HELP + "\n" + MODEL_HELP)
 @click.argument("model")
-@click.option("--sequence", help="The protein (any length), or a FASTA file holding one record.")
+@click.option("--sequence", help=SEQUENCE_OPTION)
 @click.option(
     "--fasta",
     type=InputPath(exists=True, dir_okay=False, path_type=Path),
@@ -1095,8 +1117,10 @@ Examples:
 
 @main.command(help=FEATURES_HELP + "\n" + MODEL_HELP)
 @click.argument("model")
-@click.option("--sae", required=True, help="The SAE: a folder or a Hub repo id.")
-@click.option("--sequence", help="One protein, or a FASTA file holding one record.")
+@click.option(
+    "--sae", required=True, help="The SAE: a folder, a Hub repo id, or tiny (the packaged SAE on esmc-tiny's layer 4)."
+)
+@click.option("--sequence", help=SEQUENCE_OPTION)
 @click.option(
     "--fasta", type=InputPath(exists=True, dir_okay=False, path_type=Path), help="Every record of this FASTA file."
 )
@@ -1184,7 +1208,7 @@ Examples:
 
 @main.command(help=ATTENTION_HELP + "\n" + MODEL_HELP)
 @click.argument("model")
-@click.option("--sequence", help="The protein, or a FASTA file holding one record.")
+@click.option("--sequence", help=SEQUENCE_OPTION)
 @click.option(
     "--fasta", type=InputPath(exists=True, dir_okay=False, path_type=Path), help="Every record of this FASTA file."
 )
@@ -1533,11 +1557,17 @@ Examples:
 
 @main.command(help=PREDICT_HELP)
 @click.argument("adapter")
-@click.option("--sequence", help="One protein sequence.")
+@click.option("--sequence", help=SEQUENCE_OPTION)
 @click.option("--fasta", type=InputPath(exists=True, dir_okay=False, path_type=Path), help="A FASTA file.")
 @click.option("--csv", "csv_path", type=InputPath(exists=True, dir_okay=False, path_type=Path), help="A CSV file.")
 @click.option("--sequence-column", default="sequence", show_default=True, help="--csv's column of the sequences.")
-@click.option("-o", "--output", type=OutputPath(dir_okay=False, path_type=Path), help="The predictions CSV.")
+@click.option(
+    "-o",
+    "--output",
+    type=OutputPath(dir_okay=False, path_type=Path),
+    help="The predictions CSV. An existing file is replaced only if esmc-mlx wrote it and it is unchanged "
+    "since, else with --force.",
+)
 @click.option(
     "--batch-tokens", type=click.IntRange(1), default=4096, show_default=True, help="Padded tokens per forward pass."
 )
@@ -1545,7 +1575,12 @@ Examples:
 @click.option(
     "--fuse", "fuse_dir", type=OutputPath(file_okay=False, path_type=Path), help="Write the merged model here."
 )
-@click.option("--force", is_flag=True, help="With --fuse: replace an existing directory esmc-mlx wrote.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace an existing -o CSV that esmc-mlx did not write (yours, or edited since); with --fuse, an "
+    "existing directory esmc-mlx wrote.",
+)
 def predict(adapter, sequence, fasta, csv_path, sequence_column, output, batch_tokens, base, fuse_dir, force):
     inputs = [x for x in (sequence, fasta, csv_path) if x is not None]
     if fuse_dir is None and output is None:
@@ -1562,6 +1597,7 @@ def predict(adapter, sequence, fasta, csv_path, sequence_column, output, batch_t
             sequence_column=sequence_column,
             batch_tokens=batch_tokens,
             base=base,
+            force=force,
         )
         click.echo(f"Predicted {plural(s.count, 'sequence')} ({s.task}) -> {s.out}")
     if fuse_dir is not None:

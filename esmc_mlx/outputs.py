@@ -7,7 +7,9 @@
 * ``folder`` (``OutputFolder``: embed, scan, features, attention, finetune): a folder esmc-mlx adds files to,
   run after run; made with its marker, reopened only by a run of its own kind, each file written
   whole and recorded in the marker; a file esmc-mlx did not write is never written over;
-* ``file`` (``OutputFile``: score's and predict's CSVs): one file, replaced whole.
+* ``file`` (``OutputFile``: score's and predict's CSVs): one file, replaced whole. A file esmc-mlx
+  did not write (or that was changed since) is replaced only with ``--force``: what esmc-mlx
+  wrote is remembered in its cache (``written.json``: the path, size and sha256 of each file).
 
 What every guard does, before any work: the target is not an input, holds none and lies inside
 none, nor inside another esmc-mlx output (a model, an embeddings or scan folder); a folder
@@ -46,9 +48,11 @@ import dataclasses
 import errno
 import fcntl
 import functools
+import hashlib
 import inspect
 import json
 import os
+import re
 import secrets
 import shutil
 import time
@@ -56,6 +60,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from . import settings
 from ._version import __version__
 from .artifact import (
     GENERATED_CARD_LINE,
@@ -114,7 +119,7 @@ def disk_full(error: BaseException, where: Path) -> bool:
 
 def disk_full_error(path: Path) -> OutputError:
     return OutputError(
-        f"the disk is full: could not write {path}. Free some space (or write to another disk) "
+        f"the disk is full: could not write {shown_path(path)}. Free some space (or write to another disk) "
         "and run the command again; nothing was left behind"
     )
 
@@ -123,7 +128,30 @@ def write_error(error: OSError, path: Path) -> OutputError:
     """The one-line error for a failed write of ``path`` (disk full, permission, read-only ...)."""
     if disk_full(error, path):
         return disk_full_error(path)
-    return OutputError(f"cannot write {getattr(error, 'filename', None) or path}: {error.strerror or error}")
+    return OutputError(
+        f"cannot write {shown_path(getattr(error, 'filename', None) or path)}: {error.strerror or error}"
+    )
+
+
+_STAGED = re.compile(r"\.(.+)\.(partial|tmp|old)-\d+-[0-9a-f]{6}")
+
+
+def shown_path(path: str | Path) -> Path:
+    """The path a message names for ``path``: a file inside a staging folder (``make_staging``)
+    is named where it goes, ``OUT/layer_3.safetensors`` for ``.OUT.partial-PID-RAND/layer_3.safetensors``
+    (the user acts on the output; the staging is gone by the time they read the message)."""
+    parts = Path(path).parts
+    for i, part in enumerate(parts):
+        staged = _STAGED.fullmatch(part)
+        if staged is None:
+            continue
+        target, stage, rest = staged[1], staged[2], parts[i + 1 :]
+        if stage == "tmp" and rest == ("new",):  # atomic_file's file: it becomes TARGET itself
+            return Path(*parts[:i], target)
+        if stage == "tmp" and target == "files":  # StagedFiles: its files go into the folder
+            return Path(*parts[:i], *rest)
+        return Path(*parts[:i], target, *rest)
+    return Path(path)
 
 
 def current_umask() -> int:
@@ -486,7 +514,11 @@ def locked(
         with output_lock(target, create_parent, optional) as held_lock:
             if held_lock:  # (unlocked: a read-only folder, where no run left anything since)
                 clean_leftovers(Path(target))
-            yield
+            try:
+                yield
+            except KeyboardInterrupt:  # (validate's report, push's card: each file written whole)
+                _stopped(f"nothing in {target} was left half-written")
+                raise
 
     return _around_output(parameter, when, lock)
 
@@ -680,11 +712,13 @@ def _visible(directory: Path) -> list[str]:
     return [p.name for p in Path(directory).iterdir() if not _own_leftover(p)]
 
 
-def check_file_target(path: str | Path, option: str = "-o", sources: Iterable[str | Path] = ()) -> None:
+def check_file_target(
+    path: str | Path, option: str = "-o", sources: Iterable[str | Path] = (), force: bool = False
+) -> None:
     """Fail before any work when the output file ``path`` cannot be written: its directory is
     missing or not writable, the path is a directory, it is one of the input files ``sources``
-    or inside an input folder, or it lies inside an esmc-mlx output. (Replacing a file is what a
-    file output does; it happens atomically.)"""
+    or inside an input folder, it lies inside an esmc-mlx output, or, without ``force``, it is a
+    file esmc-mlx did not write (``wrote``). The file is replaced whole (``atomic_file``)."""
     path = Path(path)
     sources = [s for s in sources if s is not None]
     for source in sources:
@@ -710,6 +744,86 @@ def check_file_target(path: str | Path, option: str = "-o", sources: Iterable[st
         raise OutputError(f"{option} {path}: {path.parent} is not writable")
     if path.exists() and not os.access(path, os.W_OK):
         raise OutputError(f"{option} {path}: the file is not writable")
+    if path.exists() and not force and not wrote(path):
+        blind = " (esmc-mlx's cache is off, ESMC_MLX_CACHE=off, so it cannot tell its own files)"
+        raise OutputError(
+            f"{option} {path}: the file is there and esmc-mlx did not write it (or it was changed since)"
+            f"{blind if _ledger_path() is None else ''}; pass --force to replace it, or choose another name"
+        )
+
+
+# --- the files esmc-mlx wrote ------------------------------------------------------------------------
+# A file carries no marker, so what esmc-mlx wrote is remembered in its cache: the real path, size
+# and sha256 of each output file, as it was written. A rerun replaces such a file; a file of the
+# user's (or one edited since) needs --force.
+WRITTEN = "written.json"
+WRITTEN_LIMIT = 20_000  # files remembered, the oldest forgotten first (~2 MB)
+WRITTEN_BYTES = 16 << 20
+
+
+def _ledger_path() -> Path | None:
+    try:
+        root = settings.current().cache
+    except EsmcMlxError:
+        return None
+    return None if root is None else Path(root) / WRITTEN
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _read_ledger(path: Path) -> dict:
+    try:
+        data = read_json(path, OutputError, max_bytes=WRITTEN_BYTES, max_depth=3)
+    except OutputError:  # missing, damaged, someone else's: as if empty (files then need --force)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def wrote(path: str | Path) -> bool:
+    """Whether esmc-mlx wrote the file ``path`` as it is now (same size and sha256 as it wrote)."""
+    ledger = _ledger_path()
+    if ledger is None or not ledger.is_file():
+        return False
+    real = _real(path)
+    entry = _read_ledger(ledger).get(str(real))
+    if not (isinstance(entry, list) and len(entry) == 2):
+        return False
+    try:
+        return real.stat().st_size == entry[0] and _file_digest(real) == entry[1]
+    except OSError:
+        return False
+
+
+def remember_written(path: str | Path) -> None:
+    """Remember that esmc-mlx wrote ``path`` as it is now, so that a later run may replace it
+    without --force. A cache that is off, read-only or full only costs that."""
+    ledger = _ledger_path()
+    if ledger is None:
+        return
+    real = _real(path)
+    try:
+        entry = [real.stat().st_size, _file_digest(real)]
+        ledger.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(ledger.with_name(WRITTEN + ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # runs that finish together each add their file
+            data = _read_ledger(ledger)
+            data.pop(str(real), None)
+            data[str(real)] = entry
+            for old in list(data)[: max(0, len(data) - WRITTEN_LIMIT)]:
+                del data[old]
+            with atomic_file(ledger) as f:
+                json.dump(data, f, indent=0)
+        finally:
+            os.close(fd)
+    except (OSError, OutputError):
+        pass
 
 
 # --- writing --------------------------------------------------------------------------------------
@@ -804,6 +918,20 @@ class StagedFiles:
 
 
 _HELD: dict[Path, object] = {}  # the guards this process holds, by the real path of their output
+_STOPPED: list[str] = []  # what each guard left, said when a run is stopped (Ctrl-C, SIGTERM)
+
+
+def _stopped(note: str) -> None:
+    _STOPPED.append(note)
+
+
+def stopped_notes() -> list[str]:
+    """What the guards of a run stopped by Ctrl-C or SIGTERM left at their outputs, one sentence
+    each (``OUT is as it was``, ``OUT keeps ...; the same command resumes``), once: the command
+    line prints them in place of click's bare ``Aborted!``."""
+    notes = list(dict.fromkeys(_STOPPED))
+    _STOPPED.clear()
+    return notes
 
 
 def held(path: str | Path):
@@ -829,11 +957,13 @@ class StagedDirectory:
         self.kind = kind
         self.path: Path | None = None
         self.done: Path | None = None  # where the staging went: out, or the failed copy
+        self.existed = False
         self._made: Path | None = None  # the topmost folder made for out, removed if nothing came of it
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> StagedDirectory:
         self._made = _first_missing(self.out)
+        self.existed = os.path.lexists(self.out)
         try:
             check_target(self.out, self.force, self.sources, create_parent=True, kind=self.kind)
             with self._stack:
@@ -895,8 +1025,13 @@ class StagedDirectory:
             self._stack.close()
             if self.done is None:
                 _remove_made(self.out, self._made)
-        if full:
-            raise disk_full_error(Path(getattr(error, "filename", None) or self.path)) from None
+        if isinstance(error, KeyboardInterrupt):
+            if self.done is not None:
+                _stopped(f"{self.done} was written before the stop")
+            else:
+                _stopped(f"{self.out} is as it was" if self.existed else f"{self.out} was not written")
+        if full:  # named where it was going: the staging is gone (a writer that knows the file names it)
+            raise disk_full_error(Path(getattr(error, "filename", None) or self.out)) from None
         return False
 
 
@@ -918,12 +1053,14 @@ class OutputFolder:
         sources: Iterable[str | Path] = (),
         legacy: Callable[[Path], Iterable[str] | None] | None = None,
         hosts: Iterable[str] = (),
+        resumable: bool = True,
     ):
         self.path = Path(out)
         self.kind = kind
         self.sources = list(sources)
         self.legacy = legacy
         self.hosts = tuple(hosts)
+        self.resumable = resumable  # what the job does on a rerun: go on from what the folder holds
         self.created = False
         self.kept = False
         self._made: Path | None = None
@@ -1039,22 +1176,37 @@ class OutputFolder:
             self._stack.close()
             if not self.path.exists():
                 _remove_made(self.path, self._made)
+        if isinstance(error, KeyboardInterrupt):
+            _stopped(self._stop_note())
         return False
+
+    def _stop_note(self) -> str:
+        if not self.path.exists():
+            return f"{self.path} was not written"
+        again = "; run the same command again to go on from there" if self.resumable else ""
+        if self.kept:
+            return f"{self.path} keeps what this run finished, each file whole{again}"
+        return f"{self.path} is as it was{again}"
 
 
 class OutputFile:
-    """One output file, replaced whole: ``with OutputFile(path, sources) as out:`` checks it
-    (``check_file_target``), locks it and removes leftovers of dead runs beside it;
-    ``out.open(mode)`` writes it (``atomic_file``). A device or pipe is written in place."""
+    """One output file, replaced whole: ``with OutputFile(path, sources, force) as out:`` checks
+    it (``check_file_target``: a file esmc-mlx did not write is replaced only with ``force``),
+    locks it and removes leftovers of dead runs beside it; ``out.open(mode)`` writes it
+    (``atomic_file``) and remembers it as esmc-mlx's. A device or pipe is written in place."""
 
-    def __init__(self, path: str | Path, sources: Iterable[str | Path] = (), option: str = "-o"):
+    def __init__(self, path: str | Path, sources: Iterable[str | Path] = (), option: str = "-o", force: bool = False):
         self.path = Path(path)
         self.sources = list(sources)
         self.option = option
+        self.force = force
+        self.existed = False
+        self.written = False
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> OutputFile:
-        check_file_target(self.path, self.option, self.sources)
+        check_file_target(self.path, self.option, self.sources, self.force)
+        self.existed = os.path.lexists(self.path)
         with self._stack:
             if not written_in_place(self.path):  # (a device or pipe: nothing to lock or clean)
                 self._stack.enter_context(output_lock(self.path, create_parent=False))
@@ -1064,11 +1216,18 @@ class OutputFile:
             self._stack = self._stack.pop_all()
         return self
 
-    def open(self, mode: str = "w", **open_kwargs):
-        return atomic_file(self.path, mode, **open_kwargs)
+    @contextlib.contextmanager
+    def open(self, mode: str = "w", **open_kwargs) -> Iterator:
+        with atomic_file(self.path, mode, **open_kwargs) as f:
+            yield f
+        self.written = True
+        if not written_in_place(self.path):
+            remember_written(self.path)
 
     def __exit__(self, kind, error, traceback) -> bool:
         self._stack.close()
+        if isinstance(error, KeyboardInterrupt) and not self.written:
+            _stopped(f"{self.path} is as it was" if self.existed else f"{self.path} was not written")
         return False
 
 
@@ -1081,12 +1240,15 @@ def guard(
     inputs: Iterable[str | Path] = (),
     legacy: Callable[[Path], Iterable[str] | None] | None = None,
     hosts: Iterable[str] = (),
+    resumable: bool = True,
 ):
     """The guard for an output of ``kind`` at ``path`` (a context manager): ``mode`` is
     ``directory`` (``StagedDirectory``; ``force`` replaces one esmc-mlx wrote), ``folder``
-    (``OutputFolder``) or ``file`` (``OutputFile``); ``inputs``: the paths the command reads
-    (the output may be none of them, hold none and lie inside none). Within a guard this process
-    already holds on ``path``, the same guard (entering and leaving it again does nothing)."""
+    (``OutputFolder``; ``resumable``: a rerun goes on from what it holds) or ``file``
+    (``OutputFile``; ``force`` replaces a file esmc-mlx did not write); ``inputs``: the paths the
+    command reads (the output may be none of them, hold none and lie inside none). Within a
+    guard this process already holds on ``path``, the same guard (entering and leaving it again
+    does nothing)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
     current = held(path)
@@ -1096,8 +1258,8 @@ def guard(
     if mode == "directory":
         return StagedDirectory(path, force, sources, kind)
     if mode == "folder":
-        return OutputFolder(path, kind, sources, legacy, hosts)
-    return OutputFile(path, sources)
+        return OutputFolder(path, kind, sources, legacy, hosts, resumable)
+    return OutputFile(path, sources, force=force)
 
 
 def local_paths(*values) -> list[Path | Found]:
@@ -1134,8 +1296,9 @@ def guarded(
     ``parameter(arguments)`` returns: an output derived from the arguments), when it is not None
     and ``when(arguments)``; ``inputs`` names the arguments that are inputs (``local_paths``:
     those naming something on this machine count), ``found(arguments)`` gives the inputs found
-    through what those name (an adapter's base model). The function reaches its guard with
-    ``held(path)``. Stacked, one per output.
+    through what those name (an adapter's base model). A ``file`` output's ``force`` is the
+    function's argument ``force`` (a folder's is its job's to act on). The function reaches its
+    guard with ``held(path)``. Stacked, one per output.
     ``agree(arguments, error)``: for processes that run the function together (ranks of which
     one writes): called where the guard is taken, with its refusal or None, and with None where
     ``when`` is false, so that every process learns whether the writer may go on."""
@@ -1145,7 +1308,8 @@ def guarded(
             return _agreed(contextlib.nullcontext(), lambda error: agree(arguments, error))
         sources = local_paths(*(arguments.get(name) for name in inputs))
         sources += list(found(arguments)) if found is not None else []
-        taken = guard(target, kind, mode, inputs=sources, legacy=legacy)
+        force = mode == "file" and bool(arguments.get("force"))  # (a folder's --force is its job's)
+        taken = guard(target, kind, mode, force=force, inputs=sources, legacy=legacy)
         return taken if agree is None else _agreed(taken, lambda error: agree(arguments, error))
 
     return _around_output(parameter, when if agree is None else (lambda args: True), around)

@@ -23,6 +23,7 @@ ALIASES = {
 }
 PACKAGED = Path(__file__).resolve().parent / "data"
 LOCAL_ALIASES = {"tiny": PACKAGED / "esmc-tiny"}  # ships inside the package, works offline
+SAE_ALIASES = {"tiny": PACKAGED / "esmc-tiny-sae"}  # an SAE on esmc-tiny's layer 4, also packaged
 
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.md", "*.txt", "*.png", "*.pth"]
 

@@ -18,8 +18,8 @@ PATHS = ("quantized", "dequantize", "fused", "cutlass")
 
 # name -> what it does; README.md's table lists exactly these (tests/test_docs.py checks it).
 VARIABLES = {
-    "ESMC_MLX_CACHE": "esmc-mlx's cache (reference outputs, file hashes, compiled CUDA kernels, the CUTLASS "
-    "build); default $XDG_CACHE_HOME/esmc-mlx or ~/.cache/esmc-mlx; `off` turns it off",
+    "ESMC_MLX_CACHE": "esmc-mlx's cache (reference outputs, file hashes, the files it wrote, compiled CUDA "
+    "kernels, the CUTLASS build); default $XDG_CACHE_HOME/esmc-mlx or ~/.cache/esmc-mlx; `off` turns it off",
     "ESMC_MLX_DEBUG": "`1`: say on stderr, per CUDA kernel, whether it came from the cache or was compiled, and why not",
     "ESMC_MLX_BLAS": "the BLAS library MLX's CPU GEMMs use on Linux (a path), or `none` for MLX's bundled one",
     "ESMC_MLX_BLAS_CORETYPE": "the OpenBLAS kernel MLX's copy runs (`SkylakeX`, `Haswell` ...) where the one it "

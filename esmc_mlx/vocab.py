@@ -122,12 +122,50 @@ def item_names(sequences: list, names=None) -> list | None:
 
 
 def check_sequence(sequence: str, name: str | None = None, where: str = "", label: str = "record") -> str:
-    """``sequence`` upper-cased, or SequenceError naming ``name`` and each bad position."""
+    """``sequence`` upper-cased, or SequenceError naming ``name`` and each bad position, or
+    saying that it reads as DNA or RNA (``nucleotide_share``)."""
+    upper = None
     if isinstance(sequence, str) and sequence.isascii():
         upper = sequence.upper()
-        if _RESIDUES_RE.fullmatch(upper):
-            return upper
-    return "".join(split_tokens(sequence, name, where, label))
+        if not _RESIDUES_RE.fullmatch(upper):
+            upper = None
+    if upper is None:
+        upper = "".join(split_tokens(sequence, name, where, label))
+    share = nucleotide_share(upper)
+    if share is not None:
+        named = f"{where}{label}" + (f" {name!r}" if name else "")
+        raise SequenceError(
+            f"{named}: reads as DNA or RNA, not protein ({share:.0%} of its {residue_count(upper):,} letters are "
+            "A, C, G, T, U or N); esmc-mlx reads protein sequences: translate it first (e.g. seqkit translate)"
+        )
+    return upper
+
+
+# A record is read as nucleotides, and refused, when at least NUCLEOTIDE_LENGTH of its letters are
+# there, NUCLEOTIDE_SHARE of them are A C G T U N (ambiguity codes aside) and at least three of
+# the bases A, C, G, T/U occur. Those five residues make ~25% of a protein (UniProt's composition):
+# a protein of 15 such letters is a 1-in-10^9 draw, and a low-complexity one (poly-A, GAGA
+# repeats, poly-N) holds fewer than three of the bases. No flag turns it off: nothing a protein
+# model computes from a DNA string means anything.
+NUCLEOTIDES = "ACGTUN"
+NUCLEOTIDE_LENGTH = 15
+NUCLEOTIDE_SHARE = 0.9
+
+
+def residue_count(sequence: str) -> int:
+    """Letters of a checked sequence: gaps and chain breaks aside."""
+    return len(sequence) - sum(sequence.count(c) for c in ".-|")
+
+
+def nucleotide_share(sequence: str) -> float | None:
+    """The share of A C G T U N among the letters of the checked (upper-case) ``sequence`` when it
+    reads as DNA or RNA (see ``NUCLEOTIDE_SHARE``), else None."""
+    letters = residue_count(sequence)
+    if letters < NUCLEOTIDE_LENGTH:
+        return None
+    share = sum(sequence.count(c) for c in NUCLEOTIDES) / letters
+    bases = sum(c in sequence for c in "ACG") + ("T" in sequence or "U" in sequence)
+    return share if share >= NUCLEOTIDE_SHARE and bases >= 3 else None
 
 
 _NONSTANDARD_RE = re.compile(f"[{NONSTANDARD}]")

@@ -263,7 +263,8 @@ def test_ctrl_c_during_conversion_keeps_the_old_output(old_output, checkpoints, 
 
     monkeypatch.setattr("esmc_mlx.convert.write_config", interrupted)  # after every shard was written
     result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
-    assert result.exit_code == 1 and "Aborted" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 1 and "Traceback" not in result.output and "Aborted" not in result.output
+    assert f"Stopped (Ctrl-C): {out} is as it was." in result.output, result.output
     assert snapshot(out) == before and debris(tmp_path) == []
 
 
@@ -280,7 +281,8 @@ def test_ctrl_c_between_the_two_renames_puts_the_old_output_back(old_output, che
 
     monkeypatch.setattr(outputs.os, "replace", interrupted_swap)
     result = convert_cli(checkpoints["published"], "-o", out, "--force", "--no-validate")
-    assert result.exit_code == 1 and "Aborted" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert f"Stopped (Ctrl-C): {out} is as it was." in result.output, result.output
     assert snapshot(out) == before and debris(tmp_path) == []
 
 
@@ -623,7 +625,8 @@ def test_a_terminated_conversion_cleans_up_itself(tmp_path):
     assert proc.poll() is None, "the conversion finished before it could be terminated"
     proc.terminate()
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and "Aborted" in err and "Traceback" not in err, err
+    out = tmp_path / "out"
+    assert proc.returncode == 1 and f"Stopped (SIGTERM): {out} was not written." in err and "Traceback" not in err, err
     assert debris(tmp_path) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
@@ -815,7 +818,8 @@ def test_score_leaves_no_temporary_file_when_writing_fails(converted, tmp_path, 
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(csv_module.DictWriter, "writerow", broken_writerow)
-    result = cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", scored, "--no-progress")
+    args = ("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", scored, "--no-progress")
+    result = cli(*args, "--force")  # (the old file is the user's: replaced only with --force)
     one_error_line(result, "the disk is full", "scored.csv")
     assert scored.read_text() == "old results\n" and debris(tmp_path) == []
 
@@ -1187,8 +1191,8 @@ def test_score_writes_through_a_fifo_a_device_and_a_link(converted, tmp_path):
     csv_in = tmp_path / "dms.csv"
     csv_in.write_text("mutant\nM1A\nK2R\n")
 
-    def score(out):
-        result = cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", out, "--no-progress")
+    def score(out, *extra):
+        result = cli("score", converted, "--sequence", SEQ, "--mutations", csv_in, "-o", out, "--no-progress", *extra)
         assert result.exit_code == 0, result.output
 
     fifo = tmp_path / "fifo"
@@ -1203,7 +1207,7 @@ def test_score_writes_through_a_fifo_a_device_and_a_link(converted, tmp_path):
     real = tmp_path / "real.csv"
     real.write_text("old\n")
     (tmp_path / "link.csv").symlink_to(real.name)
-    score(tmp_path / "link.csv")
+    score(tmp_path / "link.csv", "--force")  # real.csv is the user's: replaced only with --force
     assert (tmp_path / "link.csv").is_symlink() and real.read_text().startswith("mutant,")
     if os.geteuid() == 0:  # a device node like /dev/null (making one needs root)
         null = tmp_path / "null"

@@ -17,7 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
 LOADED = re.compile(r'\bload\w*\("([^"]+)"')
-OFFLINE_COMMANDS = ("--version", "info", "embed", "score", "scan")
+OFFLINE_COMMANDS = ("--version", "info", "embed", "score", "scan", "features")
+PACKAGED = ("tiny",)  # what load() and load_sae() read from the package itself, offline
 
 
 def readme_blocks() -> list[tuple[str, str]]:
@@ -38,8 +39,9 @@ def runs_here(line: str) -> bool:
 
 
 def loads_only_local(body: str, here: Path) -> bool:
-    """Whether every `load...("name")` in a Python block names something already in `here`."""
-    return all((here / name).exists() for name in LOADED.findall(body))
+    """Whether every `load...("name")` in a Python block names something already in `here`, or
+    packaged with esmc-mlx."""
+    return all(name in PACKAGED or (here / name).exists() for name in LOADED.findall(body))
 
 
 def shell_lines(lang: str, body: str) -> list[str]:
@@ -52,6 +54,7 @@ def test_the_selection_finds_the_readmes_offline_lines():
     lines = [x for lang, body in readme_blocks() for x in shell_lines(lang, body)]
     firsts = {" ".join(x.split()[:2]) for x in lines}
     assert {"esmc-convert tiny", "esmc-mlx info", "esmc-mlx embed", "esmc-mlx score", "esmc-mlx scan"} <= firsts
+    assert "esmc-mlx features" in firsts  # on the packaged SAE
     assert sum(lang == "python" for lang, _ in readme_blocks()) >= 3
     assert not runs_here("esmc-convert 6B --q mxfp4 --upload-repo my-org/ESMC-6B-mxfp4")
     assert not runs_here("esmc-convert tiny -o esmc-tiny-4bit --q 4 --force")  # validates: needs torch
@@ -84,4 +87,6 @@ def test_the_readme_runs_from_top_to_bottom(tmp_path, monkeypatch):
     assert stored.ids == ["sp|P69905|HBA_HUMAN"] and stored.per_residue("sp|P69905|HBA_HUMAN").shape == (142, 256)
     assert namespace["scan"].scores.shape == (22, 20)
     assert any("output_attentions=True" in body for body in ran)
+    assert any('load_sae("tiny")' in body for body in ran) and namespace["feats"][0].indices.shape == (24, 16)
+    assert (tmp_path / "feats" / "summary.csv").read_text().startswith("id,layer,rank")
     assert len(namespace["out"].attentions) == namespace["model"].config.num_hidden_layers

@@ -18,6 +18,7 @@ import mlx.core as mx
 from .._version import __version__
 from ..artifact import FLOAT_DTYPES, check_finite, load_safetensors
 from ..errors import ConfigError, QuantizeError
+from ..outputs import disk_full, disk_full_error
 from ..quantize import QuantParams, parse_spec, quantize_tensor
 from ..sae_artifact import CONFIG_NAME, MATRICES, VECTORS, SAEConfig, layer_file
 
@@ -86,7 +87,12 @@ def write_sae(
         tensors = load_safetensors(path, ConfigError)  # header checked, every value finite
         stored = layer_tensors(tensors, spec, str(path))
         mx.eval(stored)
-        mx.save_safetensors(str(out / layer_file(i)), stored, metadata={"format": "mlx"})
+        try:
+            mx.save_safetensors(str(out / layer_file(i)), stored, metadata={"format": "mlx"})
+        except (OSError, RuntimeError) as e:  # MLX says only "[write] Unable to write N bytes"
+            if disk_full(e, out / layer_file(i)):
+                raise disk_full_error(out / layer_file(i)) from None  # named as OUT/layer_i (shown_path)
+            raise
         del tensors, stored
         if on_layer is not None:
             on_layer(i)

@@ -498,7 +498,7 @@ def render_card(directory: str | Path, repo_id: str | None = None) -> str:
         "",
         f"LoRA adapters and a {meta['head']} head for {what}, on the ESMC model "
         f"`{base['repo_id'] or base['name']}`{revision} ({base['precision']}), trained with "
-        f"[esmc-mlx](https://pypi.org/project/esmc-mlx/) {meta.get('version', __version__)}.",
+        f"esmc-mlx {meta.get('version', __version__)}.",
         "",
         classes
         + "The base's weight files (sha256, checked when the adapter loads): "
@@ -506,6 +506,9 @@ def render_card(directory: str | Path, repo_id: str | None = None) -> str:
         + ".",
         "",
         "## Use",
+        "",
+        "esmc-mlx is not published on PyPI: install it from a checkout of its repository "
+        '(`pip install ".[finetune]"`), or from a wheel built there by `python -m build`.',
         "",
         "```python",
         "from esmc_mlx import load_adapter",

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import JobError, SequenceError
-from ..tasks.fasta import read_fasta
+from ..tasks.fasta import read_fasta, read_sequence_option
 from ..vocab import check_sequence
 
 TASKS = ("classification", "regression", "per-residue")
@@ -251,9 +251,9 @@ def prediction_inputs(
     given = [x for x in (sequence, fasta, csv_path) if x is not None]
     if len(given) != 1:
         raise JobError("give exactly one of --sequence, --fasta and --csv")
-    if sequence is not None:
-        checked = check_sequence(sequence.strip(), label="--sequence")
-        return ["sequence"], [checked], None
+    if sequence is not None:  # a protein, or a FASTA file of one: as every command's --sequence
+        ident, checked = read_sequence_option(sequence)
+        return [ident or "sequence"], [checked], None
     if fasta is not None:
         records = read_fasta(fasta)
         return [r.id for r in records], [r.sequence for r in records], None

@@ -37,13 +37,15 @@ def predict_csv(
     sequence_column: str = "sequence",
     batch_tokens: int = 4096,
     base: str | Path | None = None,
+    force: bool = False,
 ) -> PredictSummary:
     """Predict with the adapter ``adapter`` (directory or Hub repo) for exactly one of
     ``sequence``, ``fasta`` (one row per record, ``id`` its ID) and ``csv_path`` (its rows and
     columns kept), and write ``out``: the CSV with a ``prediction`` column, and for
     classification one ``p_CLASS`` column per class. Inputs are checked before the model loads;
-    the longest record and a batch against the memory before the first forward. Raises
-    JobError, SequenceError, ScoringError (memory), ConfigError (a damaged adapter), HubError."""
+    the longest record and a batch against the memory before the first forward; an existing
+    ``out`` esmc-mlx did not write is replaced only with ``force``. Raises JobError,
+    SequenceError, ScoringError (memory), ConfigError (a damaged adapter), HubError, OutputError."""
     ids, sequences, table = prediction_inputs(sequence, fasta, csv_path, sequence_column)
     if table is not None:
         names = [where.rstrip(": ") for where in table.where]

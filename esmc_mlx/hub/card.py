@@ -173,6 +173,22 @@ def base_model_of(meta: dict) -> str | None:
     return None
 
 
+def rerun_reference(meta: dict, validation: Validation | None = None) -> str:
+    """What ``esmc-mlx validate --reference`` takes to re-check the artifact: the reference its
+    report names, else its source: a Hub repo id, the alias of a model bundled with esmc-mlx
+    (``tiny``), or a local checkpoint by its name; ``SOURCE_CHECKPOINT`` only where neither was
+    recorded."""
+    report = (validation.report or {}) if validation is not None else {}
+    reference = report.get("reference") if isinstance(report.get("reference"), dict) else {}
+    for source_id in (reference.get("id"), (meta.get("source") or {}).get("id")):
+        if not isinstance(source_id, str) or not source_id.strip():
+            continue
+        if source_id.startswith("esmc-mlx/"):
+            return source_id.removeprefix("esmc-mlx/")
+        return source_id if is_repo_id(source_id) else Path(source_id).name
+    return "SOURCE_CHECKPOINT"
+
+
 def _tags(config: dict, family: tuple[str, ...] = ("esmc", "protein", "protein-language-model")) -> list[str]:
     """The card's tags: mlx, the model ``family``'s, biology and the precision's."""
     tags = ["mlx", *family, "biology"]
@@ -280,11 +296,12 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
         f"hf download {repo_id} --local-dir {repo_id.split('/')[-1]}",
         f"esmc-mlx info {repo_id.split('/')[-1]}",
     ]
-    if base:
-        out.append(f"esmc-mlx validate {repo_id.split('/')[-1]} --reference {base}   # re-check it yourself")
+    reference = rerun_reference(meta, validation)
+    if reference != "SOURCE_CHECKPOINT":
+        out.append(f"esmc-mlx validate {repo_id.split('/')[-1]} --reference {reference}   # re-check it yourself")
     out += ["```", "", "## Conversion", ""] + _conversion_section(meta, base_link, converted_with)
     out += ["", "## Quantization", ""] + _quantization_section(config, facts, info)
-    out += ["", "## Validation", ""] + _validation_section(validation, repo_id, base)
+    out += ["", "## Validation", ""] + _validation_section(validation, repo_id, reference)
     out += ["", MARKER, ""]
     return "\n".join(out)
 
@@ -385,9 +402,9 @@ def _quantized_lines(q: dict, quantized: str) -> list[str]:
     return lines
 
 
-def _validation_section(v: Validation, repo_id: str, base: str | None) -> list[str]:
+def _validation_section(v: Validation, repo_id: str, reference: str) -> list[str]:
     name = repo_id.split("/")[-1]
-    recheck = f"esmc-mlx validate {name} --reference {base or 'SOURCE_CHECKPOINT'}"
+    recheck = f"esmc-mlx validate {name} --reference {reference}"
     if v.state in ("missing", "unreadable"):
         return [
             "Not validated: this artifact has no "
@@ -631,7 +648,7 @@ def render_fold_card(model_dir: Path, repo_id: str | None = None, endpoint: str 
     ]
     out += _conversion_section(meta, base_link, converted_with)
     out += ["", "## Precision", ""] + _fold_precision_section(config, facts, info)
-    out += ["", "## Validation", ""] + _validation_section(validation, repo_id, base)
+    out += ["", "## Validation", ""] + _validation_section(validation, repo_id, rerun_reference(meta, validation))
     out += ["", MARKER, ""]
     return "\n".join(out)
 

@@ -24,7 +24,7 @@ import mlx.core as mx
 from ..artifact import check_finite, load_safetensors
 from ..errors import ConfigError, ScoringError
 from ..hashes import file_hashes
-from ..resolve import download_checkpoint, download_file
+from ..resolve import SAE_ALIASES, download_checkpoint, download_file
 from ..sae_artifact import CONFIG_NAME, SAEConfig, check_layer_file, layer_file, read_sae_config
 from .load import compute_dtype
 
@@ -211,8 +211,8 @@ class SparseAutoencoder:
 
 
 def load_sae(path_or_repo_id: str | Path, revision: str | None = None, dtype=None) -> SparseAutoencoder:
-    """An SAE container from a local folder or a Hub repo id (``biohub/esmc-6b-2024-12-sae-k64-
-    codebook16384``): config.json is read now, each ``layer_{i}.safetensors`` when first used
+    """An SAE container from a local folder, a Hub repo id (``biohub/esmc-6b-2024-12-sae-k64-
+    codebook16384``) or ``tiny`` (the packaged SAE on esmc-tiny's layer 4, offline): config.json is read now, each ``layer_{i}.safetensors`` when first used
     (from a Hub repo: downloaded then, at the commit config.json came from).
 
     ``dtype``: the float dtype the encoder's matrix is computed in (default float32, whatever
@@ -222,6 +222,8 @@ def load_sae(path_or_repo_id: str | Path, revision: str | None = None, dtype=Non
     """
     dtype = compute_dtype(dtype)
     text = str(path_or_repo_id)
+    if text in SAE_ALIASES and not Path(text).exists():  # "tiny": the packaged esmc-tiny-sae
+        text = str(SAE_ALIASES[text])
     local = Path(text).expanduser()
     if local.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
         if not local.is_dir():

@@ -118,3 +118,59 @@ def iter_fasta(path: str | Path) -> Iterator[Record]:
 def read_fasta(path: str | Path) -> list[Record]:
     """Read a whole FASTA file into a list (see ``iter_fasta``). Raises FastaError."""
     return list(iter_fasta(path))
+
+
+# --- a --sequence option: a protein, or a FASTA file of one record ------------------------------------
+# A value that holds a path separator, starts with '~' or ends in a file extension ('.' then 1-10
+# letters or digits: try.fsta, wt3.fa, x.fa.gz) is a file name, never a protein: "TRY.FSTA" would
+# read as one ('.' is a gap, F S T A residues). A sequence with '.' gaps comes in a FASTA file.
+_EXTENSION = re.compile(r".*[^.\s]\.[A-Za-z0-9]{1,10}")
+SEQUENCE_OPTION = (
+    "A protein sequence, or a FASTA file holding one record. A value naming an existing file is read "
+    "as FASTA; one holding '/', starting with '~' or ending in a file extension (.fasta, .fa.gz, .txt) "
+    "is a file name, and an error when no such file exists."
+)
+
+
+def looks_like_path(text: str) -> bool:
+    """Whether ``text`` reads as a file name rather than a protein (see ``SEQUENCE_OPTION``)."""
+    text = text.strip()
+    return "/" in text or "\\" in text or text.startswith("~") or _EXTENSION.fullmatch(text) is not None
+
+
+def _names_input(path: Path) -> bool:
+    """Whether ``path`` names something to read: a file, or a pipe (``<(zcat wt.fa.gz)``); False
+    for a directory, and for text no file system accepts as a name (a protein of more than ~255
+    residues given literally raises OSError "File name too long")."""
+    try:
+        return path.exists() and not path.is_dir()
+    except (OSError, ValueError):
+        return False
+
+
+def read_sequence_option(text: str, option: str = "--sequence") -> tuple[str | None, str]:
+    """What a ``--sequence`` option gives, the same for every command (``SEQUENCE_OPTION``):
+    (the record's FASTA ID, its sequence) for a FASTA file holding one record; (None, the
+    sequence checked) for a protein given literally. FastaError for a value that reads as a
+    file name and names no file (or a folder), a file of several records; SequenceError for a
+    sequence that is not a protein's."""
+    if not isinstance(text, str):
+        raise FastaError(f"{option}: expected a sequence or a FASTA file name, got {type(text).__name__}")
+    path = Path(text).expanduser()
+    if _names_input(path):
+        records = read_fasta(path)
+        if len(records) != 1:
+            raise FastaError(f"{path}: holds {len(records)} records; {option} takes a file of one")
+        return records[0].id, records[0].sequence
+    try:
+        folder = bool(text.strip()) and path.is_dir()
+    except (OSError, ValueError):  # no file system takes it as a name: a long protein
+        folder = False
+    if folder:
+        raise FastaError(f"{option} {text}: a folder, not a FASTA file or a protein sequence")
+    if looks_like_path(text):
+        raise FastaError(
+            f"{option} {text}: no such file (a value holding '/' or ending in a file extension is a file name; "
+            "give a protein sequence, or a FASTA file that exists)"
+        )
+    return None, check_sequence(text.strip(), option, label="sequence")

@@ -18,14 +18,14 @@ import numpy as np
 
 from ..artifact import plural
 from ..errors import EsmcMlxError, JobError
-from ..outputs import atomic_file, guarded, written_in_place
+from ..outputs import guarded, written_in_place
 from ..outputs import held as held_output
 from ..readers import open_binary, text_lines
 from ..runtime.load import load
 from ..runtime.model import ESMC
-from ..vocab import check_sequence, nonstandard_positions
+from ..vocab import nonstandard_positions
 from .distributed import World
-from .fasta import iter_fasta, read_fasta
+from .fasta import iter_fasta, read_sequence_option
 from .heatmap import check_plotting
 from .scan import ScanManifest, safe_name, scan_settings
 from .scan import scan as run_scan
@@ -549,10 +549,12 @@ def scan_job(
         done[:] = [manifest.done(safe_name(ident), entry) for (ident, _), entry in zip(records, settings)]
     done = world.broadcast(done)
     skipped = [ident for (ident, _), d in zip(records, done) if d]
-    scanned = []
+    scanned, todo = [], len(records) - len(skipped)
     for (ident, seq), entry, is_done in zip(records, settings, done):
         if is_done:
             continue
+        # one bar a protein: its label says which of how many (and which were done before)
+        count = f"scan {len(scanned) + 1} of {todo}" + (f" ({len(skipped)} done before)" if skipped else "")
         started = time.perf_counter()
         result = run_scan(
             model,
@@ -565,12 +567,17 @@ def scan_job(
             keep_nonstandard=keep_nonstandard,
             group=world.group,
             progress=progress,
+            desc=f"{count}: {_short(ident)}" if fasta is not None else "scan",
         )
         seconds = time.perf_counter() - started  # the scoring, not the writing
         if manifest is not None:
             manifest.record(safe_name(ident), entry, result.write(out, plot=plot, per_row=per_row))
         scanned.append((ident, len(result.positions), result.passes, seconds))
     return ScanSummary(Path(out), scanned, world.rank, world.size, skipped)
+
+
+def _short(ident: str, width: int = 24) -> str:
+    return ident if len(ident) <= width else ident[: width - 3] + "..."
 
 
 def check_input_options(sequence, fasta, name) -> None:
@@ -651,39 +658,9 @@ def read_mutants_csv(path: str | Path, mutant_column: str = "mutant") -> tuple[l
     return columns, rows, where
 
 
-# What a FASTA file's name ends with; a --sequence ending so (or holding a '/', never a residue)
-# that names no file is a mistyped path: ".", "F", "A", "S", "T" are all residue letters.
-FASTA_SUFFIXES = (".fa", ".fasta", ".faa", ".fas", ".fna", ".fsa", ".seq", ".txt", ".gz", ".gzip")
-
-
 def resolve_sequence(text: str) -> str:
-    """A wild-type sequence given literally or as a FASTA file with one record."""
+    """A wild-type sequence given literally or as a FASTA file with one record (``read_sequence_option``)."""
     return read_sequence_option(text)[1]
-
-
-def read_sequence_option(text: str) -> tuple[str | None, str]:
-    """``--sequence``: (the record's FASTA ID, its sequence) for a FASTA file holding one record;
-    (None, the sequence checked) for a sequence given literally."""
-    path = Path(text).expanduser()
-    if _names_input(path):
-        records = read_fasta(path)
-        if len(records) != 1:
-            raise JobError(f"{path}: holds {len(records)} records; the wild type must be a single sequence")
-        return records[0].id, records[0].sequence
-    stripped = text.strip()
-    if "/" in stripped or stripped.lower().endswith(FASTA_SUFFIXES):
-        raise JobError(f"--sequence {text}: no such file (give a protein sequence or an existing FASTA file)")
-    return None, check_sequence(stripped, "--sequence", label="sequence")
-
-
-def _names_input(path: Path) -> bool:
-    """Whether ``path`` names something to read: a file, or a pipe (``<(zcat wt.fa.gz)``); False
-    for a directory, and for text no file system accepts as a name (a protein of more than ~255
-    residues given literally raises OSError "File name too long")."""
-    try:
-        return path.exists() and not path.is_dir()
-    except (OSError, ValueError):
-        return False
 
 
 def _rejects_out(args: dict) -> Path | None:
@@ -712,6 +689,7 @@ def score_csv(
     dms_column: str = "DMS_score",
     skip_invalid: bool = False,
     keep_nonstandard: bool = False,
+    force: bool = False,
     group=None,
     progress: bool = False,
 ) -> ScoreSummary:
@@ -724,7 +702,9 @@ def score_csv(
     that disagrees). Rows that fail are all reported at once (JobError, MutationError or
     ScoringError); with ``skip_invalid`` the others are scored and the rejected rows, with their
     line and reason, are written to ``rejects_path(out)``. Rows at a non-standard residue (X B
-    Z U O) are written with empty scores, with a warning, unless ``keep_nonstandard``.
+    Z U O) are written with empty scores, with a warning, unless ``keep_nonstandard``. An
+    existing ``out`` (or rejects file) esmc-mlx did not write is replaced only with ``force``
+    (OutputError before any work otherwise).
 
     With a ``dms_column`` present, reports Spearman's rho of each method against it (rows with
     an empty or non-numeric value, or no score, left out).
@@ -782,7 +762,7 @@ def score_csv(
     out_path = Path(out) if out is not None else None
     if world.is_root and out_path is not None:
         header = columns + [m for m in result.scores if m not in columns]
-        with atomic_file(out_path, "w", newline="", encoding="utf-8") as f:
+        with held_output(out_path).open("w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
             writer.writeheader()
             for i, row in enumerate(rows):
@@ -814,8 +794,9 @@ def rejects_path(out: str | Path) -> Path:
 
 
 def write_rejects(path: Path, columns: list[str], rejected: Sequence[Rejected], rows: Sequence[dict]) -> None:
-    """The rejected ``rows`` as a CSV: ``line`` (of the input) and ``reason``, then the row as it was."""
-    with atomic_file(path, "w", newline="", encoding="utf-8") as f:
+    """The rejected ``rows`` as a CSV: ``line`` (of the input) and ``reason``, then the row as it
+    was; through the guard ``score_csv`` holds on ``path``."""
+    with held_output(path).open("w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=["line", "reason", *columns], extrasaction="ignore")
         writer.writeheader()
         for r, row in zip(rejected, rows):

@@ -218,8 +218,10 @@ def scan(
     keep_nonstandard: bool = False,
     group=None,
     progress: bool = False,
+    desc: str = "scan",
 ) -> Scan:
-    """Score all 19 substitutions at every residue of ``sequence``.
+    """Score all 19 substitutions at every residue of ``sequence`` (``desc``: the progress
+    bar's label).
 
     ``masked_marginal``: one masked copy per residue (``batch_size`` copies a pass, so an
     L-residue protein costs ceil(L / B) passes), each copy's row giving all 19 scores and the
@@ -244,7 +246,7 @@ def scan(
     jobs = _Jobs()
     for p in positions:
         jobs.site(sequence, [p], masked=method == "masked_marginal", window=window)
-    rows, passes = jobs.run(model, batch_size=batch_size, world=World.of(group), progress=progress, desc="scan")
+    rows, passes = jobs.run(model, batch_size=batch_size, world=World.of(group), progress=progress, desc=desc)
     logp = np.concatenate(rows).astype(np.float64)  # (n, vocab), row k <-> positions[k]
     wt_ids = np.array([_TOKENIZER.token_to_id[sequence[p]] for p in positions])
     scores = logp[:, _AA_IDS] - logp[np.arange(len(positions)), wt_ids][:, None]

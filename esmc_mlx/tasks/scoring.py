@@ -30,6 +30,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..artifact import plural
 from ..config import TRAINED_TOKENS, ESMCConfig
 from ..errors import EsmcMlxWarning, JobError, MutationError, ScoringError, SequenceError
 from ..runtime.execution import layer_activation_bytes
@@ -105,28 +106,124 @@ def _progress(total: int, unit: str, desc: str, enabled: bool):
 POOLS = ("mean", "max", "cls", "per_residue")
 
 
-@dataclasses.dataclass
+class ByLayer(dict):
+    """One pool's embeddings keyed by hidden-state index (0 = token embeddings, n = final): what
+    ``Embeddings.mean`` / ``.per_residue`` and ``StoredEmbeddings.mean`` / ``.residues`` are when
+    several layers were asked for, so that none of them is taken for the others.
+    ``emb.mean[6]``; a negative index counts from the end (``emb.mean[-1]``: the final layer)."""
+
+    def __init__(self, arrays: dict, pool: str, num_layers: int):
+        super().__init__(arrays)
+        self.pool, self.num_layers = pool, num_layers
+
+    def __missing__(self, layer):
+        if isinstance(layer, numbers.Integral) and not isinstance(layer, bool) and layer < 0:
+            if (layer + self.num_layers + 1) in self:
+                return self[layer + self.num_layers + 1]
+        raise KeyError(f"no {self.pool} embeddings of layer {layer!r}: these hold layers {_listed(self)}")
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        last = list(self)[-1]
+        raise AttributeError(
+            f"{self.pool} holds one array per layer ({_listed(self)}), a dict keyed by layer: take one, "
+            f"e.g. .{self.pool}[{last}] or .get({self.pool!r}, layer={last}); {name!r} is not one of its attributes"
+        )
+
+    def __repr__(self) -> str:
+        return f"ByLayer({self.pool}: " + ", ".join(f"layer {k} {_shape(v)}" for k, v in self.items()) + ")"
+
+
+def _listed(layers) -> str:
+    return ", ".join(map(str, layers))
+
+
+def _width(value) -> int | str:
+    """The hidden size of an (N, d) array, or of N per-residue arrays (L_i, d)."""
+    if isinstance(value, list):
+        value = next((v for v in value if v is not None), None)
+    shape = getattr(value, "shape", ())
+    return shape[-1] if shape else "?"
+
+
+def _shape(value) -> str:
+    """``(N, d)`` of an array, ``N x (L, d)`` of per-residue rows."""
+    if isinstance(value, list):
+        return f"{len(value)} x (L, {_width(value)})"
+    return str(tuple(getattr(value, "shape", ())))
+
+
+def of_layers(arrays: dict, layers: Sequence[int], pool: str, num_layers: int):
+    """``pool`` of ``arrays`` (keyed by (layer, pool)): the array itself for one layer, a
+    ``ByLayer`` for several, None when the pool was not computed."""
+    found = {i: arrays[(i, pool)] for i in layers if (i, pool) in arrays}
+    if not found:
+        return None
+    return next(iter(found.values())) if len(layers) == 1 else ByLayer(found, pool, num_layers)
+
+
+@dataclasses.dataclass(repr=False)
 class Embeddings:
     """``pooled[(layer, pool)]``: (N, d) float32 for pools mean / max / cls, or N arrays (L_i, d)
     for per_residue, for every hidden-state index in ``layers`` (0 = token embeddings,
-    n_layers = final) and pool asked for. ``mean``, ``per_residue`` and ``layer``: those of the
-    first layer (None when not asked for), as before several layers could be asked."""
+    n_layers = final) and pool asked for. ``get(pool, layer)`` reads one (``layer`` may be left
+    out when one layer was asked for).
 
-    mean: np.ndarray | None
-    per_residue: list[np.ndarray] | None
-    layer: int
+    ``mean`` and ``per_residue``: for one layer, its array (None when that pool was not asked
+    for); for several, a ``ByLayer`` dict keyed by layer (``emb.mean[6]``), never one layer taken
+    for all. ``layer``: the one layer, None when there are several."""
+
     pooled: dict = dataclasses.field(default_factory=dict)
     layers: tuple[int, ...] = ()
     num_layers: int = 0
 
+    @property
+    def mean(self):
+        return of_layers(self.pooled, self.layers, "mean", self.num_layers)
+
+    @property
+    def per_residue(self):
+        return of_layers(self.pooled, self.layers, "per_residue", self.num_layers)
+
+    @property
+    def layer(self) -> int | None:
+        return self.layers[0] if len(self.layers) == 1 else None
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p for _, p in self.pooled))
+
     def get(self, pool: str = "mean", layer: int | None = None):
-        """The embeddings of ``pool`` at hidden state ``layer`` (-1 = final; default: the first)."""
-        layer = self.layer if layer is None else resolve_layer(layer, self.num_layers)
+        """The embeddings of ``pool`` at hidden state ``layer`` (-1 = final). ``layer`` may be
+        left out when one layer was asked for; with several, ScoringError naming them."""
+        if not isinstance(pool, str):
+            raise ScoringError(f"pool {pool!r}: give a pool name ({', '.join(self.pools)})")
+        if layer is None:
+            if len(self.layers) != 1:
+                raise ScoringError(
+                    f"get({pool!r}): these embeddings hold layers {_listed(self.layers)}; say which with "
+                    f"layer= (one of them, or -1 for the final)"
+                )
+            layer = self.layers[0]
+        else:
+            layer = resolve_layer(layer, self.num_layers)
         key = (layer, pool.replace("-", "_"))
         if key not in self.pooled:
             asked = ", ".join(f"{p} at layer {i}" for i, p in self.pooled)
             raise ScoringError(f"no {key[1]} embeddings at layer {layer}: these hold {asked}")
         return self.pooled[key]
+
+    def __len__(self) -> int:
+        first = next(iter(self.pooled.values()), [])
+        return len(first)
+
+    def __repr__(self) -> str:
+        width = _width(next(iter(self.pooled.values()), None))
+        return (
+            f"Embeddings({plural(len(self), 'sequence')}, hidden size {width}, layers [{_listed(self.layers)}], "
+            f"pools [{', '.join(self.pools)}])"
+        )
 
 
 def resolve_layer(layer: int, num_layers: int) -> int:
@@ -425,8 +522,7 @@ def embed(
                 else:
                     pooled[key][rows] = v
             bar.update(len(rows))
-    first = layers[0]
-    return Embeddings(pooled.get((first, "mean")), pooled.get((first, "per_residue")), first, pooled, layers, n_layers)
+    return Embeddings(pooled, layers, n_layers)
 
 
 # --- masked and unmasked log-probabilities ---------------------------------------------------

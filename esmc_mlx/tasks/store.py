@@ -40,9 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..artifact import plural
 from ..errors import JobError, install_hint
 from ..outputs import OutputFolder, apply_umask, atomic_file, clean_leftovers, make_staging
 from ..readers import read_json
+from .scoring import of_layers
 
 FORMAT = "esmc-mlx-embeddings"
 FORMAT_VERSION = 2
@@ -680,10 +682,13 @@ _READERS = {"npy": _npy_read, "safetensors": _safetensors_read, "h5": _h5_read}
 _WRITERS = {"npy": _npy_write, "safetensors": _safetensors_write, "h5": _h5_write}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class StoredEmbeddings:
     """An embeddings directory, read back. ``arrays``: name -> rows (npy: memory maps; h5:
-    h5py datasets; safetensors: lazily sliced shards, ``np.asarray`` loads one whole)."""
+    h5py datasets; safetensors: lazily sliced shards, ``np.asarray`` loads one whole).
+    ``get(pool, layer)`` reads one array (``layer`` may be left out when one layer was stored).
+    ``mean`` and ``residues``: for one layer its array (None when that pool was not stored); for
+    several, a ``ByLayer`` dict keyed by layer (``stored.mean[6]``, ``[-1]`` the final)."""
 
     ids: list[str]
     arrays: dict
@@ -692,28 +697,44 @@ class StoredEmbeddings:
     pools: tuple[str, ...] = ()
     num_layers: int = 0
 
-    def get(self, pool: str = "mean", layer: int | None = None):
-        """The array of ``pool`` at hidden state ``layer`` (needed when several were stored)."""
-        names = array_names(self.layers, self.pools)
-        if layer is None and len(self.layers) == 1:
+    def _key(self, pool: str, layer: int | None) -> tuple[int, str]:
+        if not isinstance(pool, str):
+            raise JobError(f"pool {pool!r}: give a pool name ({', '.join(self.pools)})")
+        if layer is None:
+            if len(self.layers) != 1:
+                raise JobError(
+                    f"get({pool!r}): this directory holds layers {', '.join(map(str, self.layers))}; say which "
+                    "with layer= (one of them, or -1 for the final)"
+                )
             layer = self.layers[0]
-        elif layer is not None and layer < 0:
+        elif isinstance(layer, numbers.Integral) and not isinstance(layer, bool) and layer < 0:
             layer += self.num_layers + 1  # -1 = final
-        key = (layer, pool.replace("-", "_"))
+        return layer, pool.replace("-", "_")
+
+    def get(self, pool: str = "mean", layer: int | None = None):
+        """The array of ``pool`` at hidden state ``layer`` (-1 = final; needed when several were stored)."""
+        names = array_names(self.layers, self.pools)
+        key = self._key(pool, layer)
         if key not in names:
             raise JobError(
-                f"no {pool} embeddings of layer {layer} here (stored: layers {list(self.layers)}, "
+                f"no {key[1]} embeddings of layer {key[0]} here (stored: layers {list(self.layers)}, "
                 f"pools {list(self.pools)})"
             )
         return self.arrays[names[key]]
 
+    def _of_layers(self, pool: str):
+        names = array_names(self.layers, self.pools)
+        arrays = {key: self.arrays[name] for key, name in names.items() if name in self.arrays}
+        return of_layers(arrays, self.layers, pool, self.num_layers)
+
     @property
     def mean(self):
-        return self.arrays.get("mean")
+        return self._of_layers("mean")
 
     @property
     def residues(self):
-        return self.arrays.get("per_residue")
+        """Every record's per-residue rows, concatenated (``offsets`` cuts them by record)."""
+        return self._of_layers("per_residue")
 
     def per_residue(self, key: int | str, layer: int | None = None) -> np.ndarray:
         """(L, d) rows of record ``key`` (an index, negative from the end, or an ID)."""
@@ -721,6 +742,17 @@ class StoredEmbeddings:
             raise JobError("this directory was written without per-residue embeddings")
         i = record_index(self.ids, key)
         return np.asarray(self.get("per_residue", layer)[self.offsets[i] : self.offsets[i + 1]])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __repr__(self) -> str:
+        first = next(iter(self.arrays.values()), None)
+        width = first.shape[-1] if getattr(first, "shape", ()) else "?"
+        return (
+            f"StoredEmbeddings({plural(len(self.ids), 'record')}, hidden size {width}, layers "
+            f"[{', '.join(map(str, self.layers))}], pools [{', '.join(self.pools)}])"
+        )
 
 
 def record_index(ids: list[str], key: int | str) -> int:

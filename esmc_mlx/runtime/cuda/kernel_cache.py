@@ -3,7 +3,7 @@
 MLX compiles a ``mx.fast.cuda_kernel`` with NVRTC the first time a process runs it. It looks
 in its disk cache first (``MLX_PTX_CACHE_DIR``, which esmc_mlx points at ``<cache>/ptx``) but
 never writes custom kernels there (mlx/backend/cuda/custom_kernel.cpp asks its JIT for no disk
-copy). So every process paid the compiler again for each kernel of runtime/kernels.py it used:
+copy). So every process paid the compiler again for each of its kernels (runtime/cuda/) it used:
 on the H200, 2.4-2.9 s at a 300M's first forward (the q/k/v kernel) and 5 s at a quantized
 6B's.
 
