@@ -265,7 +265,8 @@ def test_paths_ab_times_plan_variants_beside_bf16_and_compares_their_logits(tmp_
         ]
     )
     (row,) = result["rows"]
-    assert json.loads(out.read_text())["rows"] == [row]
+    record = json.loads(out.read_text())
+    assert record["rows"] == [row] and record["provenance"]["backend"] == "cpu"
     for side in sides.split(","):
         assert row[f"{side}_ms"] > 0 and row[f"{side}_over_bf16"] > 0
         assert row[f"{side}_logits_rel_l2"] < 1e-5  # the same model whichever path
@@ -278,6 +279,10 @@ def test_paths_ab_times_plan_variants_beside_bf16_and_compares_their_logits(tmp_
         == "dequantize"
     )
     assert paths_ab.side_target("mlx-ops", shipped).kernels is False
+    # mode float: the float model itself planned on each side (its fused steps' tables)
+    args = ["--model", "tiny", "--device", "cpu", "--modes", "float", "--shapes", "1x16", "--budget", "0.01"]
+    (row,) = paths_ab.main([*args, "--sides", "shipped,add_norm_from=0"])["rows"]
+    assert row["mode"] == "float" and row["add_norm_from=0_logits_rel_l2"] == 0.0
 
 
 @pytest.mark.parametrize("side", ["path=bogus", "nonsense", "no_such_field=1", "arch=sm_1x"])
