@@ -164,9 +164,11 @@ def sync_torch() -> None:
 
 def compile_blocks(tmodel) -> None:
     """Compile each transformer block of transformers' ``EsmcForMaskedLM`` in place
-    (``nn.Module.compile``: torch.compile with its defaults; each compiles at its first call)."""
+    (``nn.Module.compile``: torch.compile's default mode, inductor), for each shape its own
+    graph (``dynamic=False``: as MLX traces each shape; dynamic-shape kernels give up the
+    shape's specializations). A block compiles at its first call at a new shape."""
     for layer in tmodel.esmc.layers:
-        layer.compile()
+        layer.compile(dynamic=False)
 
 
 def time_interleaved(
