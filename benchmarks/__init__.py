@@ -1,15 +1,22 @@
 """Measurement scripts, run from the repository root as modules: ``python -m benchmarks.NAME``."""
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 
 
-def save_json(path: str | None, result: dict) -> dict:
-    """Write ``result`` to ``path`` as indented JSON when a path is given (``--json``); return it."""
+def save_json(path: str | Path | None, result: dict, device: str | None = None) -> dict:
+    """Write ``result`` to ``path`` as indented JSON when a path is given (``--json``), with its
+    ``provenance`` (the source commit, whether the tree differed from it, the device that ran
+    MLX: ``device`` "gpu" or "cpu", default MLX's default), which ``python -m
+    benchmarks.compare`` prints beside the figures it compares. Returns ``result``."""
     if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        from esmc_mlx.bench import provenance
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**result, "provenance": provenance(device)}, indent=1, default=str) + "\n")
     return result
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from benchmarks import save_json
 from esmc_mlx.testing import SHAPES, random_mlx_model, random_sequences, tiny_config
 
 MB = 2**20
@@ -113,8 +114,7 @@ def main() -> None:
         f"model = {result['attention_over_one_layer']:.2f} x that (the plain forward's: "
         f"{result['forward_over_one_layer']:.2f} x)"
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    save_json(args.json, result)
 
 
 if __name__ == "__main__":

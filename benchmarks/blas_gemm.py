@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import save_json
+
 SYSTEM = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 
 MLX = """
@@ -92,9 +94,7 @@ def main(argv=None) -> int:
     clean, after = rows["torch, clean process"].get("gflops"), rows["torch, after import esmc_mlx"].get("gflops")
     ratio = after / clean if clean and after else float("nan")
     print(f"torch GEMM after import esmc_mlx / clean: {ratio:.2f} (must be >= 0.70)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"n": n, "cpu": _cpu(), "rows": rows, "torch_ratio": ratio}, indent=2) + "\n")
+    save_json(args.json, {"n": n, "cpu": _cpu(), "rows": rows, "torch_ratio": ratio}, device="cpu")
     return 0 if ratio >= 0.7 else 1
 
 

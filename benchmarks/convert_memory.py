@@ -15,7 +15,6 @@ so each reads from the disk. Everything written under WORK is deleted at the end
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -23,6 +22,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import save_json
 
 
 def convert_timed(source: Path, out: Path, extra: list[str]) -> dict:
@@ -145,9 +146,7 @@ def main() -> None:
         print(f"conversion / floor = {results['ratio_to_floor']:.2f}x", flush=True)
     finally:
         shutil.rmtree(args.work, ignore_errors=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    save_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from benchmarks import save_json
 from esmc_mlx.resolve import LOCAL_ALIASES
 from esmc_mlx.runtime.sae import ENCODE_BYTES
 from esmc_mlx.testing import SHAPES, random_sequences, write_random_artifact, write_random_sae
@@ -153,8 +154,7 @@ def main() -> None:
         f"SAE layer {layer_mb:.1f} MiB; features' peak above embed's {result['features_peak_above_embed_mb']:.1f} MiB "
         f"(bound: the layer + {ENCODE_BYTES / MB:.0f} MiB of pre-activations = {result['bound_mb']:.1f} MiB)"
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    save_json(args.json, result)
 
 
 if __name__ == "__main__":

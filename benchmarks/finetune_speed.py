@@ -5,7 +5,9 @@
      B x L batches. MLX runs esmc-mlx's own training step (``finetune.train.Updates``);
      torch runs transformers' ``EsmcForMaskedLM`` wrapped by peft's ``get_peft_model`` with the
      same rank, modules, head and batch. Each side in its own process, one after the other;
-     prints training tokens per second of each and MLX / torch.
+     prints training tokens per second of each and MLX / torch. MLX's step is also timed up to
+     the moment MLX has queued all of its work (``mx.async_eval`` returns): the host's share of
+     the step; a step whose host share is close to its whole is bound by the host, not the GPU.
   2. QLoRA (``--qlora``): the same on an affine 4-bit model (built block by block: the bf16
      weights never exist whole) with gradient checkpointing (``--no-checkpointing``: without,
      as LoRA runs); prints tokens per second and MLX's peak memory (weights, adapters,
@@ -17,17 +19,20 @@
     python -m benchmarks.finetune_speed --model 300M --dtype bfloat16 --shape 16x256     # GPU, 1.
     python -m benchmarks.finetune_speed --qlora --model 6B --shape 4x1024                # GPU, 2.
     python -m benchmarks.finetune_speed --qlora --model 6B --shape 1x1024 --grad-accumulation-steps 4
-    python -m benchmarks.finetune_speed --model tiny --dtype float32 --shape 4x64 --steps 3   # CPU
+    python -m benchmarks.finetune_speed --model 300M --dtype bfloat16 --shape 16x256 --memory-limit mlx --no-torch
+    python -m benchmarks.finetune_speed --model tiny --dtype float32 --shape 4x64 --steps 3 --device cpu   # CPU
     python -m benchmarks.finetune_speed --device cpu --model small --dtype float32 --shape 4x128 --steps 3 \
         --qlora --no-checkpointing [--packed]     # CPU QLoRA against the LoRA run above it, same batch
 
-Writes OUT/finetune_speed.json (or finetune_qlora.json). peft is only needed by the torch side
-(the dev extra has it); without it that side is skipped with a note.
+Writes OUT/finetune_speed.json (or finetune_qlora.json) with the source commit and the device
+(``python -m benchmarks.compare NEW OLD`` says which figures moved). peft is only needed by the
+torch side (the dev extra has it); without it that side is skipped with a note.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -36,6 +41,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks import save_json
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -108,18 +115,30 @@ def mlx_side(job: dict) -> dict:
     ids, targets = mx.array(ids.astype(np.int32)), mx.array(targets.astype(np.int32))
     attention = mx.ones(ids.shape, dtype=mx.int32)
 
+    queued = []  # per update: seconds until MLX had queued all of its work
+
     def run():  # one AdamW update: --grad-accumulation-steps batches
+        started = time.perf_counter()
         for _ in range(job["accumulate"]):
             loss, _ = step(ids, attention, targets)
-            mx.eval(loss, step.state)
+            mx.async_eval(loss, step.state)
+        queued.append(time.perf_counter() - started)
+        mx.eval(loss, step.state)
 
-    with under_memory_limit(job["memory_limit"]):  # as esmc-mlx finetune trains
+    # as esmc-mlx finetune trains, unless --memory-limit mlx (MLX's own limit)
+    limited = contextlib.nullcontext() if job["memory_limit"] == "mlx" else under_memory_limit(job["memory_limit"])
+    with limited:
         mx.reset_peak_memory()  # the training's peak, not the block-by-block build's
         times = time_steps(run, job["steps"], job["warmup"])
         limit = mx.get_memory_limit()
+    host = queued[job["warmup"] :]
     return {
         "median_s": statistics.median(times),
+        "min_s": min(times),
+        "times_s": [round(t, 6) for t in times],
+        "host_median_s": statistics.median(host),
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        "cache_memory_gb": mx.get_cache_memory() / 1e9,
         "memory_limit_gb": limit / 1e9,
         "mlx": mx.__version__,
         "device": str(mx.default_device()),
@@ -159,7 +178,13 @@ def torch_side(job: dict) -> dict:
         sync_torch()
 
     times = time_steps(run, job["steps"], job["warmup"])
-    out = {"median_s": statistics.median(times), "torch": torch.__version__, "device": device}
+    out = {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "times_s": [round(t, 6) for t in times],
+        "torch": torch.__version__,
+        "device": device,
+    }
     if device == "cuda":
         out["gpu"] = torch.cuda.get_device_name()
         out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
@@ -175,6 +200,16 @@ def run_side(kind: str, job: dict) -> dict:
     job_path.write_text(json.dumps(job))
     subprocess.run([sys.executable, "-m", "benchmarks.finetune_speed", "--side", kind, str(job_path)], check=True)
     return json.loads(job_path.with_name(f"finetune-{kind}.json").read_text())
+
+
+def memory_limit(text: str) -> float | str:
+    """--memory-limit: GB, or 'mlx' for MLX's own limit."""
+    if text.strip().lower() == "mlx":
+        return "mlx"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give GB (a number) or 'mlx'") from None
 
 
 def main() -> None:
@@ -198,12 +233,13 @@ def main() -> None:
     )
     p.add_argument(
         "--memory-limit",
-        type=float,
+        type=memory_limit,
         metavar="GB",
         help="MLX's memory limit (mx.set_memory_limit): past it MLX waits for queued GPU work, and the "
         "buffers that work holds, before it queues more. Default: what esmc-mlx finetune sets (0.7 x the "
-        "GPU's memory; on the CPU, MLX's own)",
+        "GPU's memory; on the CPU, MLX's own); 'mlx': MLX's own limit, none set",
     )
+    p.add_argument("--no-torch", action="store_true", help="time MLX only")
     p.add_argument("--out", type=Path, default=Path("bench-results/finetune"))
     p.add_argument("--side", nargs=2, metavar=("KIND", "JOB"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -226,10 +262,12 @@ def main() -> None:
     what = f"{args.model} {qlora if args.qlora else args.dtype + ' LoRA'} rank {args.rank}"
     per_update = f" x {args.accumulate} batches" if args.accumulate > 1 else ""
     print(f"{what}, {args.shape}{per_update} ({tokens} tokens a step), {args.device}")
-    print(f"  MLX   {mlx_tps:10.0f} tokens/s  ({results['mlx']['median_s'] * 1e3:.1f} ms a step)", end="")
-    print(f", peak memory {results['mlx']['peak_memory_gb']:.2f} GB", end="")
-    print(f" (memory limit {results['mlx']['memory_limit_gb']:.1f} GB)")
-    if not args.qlora:
+    mlx = results["mlx"]
+    print(f"  MLX   {mlx_tps:10.0f} tokens/s  ({mlx['median_s'] * 1e3:.1f} ms a step", end="")
+    print(f", all of it queued after {mlx['host_median_s'] * 1e3:.1f} ms)", end="")
+    print(f", peak memory {mlx['peak_memory_gb']:.2f} GB", end="")
+    print(f" (memory limit {mlx['memory_limit_gb']:.1f} GB, cache {mlx['cache_memory_gb']:.2f} GB)")
+    if not args.qlora and not args.no_torch:
         results["torch"] = run_side("torch", job)
         if "skipped" in results["torch"]:
             print(f"  torch side skipped: {results['torch']['skipped']}")
@@ -240,7 +278,7 @@ def main() -> None:
             print(f"  torch {torch_tps:10.0f} tokens/s  ({results['torch']['median_s'] * 1e3:.1f} ms a step, peft)")
             print(f"  MLX / torch tokens per second: {results['mlx_over_torch']:.2f}")
     path = args.out / ("finetune_qlora.json" if args.qlora else "finetune_speed.json")
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    save_json(path, results, device=args.device)
     print(f"wrote {path}")
 
 

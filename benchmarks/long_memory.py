@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from benchmarks import save_json
 from esmc_mlx.bench import QUANT_MODES, mlx_model
 from esmc_mlx.runtime.execution import layers_per_eval
 from esmc_mlx.testing import SHAPES, random_mlx_model, tiny_config
@@ -127,9 +128,7 @@ def main() -> None:
                     f"every {row['layers_per_eval']} layers",
                     flush=True,
                 )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows}, f, indent=2)
+    save_json(args.json, {"rows": rows}, device=args.device)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ the ranks, run second, find them cached, which flatters the ranks (docs/decision
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from benchmarks import save_json
 from esmc_mlx.tasks.store import read_embeddings
 from esmc_mlx.testing import SHAPES, child_env, tiny_config, write_random_artifact
 
@@ -169,8 +169,7 @@ def main() -> None:
         f"outputs identical: {result['identical']} (max |diff| {result['max_abs_diff']:.3g}, "
         f"max row relative {result['max_row_rel_diff']:.3g})"
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    save_json(args.json, result, device=args.device)
 
 
 if __name__ == "__main__":

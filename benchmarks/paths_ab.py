@@ -1,7 +1,8 @@
 """Whole forwards of the shipped model under other plans: the evidence for runtime/dispatch.py's
 tables. The bf16 model and a quantized twin per side (random weights, fused, compiled) are timed
 interleaved in one process, each side's time over bf16's printed, and each side's logits compared
-with the first side's. A side is a plan variant:
+with the first side's. Mode ``float`` plans the bf16 model itself on each side (the plans of its
+fused steps: ``add_norm_from``, the q/k/v heads). A side is a plan variant:
 
   shipped          the plans as they stand
   mlx-ops          no custom kernel (ESMC_MLX_KERNELS=0)
@@ -15,6 +16,7 @@ with the first side's. A side is a plan variant:
     python -m benchmarks.paths_ab --model 6B --sides shipped,no-cutlass,mlx-ops --json $OUT/6b.json   # GPU
     python -m benchmarks.paths_ab --model 300M --modes affine4 --shapes 1x128,1x256 --sides shipped,path=fused
     python -m benchmarks.paths_ab --model tiny --device cpu --modes affine4 --shapes 1x64 --sides shipped,path=quantized
+    python -m benchmarks.paths_ab --model 6B --modes float --shapes 1x1024,16x256 --sides shipped,add_norm_from=2097152
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from esmc_mlx.bench import (
 from esmc_mlx.runtime import dispatch
 from esmc_mlx.testing import random_mlx_model
 
-RECORDS = {**QUANT_MODES, "affine2": {"mode": "affine", "bits": 2, "group_size": 64}}
+RECORDS = {"float": None, **QUANT_MODES, "affine2": {"mode": "affine", "bits": 2, "group_size": 64}}
 RECORDS |= {f"affine{b}": {"mode": "affine", "bits": b, "group_size": 64} for b in (3, 5, 6)}
 RECORDS |= {
     "mxfp8": {"mode": "mxfp8", "bits": 8, "group_size": 32},
@@ -109,7 +111,12 @@ def main(argv=None) -> dict:
     bf16 = mlx_model(config, weights, fuse=a.device == "gpu", compile=a.device == "gpu")
     result = {"machine": machine(with_torch=False), "model": a.model, "target": repr(shipped), "rows": []}
     for mode in a.modes.split(","):
-        model = mlx_model(config, weights, fuse=a.device == "gpu", compile=a.device == "gpu", quant=RECORDS[mode])
+        quant = RECORDS[mode]
+        model = (
+            bf16
+            if quant is None
+            else mlx_model(config, weights, fuse=a.device == "gpu", compile=a.device == "gpu", quant=quant)
+        )
         sides = {side: Planned(model, target) for side, target in targets.items()}
         for batch, length in parse_shapes(a.shapes):
             fns = forward_fns(None, {"bf16": bf16, **sides}, batch, length)

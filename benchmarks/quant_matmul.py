@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 
 import esmc_mlx  # noqa: E402,F401  (loads OpenBLAS before mlx on Linux)
+from benchmarks import save_json  # noqa: E402
 
 SHAPES = {  # (out, in) of the largest linears: gate/up (d -> f) of each model
     "300M": (2560, 960),
@@ -176,8 +177,7 @@ def run(args) -> dict:
     for mode_name, by_shape in results["crossover"].items():
         print(f"  {mode_name:8} " + "  ".join(f"{s}: {t}" for s, t in by_shape.items()))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        save_json(args.json, results, device=args.device)
         print(f"wrote {args.json}")
     return results
 

@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import save_json
+
 
 def child(args: list[str], env: dict, log: Path) -> dict:
     """Run ``python -m esmc_mlx.cli ARGS``; wall seconds, CPU seconds, peak RSS, exit code."""
@@ -222,8 +224,7 @@ def main() -> None:
     failed = [k for k, v in steps.items() if v["exit"]]
     if failed:
         print(f"steps that exited non-zero: {', '.join(failed)} (see log_tail in the JSON)")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    save_json(args.json, results)
 
 
 if __name__ == "__main__":

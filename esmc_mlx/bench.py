@@ -1,10 +1,11 @@
 """Side-by-side speed: the MLX runtime against transformers, same weights, same inputs.
 
 ``run()`` (what ``esmc-mlx bench`` calls) times each side in its own process: the torch model
-(transformers' ``EsmcForMaskedLM``, random weights) first, then the MLX model built from *its*
-weights. The helpers below also time several callables interleaved in one process (torch, mlx,
-torch, mlx, ...), which the GPU scripts in ``benchmarks/`` use; the GPU- and profiling-only
-measurements live in ``benchmarks/measure.py``.
+(transformers' ``EsmcForMaskedLM``, random weights) first, eager and then with its blocks
+compiled (``--torch``), then the MLX model built from *its* weights. The helpers below also time
+several callables interleaved in one process (torch, mlx, torch, mlx, ...), which the GPU
+scripts in ``benchmarks/`` use. ``provenance()`` is what every benchmark's JSON records of the
+source and the device it measured.
 
 Needs the torch extra (``esmc-mlx[torch]``) for the torch side and matplotlib for the plot;
 without torch only the MLX times are reported.
@@ -30,6 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import _blas
+from ._version import __version__
 from .config import ESMCConfig
 from .convert.sources import torch_to_mlx
 from .errors import EsmcMlxError, install_hint
@@ -59,6 +61,27 @@ VARIANTS = {
     "mlx+fuse+compile": (True, True),
 }
 DEFAULT_VARIANT = "mlx+fuse+compile"  # what load() gives on a GPU
+# How the torch side runs: transformers' model as it comes, or with each EsmcLayer compiled by
+# torch.compile (regional compilation: one block's graph, reused by every block; a 6B compiles
+# in seconds, where compiling the whole 80-block model did not finish in 4 minutes). The row
+# names in bench.json.
+TORCH_MODES = {"eager": "torch", "compiled": "torch-compiled"}
+
+
+def default_torch_modes(device: str) -> tuple[str, ...]:
+    """Both on a GPU. On the CPU eager only: inductor builds each compiled graph as C++, which
+    took 58 s for esmc-tiny's first shape on a 2-core host (4 s from its disk cache), and again
+    for each new shape."""
+    return tuple(TORCH_MODES) if device == "gpu" else ("eager",)
+
+
+def parse_torch_modes(text: str) -> tuple[str, ...]:
+    """'eager,compiled' -> ('eager', 'compiled'); ValueError for anything else."""
+    modes = tuple(dict.fromkeys(m.strip().lower() for m in text.split(",") if m.strip()))
+    unknown = [m for m in modes if m not in TORCH_MODES]
+    if unknown or not modes:
+        raise ValueError(f"{text!r}: choose one or both of {', '.join(TORCH_MODES)} (comma-separated)")
+    return modes
 
 
 def default_variant(device: str) -> str:
@@ -139,6 +162,15 @@ def sync_torch() -> None:
         torch.cuda.synchronize()
 
 
+def compile_blocks(tmodel) -> None:
+    """Compile each transformer block of transformers' ``EsmcForMaskedLM`` in place
+    (``nn.Module.compile``: torch.compile's default mode, inductor), for each shape its own
+    graph (``dynamic=False``: as MLX traces each shape; dynamic-shape kernels give up the
+    shape's specializations). A block compiles at its first call at a new shape."""
+    for layer in tmodel.esmc.layers:
+        layer.compile(dynamic=False)
+
+
 def time_interleaved(
     fns: dict[str, Callable[[], None]],
     warmup: int = 2,
@@ -172,7 +204,12 @@ def time_interleaved(
             fns[name]()
             times[name].append(time.perf_counter() - start)
     return {
-        name: {"median_ms": statistics.median(t) * 1e3, "min_ms": min(t) * 1e3, "reps": len(t)}
+        name: {
+            "median_ms": statistics.median(t) * 1e3,
+            "min_ms": min(t) * 1e3,
+            "reps": len(t),
+            "times_ms": [round(x * 1e3, 4) for x in t],
+        }
         for name, t in times.items()
     }
 
@@ -184,8 +221,10 @@ def forward_fns(
     length: int,
     device: str = "cpu",
     seed: int = 0,
+    torch_name: str = "torch",
 ) -> dict[str, Callable[[], None]]:
-    """Timed callables: one full forward (logits evaluated) per model, same token ids."""
+    """Timed callables: one full forward (logits evaluated) per model, same token ids; the torch
+    model's under ``torch_name``."""
     ids = np.random.default_rng(seed).integers(4, 24, size=(batch, length))
     fns: dict[str, Callable[[], None]] = {}
     if tmodel is not None:
@@ -198,7 +237,7 @@ def forward_fns(
                 _ = tmodel(input_ids=tids).logits
             sync_torch()
 
-        fns["torch"] = run_torch
+        fns[torch_name] = run_torch
     mids = mx.array(ids)
     for name, model in models.items():
 
@@ -248,13 +287,15 @@ def compare_forward(
     label: str,
     budget_s: float = 3.0,
     log=print,
+    torch_name: str = "torch",
 ) -> list[dict]:
     """One row per (shape, implementation): median/min ms, TFLOP/s, speedup over torch."""
     rows = []
     for batch, length in shapes:
-        timings = time_interleaved(forward_fns(tmodel, models, batch, length, device), budget_s=budget_s)
+        fns = forward_fns(tmodel, models, batch, length, device, torch_name=torch_name)
+        timings = time_interleaved(fns, budget_s=budget_s)
         flops = model_flops(config, batch, length)
-        base = timings.get("torch", {}).get("median_ms")
+        base = timings.get(torch_name, {}).get("median_ms")
         for name, t in timings.items():
             row = {
                 "model": label,
@@ -269,7 +310,7 @@ def compare_forward(
             log(
                 f"{label:>6} {batch:>3}x{length:<5} {name:<22} {t['median_ms']:10.2f} ms  (min {t['min_ms']:.2f}, "
                 f"{t['reps']} reps)  {flop_rate(row['tflops']):>14}"
-                + (f"  torch/this {row['speedup_vs_torch']:.2f}x" if base else "")
+                + (f"  torch/this {row['speedup_vs_torch']:.2f}x" if base and name != torch_name else "")
             )
         mx.clear_cache()
     return rows
@@ -316,9 +357,70 @@ def machine(with_torch: bool = True, device: str | None = None) -> dict:
     return info
 
 
+# Where the source is no git checkout (a copy of one on a GPU host), the file at its root that
+# names the commit: "HASH", or "HASH+dirty" for a tree that differed from it.
+SOURCE_STAMP = "SOURCE_COMMIT"
+ROOT = Path(__file__).resolve().parent.parent  # the checkout, when esmc_mlx runs from one
+
+
+def source_commit(root: Path = ROOT) -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the source esmc_mlx runs from: ``git rev-parse HEAD`` and whether
+    tracked files differ from it, when ``root`` is a git checkout's top; else ``SOURCE_STAMP``'s;
+    else (None, None) (an installed wheel)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top and Path(top).resolve() == root.resolve():  # not a repository that merely holds a venv
+        head, changes = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+        if head:
+            return head, bool(changes)
+    stamp = root / SOURCE_STAMP
+    if stamp.is_file():
+        head, _, flag = stamp.read_text().strip().partition("+")
+        return head or None, flag == "dirty"
+    return None, None
+
+
+def source_stamp(root: Path = ROOT) -> str | None:
+    """``source_commit`` as SOURCE_STAMP's one line ("HASH" or "HASH+dirty"); None without one."""
+    commit, dirty = source_commit(root)
+    return None if commit is None else commit + ("+dirty" if dirty else "")
+
+
+def provenance(device: str | None = None) -> dict:
+    """What a benchmark's figures belong to: the source commit and whether the tree differed
+    from it (``source_commit``), esmc-mlx's and MLX's versions, the device that ran MLX
+    (``device``: "gpu" or "cpu"; default MLX's default) by name and architecture, and the time."""
+    commit, dirty = source_commit()
+    device = device or ("gpu" if mx.default_device() == mx.gpu else "cpu")
+    try:
+        info = mx.device_info(mx.gpu if device == "gpu" else mx.cpu)
+    except Exception:  # a backend that does not describe itself
+        info = {}
+    name = str(info.get("device_name") or platform.processor() or platform.machine())
+    arch = info.get("architecture")
+    return {
+        "commit": commit,
+        "dirty": dirty,
+        "esmc_mlx": __version__,
+        "mlx": mx.__version__,
+        "device": f"{name} ({arch})" if arch else name,
+        "backend": device,
+        "host": platform.node(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
 def plot(results: dict, path: Path, title: str | None = None) -> Path | None:
-    """Bar chart of torch-time / MLX-time per (model, shape) and implementation (without torch
-    rows: MLX's milliseconds); None without matplotlib."""
+    """Bar chart of torch time / MLX time per (model, shape), one bar per MLX implementation and
+    torch mode (eager, compiled); without torch rows, MLX's milliseconds. None without
+    matplotlib."""
     try:
         import matplotlib
 
@@ -326,21 +428,23 @@ def plot(results: dict, path: Path, title: str | None = None) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = [r for r in results.get("forward", []) if r["impl"] != "torch" and r.get("speedup_vs_torch")]
-    versus_torch = bool(rows)
+    mlx_rows = [r for r in results.get("forward", []) if r["impl"] not in TORCH_MODES.values()]
+    bars = []  # (label, row, key)
+    for mode, key in SPEEDUP_KEYS.items():
+        bars += [(f"{r['impl']} vs torch {mode}", r, key) for r in mlx_rows if r.get(key)]
+    versus_torch = bool(bars)
     if not versus_torch:  # MLX alone (no torch): its own times
-        rows = [r for r in results.get("forward", []) if r["impl"] != "torch"]
-    if not rows:
+        bars = [(r["impl"], r, "median_ms") for r in mlx_rows]
+    if not bars:
         return None
-    key = "speedup_vs_torch" if versus_torch else "median_ms"
-    groups = list(dict.fromkeys(f"{r['model']}\n{r['batch']}x{r['length']}" for r in rows))
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
-    width = 0.8 / len(impls)
+    groups = list(dict.fromkeys(f"{r['model']}\n{r['batch']}x{r['length']}" for _, r, _ in bars))
+    labels = list(dict.fromkeys(label for label, _, _ in bars))
+    width = 0.8 / len(labels)
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(groups)), 4))
-    for i, impl in enumerate(impls):
-        values = {f"{r['model']}\n{r['batch']}x{r['length']}": r[key] for r in rows if r["impl"] == impl}
-        xs = [g + (i - (len(impls) - 1) / 2) * width for g in range(len(groups))]
-        ax.bar(xs, [values.get(g, 0) for g in groups], width, label=impl)
+    for i, label in enumerate(labels):
+        values = {f"{r['model']}\n{r['batch']}x{r['length']}": r[key] for name, r, key in bars if name == label}
+        xs = [g + (i - (len(labels) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, [values.get(g, 0) for g in groups], width, label=label)
     target = results.get("target_speedup")
     if versus_torch:
         ax.axhline(1.0, color="black", linewidth=0.8)
@@ -400,38 +504,47 @@ def run(
     budget_s: float = 3.0,
     log=print,
     stem: str = "bench",
+    torch_modes=None,
 ) -> dict:
     """The comparison ``esmc-mlx bench`` runs: for each model size, a random-weight
     transformers model and the MLX model from the same weights, timed at each (batch, length);
-    optionally quantized twins (``quant``: names of QUANT_MODES). Each side runs in its own
-    fresh process (``python -m esmc_mlx.bench``), one after the other: the torch side builds the
-    model, saves its weights and reference logits and times its forwards; the MLX side loads
-    those weights, checks its logits against the reference and times its variants. In one
-    process each library's BLAS, threads and memory disturb the other's (torch ran 9x slower
-    on the CPU there). Writes ``{stem}.json`` and ``{stem}.png`` under
+    optionally quantized twins (``quant``: names of QUANT_MODES). The torch side runs in each of
+    ``torch_modes`` (TORCH_MODES; default ``default_torch_modes``): eager, and with its blocks
+    compiled, whose compile time (the first call at each shape) is reported apart from its
+    timings. Each side runs in its own fresh process (``python -m esmc_mlx.bench``), one after
+    the other: the first torch side builds the model, saves its weights and reference logits and
+    times its forwards; a compiled torch side rebuilds the same weights, compiles and times; the
+    MLX side loads those weights, checks its logits against the reference and times its
+    variants. In one process each library's BLAS, threads and memory disturb the other's (torch
+    ran 9x slower on the CPU there). Writes ``{stem}.json`` and ``{stem}.png`` under
     ``out_dir`` (a folder esmc-mlx made, or a new or empty one: the output guard's, checked
     now, not after the timing) and returns the results."""
     with guard(out_dir, "bench", "folder", resumable=False) as folder:
         folder.check_free(f"{stem}.json")
         folder.check_free(f"{stem}.png")
-        return _run(models, shapes, device, dtype, variants, quant, out_dir, with_torch, budget_s, log, stem)
+        return _run(
+            models, shapes, device, dtype, variants, quant, out_dir, with_torch, budget_s, log, stem, torch_modes
+        )
 
 
-def _run(models, shapes, device, dtype, variants, quant, out_dir, with_torch, budget_s, log, stem) -> dict:
+def _run(models, shapes, device, dtype, variants, quant, out_dir, with_torch, budget_s, log, stem, torch_modes) -> dict:
     if device == "auto":
         device = "gpu" if mx.default_device() == mx.gpu else "cpu"
     if device == "gpu" and not mx.is_available(mx.gpu):  # else the MLX child's traceback, after the torch side
         raise EsmcMlxError("--device gpu: this MLX has no GPU backend (it runs on the CPU here); use --device cpu")
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     shapes = [tuple(s) for s in (shapes or (CPU_SHAPES if device == "cpu" else GPU_SHAPES))]
-    torch_state = "in its own process" if with_torch else "not run (--no-torch)"
+    torch_modes = tuple(torch_modes or default_torch_modes(device))
+    torch_state = f"{' and '.join(torch_modes)}, in its own process" if with_torch else "not run (--no-torch)"
     if with_torch and not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "safetensors")):
         log(f"torch is not installed: timing MLX only ({install_hint('torch')} for the comparison)")
         with_torch, torch_state = False, "not installed"
     results = {
         "machine": machine(with_torch=False, device=device),
+        "provenance": provenance(device),
         "backend": device,
         "dtype": dtype,
+        "torch_modes": list(torch_modes) if with_torch else [],
         "forward": [],
         "agreement": {},
         "target_speedup": 1.2 if device == "gpu" else 1.0,
@@ -457,23 +570,20 @@ def _run(models, shapes, device, dtype, variants, quant, out_dir, with_torch, bu
                 "dir": str(Path(tmp) / name),
             }
             Path(job["dir"]).mkdir()
-            torch_side = _side("torch", job, log) if with_torch else None
+            torch_rows = []
+            for i, mode in enumerate(torch_modes if with_torch else ()):
+                side = _side("torch", {**job, "torch_mode": mode, "save": i == 0}, log)
+                results["machine"].update(side["machine"])
+                results["agreement"].update(side.get("agreement", {}))
+                torch_rows += side["rows"]
+            results["forward"] += torch_rows
             mlx_side = _side("mlx", job, log)
-            base = {}
-            if torch_side:
-                results["machine"].update(torch_side["machine"])
-                results["forward"] += torch_side["rows"]
-                base = {(r["batch"], r["length"]): r["median_ms"] for r in torch_side["rows"]}
-            for r in mlx_side["rows"]:
-                torch_ms = base.get((r["batch"], r["length"]))
-                r["speedup_vs_torch"] = torch_ms / r["median_ms"] if torch_ms else None
-                if torch_ms:
-                    log(
-                        f"{name:>6} {r['batch']:>3}x{r['length']:<5} {r['impl']:<22} torch/this {r['speedup_vs_torch']:.2f}x"
-                    )
+            add_speedups(mlx_side["rows"], torch_rows)
             results["forward"] += mlx_side["rows"]
             results["agreement"].update(mlx_side["agreement"])
             results["quantized"] += mlx_side["quantized"]
+            for line in summary(name, torch_rows + mlx_side["rows"]):
+                log(line)
     json_path, png = write(results, Path(out_dir), stem)
     if png is None and importlib.util.find_spec("matplotlib") is None:
         log(f"wrote {json_path}; no plot: matplotlib is not installed ({install_hint('plot')})")
@@ -482,9 +592,51 @@ def _run(models, shapes, device, dtype, variants, quant, out_dir, with_torch, bu
     return results
 
 
+# The MLX rows' ratio to each torch mode: torch time / MLX time.
+SPEEDUP_KEYS = {"eager": "speedup_vs_torch", "compiled": "speedup_vs_torch_compiled"}
+
+
+def add_speedups(mlx_rows: list[dict], torch_rows: list[dict]) -> None:
+    """Set each MLX row's torch time / MLX time for every torch mode timed at its shape (None
+    for a mode not timed there)."""
+    by_mode = {impl: mode for mode, impl in TORCH_MODES.items()}
+    base = {(by_mode[r["impl"]], r["batch"], r["length"]): r["median_ms"] for r in torch_rows}
+    for r in mlx_rows:
+        for mode, key in SPEEDUP_KEYS.items():
+            torch_ms = base.get((mode, r["batch"], r["length"]))
+            r[key] = torch_ms / r["median_ms"] if torch_ms else None
+
+
+def summary(name: str, rows: list[dict]) -> list[str]:
+    """One line per (shape, MLX variant): each side's median ms and TFLOP/s, the compiled
+    side's compile seconds, and torch time / MLX time for each torch mode."""
+    by_shape: dict[tuple[int, int], list[dict]] = {}
+    for r in rows:
+        by_shape.setdefault((r["batch"], r["length"]), []).append(r)
+    lines = []
+    for (batch, length), shape_rows in by_shape.items():
+        torch_rows = [r for r in shape_rows if r["impl"] in TORCH_MODES.values()]
+        sides = []
+        for r in torch_rows:
+            compiled = f", compiled in {r['compile_s']:.1f} s" if r.get("compile_s") is not None else ""
+            sides.append(f"{r['impl']} {r['median_ms']:.2f} ms ({flop_rate(r['tflops'])}{compiled})")
+        for r in shape_rows:
+            if r in torch_rows:
+                continue
+            ratios = ", ".join(
+                f"{mode} / MLX {r[key]:.2f}x" for mode, key in SPEEDUP_KEYS.items() if r.get(key) is not None
+            )
+            mlx = f"{r['impl']} {r['median_ms']:.2f} ms ({flop_rate(r['tflops'])})"
+            lines.append(
+                f"{name:>6} {batch:>3}x{length:<5} " + " | ".join([*sides, mlx]) + (f" | {ratios}" if ratios else "")
+            )
+    return lines
+
+
 def _side(kind: str, job: dict, log) -> dict:
     """Run one side in a fresh interpreter, its progress lines passed to ``log``."""
-    job_path = Path(job["dir"]) / f"{kind}-job.json"
+    label = f"{kind}-{job['torch_mode']}" if kind == "torch" else kind
+    job_path = Path(job["dir"]) / f"{label}-job.json"
     job_path.write_text(json.dumps(job))
     proc = subprocess.Popen(
         [sys.executable, "-u", "-m", "esmc_mlx.bench", kind, str(job_path)],
@@ -495,8 +647,8 @@ def _side(kind: str, job: dict, log) -> dict:
     for line in proc.stdout:
         log(line.rstrip("\n"))
     if proc.wait() != 0:
-        raise EsmcMlxError(f"the {kind} side of the benchmark failed (exit {proc.returncode}); its error is above")
-    return json.loads((Path(job["dir"]) / f"{kind}.json").read_text())
+        raise EsmcMlxError(f"the {label} side of the benchmark failed (exit {proc.returncode}); its error is above")
+    return json.loads(job_path.with_name(job_path.name.replace("-job.json", ".json")).read_text())
 
 
 def _torch_side(job: dict) -> dict:
@@ -504,18 +656,40 @@ def _torch_side(job: dict) -> dict:
     from safetensors.torch import save_file
 
     config = config_for(job["model"])
+    mode = job.get("torch_mode", "eager")
+    impl = TORCH_MODES[mode]
     device = "cuda" if job["device"] == "gpu" and torch.cuda.is_available() else "cpu"
     if device == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
     tmodel = torch_model(config, job["dtype"], device)
-    save_file(
-        {k: v.detach().to("cpu").contiguous().clone() for k, v in tmodel.state_dict().items()},
-        str(Path(job["dir"]) / "weights.safetensors"),
-    )
+    weights, reference = Path(job["dir"]) / "weights.safetensors", Path(job["dir"]) / "reference_logits.npy"
+    if job.get("save", True):
+        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tmodel.state_dict().items()}, str(weights))
+    agreement = {}
+    if mode == "compiled":
+        compile_blocks(tmodel)
     with torch.inference_mode():
-        ref = tmodel(input_ids=torch.tensor(_agreement_ids(), device=device)).logits.float().cpu().numpy()
-    np.save(Path(job["dir"]) / "reference_logits.npy", ref)
-    rows = compare_forward(tmodel, {}, config, job["shapes"], device, job["model"], job["budget_s"], print)
+        logits = tmodel(input_ids=torch.tensor(_agreement_ids(), device=device)).logits.float().cpu().numpy()
+    if job.get("save", True):
+        np.save(reference, logits)
+    elif reference.exists():  # the same weights as the first torch side: the same function, or a bug
+        key = f"{job['model']} {impl}"
+        agreement[key] = rel_l2(logits, np.load(reference))
+        print(f"{job['model']:>6} {impl}: logits vs the first torch side's, rel. L2 {agreement[key]:.2e}", flush=True)
+    compile_s = {}
+    if mode == "compiled":  # the first call at each shape compiles (or recompiles): timed apart
+        for batch, length in job["shapes"]:
+            first = forward_fns(tmodel, {}, batch, length, device, torch_name=impl)[impl]
+            started = time.perf_counter()
+            first()
+            compile_s[(batch, length)] = time.perf_counter() - started
+    rows = compare_forward(
+        tmodel, {}, config, job["shapes"], device, job["model"], job["budget_s"], print, torch_name=impl
+    )
+    for r in rows:
+        if mode == "compiled":
+            r["compile_s"] = compile_s[(r["batch"], r["length"])]
+        r.pop("speedup_vs_torch", None)
     import transformers
 
     info = {
@@ -525,7 +699,7 @@ def _torch_side(job: dict) -> dict:
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
-    return {"rows": rows, "machine": info}
+    return {"rows": rows, "machine": info, "agreement": agreement}
 
 
 def _mlx_side(job: dict) -> dict:
@@ -609,4 +783,4 @@ if __name__ == "__main__":  # one side of `run`: python -m esmc_mlx.bench {torch
     _kind, _job_path = sys.argv[1], Path(sys.argv[2])
     _job = json.loads(_job_path.read_text())
     _result = (_torch_side if _kind == "torch" else _mlx_side)(_job)
-    (_job_path.parent / f"{_kind}.json").write_text(json.dumps(_result, default=str))
+    _job_path.with_name(_job_path.name.replace("-job.json", ".json")).write_text(json.dumps(_result, default=str))

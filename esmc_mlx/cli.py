@@ -19,7 +19,7 @@ from click.core import ParameterSource
 
 from ._version import __version__
 from .artifact import describe, human_size, model_facts, plural
-from .bench import FLOAT_SPREAD, parse_shapes, run
+from .bench import FLOAT_SPREAD, parse_shapes, parse_torch_modes, run
 from .convert import quantize_directory
 from .errors import EsmcMlxError, EsmcMlxWarning
 from .finetune import TASKS, finetune, fuse_adapter, predict_csv
@@ -1298,14 +1298,19 @@ def quantize_sae(sae, output, q, model, layers, group_size, revision, validate_o
 
 
 BENCH_HELP = """Time the MLX runtime against transformers on this machine: the same random weights,
-the same inputs, each side in its own process; prints torch time / MLX time and writes
-OUT/bench.json and OUT/bench.png (the plot needs matplotlib). Needs the torch extra for the torch side
-(without it, or with --no-torch, MLX alone: its times are plotted).
+the same inputs, each side in its own process. The torch side runs eager and with each block
+compiled by torch.compile (--torch; compiled by default on a GPU only: on a CPU inductor's C++
+builds take minutes); its compile time is printed apart from its timings. Prints each side's
+milliseconds and TFLOP/s and torch time / MLX time against each torch mode, and writes
+OUT/bench.json (with the source commit and the device: `python -m benchmarks.compare` reads
+two of them) and OUT/bench.png (the plot needs matplotlib). Needs the torch extra for the torch
+side (without it, or with --no-torch, MLX alone: its times are plotted).
 
 \b
 Examples:
   esmc-mlx bench                                  # 300M; CPU: 1x256,8x256 fp32; GPU: 4 shapes bf16
   esmc-mlx bench --model 6B --shapes 16x256 --quant mxfp4 --quant affine4
+  esmc-mlx bench --torch eager,compiled           # on a CPU too
 """
 
 
@@ -1345,6 +1350,13 @@ Examples:
     f"time, and a note at shapes where the float model's own time moved by more than {FLOAT_SPREAD - 1:.0%} during the run "
     "(host-bound shapes, such as batch 1 on a GPU: their ratios move with the machine).",
 )
+@click.option(
+    "--torch",
+    "torch_modes",
+    metavar="eager,compiled",
+    help="How the torch side runs: eager, compiled (each transformer block through torch.compile), or "
+    "both (default: both on a GPU, eager on a CPU).",
+)
 @click.option("--no-torch", is_flag=True, help="Time MLX only.")
 @click.option(
     "-o",
@@ -1355,11 +1367,15 @@ Examples:
     type=OutputPath(file_okay=False, path_type=Path),
     help="Folder for bench.json and bench.png.",
 )
-def bench(models, shapes, device, dtype, variants, quant, no_torch, out_dir):
+def bench(models, shapes, device, dtype, variants, quant, torch_modes, no_torch, out_dir):
     try:
         parsed = parse_shapes(shapes) if shapes is not None else None  # --shapes "": an error, not the default
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--shapes") from None
+    try:
+        modes = parse_torch_modes(torch_modes) if torch_modes is not None else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--torch") from None
     run(
         models=models or ("300M",),
         shapes=parsed,
@@ -1370,6 +1386,7 @@ def bench(models, shapes, device, dtype, variants, quant, no_torch, out_dir):
         out_dir=out_dir,
         with_torch=not no_torch,
         log=click.echo,
+        torch_modes=modes,
     )
 
 

@@ -32,6 +32,81 @@ def test_bench_runs_each_side_in_its_own_process_on_the_same_weights(tmp_path):
     assert "torch" in results["machine"] and "blas" in results["machine"]
 
 
+@pytest.mark.slow  # three fresh interpreters; inductor builds the compiled block (4 s from its disk cache, ~1 min cold)
+def test_bench_times_torch_eager_and_with_its_blocks_compiled(tmp_path):
+    requires_torch()
+    out = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--model",
+            "tiny",
+            "--shapes",
+            "1x8",
+            "--device",
+            "cpu",
+            "--torch",
+            "eager,compiled",
+            "-o",
+            str(tmp_path),
+        ],
+    )
+    assert out.exit_code == 0, out.output
+    results = json.loads((tmp_path / "bench.json").read_text())
+    rows = {r["impl"]: r for r in results["forward"]}
+    assert set(rows) == {"torch", "torch-compiled", "mlx"} and results["torch_modes"] == ["eager", "compiled"]
+    assert rows["torch-compiled"]["compile_s"] > 0 and "compile_s" not in rows["torch"]
+    assert results["agreement"]["tiny torch-compiled"] < 1e-5  # the compiled blocks compute the same function
+    mlx = rows["mlx"]
+    assert mlx["speedup_vs_torch"] == pytest.approx(rows["torch"]["median_ms"] / mlx["median_ms"])
+    assert mlx["speedup_vs_torch_compiled"] == pytest.approx(rows["torch-compiled"]["median_ms"] / mlx["median_ms"])
+    summary = [line for line in out.output.splitlines() if "eager / MLX" in line]
+    assert len(summary) == 1 and "compiled / MLX" in summary[0] and "compiled in" in summary[0], out.output
+    assert results["provenance"]["commit"] == bench.source_commit()[0] and results["provenance"]["device"]
+
+
+def test_bench_compiles_the_torch_side_by_default_on_a_gpu_only(tmp_path, monkeypatch):
+    """Each torch mode is a side of its own; the first one saves the weights the others and MLX
+    load. MLX's rows get torch time / MLX time for each mode, and the summary prints both."""
+    jobs = []
+
+    def side(kind, job, log):
+        jobs.append((kind, job.get("torch_mode"), job.get("save")))
+        if kind == "torch":
+            impl = bench.TORCH_MODES[job["torch_mode"]]
+            ms = {"torch": 10.0, "torch-compiled": 8.0}[impl]
+            row = {"model": "tiny", "batch": 1, "length": 8, "impl": impl, "median_ms": ms, "tflops": 1.0}
+            return {"rows": [row | ({"compile_s": 2.5} if impl == "torch-compiled" else {})], "machine": {}}
+        row = {"model": "tiny", "batch": 1, "length": 8, "impl": "mlx", "median_ms": 4.0, "tflops": 2.5}
+        return {"rows": [row], "agreement": {}, "quantized": []}
+
+    monkeypatch.setattr(bench, "_side", side)
+    monkeypatch.setattr(bench.mx, "is_available", lambda device: True)
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: True)  # torch as if installed
+    lines = []
+    bench.run(("tiny",), [(1, 8)], "cpu", out_dir=tmp_path, log=lines.append)
+    assert jobs == [("torch", "eager", True), ("mlx", None, None)]
+    jobs.clear()
+    results = bench.run(("tiny",), [(1, 8)], "gpu", out_dir=tmp_path, log=lines.append)
+    assert jobs == [("torch", "eager", True), ("torch", "compiled", False), ("mlx", None, None)]
+    mlx = next(r for r in results["forward"] if r["impl"] == "mlx")
+    assert (mlx["speedup_vs_torch"], mlx["speedup_vs_torch_compiled"]) == (2.5, 2.0)
+    assert any(
+        "torch 10.00 ms" in line and "compiled in 2.5 s" in line and "eager / MLX 2.50x, compiled / MLX 2.00x" in line
+        for line in lines
+    ), lines
+    jobs.clear()
+    bench.run(("tiny",), [(1, 8)], "cpu", out_dir=tmp_path, log=lines.append, torch_modes=("compiled",))
+    assert jobs == [("torch", "compiled", True), ("mlx", None, None)]  # the only torch side saves the weights
+
+
+def test_bench_refuses_a_torch_mode_it_does_not_have(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "_side", lambda *a, **k: pytest.fail("timed"))
+    out = CliRunner().invoke(main, ["bench", "--model", "tiny", "--torch", "eager,fast", "-o", str(tmp_path)])
+    assert out.exit_code == 2 and "--torch" in out.output and "eager, compiled" in out.output, out.output
+    assert bench.parse_torch_modes("compiled, eager,compiled") == ("compiled", "eager")
+
+
 def test_bench_without_torch_times_mlx_alone(tmp_path):
     out = CliRunner().invoke(
         main, ["bench", "--model", "tiny", "--shapes", "1x8", "--device", "cpu", "--no-torch", "-o", str(tmp_path)]
@@ -190,7 +265,8 @@ def test_paths_ab_times_plan_variants_beside_bf16_and_compares_their_logits(tmp_
         ]
     )
     (row,) = result["rows"]
-    assert json.loads(out.read_text())["rows"] == [row]
+    record = json.loads(out.read_text())
+    assert record["rows"] == [row] and record["provenance"]["backend"] == "cpu"
     for side in sides.split(","):
         assert row[f"{side}_ms"] > 0 and row[f"{side}_over_bf16"] > 0
         assert row[f"{side}_logits_rel_l2"] < 1e-5  # the same model whichever path
@@ -203,6 +279,10 @@ def test_paths_ab_times_plan_variants_beside_bf16_and_compares_their_logits(tmp_
         == "dequantize"
     )
     assert paths_ab.side_target("mlx-ops", shipped).kernels is False
+    # mode float: the float model itself planned on each side (its fused steps' tables)
+    args = ["--model", "tiny", "--device", "cpu", "--modes", "float", "--shapes", "1x16", "--budget", "0.01"]
+    (row,) = paths_ab.main([*args, "--sides", "shipped,add_norm_from=0"])["rows"]
+    assert row["mode"] == "float" and row["add_norm_from=0_logits_rel_l2"] == 0.0
 
 
 @pytest.mark.parametrize("side", ["path=bogus", "nonsense", "no_such_field=1", "arch=sm_1x"])

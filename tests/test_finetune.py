@@ -102,6 +102,42 @@ def test_the_training_forward_is_the_runtime_forward(base, checkpointing):
     np.testing.assert_allclose(np.array(trained)[real], np.array(runtime)[real], rtol=1e-5, atol=1e-5)
 
 
+def test_the_training_blocks_on_rows_give_the_gradients_of_the_batched_layout(base, monkeypatch):
+    """``block`` runs on (tokens, width) rows for fewer graph nodes a step; the loss and every
+    gradient are bit for bit those of the same block on (batch, length, width) activations
+    (the runtime's modules called as they are in inference)."""
+    from esmc_mlx.finetune import model as finetune_model
+
+    def batched_encode(self, ids, attention):
+        encoder = self.base.esmc
+        mask = finetune_model.additive_mask(finetune_model.attention_mask_for(attention, None), self.base.dtype)
+        x = encoder.embed_tokens(ids)
+        for layer in encoder.layers:
+            attended, _ = layer.self_attn(layer.input_layernorm(x), mask)
+            x = x + attended / layer.residual_scale
+            x = x + layer.mlp(layer.post_attention_layernorm(x)) / layer.residual_scale
+        return encoder.norm(x)
+
+    from mlx.utils import tree_map
+
+    adapted = adapted_model(base)
+    mx.random.seed(6)  # every adapter non-zero: gradients reach lora_a too
+    adapted.update(tree_map(lambda v: v + 0.05 * mx.random.normal(v.shape), adapted.trainable_parameters()))
+    sequences = random_sequences(4, 8, 40, seed=6)
+    (ids, attention, targets), _ = batch(adapted, sequences, [0, 1, 1, 0])
+    runs = []
+    for encode in (AdaptedModel.encode, batched_encode):
+        monkeypatch.setattr(AdaptedModel, "encode", encode)
+        (loss, _), g = nn.value_and_grad(adapted, loss_fn)(adapted, ids, attention, targets)
+        runs.append((np.array(loss), {k: np.array(v) for k, v in tree_flatten(g)}))
+    (rows_loss, rows), (batched_loss, batched) = runs
+    assert np.array_equal(rows_loss, batched_loss) and rows.keys() == batched.keys()
+    assert all(np.array_equal(rows[k], batched[k]) for k in rows), [
+        k for k in rows if not np.array_equal(rows[k], batched[k])
+    ]
+    assert all(np.abs(v).max() > 0 for k, v in rows.items() if k.endswith((".lora_a", ".lora_b")))
+
+
 def test_gradient_checkpointing_gives_the_same_gradients(base):
     adapted = adapted_model(base)
     sequences = random_sequences(4, 8, 40, seed=5)
@@ -391,3 +427,25 @@ def test_push_refuses_an_adapter_whose_base_it_cannot_name(hub, base, tmp_path):
     with pytest.raises(HubError, match="its base model is a local directory"):
         push_artifact(out, "my-org/tiny-adapter", dry_run=True)
     assert not any(r[0] in ("POST", "PUT") for r in hub.state.log)
+
+
+@pytest.mark.slow  # two fresh interpreters (the benchmark and its MLX side)
+def test_the_training_speed_benchmark_records_its_steps_and_provenance(tmp_path):
+    """benchmarks/finetune_speed on the CPU, MLX alone under MLX's own memory limit: its JSON
+    holds every step's time, the host's share of a step, and the source commit and device that
+    ``python -m benchmarks.compare`` reads."""
+    import sys
+
+    from esmc_mlx import bench
+
+    command = [sys.executable, "-m", "benchmarks.finetune_speed", "--model", "tiny", "--dtype", "float32"]
+    command += ["--shape", "2x16", "--steps", "2", "--warmup", "1", "--device", "cpu", "--no-torch"]
+    command += ["--memory-limit", "mlx", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=bench.ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads((tmp_path / "finetune_speed.json").read_text())
+    mlx = record["mlx"]
+    assert len(mlx["times_s"]) == 2 and mlx["min_s"] <= mlx["median_s"] and 0 < mlx["host_median_s"]
+    assert "torch" not in record and record["job"]["memory_limit"] == "mlx"
+    assert record["provenance"]["commit"] == bench.source_commit()[0] and record["provenance"]["backend"] == "cpu"
+    assert "all of it queued after" in done.stdout
