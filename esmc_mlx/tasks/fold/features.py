@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...errors import FoldError
-from ...vocab import TOKEN_TO_ID, nonstandard_text
+from ...vocab import TOKEN_TO_ID, nonstandard_text, nucleotide_share
 from ..scoring import NonstandardResidueWarning
 from .residues import ATOMIC_NUMBER, CHARGED_ATOMS, ONE_TO_THREE, RESIDUE_ATOMS, RESIDUE_TYPE
 
@@ -55,9 +55,6 @@ ATOM_PADDING = 32  # the atom axis is padded to a multiple of this (the atom enc
 MOL_TYPE_PROTEIN = 0
 # The PDB chain identifiers, indexed by asym_id (transformers' output_to_pdb uses this table).
 CHAIN_TAGS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
-# A chain this long or longer, of these letters only and holding A, C, G and T or U, is a nucleic acid.
-NUCLEIC_LETTERS = frozenset("ACGTUN")
-NUCLEIC_MIN_LENGTH = 10
 _GAPS = "-."
 _FOLDS_ONLY = (
     "the fold takes the 20 amino acids and X (B Z U O are read as X); this release folds protein "
@@ -127,16 +124,11 @@ def check_chain(chain, asym_id: int, where: str = "") -> str:
         shown = ", ".join(what for what, _ in bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
         hints = "; ".join(dict.fromkeys(hint for _, hint in bad))
         raise FoldError(f"{named}: cannot fold {shown}: {hints}")
-    letters = set(chain)
-    if (
-        len(chain) >= NUCLEIC_MIN_LENGTH
-        and letters <= NUCLEIC_LETTERS
-        and {"A", "C", "G"} <= letters
-        and letters & {"T", "U"}
-    ):
+    share = nucleotide_share(chain)
+    if share is not None:
         raise FoldError(
-            f"{named} reads as a nucleic acid ({len(chain)} letters, only A C G T/U N): this release folds protein "
-            "chains only"
+            f"{named} reads as DNA or RNA ({len(chain)} letters, {share:.0%} of them A C G T U N): this release "
+            "folds protein chains only"
         )
     return chain
 
