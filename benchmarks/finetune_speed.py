@@ -1,4 +1,4 @@
-"""LoRA training speed of esmc-mlx against torch + peft, and QLoRA memory on a 6B-shaped model.
+r"""LoRA training speed of esmc-mlx against torch + peft, and QLoRA memory on a 6B-shaped model.
 
   1. LoRA (default): rank R on every block projection (q, k, v, o, gate, up, down) of all
      blocks of a random-weight ESMC, a linear head on the mean-pooled final hidden state, AdamW,
@@ -21,8 +21,9 @@
     python -m benchmarks.finetune_speed --qlora --model 6B --shape 1x1024 --grad-accumulation-steps 4
     python -m benchmarks.finetune_speed --model 300M --dtype bfloat16 --shape 16x256 --memory-limit mlx --no-torch
     python -m benchmarks.finetune_speed --model tiny --dtype float32 --shape 4x64 --steps 3 --device cpu   # CPU
-    python -m benchmarks.finetune_speed --device cpu --model small --dtype float32 --shape 4x128 --steps 3 \
-        --qlora --no-checkpointing [--packed]     # CPU QLoRA against the LoRA run above it, same batch
+    python -m benchmarks.finetune_speed --device cpu --model small --dtype float32 --shape 4x128 --steps 3  # CPU LoRA
+    python -m benchmarks.finetune_speed --device cpu --model small --dtype float32 --shape 4x128 --steps 3 --qlora \
+        --no-checkpointing    # CPU QLoRA, the same batch (--packed: the base kept packed)
 
 Writes OUT/finetune_speed.json (or finetune_qlora.json) with the source commit and the device
 (``python -m benchmarks.compare NEW OLD`` says which figures moved). peft is only needed by the
