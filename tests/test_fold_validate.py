@@ -21,11 +21,12 @@ from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert
 from esmc_mlx.errors import ValidationError
 from esmc_mlx.runtime.fold import trunk
+from esmc_mlx.tasks.fold import protein_features
 from esmc_mlx.testing import tiny_fold_config, write_fold_checkpoint
 from esmc_mlx.validate import panel as panel_module
 from esmc_mlx.validate import thresholds as th
 from esmc_mlx.validate.fold import validate_fold_artifact
-from esmc_mlx.validate.metrics import ca_geometry, lddt, rmsd_after_superposition
+from esmc_mlx.validate.metrics import ca_geometry, fold_fidelity, lddt, rmsd_after_superposition
 from esmc_mlx.validate.panel import build_fold_panel
 from esmc_mlx.validate.report import LABELS
 
@@ -102,6 +103,27 @@ def test_structure_comparisons_measure_what_they_say():
     assert ca_geometry(chain, np.zeros(10), 3.8, 0.3) == (9, 9)
     assert ca_geometry(chain * 2, np.zeros(10), 3.8, 0.3) == (0, 9)
     assert ca_geometry(chain, np.repeat([0, 1], 5), 3.8, 0.3) == (8, 8)  # no pair across the chain break
+
+
+def test_confidences_of_a_sample_binned_differently_are_left_out_of_fidelity():
+    features = protein_features(["MKTAYIAKQR"])
+    rng = np.random.default_rng(1)
+    coords = rng.normal(size=(2, features["ref_pos"].shape[1], 3)) * 5
+    rep = features["distogram_atom_idx"][0]
+    d01 = np.linalg.norm(coords[0, rep[1]] - coords[0, rep[0]])
+    boundaries = np.array([d01 + 5e-7])  # the pair (0, 1) of sample 0 sits just below a boundary
+    moved = coords.copy()
+    moved[0, rep[1]] += (coords[0, rep[1]] - coords[0, rep[0]]) / d01 * 1e-6  # 1e-6 A further: across it
+    L = len(rep)
+    ref = {"coords": coords, "distogram": np.ones((L, L, 4)), "plddt": np.full((2, L), 0.5),
+           "pae": np.full((2, L, L), 3.0), "ptm": np.full(2, 0.4), "iptm": np.zeros(2)}  # fmt: skip
+    mlx = {**ref, "coords": moved, "pae": ref["pae"] + np.array([0.5, 1e-3])[:, None, None]}
+    out = fold_fidelity([("p", features)], [mlx], [ref], boundaries)
+    assert out["bin_flips"] == 1 and out["per_input"]["p"]["samples_compared"] == 1
+    assert out["pae_max_err"] == pytest.approx(1e-3)  # sample 0's 0.5 is the flip's, not compared
+    assert out["ca_max_dev"] <= 1e-6 + 1e-12
+    same = fold_fidelity([("p", features)], [mlx], [ref], boundaries + 1.0)  # no pair near a boundary
+    assert same["bin_flips"] == 0 and same["pae_max_err"] == pytest.approx(0.5)
 
 
 def test_bundled_fold_panel_has_what_the_issue_asks():

@@ -73,6 +73,20 @@ FIDELITY_KEYS = {
 }
 
 
+CONFIDENCES = ("fidelity_plddt", "fidelity_pae", "fidelity_ptm")
+
+
+def _flipped(fidelity: dict) -> str:
+    """What the confidence checks left out: samples whose structures bin a pair differently."""
+    if not fidelity["bin_flips"]:
+        return ""
+    left = [n for n, v in fidelity["per_input"].items() if v["bin_flips"]]
+    return (
+        f"; {fidelity['bin_flips']} token pair(s) within the coordinates' deviation of a distance-bin boundary "
+        f"binned differently ({', '.join(left)}): those samples' confidences not compared"
+    )
+
+
 def _options(samples, steps, loops, seed) -> None:
     for name, value, low, optional in (
         ("samples", samples, 1, False),
@@ -404,7 +418,8 @@ def validate_fold_artifact(
                 stopped = "non-finite outputs"
         if stopped is None:
             phase("metrics")
-            fidelity = fold_fidelity(features, mlx_out, art_out)
+            boundaries = np.asarray(artifact.get_mx(["confidence_head.boundaries"])["confidence_head.boundaries"])
+            fidelity = fold_fidelity(features, mlx_out, art_out, boundaries)
             quality = fold_quality(features, mlx_out, original)
             for name, key in FIDELITY_KEYS.items():
                 checks.append(
@@ -414,7 +429,8 @@ def validate_fold_artifact(
                         fidelity[key],
                         bounds.values[name],
                         bounds.passes(name, fidelity[key]),
-                        detail=f"MLX ({dtype_name}) vs torch fp32 on the artifact's weights, same draws",
+                        detail=f"MLX ({dtype_name}) vs torch fp32 on the artifact's weights, same draws"
+                        + (_flipped(fidelity) if name in CONFIDENCES else ""),
                     )
                 )
             in_place, pairs = 0, 0
