@@ -137,8 +137,8 @@ def test_bundled_fold_panel_has_what_the_issue_asks():
 
 def test_fold_bounds_cover_every_precision_and_loosen_with_fewer_bits():
     assert set(th.FOLD_QUALITY) == set(th.QUALITY)
-    fastplms = dict(ca_rmsd=0.10, lddt_ca=0.995, plddt_mae=0.001, pae_mae=0.10, ptm_error=0.002)
-    assert th.FOLD_QUALITY["bfloat16"] == fastplms == th.FOLD_QUALITY["float16"]
+    half = dict(ca_rmsd=0.10, lddt_ca=0.995, plddt_mae=0.001, pae_mae=0.10, ptm_error=0.002)
+    assert th.FOLD_QUALITY["bfloat16"] == half == th.FOLD_QUALITY["float16"]
     ladder = ["float32", "bfloat16", "8bit", "6bit", "5bit", "4bit", "3bit", "2bit"]
     for better, worse in zip(ladder, ladder[1:]):
         for name in th.FOLD_QUALITY_COLUMNS:

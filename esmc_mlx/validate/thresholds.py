@@ -172,9 +172,10 @@ FOLD_FIDELITY: dict[str, dict[str, float]] = {
 # RMSD after superposition (angstrom), lDDT-C-alpha, pLDDT mean absolute error (0-1 scale), PAE
 # mean absolute error (angstrom), pTM absolute error; ``weights`` comes from QUALITY's column.
 # float32 (lossless) is the float32 fidelity row: the same function on the same weights. float16
-# and bfloat16 are FastPLMs' official-vs-local bf16 targets. The quantized rows are set by
-# judgment, not measured (no trained ESMFold2 here): docs/validation.md says how; provisional
-# until measured on the published weights.
+# and bfloat16 follow FastPLMs' practice of holding a structure model in bf16 to structure limits
+# (aligned coordinates, pLDDT, pTM), not to loosened ones. The quantized rows are set by judgment,
+# not measured (no trained ESMFold2 here): docs/validation.md says how; provisional until
+# measured on the published weights.
 FOLD_QUALITY_COLUMNS = ("ca_rmsd", "lddt_ca", "plddt_mae", "pae_mae", "ptm_error")
 #              ca_rmsd  lddt_ca  plddt_mae  pae_mae  ptm_error
 # fmt: off
