@@ -38,7 +38,7 @@ from .tasks.fasta import SEQUENCE_OPTION
 from .tasks.features import features_job
 from .tasks.jobs import embed_fasta, scan_job, score_csv
 from .tasks.scoring import DEFAULT_WINDOW
-from .validate import validate as run_validation
+from .validate.fold import validate_any as run_validation
 
 SOURCE_HELP = (
     f"SOURCE: an alias ({', '.join([*ALIASES, *LOCAL_ALIASES])}), a Hub repo id, a local directory or a legacy "
@@ -493,11 +493,20 @@ the original: KL, top-1, relative errors, embedding cosine, Spearman of variant 
 report.json, report.md and a plot to MLX_DIR/validation/ (or --report DIR). Exit code 0 only
 when every enforced check passes. Needs the torch extra (torch, transformers).
 
+An ESMFold2 fold artifact is folded, with its panel of proteins (one a complex; --sequences:
+FASTA records of chains, A|B for a complex), by MLX and by transformers' EsmFold2Model on the
+same random draws: fidelity (coordinates, distogram, pLDDT, PAE, pTM on the artifact's weights)
+and quality (C-alpha RMSD, lDDT-CA, pLDDT/PAE/pTM errors against the original). --steps,
+--loops and --samples (default: the config's steps and loops, one sample) apply to fold
+artifacts only, --quick and --mode to ESMC models only.
+
 \b
 Examples:
   esmc-mlx validate esmc-tiny-mlx --reference tiny
   esmc-mlx validate ESMC-6B-mxfp4-mlx --reference 6B --quick
   esmc-mlx validate my-mlx --reference ./esmc_300m_2024_12_v0.pth --threshold kl_mean=0.02
+  esmc-mlx validate ESMFold2-Fast-4bit-mlx --reference ESMFold2-Fast
+  esmc-mlx validate ESMFold2-Fast-4bit-mlx --reference ESMFold2-Fast --steps 20 --max-length 64
 """
 
 
@@ -544,7 +553,9 @@ def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
     multiple=True,
     metavar="NAME=VALUE",
     help="Override a bound (repeatable): weights, fidelity_logits, fidelity_hidden, kl_mean, kl_max, "
-    "top1, logits_rel_err, hidden_rel_err, embedding_cosine, spearman.",
+    "top1, logits_rel_err, hidden_rel_err, embedding_cosine, spearman; of a fold artifact: weights, ca_rmsd, "
+    "lddt_ca, plddt_mae, pae_mae, ptm_error, fidelity_distogram, fidelity_ca, fidelity_atoms, fidelity_plddt, "
+    "fidelity_pae, fidelity_ptm.",
 )
 @click.option(
     "--quality-gate",
@@ -567,6 +578,15 @@ def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
     help="MLX compute dtype (default: float32, with TF32 off on CUDA: the reference's own precision).",
 )
 @click.option("--revision", help="Hub revision of the reference.")
+@click.option(
+    "--steps",
+    type=click.IntRange(1),
+    help="Fold artifacts: diffusion sampling steps (default: the model config's inference_num_steps).",
+)
+@click.option(
+    "--loops", type=click.IntRange(0), help="Fold artifacts: recycling loops (default: the model config's num_loops)."
+)
+@click.option("--samples", type=click.IntRange(1), help="Fold artifacts: diffusion samples per protein (default: 1).")
 @reference_device_option
 def validate(
     mlx_dir,
@@ -580,8 +600,12 @@ def validate(
     mode,
     dtype,
     revision,
+    steps,
+    loops,
+    samples,
     reference_device,
 ):
+    fold_options = {k: v for k, v in (("steps", steps), ("loops", loops), ("samples", samples)) if v is not None}
     report = run_validation(
         mlx_dir,
         reference,
@@ -596,6 +620,7 @@ def validate(
         revision=revision,
         progress=True,
         reference_device=reference_device,
+        **fold_options,
     )
     click.echo(report.summary())
     click.echo(f"Report: {report.directory / 'report.md'}")

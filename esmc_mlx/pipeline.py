@@ -18,12 +18,14 @@ from .convert.many import prepare_many, spec_label
 from .convert.sae import parse_sae_spec, spec_config, write_sae
 from .convert.writer import DEFAULT_SHARD_BYTES, check_shard_bytes
 from .errors import HubError, ValidationError, install_hint
+from .fold_artifact import FOLD
 from .hub.push import PushResult, check_push_access, push_artifact
 from .outputs import StagedDirectory, check_target, guard, local_paths
 from .privacy import public_source_id
 from .runtime.load import load
 from .runtime.sae import load_sae
 from .validate import Report, pick_device, prefetch_torch, validate, validation_available
+from .validate.fold import validate_fold_artifact
 from .validate.sae import SAEReport, validate_sae, write_sae_report
 
 
@@ -85,7 +87,7 @@ def convert_validate_push(
     if upload_repo is not None:  # an empty or bad id, no token, a foreign namespace: fail before converting
         check_push_access(upload_repo)
     job = prepare(source, dtype, q, group_size, quantize_head, revision, command)
-    validator = _validator(job.kind, validate_output)
+    validator = _validator(job.kind)
     _prefetch_if_validating(validate_output)  # after the source is found and read, before converting
     # The old output stays in place until the new one is proven: convert and validate in the
     # staging directory, swap in only after validation passed (or was skipped).
@@ -143,7 +145,7 @@ def convert_validate_many(
         check_target(out / label, force, local_paths(source), kind=CONVERTED_KINDS)  # before downloading anything
     _check_reference_device(validate_output, reference_device)
     jobs = prepare_many(source, specs, dtype, group_size, quantize_head, revision, command)
-    validator = _validator(next(iter(jobs.values())).kind, validate_output)  # one source: one kind
+    validator = _validator(next(iter(jobs.values())).kind)  # one source: one kind
     _prefetch_if_validating(validate_output)
     results, failures = [], []
     with contextlib.ExitStack() as stack:
@@ -182,18 +184,11 @@ def _prefetch_if_validating(validate_output: bool | None) -> None:
         prefetch_torch()
 
 
-def _validator(kind: str, validate_output: bool | None) -> Callable[..., Report] | None:
+def _validator(kind: str) -> Callable[..., Report]:
     """The validation of a conversion that writes ``kind`` (``Conversion.kind``), called as
-    ``validate`` is: ESMC's for a model. An ESMFold2's (``validate.fold.validate_fold_artifact``,
-    the same call) is not written yet: a fold conversion to validate is refused here, before it
-    converts anything; without validation it gets None."""
-    if kind == "model":
-        return validate
-    if _validating(validate_output):
-        raise ValidationError(
-            "validating an ESMFold2 conversion is not available in this esmc-mlx; convert it with --no-validate"
-        )
-    return None
+    ``validate`` is: ESMC's for a model, ``validate_fold_artifact`` for an ESMFold2 (its panel of
+    proteins folded on both sides under the same random draws)."""
+    return validate_fold_artifact if kind == FOLD.name else validate
 
 
 def _prove_and_place(
@@ -204,7 +199,7 @@ def _prove_and_place(
     revision: str | None,
     reference_device: str,
     log: Callable[[str], None],
-    validator: Callable[..., Report] | None = validate,
+    validator: Callable[..., Report] = validate,
 ) -> tuple[Path, Report | None]:
     """Validate the staged artifact with ``validator`` (unless ``validate_output`` is False or
     torch is missing) and put it in place: at ``target`` when it passed, was not validated, or

@@ -28,11 +28,11 @@ from esmc_mlx.cli import convert_main, main
 from esmc_mlx.convert import convert, quantize_directory
 from esmc_mlx.convert.many import convert_many
 from esmc_mlx.convert.sources import open_checkpoint
-from esmc_mlx.errors import ConvertError, ValidationError
+from esmc_mlx.errors import ConvertError
 from esmc_mlx.fold_artifact import BACKBONE, expected_fold_shapes, float32_in_transformers, keeps_float32
 from esmc_mlx.fold_config import FoldConfig
 from esmc_mlx.outputs import read_marker
-from esmc_mlx.pipeline import convert_validate_push, default_output
+from esmc_mlx.pipeline import default_output
 from esmc_mlx.quantize import BLOCK_LINEAR
 from esmc_mlx.resolve import ALIASES
 from esmc_mlx.runtime.load import apply_quantization
@@ -338,16 +338,11 @@ def test_config_contradicting_the_tensors_names_the_field(source, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_validation_of_a_fold_is_refused_before_converting(source, tmp_path):
-    for flag in (["--validate"], []):  # asked for, or on by default with torch installed
-        result = CliRunner().invoke(convert_main, [str(source), "-o", str(tmp_path / "out"), *flag])
-        assert result.exit_code == 1 and "--no-validate" in result.output and "ESMFold2" in result.output
-        assert not (tmp_path / "out").exists() and no_debris(tmp_path)
-    with pytest.raises(ValidationError, match="--no-validate"):
-        convert_validate_push(str(source), tmp_path / "out", validate_output=True, log=lambda line: None)
+def test_no_validate_converts_a_fold_without_a_report(source, tmp_path):
+    # validating a fold (the default with torch installed): tests/test_fold_validate.py
     result = CliRunner().invoke(convert_main, [str(source), "-o", str(tmp_path / "out"), "--q", "4", "--no-validate"])
     assert result.exit_code == 0, result.output
-    assert read_marker(tmp_path / "out")["kind"] == "fold"
+    assert read_marker(tmp_path / "out")["kind"] == "fold" and not (tmp_path / "out" / "validation").exists()
 
 
 def test_the_esmc_loader_names_a_fold_artifact(source, tmp_path):

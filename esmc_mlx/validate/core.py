@@ -41,6 +41,8 @@ from .._version import __version__
 from ..artifact import ARTIFACT_KINDS, FLOAT_DTYPES, REPORT_DIR, sha256, weight_files
 from ..config import ESMCConfig
 from ..errors import EsmcMlxError, ValidationError, install_hint
+from ..fold_artifact import is_fold_directory
+from ..fold_config import FoldConfig
 from ..hashes import file_hashes
 from ..outputs import check_folder_target, ensure_parent, local_paths, locked
 from . import cache as ref_cache
@@ -181,26 +183,48 @@ def compare_weights(
     load: ``keep`` names the sides ("artifact", "source") whose tensors are kept for them (the
     third value returned), so that each layer is read once for the check and its pass. A tensor
     holding NaN or Inf on either side is a problem of its own (``data["non_finite"]``)."""
-    import torch
-
     config = source.config
     names = names_for(config, "")
     groups = [names_for(config, f"esmc.layers.{i}.") for i in range(config.num_hidden_layers)]
     in_layers = {n for g in groups for n in g}
     groups.append([n for n in names if n not in in_layers])
-    per_tensor: dict[str, float] = {}
-    problems: list[str] = []
-    non_finite: list[str] = []
+    errors = TensorErrors()
     kept: dict[str, dict] = {side: {} for side in keep}
     for group in groups:
         present = [n for n in group if artifact.has(n)]
-        problems += [f"{n} missing from the artifact" for n in group if not artifact.has(n)]
+        errors.problems += [f"{n} missing from the artifact" for n in group if not artifact.has(n)]
         theirs = source.get_many(present, device)
         mine = artifact.get_many(present, device)
+        errors.add(mine, theirs)
+        for side, tensors in (("artifact", mine), ("source", theirs)):
+            if side in kept:
+                kept[side].update(tensors)
+        del theirs, mine
+        if on_step:
+            on_step()
+    check, data = errors.check(artifact, set(names), bound)
+    return check, data, kept
+
+
+class TensorErrors:
+    """The weights check, accumulated one group of tensors at a time (``add``) and judged once
+    (``check``): the relative L2 error of each artifact tensor against the original's, the
+    tensors missing, misshapen or holding NaN/Inf on either side."""
+
+    def __init__(self):
+        self.per_tensor: dict[str, float] = {}
+        self.problems: list[str] = []
+        self.non_finite: list[str] = []
+
+    def add(self, mine: dict, theirs: dict) -> None:
+        """Compare ``mine[n]`` with ``theirs[n]`` (torch tensors on one device) for every name of
+        ``mine``, with one synchronisation for all of them."""
+        import torch
+
         stats = {}
-        for n in present:
+        for n in mine:
             if tuple(mine[n].shape) != tuple(theirs[n].shape):
-                problems.append(
+                self.problems.append(
                     f"{n}: shape {tuple(mine[n].shape)} in the artifact, {tuple(theirs[n].shape)} in the reference"
                 )
                 continue
@@ -208,53 +232,48 @@ def compare_weights(
             stats[n] = torch.stack(
                 [_l2(a - b), _l2(b), torch.isfinite(a).all().float(), torch.isfinite(b).all().float()]
             )
-        rows = torch.stack(list(stats.values())).cpu().tolist() if stats else []  # one sync per layer
+        rows = torch.stack(list(stats.values())).cpu().tolist() if stats else []  # one sync per group
         for n, (diff, norm, finite_a, finite_b) in zip(stats, rows):
             if not (finite_a and finite_b):
                 where = " and ".join(w for w, ok in (("the artifact", finite_a), ("the reference", finite_b)) if not ok)
-                non_finite.append(f"{n}: NaN or Inf in {where}")
+                self.non_finite.append(f"{n}: NaN or Inf in {where}")
                 continue
-            per_tensor[n] = diff / norm if norm > 0 else diff
-        for side, tensors in (("artifact", mine), ("source", theirs)):
-            if side in kept:
-                kept[side].update(tensors)
-        del theirs, mine, stats
-        if on_step:
-            on_step()
-    problems = non_finite + problems
-    expected = set(names)
+            self.per_tensor[n] = diff / norm if norm > 0 else diff
 
-    def belongs(n: str) -> bool:  # a parameter, or the scales/biases of a quantized parameter
-        module, _, leaf = n.rpartition(".")
-        return n in expected or (
-            leaf in ("scales", "biases")
-            and f"{module}.weight" in expected
-            and artifact.quant_params(module) is not None
-        )
+    def check(self, artifact: ArtifactWeights, expected: set[str], bound: float) -> tuple[Check, dict]:
+        """The ``weights`` check and its data; ``expected``: the names of the reference's
+        parameters (an artifact tensor that is none of them, nor the scales/biases of one it
+        quantized, is a problem)."""
+        per_tensor = self.per_tensor
+        problems = self.non_finite + self.problems
 
-    extra = sorted(n for n in artifact.shapes if not belongs(n))
-    problems += [f"{n}: not a parameter of the reference's architecture" for n in extra]
-    worst = max(per_tensor, key=per_tensor.get) if per_tensor else None
-    value = per_tensor[worst] if worst else None
-    over = sorted((n for n, e in per_tensor.items() if e > bound), key=per_tensor.get, reverse=True)
-    passed = not problems and value is not None and value <= bound
-    detail = "; ".join(problems[:5])
-    if over:
-        shown = ", ".join(f"{n} ({per_tensor[n]:.3g})" for n in over[:5])
-        detail = (detail + "; " if detail else "") + f"{len(over)} tensor(s) over the bound: {shown}"
-    elif worst and not problems:
-        detail = f"worst tensor {worst}"
-    return (
-        Check("weights", "integrity", value, bound, passed, detail=detail),
-        {
+        def belongs(n: str) -> bool:  # a parameter, or the scales/biases of a quantized parameter
+            module, _, leaf = n.rpartition(".")
+            return n in expected or (
+                leaf in ("scales", "biases")
+                and f"{module}.weight" in expected
+                and artifact.quant_params(module) is not None
+            )
+
+        extra = sorted(n for n in artifact.shapes if not belongs(n))
+        problems += [f"{n}: not a parameter of the reference's architecture" for n in extra]
+        worst = max(per_tensor, key=per_tensor.get) if per_tensor else None
+        value = per_tensor[worst] if worst else None
+        over = sorted((n for n, e in per_tensor.items() if e > bound), key=per_tensor.get, reverse=True)
+        passed = not problems and value is not None and value <= bound
+        detail = "; ".join(problems[:5])
+        if over:
+            shown = ", ".join(f"{n} ({per_tensor[n]:.3g})" for n in over[:5])
+            detail = (detail + "; " if detail else "") + f"{len(over)} tensor(s) over the bound: {shown}"
+        elif worst and not problems:
+            detail = f"worst tensor {worst}"
+        return Check("weights", "integrity", value, bound, passed, detail=detail), {
             "max_rel_err": value,
             "worst": worst,
             "problems": problems,
-            "non_finite": non_finite,
+            "non_finite": self.non_finite,
             "per_tensor": per_tensor,
-        },
-        kept,
-    )
+        }
 
 
 def _l2(x):
@@ -362,6 +381,11 @@ def validate(
         )
     from tqdm.auto import tqdm
 
+    if is_fold_directory(Path(mlx_dir)):
+        raise ValidationError(
+            f"{mlx_dir} is an ESMFold2 fold artifact: validate it with esmc_mlx.validate.fold.validate_fold_artifact "
+            "(esmc-mlx validate picks it)"
+        )
     artifact = ArtifactWeights(mlx_dir)
     report_folder = Path(report_dir) if report_dir else Path(mlx_dir) / REPORT_DIR
     if write:  # a report folder that cannot be made fails now, not after the whole validation
@@ -377,6 +401,11 @@ def validate(
                 option="--report",
             )
     source = SourceWeights(reference, revision)
+    if isinstance(source.config, FoldConfig):
+        raise ValidationError(
+            f"reference {reference} is an ESMFold2 checkpoint, {mlx_dir} an ESMC model: validate an ESMC against "
+            "the ESMC it was converted from, a fold artifact against its ESMFold2"
+        )
     panel = build_panel(sequences, max_length=max_length, marginal_positions=marginal_positions)
     batches = panel.batches(max_tokens)
     dtype = mlx_side.compute_dtype(artifact, compute_dtype)

@@ -148,3 +148,138 @@ def quality(panel: Panel, artifact: Outputs, original: Outputs) -> dict:
         },
         "per_input": per_input,
     }
+
+
+# --- ESMFold2 -------------------------------------------------------------------------------------
+# A fold's outputs, as validate/fold.py gathers them from either side: "coords" (S, A, 3) angstrom,
+# "distogram" (L, L, bins), "plddt" (S, L) on a 0-1 scale, "pae" (S, L, L) angstrom, "ptm" and
+# "iptm" (S,). ``features`` are the fold's inputs (``tasks.fold.protein_features``).
+CA_NAME = (ord("C") - 32, ord("A") - 32, 0, 0)  # " CA " as the featurizer encodes atom names
+LDDT_CUTOFF = 15.0  # angstrom: pairs closer than this in the reference are scored
+LDDT_THRESHOLDS = (0.5, 1.0, 2.0, 4.0)
+
+
+def ca_atoms(features: dict) -> np.ndarray:
+    """The atom index of each residue's C-alpha (one per token, in token order)."""
+    names = np.asarray(features["ref_atom_name_chars"])[0]
+    real = np.asarray(features["atom_attention_mask"])[0].astype(bool)
+    index = np.flatnonzero(real & (names == np.array(CA_NAME)).all(axis=-1))
+    tokens = np.asarray(features["atom_to_token"])[0][index]
+    if len(index) != len(np.asarray(features["attention_mask"])[0]) or np.any(np.diff(tokens) <= 0):
+        raise ValueError("features without exactly one C-alpha per residue")
+    return index
+
+
+def superposed(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``x`` (N, 3) moved by the rotation and translation that best fit it onto ``y`` (Kabsch,
+    least squares, no reflection), in float64."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    cx, cy = x - x.mean(0), y - y.mean(0)
+    u, _, vt = np.linalg.svd(cx.T @ cy)
+    d = np.sign(np.linalg.det(u @ vt)) or 1.0
+    rotation = u @ np.diag([1.0, 1.0, d]) @ vt
+    return cx @ rotation + y.mean(0)
+
+
+def rmsd_after_superposition(x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+    """(RMSD of ``x`` onto ``y`` after superposition, each point's deviation there), angstrom."""
+    deviation = np.linalg.norm(superposed(x, y) - np.asarray(y, np.float64), axis=-1)
+    return float(np.sqrt((deviation**2).mean())), deviation
+
+
+def lddt(model: np.ndarray, reference: np.ndarray, cutoff: float = LDDT_CUTOFF) -> float:
+    """Global lDDT of ``model`` (N, 3) against ``reference`` (Mariani et al. 2013, as AlphaFold
+    computes it): over the pairs i != j closer than ``cutoff`` in the reference, the share of
+    distances the model keeps within 0.5, 1, 2 and 4 angstrom, averaged over the four. No
+    superposition: it compares distances. 1 for identical structures."""
+    model, reference = np.asarray(model, np.float64), np.asarray(reference, np.float64)
+    d_ref = np.linalg.norm(reference[:, None] - reference[None], axis=-1)
+    d_model = np.linalg.norm(model[:, None] - model[None], axis=-1)
+    scored = (d_ref < cutoff) & ~np.eye(len(reference), dtype=bool)
+    error = np.abs(d_model - d_ref)[scored]
+    if not len(error):
+        return float("nan")
+    return float(np.mean([(error < t).mean() for t in LDDT_THRESHOLDS]))
+
+
+def ca_geometry(ca: np.ndarray, asym_id: np.ndarray, distance: float, tolerance: float) -> tuple[int, int]:
+    """(consecutive C-alpha pairs of a chain ``distance`` +- ``tolerance`` apart, such pairs in
+    all): a trained model's structures put nearly all of them at 3.8 angstrom."""
+    same_chain = np.asarray(asym_id)[1:] == np.asarray(asym_id)[:-1]
+    gaps = np.linalg.norm(np.diff(np.asarray(ca, np.float64), axis=0), axis=-1)[same_chain]
+    return int((np.abs(gaps - distance) <= tolerance).sum()), int(len(gaps))
+
+
+def distance_bins(coords: np.ndarray, features: dict, boundaries: np.ndarray) -> np.ndarray:
+    """(S, L, L) the bin of each token pair's representative-atom distance, as the confidence
+    head bins a sampled structure (``distance > boundary`` counted): a hard threshold."""
+    rep = np.asarray(coords, np.float64)[:, np.asarray(features["distogram_atom_idx"])[0]]
+    distance = np.linalg.norm(rep[:, :, None] - rep[:, None], axis=-1)
+    return (distance[..., None] > np.asarray(boundaries, np.float64)).sum(-1)
+
+
+def fold_fidelity(proteins: list[tuple[str, dict]], mlx: list[dict], ref: list[dict], boundaries: np.ndarray) -> dict:
+    """The MLX fold against transformers' on the same weights and draws, per protein and worst
+    over the panel: distogram logits rel. L2, the largest C-alpha and atom deviation (angstrom,
+    no superposition: the same draws place both in the same frame), the largest pLDDT, PAE and pTM
+    error. The confidence head bins the sampled structure's distances at ``boundaries``: a pair
+    within the coordinates' own deviation (~1e-4 angstrom) of a boundary lands in different bins
+    on the two sides and moves that sample's confidences by far more than the arithmetic does.
+    Such samples (``bin_flips``, counted and reported) are left out of the confidence figures;
+    their coordinates still count, and a fold that is wrong moves them past ``fidelity_ca``."""
+    per_input = {}
+    for (name, features), a, b in zip(proteins, mlx, ref):
+        real = np.asarray(features["atom_attention_mask"])[0].astype(bool)
+        deviation = np.linalg.norm(np.asarray(a["coords"], np.float64) - b["coords"], axis=-1)  # (S, A)
+        ca = deviation[:, ca_atoms(features)]
+        flips = distance_bins(a["coords"], features, boundaries) != distance_bins(b["coords"], features, boundaries)
+        flips = flips.reshape(len(flips), -1).sum(-1)
+        same = flips == 0  # the samples whose confidence heads read the same bins
+        per_input[name] = {
+            "distogram_rel_l2": rel_l2(a["distogram"], b["distogram"]),
+            "ca_max_dev": float(ca.max()),
+            "atom_max_dev": float(deviation[:, real].max()),
+            "plddt_max_err": _max_abs(a["plddt"][same], b["plddt"][same]) if same.any() else 0.0,
+            "pae_max_err": _max_abs(a["pae"][same], b["pae"][same]) if same.any() else 0.0,
+            "ptm_err": _max_abs(a["ptm"][same], b["ptm"][same]) if same.any() else 0.0,
+            "bin_flips": int(flips.sum() // 2),  # pairs (i, j) and (j, i) are one
+            "samples_compared": int(same.sum()),
+            "per_residue": ca.max(axis=0),
+        }
+    keys = ("distogram_rel_l2", "ca_max_dev", "atom_max_dev", "plddt_max_err", "pae_max_err", "ptm_err")
+    worst = {k: max(v[k] for v in per_input.values()) for k in keys}
+    return {**worst, "bin_flips": sum(v["bin_flips"] for v in per_input.values()), "per_input": per_input}
+
+
+def fold_quality(proteins: list[tuple[str, dict]], artifact: list[dict], original: list[dict]) -> dict:
+    """The artifact's fold (MLX) against the original checkpoint's (transformers), same draws,
+    per protein (the worst of its samples) and worst over the panel: C-alpha RMSD after
+    superposition, lDDT-C-alpha (the original's structure the reference), pLDDT and PAE mean
+    absolute error, pTM (and ipTM, for complexes) absolute error."""
+    per_input = {}
+    for (name, features), a, o in zip(proteins, artifact, original):
+        ca = ca_atoms(features)
+        rmsds, deviations, lddts = [], [], []
+        for s in range(len(o["coords"])):
+            rmsd, deviation = rmsd_after_superposition(a["coords"][s, ca], o["coords"][s, ca])
+            rmsds.append(rmsd)
+            deviations.append(deviation)
+            lddts.append(lddt(a["coords"][s, ca], o["coords"][s, ca]))
+        worst = int(np.argmax(rmsds))
+        mae = {k: float(np.abs(np.asarray(a[k], np.float64) - o[k]).mean(axis=tuple(range(1, o[k].ndim))).max())
+               for k in ("plddt", "pae")}  # fmt: skip
+        per_input[name] = {
+            "ca_rmsd": rmsds[worst],
+            "lddt_ca": float(min(lddts)),
+            "plddt_mae": mae["plddt"],
+            "pae_mae": mae["pae"],
+            "ptm_error": _max_abs(a["ptm"], o["ptm"]),
+            "iptm_error": _max_abs(a["iptm"], o["iptm"]) if len(np.unique(features["asym_id"])) > 1 else None,
+            "per_residue": deviations[worst],
+        }
+    worst_of = {"ca_rmsd": max, "lddt_ca": min, "plddt_mae": max, "pae_mae": max, "ptm_error": max}
+    return {**{k: f(v[k] for v in per_input.values()) for k, f in worst_of.items()}, "per_input": per_input}
+
+
+def _max_abs(a, b) -> float:
+    return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())

@@ -22,12 +22,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import FastaError
 from ..privacy import public_path
 from ..runtime.tokenizer import ESMCTokenizer
 from ..tasks.fasta import read_fasta
+from ..tasks.fold.features import chains_from_text
 from ..vocab import AMINO_ACIDS
 
 PANEL_PATH = Path(__file__).resolve().parent.parent / "data" / "panel.fasta"
+FOLD_PANEL_PATH = PANEL_PATH.with_name("fold_panel.fasta")
 MASK = "<mask>"
 RECORD_WINDOW = 256  # residues kept of every record but the longest
 MARGINAL_WINDOW = 64  # residues of context around a masked-marginal position
@@ -194,4 +197,69 @@ def _marginal_rows(records, positions: int, rng, window: int | None) -> list[Inp
     return rows
 
 
-__all__ = ["Batch", "Input", "Panel", "build_panel", "PANEL_PATH"]
+@dataclasses.dataclass(frozen=True)
+class Protein:
+    """One protein of a fold panel: a chain, or a complex of several."""
+
+    name: str
+    chains: tuple[str, ...]
+
+    @property
+    def residues(self) -> int:
+        return sum(map(len, self.chains))
+
+
+@dataclasses.dataclass
+class FoldPanel:
+    """The proteins a fold validation folds (``build_fold_panel``)."""
+
+    proteins: list[Protein]
+    source: str
+    sha256: str | None
+    max_length: int | None
+
+    @property
+    def residues(self) -> int:
+        return sum(p.residues for p in self.proteins)
+
+    def describe(self) -> dict:
+        return {
+            "source": self.source,
+            "sha256": self.sha256,
+            "inputs": len(self.proteins),
+            "complexes": sum(len(p.chains) > 1 for p in self.proteins),
+            "residues": self.residues,
+            "chain_lengths": {p.name: [len(c) for c in p.chains] for p in self.proteins},
+            "max_length": self.max_length,
+        }
+
+
+def build_fold_panel(fasta: str | Path | None = None, max_length: int | None = None) -> FoldPanel:
+    """The proteins of ``fasta`` (default: the bundled ``data/fold_panel.fasta``), one per record,
+    chains split at ``|`` (a complex); ``max_length`` crops every chain. Raises FastaError or
+    FoldError (EsmcMlxErrors) for a file that is not FASTA or a record the fold cannot take,
+    naming the record."""
+    path = Path(fasta) if fasta is not None else FOLD_PANEL_PATH
+    proteins = []
+    for record in read_fasta(path):
+        chains = chains_from_text(record.sequence, record.id)
+        proteins.append(Protein(record.id, tuple(c[:max_length] if max_length else c for c in chains)))
+    if not proteins:
+        raise FastaError(f"{path}: no records to fold")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+    return FoldPanel(
+        proteins, public_path(path) if fasta is not None else "esmc_mlx/data/fold_panel.fasta", digest, max_length
+    )
+
+
+__all__ = [
+    "Batch",
+    "FoldPanel",
+    "Input",
+    "Panel",
+    "Protein",
+    "build_fold_panel",
+    "build_panel",
+    "FOLD_PANEL_PATH",
+    "PANEL_PATH",
+]

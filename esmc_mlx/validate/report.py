@@ -1,4 +1,6 @@
-"""report.json (every figure), report.md (read in ten seconds) and per_position.png."""
+"""report.json (every figure), report.md (read in ten seconds) and per_position.png, for a
+model's validation (``core.validate``) and a fold artifact's (``fold.validate_fold_artifact``,
+``data["kind"] == "fold"``: its own report.md and plot, the same files and table)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,18 @@ LABELS = {
     "hidden_rel_err": "last hidden state rel. L2 error",
     "embedding_cosine": "cosine of mean embeddings (worst sequence)",
     "spearman": "Spearman of masked-marginal scores",
+    # fold artifacts (validate/fold.py)
+    "fidelity_distogram": "distogram logits rel. L2 (MLX vs torch, same weights and draws)",
+    "fidelity_ca": "C-alpha max deviation, Å (same weights and draws)",
+    "fidelity_atoms": "all-atom max deviation, Å (same weights and draws)",
+    "fidelity_plddt": "pLDDT max abs. error (same weights and draws)",
+    "fidelity_pae": "PAE max abs. error, Å (same weights and draws)",
+    "fidelity_ptm": "pTM max abs. error (same weights and draws)",
+    "ca_rmsd": "C-alpha RMSD after superposition, Å (worst protein)",
+    "lddt_ca": "lDDT-Cα (worst protein)",
+    "plddt_mae": "pLDDT mean abs. error (worst protein)",
+    "pae_mae": "PAE mean abs. error, Å (worst protein)",
+    "ptm_error": "pTM abs. error (worst protein)",
 }
 
 
@@ -60,6 +74,8 @@ def _status(check) -> str:
 
 
 def markdown(report, plot: str | None) -> str:
+    if report.data.get("kind") == "fold":
+        return fold_markdown(report, plot)
     d = report.data
     a, r, mode = d["artifact"], d["reference"], d["reference_mode"]
     quality = d.get("quality") or {}
@@ -73,25 +89,10 @@ def markdown(report, plot: str | None) -> str:
         f"Artifact `{name}` ({_describe_precision(a)}) against `{r['id']}` ({r['dtype']}); "
         f"panel of {d['panel']['inputs']} inputs, {d['panel']['tokens']:,} tokens.",
         "",
-        "| | check | value | bound | |",
-        "|---|---|---|---|---|",
-    ]
-    kinds = {"integrity": "integrity", "fidelity": "fidelity", "quality": "quality"}
-    for c in report.checks:
-        value = "0 differences" if c.name == "config" and c.passed else _fmt(c.value)
-        if c.name == "config" and not c.passed:
-            value = c.detail
-        lines.append(f"| {kinds[c.kind]} | {LABELS.get(c.name, c.name)} | {value} | {_bound(c)} | {_status(c)} |")
-    lines.append("")
-    for c in report.failed:
-        if c.detail and c.name != "config":
-            lines.append(f"- **{c.name}**: {c.detail}")
-    if report.failed:
-        lines.append("")
-    lines.append(
+        *_check_table(report),
         "**Fidelity**: does MLX compute what torch computes on the same (dequantized) weights? "
-        "**Quality**: how far is the artifact from the original checkpoint?"
-    )
+        "**Quality**: how far is the artifact from the original checkpoint?",
+    ]
     lines.append("")
     if quality:
         acc = quality["identity_accuracy"]["original"]
@@ -113,17 +114,123 @@ def markdown(report, plot: str | None) -> str:
         lines.append("")
     cache = d.get("reference_cache") or {}
     lines.append(
-        f"References: transformers `EsmcForMaskedLM` in fp32 on {mode.get('torch_device') or 'n/a'}, {mode['torch']}"
-        f"{' (layer by layer)' if mode['torch'] == 'layered' else ' model'}"
-        f"{'; the original from the cache' if cache.get('hit') else ''}; MLX {mode['mlx']}, "
-        f"computing in {mode['mlx_compute_dtype']} on the {d['platform']['mlx_device'].split('(')[-1].split(',')[0]}. "
-        f"esmc-mlx {d['versions']['esmc_mlx']}, mlx {d['versions']['mlx']}, torch {d['versions']['torch']}, "
-        f"transformers {d['versions']['transformers']}; {d['resources']['seconds']:.0f} s, "
-        f"peak RSS {d['resources']['peak_rss_bytes'] / 2**30:.2f} GiB. Every figure: `report.json`."
+        _footer(
+            d,
+            f"References: transformers `EsmcForMaskedLM` in fp32 on {mode.get('torch_device') or 'n/a'}, "
+            f"{mode['torch']}{' (layer by layer)' if mode['torch'] == 'layered' else ' model'}"
+            f"{'; the original from the cache' if cache.get('hit') else ''}; MLX {mode['mlx']}, "
+            f"computing in {mode['mlx_compute_dtype']} on the {_mlx_device(d)}",
+        )
     )
     if plot:
         lines += ["", f"![Per-position error along each panel sequence]({plot})"]
     return "\n".join(lines) + "\n"
+
+
+def _check_table(report) -> list[str]:
+    """The checks as a table, then the failed checks' details (what every report.md shows)."""
+    lines = ["| | check | value | bound | |", "|---|---|---|---|---|"]
+    for c in report.checks:
+        value = "0 differences" if c.name == "config" and c.passed else _fmt(c.value)
+        if c.name == "config" and not c.passed:
+            value = c.detail
+        lines.append(f"| {c.kind} | {LABELS.get(c.name, c.name)} | {value} | {_bound(c)} | {_status(c)} |")
+    lines.append("")
+    details = [f"- **{c.name}**: {c.detail}" for c in report.failed if c.detail and c.name != "config"]
+    return lines + (details + [""] if details else [])
+
+
+def _footer(d: dict, references: str) -> str:
+    """The last paragraph: what ran where (``references``, a sentence naming the torch side and
+    MLX's), versions, time and memory."""
+    return (
+        f"{references}. "
+        f"esmc-mlx {d['versions']['esmc_mlx']}, mlx {d['versions']['mlx']}, torch {d['versions']['torch']}, "
+        f"transformers {d['versions']['transformers']}; {d['resources']['seconds']:.0f} s, "
+        f"peak RSS {d['resources']['peak_rss_bytes'] / 2**30:.2f} GiB. Every figure: `report.json`."
+    )
+
+
+def fold_markdown(report, plot: str | None) -> str:
+    """report.md of a fold artifact's validation (validate/fold.py)."""
+    d = report.data
+    a, r, mode, panel, run = d["artifact"], d["reference"], d["reference_mode"], d["panel"], d["fold"]
+    quality = d.get("quality") or {}
+    name = Path(a["path"]).name
+    failed = ", ".join(c.name for c in report.failed)
+    complexes = panel["complexes"]
+    lines = [
+        f"# Validation of {name}: {'PASSED' if report.passed else 'FAILED'}",
+        "",
+        f"{'All enforced checks pass.' if report.passed else 'Failed: ' + failed + '.'} "
+        f"Fold artifact `{name}` (folding model {a['dtype']}, ESMC backbone {_describe_backbone(a)}) against "
+        f"`{r['id']}` ({r['dtype']}); panel of {panel['inputs']} proteins"
+        + (f" ({complexes} of them {'a complex' if complexes == 1 else 'complexes'})" if complexes else "")
+        + f", {panel['residues']:,} residues; {plural_samples(run['samples'])}, {run['steps']} steps, "
+        f"{run['loops']} recycling loops, every side on the same random draws.",
+        "",
+        *_check_table(report),
+        "**Fidelity**: does MLX fold what transformers' `EsmFold2Model` folds, on the same (dequantized) weights "
+        "and the same random draws? **Quality**: how far are the artifact's structures and confidences from the "
+        "original checkpoint's, on the same draws?",
+        "",
+    ]
+    if quality:
+        share = f"{quality['ca_geometry']:.0%} of consecutive C-alpha pairs 3.5-4.1 Å apart"
+        if not quality.get("reference_trained"):
+            lines.append(
+                f"**The original looks random-weight**: its structures are not protein-like ({share}; a trained "
+                "model puts nearly all there). On random weights quality figures say nothing about a lossy "
+                "precision: the random network turns the rounding of a quantized (at 4 bits, any) backbone into "
+                "unrelated structures. What is proven here is fidelity; for quality, check the report of the "
+                "published weights."
+            )
+            lines.append("")
+        if quality.get("enforced"):
+            why = (
+                "the artifact is lossless, so it must fold what the original folds whatever the weights"
+                if quality.get("lossless") and not quality.get("reference_trained")
+                else f"the original's structures are protein-like ({share})"
+                if quality.get("reference_trained")
+                else "quality gate on"
+            )
+            lines.append(
+                f"Quality bounds are those of the `{d['precision']}` row (docs/validation.md), enforced: {why}."
+            )
+        else:
+            why = "quality gate off" if d.get("quality_gate") == "off" else "the original looks untrained"
+            lines.append(f"Quality figures are informational: {why}.")
+        lines.append("")
+    if d.get("stopped_before_panel"):
+        lines.append(f"Not every fold ran (stopped at: {d['stopped_before_panel']}): see the failed checks.")
+        lines.append("")
+    shared = " (the artifact's weights are the original's: one fold served both)" if mode.get("shared") else ""
+    lines.append(
+        _footer(
+            d,
+            f"References: transformers `EsmFold2Model` in fp32 on {mode.get('torch_device') or 'n/a'}, on the "
+            f"original and on the artifact's weights{shared}, the draws of its fold of the original replayed into "
+            f"the other folds; MLX `load_fold`, computing in {mode['mlx_compute_dtype']} on the {_mlx_device(d)}",
+        )
+    )
+    if plot:
+        lines += ["", f"![Per-residue C-alpha deviation along each panel protein]({plot})"]
+    return "\n".join(lines) + "\n"
+
+
+def _mlx_device(d: dict) -> str:
+    return d["platform"]["mlx_device"].split("(")[-1].split(",")[0]
+
+
+def plural_samples(n: int) -> str:
+    return f"{n} sample{'s' if n != 1 else ''}"
+
+
+def _describe_backbone(artifact: dict) -> str:
+    q = artifact.get("quantization")
+    if q:
+        return f"{q.get('mode', 'affine')} {q['bits']}-bit, group {q['group_size']}"
+    return artifact["dtype"]
 
 
 def _describe_precision(artifact: dict) -> str:
@@ -170,6 +277,8 @@ def plot(report, panel: Panel, path: Path) -> bool:
     quality, fidelity = d.get("quality"), d.get("fidelity")
     if not quality or not fidelity:
         return False
+    if d.get("kind") == "fold":
+        return _fold_plot(report, panel, path, plt)
     inputs = [i for i in panel.inputs if i.kind in ("record", "two-chain", "masked")]
     floor = 1e-12
     fig, axes = plt.subplots(2, 1, figsize=(13, 7.5), sharex=True)
@@ -243,6 +352,79 @@ def plot(report, panel: Panel, path: Path) -> bool:
     a = d["artifact"]
     fig.suptitle(
         f"{Path(a['path']).name} ({_describe_precision(a)}) vs {public_source_id(d['reference']['id'])}: "
+        f"{'PASSED' if report.passed else 'FAILED'}",
+        fontsize=11,
+        x=0.07,
+        ha="left",
+    )
+    try:
+        with atomic_file(path, "wb") as f:
+            fig.savefig(f, dpi=100, format="png")
+    finally:
+        plt.close(fig)
+    return True
+
+
+def _fold_plot(report, panel, path: Path, plt) -> bool:
+    """Per-residue C-alpha deviation along each protein of a fold panel, log y axis: quality
+    (after superposition on the original's structure) on top, fidelity (MLX against torch on the
+    same weights and draws) below, the bounds drawn in and chain breaks marked."""
+    d = report.data
+    quality, fidelity, thr = d["quality"], d["fidelity"], d["thresholds"]
+    floor = 1e-7
+    fig, axes = plt.subplots(2, 1, figsize=(13, 7.5), sharex=True)
+    fig.subplots_adjust(left=0.07, right=0.74, top=0.9, bottom=0.08, hspace=0.18)
+    cmap = plt.get_cmap("tab10")
+    for k, protein in enumerate(panel.proteins):
+        color = cmap(k % 10)
+        style = "--" if len(protein.chains) > 1 else "-"
+        for ax, part in ((axes[0], quality), (axes[1], fidelity)):
+            y = np.maximum(np.asarray(part["per_input"][protein.name]["per_residue"], dtype=float), floor)
+            x = np.arange(1, len(y) + 1)
+            ax.plot(
+                x,
+                y,
+                style,
+                color=color,
+                lw=1.1,
+                label=f"{protein.name} ({protein.residues})" if ax is axes[0] else None,
+            )
+            for cut in np.cumsum([len(c) for c in protein.chains])[:-1]:
+                ax.axvline(cut + 0.5, color=color, ls=":", lw=0.8)
+    axes[0].axhline(
+        thr["ca_rmsd"], color="crimson", ls="--", lw=1.2, label=f"bound on C-alpha RMSD ({thr['ca_rmsd']:g} Å)"
+    )
+    axes[1].axhline(
+        thr["fidelity_ca"],
+        color="crimson",
+        ls="--",
+        lw=1.2,
+        label=f"bound on the largest deviation ({thr['fidelity_ca']:g} Å)",
+    )
+    for ax in axes:
+        ax.set_yscale("log")
+        ax.grid(True, which="major", alpha=0.3)
+    gate = (
+        ""
+        if quality.get("enforced")
+        else "  (informational: "
+        + ("quality gate off)" if d.get("quality_gate") == "off" else "the original looks random-weight)")
+    )
+    axes[0].set_title(
+        "Quality: C-alpha deviation from the original's structure after superposition, Å" + gate,
+        fontsize=10,
+        loc="left",
+    )
+    axes[1].set_title(
+        "Fidelity: C-alpha deviation, MLX vs torch on the artifact's weights, same draws, Å", fontsize=10, loc="left"
+    )
+    axes[1].set_xlabel("residue (dashed: a complex, its chain breaks dotted)", fontsize=8.5)
+    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="protein (residues)",
+                   title_fontsize=7.5, frameon=False)  # fmt: skip
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    a = d["artifact"]
+    fig.suptitle(
+        f"{Path(a['path']).name} (backbone {_describe_backbone(a)}) vs {public_source_id(d['reference']['id'])}: "
         f"{'PASSED' if report.passed else 'FAILED'}",
         fontsize=11,
         x=0.07,

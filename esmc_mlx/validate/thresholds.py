@@ -27,7 +27,7 @@ import numbers
 from ..errors import ValidationError
 
 # Checks whose value must stay *at or above* the threshold; every other check is "at most".
-HIGHER_IS_BETTER = frozenset({"top1", "embedding_cosine", "spearman", "topk_agreement"})
+HIGHER_IS_BETTER = frozenset({"top1", "embedding_cosine", "spearman", "topk_agreement", "lddt_ca"})
 
 FIDELITY: dict[str, float] = {  # compute dtype -> max relative L2 of logits and of last hidden state
     "float32": 1e-5,
@@ -75,12 +75,13 @@ TRAINED_IDENTITY_ACCURACY = 0.5
 CHECK_NAMES = (*QUALITY_COLUMNS, "fidelity_logits", "fidelity_hidden")
 
 
-def check_overrides(overrides: dict[str, float] | None) -> None:
-    """ValidationError, before any work, for an override that names no check or is not a
-    number (NaN included: no value passes it); ``resolve`` applies them."""
+def check_overrides(overrides: dict[str, float] | None, names: tuple[str, ...] = CHECK_NAMES) -> None:
+    """ValidationError, before any work, for an override that names no check of ``names`` (a
+    model's ``CHECK_NAMES``, a fold's ``FOLD_CHECK_NAMES``) or is not a number (NaN included: no
+    value passes it); ``resolve`` and ``resolve_fold`` apply them."""
     for name, bound in (overrides or {}).items():
-        if name not in CHECK_NAMES:
-            raise ValidationError(f"unknown threshold {name!r}; known: {', '.join(sorted(CHECK_NAMES))}")
+        if name not in names:
+            raise ValidationError(f"unknown threshold {name!r}; known: {', '.join(sorted(names))}")
         if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or math.isnan(bound):
             raise ValidationError(
                 f"threshold {name}={bound!r}: give a number, e.g. {name}={QUALITY['4bit'].get(name, 1e-5)}"
@@ -136,6 +137,85 @@ def resolve(precision: str, compute_dtype: str, overrides: dict[str, float] | No
                 values[name] = looser(name, values[name], bound)
     fid = FIDELITY.get(compute_dtype, FIDELITY["bfloat16"])
     values.update({"fidelity_logits": fid, "fidelity_hidden": fid})
+    for name, bound in (overrides or {}).items():
+        if name not in values:
+            raise KeyError(f"unknown threshold {name!r}; known: {', '.join(sorted(values))}")
+        values[name] = float(bound)
+    return Thresholds(precision, compute_dtype, values)
+
+
+# ESMFold2 fold artifacts (validate/fold.py): MLX's fold against transformers' EsmFold2Model under
+# the same random draws. Fidelity, by the dtype MLX computes in: the distogram logits' relative L2
+# error, the largest deviation of a C-alpha and of any atom (angstrom), the largest error of pLDDT
+# (0-1 scale), PAE (angstrom) and pTM. float32 is what tests/test_fold_model.py holds the runtime
+# to; bfloat16/float16 compute: docs/validation.md has the measurement behind them.
+FOLD_FIDELITY_COLUMNS = (
+    "fidelity_distogram",
+    "fidelity_ca",
+    "fidelity_atoms",
+    "fidelity_plddt",
+    "fidelity_pae",
+    "fidelity_ptm",
+)
+#              distogram  ca    atoms   plddt   pae    ptm
+# fmt: off
+_FOLD_FIDELITY_ROWS = {
+    "float32":  (1e-4,     1e-3,  1e-3,   1e-4,   1e-4,  1e-4),
+    "bfloat16": (3e-2,     1.5,   2.0,    3e-2,   1.0,   2e-2),
+    "float16":  (3e-2,     1.5,   2.0,    3e-2,   1.0,   2e-2),
+}
+# fmt: on
+FOLD_FIDELITY: dict[str, dict[str, float]] = {
+    d: dict(zip(FOLD_FIDELITY_COLUMNS, row)) for d, row in _FOLD_FIDELITY_ROWS.items()
+}
+# Quality, per precision, over the panel's proteins (each protein must meet each bound): C-alpha
+# RMSD after superposition (angstrom), lDDT-C-alpha, pLDDT mean absolute error (0-1 scale), PAE
+# mean absolute error (angstrom), pTM absolute error; ``weights`` comes from QUALITY's column.
+# float32 (lossless) is the float32 fidelity row: the same function on the same weights. float16
+# and bfloat16 follow FastPLMs' practice of holding a structure model in bf16 to structure limits
+# (aligned coordinates, pLDDT, pTM), not to loosened ones. The quantized rows are set by judgment,
+# not measured (no trained ESMFold2 here): docs/validation.md says how; provisional until
+# measured on the published weights.
+FOLD_QUALITY_COLUMNS = ("ca_rmsd", "lddt_ca", "plddt_mae", "pae_mae", "ptm_error")
+#              ca_rmsd  lddt_ca  plddt_mae  pae_mae  ptm_error
+# fmt: off
+_FOLD_ROWS = {
+    "float32":  (1e-3,    0.999,   1e-4,      1e-4,    1e-4),
+    "float16":  (0.1,     0.995,   1e-3,      0.1,     2e-3),
+    "bfloat16": (0.1,     0.995,   1e-3,      0.1,     2e-3),
+    "8bit":     (0.25,    0.99,    5e-3,      0.25,    5e-3),
+    "mxfp8":    (0.25,    0.99,    5e-3,      0.25,    5e-3),
+    "6bit":     (0.5,     0.98,    1e-2,      0.5,     1e-2),
+    "5bit":     (0.7,     0.97,    1.5e-2,    0.7,     1.5e-2),
+    "4bit":     (1.0,     0.95,    2e-2,      1.0,     2e-2),
+    "nvfp4":    (1.0,     0.95,    2e-2,      1.0,     2e-2),
+    "mxfp4":    (1.0,     0.95,    2e-2,      1.0,     2e-2),
+    "3bit":     (2.0,     0.9,     5e-2,      2.0,     5e-2),
+    "2bit":     (5.0,     0.7,     0.1,       5.0,     0.1),
+}
+# fmt: on
+FOLD_QUALITY: dict[str, dict[str, float]] = {p: dict(zip(FOLD_QUALITY_COLUMNS, row)) for p, row in _FOLD_ROWS.items()}
+FOLD_CHECK_NAMES = ("weights", *FOLD_QUALITY_COLUMNS, *FOLD_FIDELITY_COLUMNS)
+# An ESMFold2 checkpoint counts as trained when its structures look like proteins: at least this
+# share of consecutive C-alpha pairs of a chain lie CA_DISTANCE +- CA_TOLERANCE angstrom apart (a
+# trans peptide bond puts them 3.80 apart; a random-weight network scatters them). Quality checks
+# of a lossy artifact are enforced only against a trained checkpoint unless the caller says so.
+CA_DISTANCE, CA_TOLERANCE = 3.8, 0.3
+TRAINED_CA_GEOMETRY = 0.9
+
+
+def resolve_fold(precision: str, compute_dtype: str, overrides: dict[str, float] | None = None) -> Thresholds:
+    """The thresholds of a fold validation, as ``resolve`` makes a model's: the precision's row
+    of ``FOLD_QUALITY`` (and QUALITY's ``weights``), loosened to the compute dtype's row when MLX
+    computes in bf16 or fp16, the fidelity row of the compute dtype, ``overrides`` winning.
+    Raises KeyError naming a precision without bounds or an unknown check."""
+    if precision not in FOLD_QUALITY or precision not in QUALITY:
+        raise KeyError(f"no validation bounds for a {precision} artifact; bounds exist for {', '.join(FOLD_QUALITY)}")
+    values = {"weights": QUALITY[precision]["weights"], **FOLD_QUALITY[precision]}
+    if compute_dtype in FOLD_QUALITY and compute_dtype != "float32":
+        for name, bound in FOLD_QUALITY[compute_dtype].items():
+            values[name] = looser(name, values[name], bound)
+    values.update(FOLD_FIDELITY.get(compute_dtype, FOLD_FIDELITY["bfloat16"]))
     for name, bound in (overrides or {}).items():
         if name not in values:
             raise KeyError(f"unknown threshold {name!r}; known: {', '.join(sorted(values))}")

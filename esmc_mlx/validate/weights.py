@@ -28,9 +28,10 @@ from ..artifact import (
     weight_files,
 )
 from ..config import ESMCConfig
-from ..convert import mapping
 from ..convert.sources import open_checkpoint
 from ..errors import ConfigError, ConvertError, ValidationError
+from ..fold_artifact import read_fold_config
+from ..fold_config import FoldConfig
 from ..resolve import Source, resolve
 
 
@@ -140,7 +141,7 @@ class SourceWeights:
         # target (MLX) name -> (source name, part, parts)
         self._origin: dict[str, tuple[str, int, int]] = {}
         for name in ckpt.shapes:
-            targets = mapping.target_names(name)
+            targets = ckpt.target_names(name)  # an ESMFold2's folding tensors keep their names
             for part, target in enumerate(targets or ()):
                 self._origin[target] = (name, part, len(targets))
         self._handles: dict[Path, object] = {}  # open (memory-mapped) files; closed after each get_many
@@ -207,11 +208,6 @@ class ArtifactWeights:
             self.raw = read_config(self.directory)  # bounded; its dtype and quantization record checked
         except ConvertError as e:
             raise ValidationError(str(e)) from None
-        self.config_error: str | None = None
-        try:
-            self.config: ESMCConfig | None = ESMCConfig.from_dict(self.raw)
-        except ConfigError as e:
-            self.config, self.config_error = None, f"{path}: {e}"
         self.record: dict | None = quantization_record(self.raw)
         self.dtype = self.raw.get("dtype", "float32")
         try:
@@ -225,12 +221,21 @@ class ArtifactWeights:
                 if name != "__metadata__":
                     self._where[name] = f
                     self.shapes[name] = tuple(info["shape"])
-        if self.config is not None:  # a config the weights contradict fails the config check
-            try:
-                check_against_tensors(self.config, self.shapes, str(path))
-            except ConvertError as e:
-                self.config, self.config_error = None, str(e)
+        # a config the weights contradict fails the config check
+        self.config, self.config_error = self._read_config(path)
         self._memo: dict[str, mx.array] | None = None
+
+    def _read_config(self, path: Path) -> tuple[ESMCConfig | None, str | None]:
+        """(the architecture config.json describes, None) or (None, why it cannot be read or
+        does not fit the tensors' headers)."""
+        try:
+            config = ESMCConfig.from_dict(self.raw)
+            check_against_tensors(config, self.shapes, str(path))
+        except ConfigError as e:
+            return None, f"{path}: {e}"
+        except ConvertError as e:
+            return None, str(e)
+        return config, None
 
     def share_reads(self) -> None:
         """From now on keep what is read until ``forget()`` (one layer's tensors, for two passes)."""
@@ -304,6 +309,18 @@ class ArtifactWeights:
             else:
                 out[n] = raw[n].astype(mx.float32)
         return out
+
+
+class FoldArtifactWeights(ArtifactWeights):
+    """A fold artifact (``fold_artifact``): ``config`` is its ``FoldConfig``, checked against the
+    tensors' headers as ``load_fold`` checks it; the tensors as ``ArtifactWeights`` hands them out
+    (the backbone's quantized ones dequantized)."""
+
+    def _read_config(self, path: Path) -> tuple[FoldConfig | None, str | None]:
+        try:
+            return read_fold_config(self.directory)[1], None
+        except ConvertError as e:
+            return None, str(e)
 
 
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array | None, params: dict) -> mx.array:
