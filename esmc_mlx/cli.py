@@ -34,6 +34,7 @@ from .runtime.load import plan as plan_model
 from .tasks.attention import attention_job
 from .tasks.distributed import World
 from .tasks.features import features_job
+from .tasks.fold import fold_job
 from .tasks.jobs import embed_fasta, scan_job, score_csv
 from .tasks.scoring import DEFAULT_WINDOW
 from .validate import validate as run_validation
@@ -1221,6 +1222,107 @@ def attention(model, sequence, fasta, output, layers, heads, apc, name, no_plot,
             f"({human_size(maps.nbytes)})"
         )
     click.echo(f"Wrote {s.out}")
+
+
+FOLD_HELP = """Predict the structure of each protein or complex of [FASTA], a FASTA file (or of one
+--sequence instead), with an ESMFold2 model, into the folder OUT. Chains of a complex are separated by | in a record or in
+--sequence (MKTAYIAKQR|GSHMSLFDKLG). The 20 amino acids and X fold; B Z U O fold as X.
+
+\b
+OUT holds, per record (ID: its FASTA ID, or --name, made file-safe):
+  ID.pdb             the best-ranked sample (highest pTM), pLDDT (0-100) as B-factors;
+                     ID.cif with --format cif (mmCIF)
+  ID_sample{k}.pdb   with --samples N > 1, every sample k = 0..N-1 (the best also as ID.pdb)
+  ID_pae.npy         (L, L) float32: the best sample's predicted aligned error (angstrom)
+  ID_pae.png         that matrix drawn (with matplotlib installed: the plot extra)
+  summary.csv        id, length, chains, mean_plddt (0-100), ptm, iptm (complexes), seconds,
+                     sample (the best's k)
+Rerun the same command to resume: records already folded with the same model and settings
+are skipped. A record that cannot fit in this machine's memory is refused before any fold.
+
+\b
+Examples:
+  esmc-mlx fold esmfold2-fast-mlx --sequence MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ -o folds
+  esmc-mlx fold esmfold2-fast-mlx complexes.fasta -o folds --samples 5 --format cif
+  esmc-mlx fold esmfold2-fast-mlx designs.fasta -o folds --steps 20 --loops 3 --seed 1
+"""
+FOLD_MODEL_HELP = (
+    "MODEL: a fold artifact (what esmc-convert writes from an ESMFold2 checkpoint), as a directory or a Hub repo id."
+)
+
+
+@main.command(help=FOLD_HELP + "\n" + FOLD_MODEL_HELP)
+@click.argument("model")
+@click.argument("fasta", required=False, type=InputPath(exists=True, dir_okay=False, path_type=Path))
+@click.option("--sequence", help="One protein or complex (chains separated by |), or a FASTA file holding one record.")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=OutputPath(file_okay=False, path_type=Path),
+    help="Output directory (created; an existing one is resumed).",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["pdb", "cif"]),
+    default="pdb",
+    show_default=True,
+    help="Structure files: PDB or mmCIF (mmCIF has no limit on chains, atoms or residues).",
+)
+@click.option(
+    "--samples",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Diffusion samples per record; the best (highest pTM) is ID.pdb, all are kept when more than 1.",
+)
+@click.option("--steps", type=click.IntRange(1), help="Diffusion sampling steps. [default: the model's]")
+@click.option("--loops", type=click.IntRange(0), help="Trunk recycling loops. [default: the model's]")
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Seeds every random draw of each record's fold.",
+)
+@click.option(
+    "--name",
+    default=None,
+    help="File name stem for --sequence (default: the FASTA ID of --sequence FILE, else sequence).",
+)
+@click.option("--force", is_flag=True, help="Discard what OUT holds and start over.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def fold(model, fasta, sequence, output, fmt, samples, steps, loops, seed, name, force, no_progress):
+    started = time.perf_counter()
+    try:
+        s = fold_job(
+            model,
+            output,
+            sequence=sequence,
+            fasta=fasta,
+            name=name,
+            samples=samples,
+            steps=steps,
+            loops=loops,
+            seed=seed,
+            fmt=fmt,
+            force=force,
+            progress=not no_progress,
+        )
+    except KeyboardInterrupt as e:
+        for note in getattr(e, "__notes__", ()):  # what was kept, and that the same command resumes
+            click.echo(note, err=True)
+        raise
+    if len(s.folded) <= 10:
+        for record in s.folded:
+            click.echo(f"Folded {record.text}")
+    if s.skipped:
+        click.echo(f"Skipped {plural(s.skipped, 'record')}: already folded in {s.out} with this model and settings")
+    seconds = f"; {time.perf_counter() - started:.1f} s, the model's loading included"
+    echo_resumable("Folded", s, fasta, "structure", seconds)
+    if s.folded or s.skipped:
+        click.echo(f"Scores of every structure: {s.summary}")
 
 
 QUANTIZE_SAE_HELP = """Store a sparse autoencoder's matrices in bfloat16 / float16 (--q bf16, fp16) or

@@ -10,9 +10,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[torch]' in the clone")
 pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[torch]' in the clone")
 
+from esmc_mlx import load_fold
 from esmc_mlx.convert import convert
 from esmc_mlx.runtime.fold.draws import Replay
-from esmc_mlx import load_fold
 from esmc_mlx.tasks.fold import fold, protein_features
 from esmc_mlx.testing import random_transformers_fold_model, tiny_fold_config, write_fold_checkpoint
 from esmc_mlx.validate.fold_reference import reference_fold

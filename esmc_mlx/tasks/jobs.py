@@ -684,7 +684,7 @@ def read_sequence_option(text: str) -> tuple[str | None, str]:
     if _names_input(path):
         records = read_fasta(path)
         if len(records) != 1:
-            raise JobError(f"{path}: holds {len(records)} records; the wild type must be a single sequence")
+            raise JobError(f"{path}: holds {len(records)} records; --sequence takes a file of one record")
         return records[0].id, records[0].sequence
     stripped = text.strip()
     if "/" in stripped or stripped.lower().endswith(FASTA_SUFFIXES):
