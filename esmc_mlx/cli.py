@@ -20,7 +20,7 @@ from click.core import ParameterSource
 from ._version import __version__
 from .artifact import describe, human_size, model_facts, plural
 from .bench import FLOAT_SPREAD, parse_shapes, run
-from .convert import quantize_directory
+from .convert import quantize_directory, tiny_fold
 from .errors import EsmcMlxError, EsmcMlxWarning
 from .finetune import TASKS, finetune, fuse_adapter, predict_csv
 from .finetune.model import HEADS, POOLS
@@ -42,7 +42,9 @@ from .validate import validate as run_validation
 SOURCE_HELP = (
     f"SOURCE: an alias ({', '.join([*ALIASES, *LOCAL_ALIASES])}), a Hub repo id, a local directory or a legacy "
     ".pth file. An ESMFold2 checkpoint (config.json with model_type esmfold2) converts to a fold artifact: "
-    "--dtype applies to its folding model and backbone, --q quantizes its ESMC backbone."
+    "--dtype applies to its folding model and backbone, --q quantizes its ESMC backbone. "
+    f"{tiny_fold.NAME}: a small ESMFold2 with RANDOM folding weights on esmc-tiny, built offline to try "
+    "esmc-mlx fold; its structures are meaningless."
 )
 
 
@@ -307,6 +309,14 @@ def run_convert(
         reference_device=reference_device,
         log=click.echo,
     )
+    if source == tiny_fold.NAME:  # built here (random folding weights on esmc-tiny), converted as any checkpoint
+        if revision is not None:
+            raise click.UsageError(f"--revision: {source} is built here, not a Hub repo")
+        with tiny_fold.tiny_fold_checkpoint() as checkpoint:
+            run_convert(str(checkpoint), output or tiny_fold.DEFAULT_OUTPUT, dtype, q, group_size, None, force,
+                        shard_size, upload_repo, private, quantize_head, bool(validate), reference_device)  # fmt: skip
+        click.echo(f"Note: {tiny_fold.NOTICE}")
+        return
     if len(specs) > 1:  # one read of the source, one sub-directory per spec, one reference pass
         if upload_repo is not None:
             raise click.UsageError("--upload-repo takes one --q; publish each sub-directory with `esmc-mlx push`")
@@ -321,6 +331,7 @@ EXAMPLES = """
 \b
 Examples:
   esmc-convert tiny -o esmc-tiny-mlx            # packaged model, works offline
+  esmc-convert tiny-fold -o tiny-fold          # random folding weights: tries esmc-mlx fold offline
   esmc-convert 300M --dtype bfloat16            # biohub/ESMC-300M from the Hub
   esmc-convert 6B --q mxfp4 --upload-repo my-org/ESMC-6B-mxfp4
   esmc-convert ./esmc_300m_2024_12_v0.pth -o esmc-300m-mlx

@@ -8,11 +8,12 @@ import csv
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[torch]' in the clone")
-from fault_tools import cli, debris, one_error_line
+from fault_tools import cli, convert_cli, debris, one_error_line
+from mlx.utils import tree_flatten
+from safetensors.numpy import load_file
 
 from esmc_mlx.convert import convert
+from esmc_mlx.resolve import LOCAL_ALIASES
 from esmc_mlx.tasks import scoring
 from esmc_mlx.tasks.fold import atom_counts, load_fold
 from esmc_mlx.tasks.fold import job as fold_module
@@ -25,6 +26,7 @@ FAST = ("--steps", "2", "--loops", "0", "--no-progress")
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
+    pytest.importorskip("torch", reason="needs torch: pip install -e '.[torch]' in the clone")
     root = tmp_path_factory.mktemp("fold-cli")
     checkpoint = write_fold_checkpoint(root / "checkpoint", seed=3)
     return convert(str(checkpoint), root / "artifact", progress=False)
@@ -190,3 +192,19 @@ def test_a_record_too_large_for_memory_is_refused_before_any_fold(artifact, tmp_
     line = one_error_line(fold(artifact, "--sequence", SEQ, "--samples", "2", "-o", tmp_path / "folds"), "'sequence'")
     assert "GiB" in line and "fewer --samples" in line
     assert not (tmp_path / "folds").exists()
+
+
+def test_tiny_fold_builds_offline_and_folds(tmp_path):
+    """esmc-convert tiny-fold: esmc-tiny's backbone as it ships, random folding weights (said so)."""
+    model = tmp_path / "tiny-fold"
+    r = convert_cli("tiny-fold", "-o", model)
+    assert r.exit_code == 0, r.output
+    assert "random" in r.output and "meaningless" in r.output
+    packaged = load_file(LOCAL_ALIASES["tiny"] / "model.safetensors")
+    built = dict(tree_flatten(load_fold(model).esmc.parameters()))
+    for name in ("esmc.embed_tokens.weight", "esmc.layers.5.mlp.down_proj.weight"):
+        np.testing.assert_array_equal(np.array(built[name]), packaged[name])
+    out = tmp_path / "folds"
+    r = fold(model, "--sequence", SEQ, "-o", out)
+    assert r.exit_code == 0, r.output
+    assert len(atoms(out / "sequence.pdb")) == atom_counts([SEQ])[0] and summary(out)[0]["length"] == str(len(SEQ))
