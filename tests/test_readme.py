@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
 LOADED = re.compile(r'\bload\w*\("([^"]+)"')
-OFFLINE_COMMANDS = ("--version", "info", "embed", "score", "scan")
+OFFLINE_COMMANDS = ("--version", "info", "embed", "score", "scan", "fold")
 
 
 def readme_blocks() -> list[tuple[str, str]]:
@@ -33,7 +33,7 @@ def runs_here(line: str) -> bool:
     if words[0] == "printf":
         return True
     if words[0] == "esmc-convert":
-        return words[1] == "tiny" and "--no-validate" in words
+        return (words[1] == "tiny" and "--no-validate" in words) or words[1] == "tiny-fold"
     return words[0] == "esmc-mlx" and words[1] in OFFLINE_COMMANDS
 
 
@@ -52,6 +52,7 @@ def test_the_selection_finds_the_readmes_offline_lines():
     lines = [x for lang, body in readme_blocks() for x in shell_lines(lang, body)]
     firsts = {" ".join(x.split()[:2]) for x in lines}
     assert {"esmc-convert tiny", "esmc-mlx info", "esmc-mlx embed", "esmc-mlx score", "esmc-mlx scan"} <= firsts
+    assert {"esmc-convert tiny-fold", "esmc-mlx fold"} <= firsts
     assert sum(lang == "python" for lang, _ in readme_blocks()) >= 3
     assert not runs_here("esmc-convert 6B --q mxfp4 --upload-repo my-org/ESMC-6B-mxfp4")
     assert not runs_here("esmc-convert tiny -o esmc-tiny-4bit --q 4 --force")  # validates: needs torch
