@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from fault_tools import cli, convert_cli, debris, one_error_line
@@ -194,12 +195,18 @@ def test_a_record_too_large_for_memory_is_refused_before_any_fold(artifact, tmp_
     assert not (tmp_path / "folds").exists()
 
 
-def test_tiny_fold_builds_offline_and_folds(tmp_path):
-    """esmc-convert tiny-fold: esmc-tiny's backbone as it ships, random folding weights (said so)."""
-    model = tmp_path / "tiny-fold"
+@pytest.fixture(scope="module")
+def tiny_fold(tmp_path_factory):
+    model = tmp_path_factory.mktemp("tiny-fold") / "tiny-fold"
     r = convert_cli("tiny-fold", "-o", model)
     assert r.exit_code == 0, r.output
     assert "random" in r.output and "meaningless" in r.output
+    return model
+
+
+def test_tiny_fold_builds_offline_and_folds(tiny_fold, tmp_path):
+    """esmc-convert tiny-fold: esmc-tiny's backbone as it ships, random folding weights (said so)."""
+    model = tiny_fold
     packaged = load_file(LOCAL_ALIASES["tiny"] / "model.safetensors")
     built = dict(tree_flatten(load_fold(model).esmc.parameters()))
     for name in ("esmc.embed_tokens.weight", "esmc.layers.5.mlp.down_proj.weight"):
@@ -208,3 +215,15 @@ def test_tiny_fold_builds_offline_and_folds(tmp_path):
     r = fold(model, "--sequence", SEQ, "-o", out)
     assert r.exit_code == 0, r.output
     assert len(atoms(out / "sequence.pdb")) == atom_counts([SEQ])[0] and summary(out)[0]["length"] == str(len(SEQ))
+
+
+@pytest.mark.parametrize("length, samples", [(40, 1), (90, 2)])
+def test_the_memory_estimate_holds_the_measured_peak(tiny_fold, length, samples):
+    model = load_fold(tiny_fold)
+    chains = [(SEQ * 10)[:length]]
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    model.fold(chains, samples=samples, steps=2, loops=1)
+    peak = mx.get_peak_memory() - base
+    assert peak <= fold_module.fold_bytes(model.config, chains, samples, model.dtype.size) <= 3 * peak
