@@ -1258,7 +1258,9 @@ Examples:
   esmc-mlx fold esmfold2-fast-mlx designs.fasta -o folds --steps 20 --loops 3 --seed 1
 """
 FOLD_MODEL_HELP = (
-    "MODEL: a fold artifact (what esmc-convert writes from an ESMFold2 checkpoint), as a directory or a Hub repo id."
+    "MODEL: a fold artifact (what esmc-convert writes from an ESMFold2 checkpoint), as a directory or a Hub repo id. "
+    "esmc-convert tiny-fold -o tiny-fold makes one with random folding weights, to try the command offline (its "
+    "structures are meaningless)."
 )
 
 
