@@ -20,7 +20,7 @@ from click.core import ParameterSource
 from ._version import __version__
 from .artifact import describe, human_size, model_facts, plural
 from .bench import FLOAT_SPREAD, parse_shapes, parse_torch_modes, run
-from .convert import quantize_directory
+from .convert import quantize_directory, tiny_fold
 from .errors import EsmcMlxError, EsmcMlxWarning
 from .finetune import TASKS, finetune, fuse_adapter, predict_csv
 from .finetune.model import HEADS, POOLS
@@ -36,6 +36,7 @@ from .tasks.attention import attention_job
 from .tasks.distributed import World
 from .tasks.fasta import SEQUENCE_OPTION
 from .tasks.features import features_job
+from .tasks.fold import fold_job
 from .tasks.jobs import embed_fasta, scan_job, score_csv
 from .tasks.scoring import DEFAULT_WINDOW
 from .validate.fold import validate_any as run_validation
@@ -43,7 +44,9 @@ from .validate.fold import validate_any as run_validation
 SOURCE_HELP = (
     f"SOURCE: an alias ({', '.join([*ALIASES, *LOCAL_ALIASES])}), a Hub repo id, a local directory or a legacy "
     ".pth file. An ESMFold2 checkpoint (config.json with model_type esmfold2) converts to a fold artifact: "
-    "--dtype applies to its folding model and backbone, --q quantizes its ESMC backbone."
+    "--dtype applies to its folding model and backbone, --q quantizes its ESMC backbone. "
+    f"{tiny_fold.NAME}: a small ESMFold2 with RANDOM folding weights on esmc-tiny, built offline to try "
+    "esmc-mlx fold; its structures are meaningless."
 )
 
 
@@ -319,6 +322,14 @@ def run_convert(
         reference_device=reference_device,
         log=click.echo,
     )
+    if source == tiny_fold.NAME:  # built here (random folding weights on esmc-tiny), converted as any checkpoint
+        if revision is not None:
+            raise click.UsageError(f"--revision: {source} is built here, not a Hub repo")
+        with tiny_fold.tiny_fold_checkpoint() as checkpoint:
+            run_convert(str(checkpoint), output or tiny_fold.DEFAULT_OUTPUT, dtype, q, group_size, None, force,
+                        shard_size, upload_repo, private, quantize_head, bool(validate), reference_device)  # fmt: skip
+        click.echo(f"Note: {tiny_fold.NOTICE}")
+        return
     if len(specs) > 1:  # one read of the source, one sub-directory per spec, one reference pass
         if upload_repo is not None:
             raise click.UsageError("--upload-repo takes one --q; publish each sub-directory with `esmc-mlx push`")
@@ -333,6 +344,7 @@ EXAMPLES = """
 \b
 Examples:
   esmc-convert tiny -o esmc-tiny-mlx            # packaged model, works offline
+  esmc-convert tiny-fold -o tiny-fold          # random folding weights: tries esmc-mlx fold offline
   esmc-convert 300M --dtype bfloat16            # biohub/ESMC-300M from the Hub
   esmc-convert 6B --q mxfp4 --upload-repo my-org/ESMC-6B-mxfp4
   esmc-convert ./esmc_300m_2024_12_v0.pth -o esmc-300m-mlx
@@ -1270,6 +1282,109 @@ def attention(model, sequence, fasta, output, layers, heads, apc, name, no_plot,
             f"({human_size(maps.nbytes)})"
         )
     click.echo(f"Wrote {s.out}")
+
+
+FOLD_HELP = """Predict the structure of each protein or complex of [FASTA], a FASTA file (or of one
+--sequence instead), with an ESMFold2 model, into the folder OUT. Chains of a complex are separated by | in a record or in
+--sequence (MKTAYIAKQR|GSHMSLFDKLG). The 20 amino acids and X fold; B Z U O fold as X.
+
+\b
+OUT holds, per record (ID: its FASTA ID, or --name, made file-safe):
+  ID.pdb             the best-ranked sample (highest pTM), pLDDT (0-100) as B-factors;
+                     ID.cif with --format cif (mmCIF)
+  ID_sample{k}.pdb   with --samples N > 1, every sample k = 0..N-1 (the best also as ID.pdb)
+  ID_pae.npy         (L, L) float32: the best sample's predicted aligned error (angstrom)
+  ID_pae.png         that matrix drawn (with matplotlib installed: the plot extra)
+  summary.csv        id, length, chains, mean_plddt (0-100), ptm, iptm (complexes), seconds,
+                     sample (the best's k)
+Rerun the same command to resume: records already folded with the same model and settings
+are skipped. A record that cannot fit in this machine's memory is refused before any fold.
+
+\b
+Examples:
+  esmc-mlx fold esmfold2-fast-mlx --sequence MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ -o folds
+  esmc-mlx fold esmfold2-fast-mlx complexes.fasta -o folds --samples 5 --format cif
+  esmc-mlx fold esmfold2-fast-mlx designs.fasta -o folds --steps 20 --loops 3 --seed 1
+"""
+FOLD_MODEL_HELP = (
+    "MODEL: a fold artifact (what esmc-convert writes from an ESMFold2 checkpoint), as a directory or a Hub repo id. "
+    "esmc-convert tiny-fold -o tiny-fold makes one with random folding weights, to try the command offline (its "
+    "structures are meaningless)."
+)
+
+
+@main.command(help=FOLD_HELP + "\n" + FOLD_MODEL_HELP)
+@click.argument("model")
+@click.argument("fasta", required=False, type=InputPath(exists=True, dir_okay=False, path_type=Path))
+@click.option("--sequence", help="One protein or complex (chains separated by |), or a FASTA file holding one record.")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=OutputPath(file_okay=False, path_type=Path),
+    help="Output directory (created; an existing one is resumed).",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["pdb", "cif"]),
+    default="pdb",
+    show_default=True,
+    help="Structure files: PDB or mmCIF (mmCIF has no limit on chains, atoms or residues).",
+)
+@click.option(
+    "--samples",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Diffusion samples per record; the best (highest pTM) is ID.pdb, all are kept when more than 1.",
+)
+@click.option("--steps", type=click.IntRange(1), help="Diffusion sampling steps. [default: the model's]")
+@click.option("--loops", type=click.IntRange(0), help="Trunk recycling loops. [default: the model's]")
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Seeds every random draw of each record's fold.",
+)
+@click.option(
+    "--name",
+    default=None,
+    help="File name stem for --sequence (default: the FASTA ID of --sequence FILE, else sequence).",
+)
+@click.option("--force", is_flag=True, help="Discard what OUT holds and start over.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def fold(model, fasta, sequence, output, fmt, samples, steps, loops, seed, name, force, no_progress):
+    started = time.perf_counter()
+    try:
+        s = fold_job(
+            model,
+            output,
+            sequence=sequence,
+            fasta=fasta,
+            name=name,
+            samples=samples,
+            steps=steps,
+            loops=loops,
+            seed=seed,
+            fmt=fmt,
+            force=force,
+            progress=not no_progress,
+        )
+    except KeyboardInterrupt as e:
+        for note in getattr(e, "__notes__", ()):  # what was kept, and that the same command resumes
+            click.echo(note, err=True)
+        raise
+    if len(s.folded) <= 10:
+        for record in s.folded:
+            click.echo(f"Folded {record.text}")
+    if s.skipped:
+        click.echo(f"Skipped {plural(s.skipped, 'record')}: already folded in {s.out} with this model and settings")
+    seconds = f"; {time.perf_counter() - started:.1f} s, the model's loading included"
+    echo_resumable("Folded", s, fasta, "structure", seconds)
+    if s.folded or s.skipped:
+        click.echo(f"Scores of every structure: {s.summary}")
 
 
 QUANTIZE_SAE_HELP = """Store a sparse autoencoder's matrices in bfloat16 / float16 (--q bf16, fp16) or

@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
 LOADED = re.compile(r'\bload\w*\("([^"]+)"')
-OFFLINE_COMMANDS = ("--version", "info", "embed", "score", "scan", "features")
+OFFLINE_COMMANDS = ("--version", "info", "embed", "score", "scan", "features", "fold")
 PACKAGED = ("tiny",)  # what load() and load_sae() read from the package itself, offline
 
 
@@ -34,7 +34,7 @@ def runs_here(line: str) -> bool:
     if words[0] == "printf":
         return True
     if words[0] == "esmc-convert":
-        return words[1] == "tiny" and "--no-validate" in words
+        return (words[1] == "tiny" and "--no-validate" in words) or words[1] == "tiny-fold"
     return words[0] == "esmc-mlx" and words[1] in OFFLINE_COMMANDS
 
 
@@ -55,6 +55,7 @@ def test_the_selection_finds_the_readmes_offline_lines():
     firsts = {" ".join(x.split()[:2]) for x in lines}
     assert {"esmc-convert tiny", "esmc-mlx info", "esmc-mlx embed", "esmc-mlx score", "esmc-mlx scan"} <= firsts
     assert "esmc-mlx features" in firsts  # on the packaged SAE
+    assert {"esmc-convert tiny-fold", "esmc-mlx fold"} <= firsts
     assert sum(lang == "python" for lang, _ in readme_blocks()) >= 3
     assert not runs_here("esmc-convert 6B --q mxfp4 --upload-repo my-org/ESMC-6B-mxfp4")
     assert not runs_here("esmc-convert tiny -o esmc-tiny-4bit --q 4 --force")  # validates: needs torch

@@ -33,6 +33,24 @@ ACTIVATION_BUDGET = 1 << 30
 FUSIONS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
 
 
+def hash_parameter(digest, name: str, array: mx.array, part: int = 0, parts: int = 1) -> None:
+    """Feed ``digest`` (hashlib) what a fingerprint reads of one parameter (part ``part`` of
+    ``parts`` stacked along its rows): its name and shape, the whole array when small, else three
+    rows (first, middle, last); floats as float32, so the stored precision, not the compute
+    dtype of this device, decides the hash."""
+    rows = array.shape[0] // parts
+    start = part * rows
+    if array.size // parts <= 4096:
+        sample = array[start : start + rows]
+    else:
+        sample = array[mx.array([start, start + rows // 2, start + rows - 1])]
+    if mx.issubdtype(sample.dtype, mx.floating):
+        sample = sample.astype(mx.float32)
+    values = np.asarray(sample)
+    digest.update(f"{name} {(rows, *array.shape[1:])} {values.dtype}\n".encode())
+    digest.update(values.tobytes())
+
+
 def layer_activation_bytes(config: ESMCConfig, batch: int, length: int, itemsize: int) -> int:
     """An upper estimate of one block's intermediates: q/k/v, attention output, gate/up and
     their product, plus the (B, H, L, L) scores of an unfused attention."""
@@ -234,17 +252,7 @@ class Execution:
         enough to tell trained weights apart without reading a 6B's 12 GB."""
         digest = hashlib.sha256(json.dumps(self.config.to_dict(), sort_keys=True).encode())
         for name, array, part, parts in sorted(self._unfused_parameters(), key=lambda t: t[0]):
-            rows = array.shape[0] // parts
-            start = part * rows
-            if array.size // parts <= 4096:
-                sample = array[start : start + rows]
-            else:
-                sample = array[mx.array([start, start + rows // 2, start + rows - 1])]
-            if mx.issubdtype(sample.dtype, mx.floating):
-                sample = sample.astype(mx.float32)
-            values = np.asarray(sample)
-            digest.update(f"{name} {(rows, *array.shape[1:])} {values.dtype}\n".encode())
-            digest.update(values.tobytes())
+            hash_parameter(digest, name, array, part, parts)
         return digest.hexdigest()
 
     def _unfused_parameters(self):

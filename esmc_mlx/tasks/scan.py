@@ -159,16 +159,17 @@ class ScanManifest:
             for name, size in files.items()
         )
 
-    def record(self, stem: str, settings: dict, paths: dict[str, Path]) -> None:
-        """Enter ``stem``'s new files. A file of its previous entry that this run did not write
-        (the heatmap of a scan now run with --no-plot) would describe the old scores: it is
-        removed if esmc-mlx wrote it in this folder and it is still that file (same size)."""
+    def record(self, stem: str, settings: dict, paths: dict[str, Path], **extra) -> None:
+        """Enter ``stem``'s new files (and ``extra``, kept in its entry as given). A file of its
+        previous entry that this run did not write (the heatmap of a scan now run with --no-plot)
+        would describe the old scores: it is removed if esmc-mlx wrote it in this folder and it is
+        still that file (same size)."""
         files = {p.name: p.stat().st_size for p in paths.values()}
         for name, size in self._files(stem).items():
             stale = self.folder.path / name
             if name not in files and stale.is_file() and not stale.is_symlink() and stale.stat().st_size == size:
                 stale.unlink()
-        self.proteins[stem] = {"settings": settings, "files": files}
+        self.proteins[stem] = {"settings": settings, "files": files, **extra}
         with self.folder.file(self.NAME) as f:
             json.dump({"format": self.FORMAT, "proteins": self.proteins}, f, indent=1, sort_keys=True)
         self.folder.commit()

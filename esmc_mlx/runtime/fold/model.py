@@ -9,12 +9,16 @@ turns it into coordinates, and the confidence head's call, are driven from ``tas
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ...fold_config import FoldConfig
+from ..execution import hash_parameter
 from ..model import ESMC
 from .atoms import AtomInputs
 from .backbone import lm_hidden_states
@@ -79,6 +83,16 @@ class ESMFold2(nn.Module):
     def dtype(self) -> mx.Dtype:
         """The folding model's compute dtype: its projections' (the distogram head stays float32)."""
         return self.parcae.out_proj.weight.dtype
+
+    def fingerprint(self) -> str:
+        """A sha256 naming these weights, the backbone's included, as ``ESMC.fingerprint`` names an
+        ESMC's (the same artifact loaded anywhere, in any compute dtype): what a fold job records so
+        that a rerun resumes only with the same model."""
+        digest = hashlib.sha256(self.esmc.fingerprint().encode())
+        digest.update(json.dumps(self.config.to_dict(), sort_keys=True).encode())
+        for name, array in sorted(tree_flatten(self.parameters()), key=lambda t: t[0]):
+            hash_parameter(digest, name, array)
+        return digest.hexdigest()
 
     def trunk(self, features: dict, draws: Draws, num_loops: int | None = None) -> TrunkOutput:
         """The reference's ``EsmFold2Model.forward`` on one featurized complex (``tasks.fold``'s

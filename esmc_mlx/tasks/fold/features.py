@@ -155,6 +155,13 @@ def chains_from_text(text: str, name: str | None = None) -> list[str]:
     return chains
 
 
+def atom_counts(chains: Sequence[str]) -> tuple[int, int]:
+    """(real atoms, atoms on the padded axis) of checked ``chains``, without featurizing them: what
+    a fold of them holds per atom (memory estimates, PDB's atom limit)."""
+    real = sum(_RESIDUES[c if c in FOLDED else "X"].size for chain in chains for c in chain)
+    return real, math.ceil(real / ATOM_PADDING) * ATOM_PADDING
+
+
 def protein_features(chains: str | Sequence[str]) -> dict[str, np.ndarray]:
     """The fold's features of one protein chain (a string) or a complex (a list of chains), as
     numpy arrays with a leading batch dim of 1: the keys, dtypes and, for one chain, the values of

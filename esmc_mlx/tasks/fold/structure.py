@@ -95,6 +95,18 @@ class _Atoms:
         self.entity_id = row("entity_id", default=1)
 
 
+def pdb_problem(num_chains: int, num_atoms: int, longest_chain: int) -> str | None:
+    """Why PDB's fixed columns cannot hold a structure of ``num_chains`` chains, ``num_atoms`` real
+    atoms and a longest chain of ``longest_chain`` residues (naming mmCIF, which can), or None."""
+    if num_chains > len(CHAIN_TAGS):
+        return f"{num_chains} chains: PDB names at most {len(CHAIN_TAGS)}; write mmCIF instead"
+    if num_atoms + num_chains > _PDB_MAX_SERIAL:
+        return f"{num_atoms:,} atoms: PDB numbers at most {_PDB_MAX_SERIAL:,}; write mmCIF instead"
+    if longest_chain > _PDB_MAX_RESIDUE:
+        return f"a chain of more than {_PDB_MAX_RESIDUE:,} residues: too long for PDB; write mmCIF instead"
+    return None
+
+
 def to_pdb(features: Mapping, coords, plddt) -> str:
     """A PDB string of one sample, byte for byte what transformers' ``output_to_pdb`` writes for
     the same features, coordinates and per-residue pLDDT: ``PARENT N/A``, ``ATOM`` records, a
@@ -102,12 +114,10 @@ def to_pdb(features: Mapping, coords, plddt) -> str:
     ``END``. ``plddt`` may also be per atom. FoldError when PDB's columns cannot hold it."""
     atoms = _Atoms(features, coords, plddt)
     chains = np.unique(atoms.asym_id[atoms.token])
-    if len(chains) and chains.max() >= len(CHAIN_TAGS):
-        raise FoldError(f"{len(chains)} chains: PDB names at most {len(CHAIN_TAGS)}; write mmCIF instead")
-    if len(atoms.index) + len(chains) > _PDB_MAX_SERIAL:
-        raise FoldError(f"{len(atoms.index):,} atoms: PDB numbers at most {_PDB_MAX_SERIAL:,}; write mmCIF instead")
-    if len(atoms.index) and atoms.residue_numbers[atoms.token].max() > _PDB_MAX_RESIDUE:
-        raise FoldError(f"a chain of more than {_PDB_MAX_RESIDUE:,} residues: too long for PDB; write mmCIF instead")
+    longest = int(atoms.residue_numbers[atoms.token].max()) if len(atoms.index) else 0
+    problem = pdb_problem(int(chains.max()) + 1 if len(chains) else 0, len(atoms.index), longest)
+    if problem:
+        raise FoldError(problem)
 
     lines = ["PARENT N/A"]
     serial, tag, previous = 1, CHAIN_TAGS[0], None
