@@ -417,6 +417,55 @@ def fold_steps(job: dict) -> dict:
     return out
 
 
+def dry_run(job: dict) -> dict:
+    """What each side would build, counted without a weight made: MLX's modules hold lazy arrays
+    (shapes, never evaluated), transformers' are built on the meta device. Returns parameter
+    counts and the bytes a side holds (bf16, and the backbone's blocks in 4 bits)."""
+    from mlx.utils import tree_flatten
+
+    from esmc_mlx.bench import QUANT_MODES
+    from esmc_mlx.fold_config import FoldConfig
+    from esmc_mlx.quantize import BLOCK_LINEAR
+    from esmc_mlx.runtime.fold.model import ESMFold2
+    from esmc_mlx.runtime.model import ESMC
+    from esmc_mlx.runtime.quantized import quantize_modules
+
+    out = {}
+    for name in job["models"]:
+        raw = fold_config(name, job["shape"])
+        config = FoldConfig.from_dict(raw)
+        esmc = ESMC(config.esmc_config, lm_head=False)
+        folding = ESMFold2(config, esmc)
+        backbone = dict(tree_flatten(esmc.parameters()))
+        head = dict(tree_flatten(folding.parameters()))
+        row = {
+            "backbone_params": sum(v.size for v in backbone.values()),
+            "folding_params": sum(v.size for v in head.values()),
+        }
+        row["bf16_gb"] = 2 * (row["backbone_params"] + row["folding_params"]) / GB
+        quant = job["quant"] if job["quant"] in QUANT_MODES else "affine4"
+        quantize_modules(esmc, QUANT_MODES[quant], lambda path: bool(BLOCK_LINEAR.fullmatch(path)))
+        row[f"{quant}_backbone_gb"] = sum(v.nbytes for _, v in tree_flatten(esmc.parameters())) / GB
+        try:
+            import_transformers()
+            import torch
+            from transformers import EsmFold2Config, EsmFold2Model
+
+            with torch.device("meta"):
+                reference = EsmFold2Model(EsmFold2Config.from_dict(raw))
+            names = [n for n, _ in reference.named_parameters()]
+            row["transformers_params"] = sum(p.numel() for p in reference.parameters())
+            row["transformers_backbone_params"] = sum(
+                p.numel() for n, p in reference.named_parameters() if n.startswith("esmc.")
+            )
+            row["transformers_names"] = len(names)
+        except ImportError as e:
+            row["transformers_params"] = f"not counted: {e}"
+        out[name] = row
+        print(f"{name}: {row}", flush=True)
+    return out
+
+
 def table(rows: list[dict], sides: list[str]) -> list[str]:
     """Seconds per fold of each side and torch / MLX, one line per (model, length)."""
     timed = {(r["model"], r["length"], r["side"]): r for r in rows if r.get("median_s") is not None}
@@ -473,6 +522,7 @@ def main() -> None:
     p.add_argument(
         "--quant", default="affine4", help="--memory's backbone quantization (of esmc_mlx.bench.QUANT_MODES)"
     )
+    p.add_argument("--dry-run", action="store_true", help="count the models' parameters and bytes; fold nothing")
     p.add_argument("--out", type=Path, default=Path("bench-results/fold"))
     p.add_argument("--child", nargs=3, metavar=("SIDE", "JOB", "ROWS"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -511,6 +561,9 @@ def main() -> None:
         "quant": args.quant,
         "mlx_dtype": args.mlx_dtype or ("bfloat16" if device == "gpu" else "float32"),
     }
+    if args.dry_run:
+        dry_run(job)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     results = {"job": job, "code": code_identity(), "fold": fold_steps(job), "python": sys.version.split()[0]}
     print(
