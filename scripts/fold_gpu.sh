@@ -43,7 +43,7 @@ for name in "${@:-fast-mlx}"; do
     case $name in
         fast-mlx) speed fast-mlx 180 --sides mlx,mlx-affine4,mlx-mxfp4 --full-lengths ;;
         fast-torch) speed fast-torch 540 --sides torch-eager --full-lengths ;;
-        fast-compile) speed fast-compile 540 --sides torch-compile --full-lengths ;;
+        fast-compile) speed fast-compile 540 --sides torch-compile --full-lengths --warmup 2 ;;
         memory) speed memory 540 --memory --memory-lengths 512 1024 --steps 8 --loops 1 ;;
         full) speed full 180 --sides mlx,mlx-affine4,torch-eager --lengths --full-lengths 512 ;;
         validate) step validate -m benchmarks.fold_validate_speed --device gpu --out "$OUT/validate" ;;
