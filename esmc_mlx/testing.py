@@ -23,7 +23,13 @@ from mlx.utils import tree_flatten
 from .artifact import dtype_name, expected_shapes
 from .config import ESMCConfig
 from .convert.mapping import GATE_UP, QKV
+from .fold_artifact import keeps_float32
+from .fold_config import FoldConfig
+from .quantize import BLOCK_LINEAR
+from .runtime.fold.model import ESMFold2
+from .runtime.load import prepare
 from .runtime.model import ESMC
+from .runtime.quantized import quantize_modules
 from .sae_artifact import SAEConfig, layer_file
 from .validate.reference import hf_config
 from .vocab import write_tokenizer_files
@@ -320,6 +326,59 @@ def random_mlx_model(config: ESMCConfig, dtype: mx.Dtype = mx.bfloat16, seed: in
     """An ESMC with ``init_random_mlx_``'s weights, made on the default device in ``dtype``: no
     torch, no disk (a 6B in bf16 holds 12 GB and takes seconds on a GPU)."""
     return init_random_mlx_(ESMC(config), dtype, seed)
+
+
+def random_mlx_fold_model(
+    config: FoldConfig,
+    dtype: mx.Dtype = mx.bfloat16,
+    quantization: dict | None = None,
+    seed: int = 0,
+    model_class: type[ESMFold2] = ESMFold2,
+) -> ESMFold2:
+    """An ESMFold2 with random weights made on the default device, as ``load_fold`` would hold an
+    artifact of that config: no torch, no disk. The backbone gets ``init_random_mlx_``'s weights a
+    block at a time, its block projections quantized with ``quantization`` (a record as
+    config.json's: mode, bits, group_size) by the loader's own swap, as ``esmc-convert --q`` quantizes
+    them, then ``prepare`` as loaded; the folding model ``init_random_fold_``'s. A 6B backbone in
+    4 bits never holds its bf16 weights whole."""
+    esmc = ESMC(config.esmc_config, lm_head=False)
+    for i, layer in enumerate(esmc.esmc.layers):
+        init_random_mlx_(layer, dtype, seed=seed + i)
+        if quantization:
+            quantize_modules(layer, quantization, lambda path, i=i: BLOCK_LINEAR.fullmatch(f"esmc.layers.{i}.{path}"))
+        mx.eval(layer.parameters())
+    for part in (esmc.esmc.embed_tokens, esmc.esmc.norm):
+        init_random_mlx_(part, dtype, seed=seed + len(esmc.esmc.layers))
+    prepare(esmc)
+    model = model_class(config, esmc)
+    init_random_fold_(model, dtype, seed=seed)
+    model.eval()
+    return model
+
+
+def init_random_fold_(model: ESMFold2, dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -> ESMFold2:
+    """``init_random_``'s distributions over a folding model's own tensors (not its backbone), drawn
+    by MLX in place: matrices N(0, 1/fan_in), norm weights 1 + N(0, 0.1), biases N(0, 0.05), the
+    Fourier embedding's buffers N(0, 1), as ``random_transformers_fold_model`` draws them; the
+    confidence head's distance bins keep their values. What transformers keeps in float32
+    (``fold_artifact.keeps_float32``) is float32, the rest ``dtype``."""
+    mx.random.seed(seed)
+    drawn = []
+    for name, v in tree_flatten(model.parameters()):
+        if name.endswith("boundaries"):
+            value = v
+        elif name.endswith(("frequencies", "phases")):
+            value = mx.random.normal(v.shape)
+        elif "norm" in name and name.endswith("weight"):
+            value = 1 + 0.1 * mx.random.normal(v.shape)
+        elif name.endswith("bias"):
+            value = 0.05 * mx.random.normal(v.shape)
+        else:
+            value = mx.random.normal(v.shape) * v.shape[-1] ** -0.5
+        drawn.append((name, value.astype(mx.float32 if keeps_float32(name) else dtype)))
+        mx.eval(drawn[-1][1])
+    model.load_weights(drawn, strict=True)
+    return model
 
 
 def write_random_artifact(directory: Path, config: ESMCConfig, dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -> Path:
