@@ -170,7 +170,7 @@ def test_files_of_the_user_are_never_overwritten(artifact, tmp_path):
     "sequence, fragments",
     [
         ("seqs.fasta", ["no such file"]),
-        ("ACGTACGTACGTACGTACGT", ["nucleic acid", "protein chains only"]),
+        ("ACGTACGTACGTACGTACGT", ["reads as DNA or RNA", "translate it first"]),
         ("MKTAYIAK:GSHMSL", ["':' at position 9", "'|'"]),
         ("MKTAYIAK|", ["chain B is empty"]),
     ],
@@ -184,7 +184,7 @@ def test_bad_input_is_one_error_line(artifact, tmp_path, sequence, fragments):
 def test_a_bad_fasta_record_is_named_before_any_fold(artifact, tmp_path):
     fasta = tmp_path / "in.fa"
     fasta.write_text(f">good\n{SEQ}\n>dna\nACGTACGTACGTACGTACGTAC\n")
-    one_error_line(fold(artifact, fasta, "-o", tmp_path / "folds"), "dna", "nucleic acid")
+    one_error_line(fold(artifact, fasta, "-o", tmp_path / "folds"), "dna", "DNA or RNA")
     assert not (tmp_path / "folds").exists()
 
 
