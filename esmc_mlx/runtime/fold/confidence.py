@@ -109,8 +109,8 @@ class ConfidenceHead(nn.Module):
         """``x[..., c] @ weight[slot][c, b]`` per atom, without materialising ``weight[slot]``
         (``[atoms, hidden, bins]``: gigabytes for a large complex) as the reference's einsum does:
         every slot's logits of every atom (``[slots, atoms, bins]``, small), then each atom's own.
-        (``mx.gather_mm`` does this in one op, but failed on CUDA at the published widths with a
-        misaligned address, H100, MLX 0.32.4.)"""
+        (With ``mx.gather_mm`` here the confidence head aborted on CUDA at the published widths with a
+        misaligned address: H100, MLX 0.32.4.)"""
         every = x[..., None, :, :] @ weight  # [..., slots, atoms, bins]
         index = mx.broadcast_to(slot[..., None, :, None].astype(mx.int32), (*every.shape[:-3], 1, *every.shape[-2:]))
         return mx.take_along_axis(every, index, axis=-3).squeeze(-3)
