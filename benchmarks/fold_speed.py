@@ -89,17 +89,14 @@ def protein(length: int) -> str:
 
 
 def code_identity() -> dict:
-    """The commit (where a git checkout is) and a digest of the code that ran (a copied tree has no git)."""
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("ESMC_MLX_COMMIT")
+    """The source commit (``esmc_mlx.bench.source_stamp``: git, or SOURCE_COMMIT in a copy without
+    git) and a digest of the code that ran."""
+    from esmc_mlx.bench import source_stamp
+
     digest = hashlib.sha256()
     for f in sorted([*(ROOT / "esmc_mlx").rglob("*.py"), Path(__file__)]):
         digest.update(f.relative_to(ROOT).as_posix().encode() + b"\0" + f.read_bytes())
-    return {"commit": commit, "digest": digest.hexdigest()[:16]}
+    return {"commit": source_stamp(ROOT), "digest": digest.hexdigest()[:16]}
 
 
 def timed_folds(fold_once, warmup: int, reps: int) -> dict:
