@@ -323,6 +323,61 @@ def non_finite(outputs: Outputs, panel) -> str | None:
     create_parent=False,
     optional=True,
 )
+def check_run_options(quality_gate: str, reference_device: str, compute_dtype: str | None, max_length) -> None:
+    """ValidationError for an option every validation takes (models and fold artifacts alike)."""
+    if quality_gate not in QUALITY_GATES:
+        raise ValidationError(f"quality gate {quality_gate!r}: choose one of {', '.join(QUALITY_GATES)}")
+    if reference_device not in torch_ref.DEVICES:
+        raise ValidationError(f"reference device {reference_device!r}: choose one of {', '.join(torch_ref.DEVICES)}")
+    if compute_dtype is not None and compute_dtype not in FLOAT_DTYPES:
+        raise ValidationError(f"compute_dtype {compute_dtype!r}: choose one of {', '.join(FLOAT_DTYPES)}")
+    if max_length is not None and (type(max_length) is not int or max_length < 1):  # 0 cropped nothing
+        raise ValidationError(f"max_length={max_length!r}: give a positive number of residues, or None")
+
+
+def checked_report_folder(mlx_dir, report_dir, write: bool, reference: str, sequences) -> Path:
+    """Where the report goes (``report_dir``, else ``<mlx_dir>/validation``), checked now when it
+    will be written: a report folder that cannot be made fails before the whole validation."""
+    report_folder = Path(report_dir) if report_dir else Path(mlx_dir) / REPORT_DIR
+    if write:
+        ensure_parent(report_folder / "report.json", create=False)
+        check_report_folder(report_folder)
+        if report_dir is not None:  # a folder of its own: the target check every output gets
+            check_folder_target(
+                report_folder,
+                "report",
+                [Path(mlx_dir), *local_paths(reference, sequences)],
+                legacy=report_entries,
+                hosts=(*ARTIFACT_KINDS, "staging"),
+                option="--report",
+            )
+    return report_folder
+
+
+def run_facts(started: float, timings: dict) -> dict:
+    """What a report records of the run: versions, platform, time and memory, when."""
+    return {
+        "versions": versions(),
+        "platform": platform_info(),
+        "resources": {
+            "seconds": round(time.perf_counter() - started, 2),
+            "timings": timings,
+            "peak_rss_bytes": peak_rss(),
+        },
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def wind_down(bar, stack: contextlib.ExitStack, background: ThreadPoolExecutor, importing) -> None:
+    """A validation's end, on an error too: the bar ends its line (so an Error line starts on its
+    own), torch's thread count is restored, no import or hash is left running into shutdown."""
+    bar.close()
+    stack.close()
+    background.shutdown(wait=True)
+    if importing is not None:
+        importing.join()
+
+
 def validate(
     mlx_dir: str | Path,
     reference: str,
@@ -363,15 +418,7 @@ def validate(
     started, started_cpu = time.perf_counter(), time.process_time()
     if mode not in MODES:
         raise ValidationError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
-    if quality_gate not in QUALITY_GATES:
-        raise ValidationError(f"quality gate {quality_gate!r}: choose one of {', '.join(QUALITY_GATES)}")
-
-    if reference_device not in torch_ref.DEVICES:
-        raise ValidationError(f"reference device {reference_device!r}: choose one of {', '.join(torch_ref.DEVICES)}")
-    if compute_dtype is not None and compute_dtype not in FLOAT_DTYPES:
-        raise ValidationError(f"compute_dtype {compute_dtype!r}: choose one of {', '.join(FLOAT_DTYPES)}")
-    if max_length is not None and (type(max_length) is not int or max_length < 1):  # 0 cropped nothing
-        raise ValidationError(f"max_length={max_length!r}: give a positive number of residues, or None")
+    check_run_options(quality_gate, reference_device, compute_dtype, max_length)
     if type(marginal_positions) is not int or marginal_positions < 1:  # 0: a Spearman of nothing, failed
         raise ValidationError(f"marginal_positions={marginal_positions!r}: give a positive integer")
     th.check_overrides(thresholds)
@@ -387,19 +434,7 @@ def validate(
             "(esmc-mlx validate picks it)"
         )
     artifact = ArtifactWeights(mlx_dir)
-    report_folder = Path(report_dir) if report_dir else Path(mlx_dir) / REPORT_DIR
-    if write:  # a report folder that cannot be made fails now, not after the whole validation
-        ensure_parent(report_folder / "report.json", create=False)
-        check_report_folder(report_folder)
-        if report_dir is not None:  # a folder of its own: the target check every output gets
-            check_folder_target(
-                report_folder,
-                "report",
-                [Path(mlx_dir), *local_paths(reference, sequences)],
-                legacy=report_entries,
-                hosts=(*ARTIFACT_KINDS, "staging"),
-                option="--report",
-            )
+    report_folder = checked_report_folder(mlx_dir, report_dir, write, reference, sequences)
     source = SourceWeights(reference, revision)
     if isinstance(source.config, FoldConfig):
         raise ValidationError(
@@ -639,14 +674,7 @@ def validate(
                 "fidelity": _rounded(fidelity),
                 "quality": _rounded(quality),
                 "panel": panel.describe(),
-                "versions": versions(),
-                "platform": platform_info(),
-                "resources": {
-                    "seconds": round(time.perf_counter() - started, 2),
-                    "timings": timings,
-                    "peak_rss_bytes": peak_rss(),
-                },
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                **run_facts(started, timings),
             }
         )
         report = Report(passed, checks, data)
@@ -654,11 +682,7 @@ def validate(
             report.directory = write_report(report, panel, report_folder, draw=plot, own_folder=report_dir is not None)
         return report
     finally:
-        bar.close()  # on an error too: the bar ends its line, so the Error line starts on its own
-        stack.close()
-        background.shutdown(wait=True)  # never leave an import or a hash running into shutdown
-        if importing is not None:
-            importing.join()
+        wind_down(bar, stack, background, importing)
 
 
 def _kept_first(kept: dict | None, get):

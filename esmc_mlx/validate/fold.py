@@ -32,34 +32,33 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..artifact import ARTIFACT_KINDS, FLOAT_DTYPES, REPORT_DIR
 from ..errors import EsmcMlxError, ValidationError, install_hint
 from ..fold_artifact import is_fold_directory
 from ..fold_config import FoldConfig
-from ..outputs import check_folder_target, ensure_parent, local_paths, locked
+from ..outputs import locked
 from ..runtime.fold.draws import Replay
 from ..tasks.fold import fold, load_fold, protein_features
 from . import mlx_side
 from . import reference as torch_ref
 from . import thresholds as th
 from .core import (
-    QUALITY_GATES,
     Check,
     Report,
     TensorErrors,
     _rounded,
     artifact_files,
-    peak_rss,
-    platform_info,
+    check_run_options,
+    checked_report_folder,
     prefetch_torch,
+    run_facts,
     validate,
     validation_available,
-    versions,
+    wind_down,
 )
 from .fold_reference import reference_fold
 from .metrics import ca_atoms, ca_geometry, fold_fidelity, fold_quality
 from .panel import FoldPanel, build_fold_panel
-from .report import check_report_folder, report_entries, write_report
+from .report import write_report
 from .weights import FoldArtifactWeights, SourceWeights
 
 # report name -> key of metrics.fold_fidelity / fold_quality
@@ -254,14 +253,7 @@ def validate_fold_artifact(
     (bad options, missing files, torch not installed, no such device, a panel record the fold
     cannot take), OutputError when another esmc-mlx run is writing ``mlx_dir``."""
     started, started_cpu = time.perf_counter(), time.process_time()
-    if quality_gate not in QUALITY_GATES:
-        raise ValidationError(f"quality gate {quality_gate!r}: choose one of {', '.join(QUALITY_GATES)}")
-    if reference_device not in torch_ref.DEVICES:
-        raise ValidationError(f"reference device {reference_device!r}: choose one of {', '.join(torch_ref.DEVICES)}")
-    if compute_dtype is not None and compute_dtype not in FLOAT_DTYPES:
-        raise ValidationError(f"compute_dtype {compute_dtype!r}: choose one of {', '.join(FLOAT_DTYPES)}")
-    if max_length is not None and (type(max_length) is not int or max_length < 1):
-        raise ValidationError(f"max_length={max_length!r}: give a positive number of residues, or None")
+    check_run_options(quality_gate, reference_device, compute_dtype, max_length)
     _options(samples, steps, loops, seed)
     th.check_overrides(thresholds, th.FOLD_CHECK_NAMES)
     if not validation_available():
@@ -273,19 +265,7 @@ def validate_fold_artifact(
     if not is_fold_directory(Path(mlx_dir)):
         raise ValidationError(f"{mlx_dir}: not a fold artifact (its config.json does not describe an ESMFold2)")
     artifact = FoldArtifactWeights(mlx_dir)
-    report_folder = Path(report_dir) if report_dir else Path(mlx_dir) / REPORT_DIR
-    if write:  # a report folder that cannot be made fails now, not after the whole validation
-        ensure_parent(report_folder / "report.json", create=False)
-        check_report_folder(report_folder)
-        if report_dir is not None:
-            check_folder_target(
-                report_folder,
-                "report",
-                [Path(mlx_dir), *local_paths(reference, sequences)],
-                legacy=report_entries,
-                hosts=(*ARTIFACT_KINDS, "staging"),
-                option="--report",
-            )
+    report_folder = checked_report_folder(mlx_dir, report_dir, write, reference, sequences)
     source = SourceWeights(reference, revision)
     panel = build_fold_panel(sequences, max_length)
     features = [(p.name, protein_features(list(p.chains))) for p in panel.proteins]
@@ -487,25 +467,14 @@ def validate_fold_artifact(
             "fidelity": _rounded(fidelity),
             "quality": _rounded(quality),
             "panel": panel.describe(),
-            "versions": versions(),
-            "platform": platform_info(),
-            "resources": {
-                "seconds": round(time.perf_counter() - started, 2),
-                "timings": timings,
-                "peak_rss_bytes": peak_rss(),
-            },
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **run_facts(started, timings),
         }
         report = Report(passed, checks, data)
         if write:
             report.directory = write_report(report, panel, report_folder, draw=plot, own_folder=report_dir is not None)
         return report
     finally:
-        bar.close()
-        stack.close()
-        background.shutdown(wait=True)
-        if importing is not None:
-            importing.join()
+        wind_down(bar, stack, background, importing)
 
 
 def _mlx_folds(directory: Path, panel: FoldPanel, drawn: list, dtype, run: dict, on_step: Callable) -> list[dict]:
