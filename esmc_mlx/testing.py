@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 
 from .artifact import dtype_name, expected_shapes
 from .config import ESMCConfig
+from .convert import tiny_fold
 from .convert.mapping import GATE_UP, QKV
 from .fold_artifact import keeps_float32
 from .fold_config import FoldConfig
@@ -441,46 +442,14 @@ def random_sequences(
 
 def tiny_fold_config(**overrides) -> dict:
     """A small ESMFold2 config in transformers' spelling (``EsmFold2Config.from_dict`` reads it):
-    every part of the published architecture, a few blocks each, on a 2-block ESMC of width 128.
-    Keyword arguments replace top-level fields (nested ones are dicts)."""
-    atom = dict(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        num_spatial_rope_pairs_per_axis=1,
-        num_uid_rope_pairs=4,
-    )
-    base = dict(
-        model_type="esmfold2",
-        hidden_size=32,
-        pairwise_hidden_size=32,
-        pair_transition_intermediate_size=64,
-        single_inputs_size=32 + 2 * 33 + 1,
-        sliding_window=32,
-        chunk_size=8,
-        folding_trunk_num_hidden_layers=2,
-        parcae_num_coda_layers=1,
-        num_loops=2,
-        atom_encoder=dict(atom, output_dim=32),
-        structure_head=dict(
-            num_diffusion_samples=2,
-            inference_num_steps=6,
-            diffusion_module=dict(
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=128,
-                pair_intermediate_size=64,
-                fourier_dim=16,
-                atom_encoder=dict(atom, output_dim=64),
-            ),
-        ),
-        confidence_head=dict(num_hidden_layers=1),
-        msa_encoder=dict(enabled=False),
-        lm_encoder=dict(num_hidden_layers=1),
-        esmc_config=hf_config(tiny_config()).to_dict(),
-    )
+    tiny-fold's (every part of the published architecture, a few blocks each) on a 2-block ESMC of
+    width 128, with chunks of 8 rows (so that short test proteins run the chunked paths) and 2
+    samples of 6 steps. Keyword arguments replace top-level fields (nested ones are dicts)."""
+    base = tiny_fold.tiny_fold_config(hf_config(tiny_config()).to_dict())
+    for key in ("architectures", "dtype"):
+        del base[key]
+    base["chunk_size"] = 8
+    base["structure_head"] = {**base["structure_head"], "num_diffusion_samples": 2, "inference_num_steps": 6}
     base.update(overrides)
     return base
 
