@@ -1357,25 +1357,20 @@ FOLD_MODEL_HELP = (
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def fold(model, fasta, sequence, output, fmt, samples, steps, loops, seed, name, force, no_progress):
     started = time.perf_counter()
-    try:
-        s = fold_job(
-            model,
-            output,
-            sequence=sequence,
-            fasta=fasta,
-            name=name,
-            samples=samples,
-            steps=steps,
-            loops=loops,
-            seed=seed,
-            fmt=fmt,
-            force=force,
-            progress=not no_progress,
-        )
-    except KeyboardInterrupt as e:
-        for note in getattr(e, "__notes__", ()):  # what was kept, and that the same command resumes
-            click.echo(note, err=True)
-        raise
+    s = fold_job(
+        model,
+        output,
+        sequence=sequence,
+        fasta=fasta,
+        name=name,
+        samples=samples,
+        steps=steps,
+        loops=loops,
+        seed=seed,
+        fmt=fmt,
+        force=force,
+        progress=not no_progress,
+    )
     if len(s.folded) <= 10:
         for record in s.folded:
             click.echo(f"Folded {record.text}")

@@ -517,7 +517,7 @@ def locked(
             try:
                 yield
             except KeyboardInterrupt:  # (validate's report, push's card: each file written whole)
-                _stopped(f"nothing in {target} was left half-written")
+                note_stopped(f"nothing in {target} was left half-written")
                 raise
 
     return _around_output(parameter, when, lock)
@@ -921,7 +921,9 @@ _HELD: dict[Path, object] = {}  # the guards this process holds, by the real pat
 _STOPPED: list[str] = []  # what each guard left, said when a run is stopped (Ctrl-C, SIGTERM)
 
 
-def _stopped(note: str) -> None:
+def note_stopped(note: str) -> None:
+    """Say ``note`` in the Stopped line of a run stopped by Ctrl-C or SIGTERM (``stopped_notes``):
+    what a guard, or a job inside one, left at its output."""
     _STOPPED.append(note)
 
 
@@ -1027,9 +1029,9 @@ class StagedDirectory:
                 _remove_made(self.out, self._made)
         if isinstance(error, KeyboardInterrupt):
             if self.done is not None:
-                _stopped(f"{self.done} was written before the stop")
+                note_stopped(f"{self.done} was written before the stop")
             else:
-                _stopped(f"{self.out} is as it was" if self.existed else f"{self.out} was not written")
+                note_stopped(f"{self.out} is as it was" if self.existed else f"{self.out} was not written")
         if full:  # named where it was going: the staging is gone (a writer that knows the file names it)
             raise disk_full_error(Path(getattr(error, "filename", None) or self.out)) from None
         return False
@@ -1177,7 +1179,7 @@ class OutputFolder:
             if not self.path.exists():
                 _remove_made(self.path, self._made)
         if isinstance(error, KeyboardInterrupt):
-            _stopped(self._stop_note())
+            note_stopped(self._stop_note())
         return False
 
     def _stop_note(self) -> str:
@@ -1227,7 +1229,7 @@ class OutputFile:
     def __exit__(self, kind, error, traceback) -> bool:
         self._stack.close()
         if isinstance(error, KeyboardInterrupt) and not self.written:
-            _stopped(f"{self.path} is as it was" if self.existed else f"{self.path} was not written")
+            note_stopped(f"{self.path} is as it was" if self.existed else f"{self.path} was not written")
         return False
 
 

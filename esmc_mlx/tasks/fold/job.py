@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 from ...artifact import plural
 from ...errors import EsmcMlxWarning, JobError, install_hint
 from ...fold_config import FoldConfig
-from ...outputs import guard, guarded, held
+from ...outputs import guard, guarded, held, note_stopped
 from .. import scoring
 from ..fasta import iter_fasta, read_sequence_option
 from ..jobs import check_fasta_file
@@ -398,7 +398,7 @@ def fold_job(
     Every record is checked before the model loads, and each against this machine's memory before
     the first fold (``check_memory``). Resumes: records OUT already holds from the same sequence,
     model and settings are skipped; ``force`` clears what esmc-mlx wrote there and starts over.
-    On Ctrl-C the records already written stay (the KeyboardInterrupt carries a note saying so).
+    On Ctrl-C the records already written stay (the Stopped line says how many: ``outputs.note_stopped``).
     Raises FastaError, SequenceError, FoldError, JobError, OutputError."""
     if fmt not in FORMATS:
         raise JobError(f"format {fmt!r}: choose pdb or cif")
@@ -454,11 +454,11 @@ def fold_job(
             write_summary(Path(out), manifest)
             folded.append(Folded(ident, row))
             bar.update()
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt:
         held_now = sum(1 for i, c in records if manifest.done(safe_name(i), entry(c)))
-        e.add_note(
-            f"Interrupted: {out} keeps {plural(held_now, 'structure')} of {len(records)} ({len(folded)} folded by this "
-            "run); run the same command again to fold the rest"
+        note_stopped(
+            f"{out} keeps {plural(held_now, 'structure')} of {len(records)} ({len(folded)} folded by this run); "
+            "run the same command again to fold the rest"
         )
         raise
     finally:
