@@ -349,20 +349,7 @@ def plot(report, panel: Panel, path: Path) -> bool:
         frameon=False,
     )
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    a = d["artifact"]
-    fig.suptitle(
-        f"{Path(a['path']).name} ({_describe_precision(a)}) vs {public_source_id(d['reference']['id'])}: "
-        f"{'PASSED' if report.passed else 'FAILED'}",
-        fontsize=11,
-        x=0.07,
-        ha="left",
-    )
-    try:
-        with atomic_file(path, "wb") as f:
-            fig.savefig(f, dpi=100, format="png")
-    finally:
-        plt.close(fig)
-    return True
+    return _titled_and_saved(fig, plt, path, report, _describe_precision(d["artifact"]))
 
 
 def _fold_plot(report, panel, path: Path, plt) -> bool:
@@ -422,9 +409,15 @@ def _fold_plot(report, panel, path: Path, plt) -> bool:
     axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="protein (residues)",
                    title_fontsize=7.5, frameon=False)  # fmt: skip
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    a = d["artifact"]
+    return _titled_and_saved(fig, plt, path, report, "backbone " + _describe_backbone(d["artifact"]))
+
+
+def _titled_and_saved(fig, plt, path: Path, report, precision: str) -> bool:
+    """The plot's title (the artifact, its ``precision``, the reference, the verdict), written whole
+    to ``path``; the figure closed either way."""
+    d = report.data
     fig.suptitle(
-        f"{Path(a['path']).name} (backbone {_describe_backbone(a)}) vs {public_source_id(d['reference']['id'])}: "
+        f"{Path(d['artifact']['path']).name} ({precision}) vs {public_source_id(d['reference']['id'])}: "
         f"{'PASSED' if report.passed else 'FAILED'}",
         fontsize=11,
         x=0.07,
