@@ -204,6 +204,23 @@ def _tags(config: dict, family: tuple[str, ...] = ("esmc", "protein", "protein-l
     return list(dict.fromkeys(tags))
 
 
+def _card_data(meta: dict, base: str | None, quantized: bool, tags: list[str], pipeline_tag: str | None = None):
+    """The card's YAML metadata (huggingface_hub's ``ModelCardData``): mlx, the license ``meta``
+    records, the base model (``quantized`` from it where the weights are), ``tags``."""
+    from huggingface_hub import ModelCardData
+
+    return ModelCardData(
+        library_name="mlx",
+        license=meta.get("license") or None,
+        license_name=meta.get("license_name"),
+        license_link=meta.get("license_link"),
+        base_model=base,
+        base_model_relation="quantized" if (base and quantized) else None,
+        pipeline_tag=pipeline_tag,
+        tags=tags,
+    )
+
+
 # --- rendering ----------------------------------------------------------------------------------
 def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | None = None) -> str:
     """The README.md for ``model_dir`` as it will be published under ``repo_id``.
@@ -211,7 +228,7 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
     Raises HubError when the directory is not a readable artifact. ``huggingface_hub.ModelCard``
     parses the result (YAML metadata + markdown).
     """
-    from huggingface_hub import ModelCardData, constants
+    from huggingface_hub import constants
 
     model_dir = Path(model_dir)
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
@@ -225,16 +242,7 @@ def render_card(model_dir: Path, repo_id: str | None = None, endpoint: str | Non
     repo_id = repo_id or model_dir.name
     precision = precision_label(config)
 
-    data = ModelCardData(
-        library_name="mlx",
-        license=license_ or None,
-        license_name=meta.get("license_name"),
-        license_link=meta.get("license_link"),
-        base_model=base,
-        base_model_relation="quantized" if (base and q) else None,
-        pipeline_tag="fill-mask",
-        tags=_tags(config),
-    )
+    data = _card_data(meta, base, bool(q), _tags(config), pipeline_tag="fill-mask")
     base_link = f"[{base}]({endpoint}/{base})" if base else _local_source(source)
     revision = source.get("revision")
     hidden = config.get("hidden_size", "d")
@@ -553,7 +561,7 @@ def render_fold_card(model_dir: Path, repo_id: str | None = None, endpoint: str 
     ``repo_id``: what ESMFold2 is, the precision of its folding model and of its ESMC backbone,
     how to fold with it, how it was made and its validation report. HubError when the directory
     is not a readable fold artifact."""
-    from huggingface_hub import ModelCardData, constants
+    from huggingface_hub import constants
 
     model_dir = Path(model_dir)
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
@@ -573,14 +581,8 @@ def render_fold_card(model_dir: Path, repo_id: str | None = None, endpoint: str 
     revision = (meta.get("source") or {}).get("revision")
     msa = isinstance(config.get("msa_encoder"), dict) and config["msa_encoder"].get("enabled", True) is not False
 
-    data = ModelCardData(
-        library_name="mlx",
-        license=license_ or None,
-        license_name=meta.get("license_name"),
-        license_link=meta.get("license_link"),
-        base_model=base,
-        base_model_relation="quantized" if (base and q) else None,
-        tags=_tags(config, ("esmfold2", "esmc", "protein", "protein-structure-prediction")),
+    data = _card_data(
+        meta, base, bool(q), _tags(config, ("esmfold2", "esmc", "protein", "protein-structure-prediction"))
     )
     base_link = f"[{base}]({endpoint}/{base})" if base else _local_source(meta.get("source") or {})
     backbone = f"quantized to **{precision_label(config)}**" if q else f"stored as **{dtype}**"
