@@ -354,6 +354,19 @@ def checked_report_folder(mlx_dir, report_dir, write: bool, reference: str, sequ
     return report_folder
 
 
+def artifact_record(artifact, path, precision: str, files: dict) -> dict:
+    """What a report says of the artifact validated: where it lives, its dtype, quantization,
+    precision class, config and files' sha256."""
+    return {
+        "path": str(Path(path).resolve()),
+        "dtype": artifact.dtype,
+        "quantization": artifact.record,
+        "precision": precision,
+        "config": artifact.config.to_dict() if artifact.config else None,
+        "files": files,
+    }
+
+
 def run_facts(started: float, timings: dict) -> dict:
     """What a report records of the run: versions, platform, time and memory, when."""
     return {
@@ -648,14 +661,7 @@ def validate(
                 "passed": passed,
                 "checks": [c.as_dict() for c in checks],
                 "stopped_before_panel": stopped,
-                "artifact": {
-                    "path": str(Path(artifact_path or mlx_dir).resolve()),
-                    "dtype": artifact.dtype,
-                    "quantization": artifact.record,
-                    "precision": precision,
-                    "config": artifact.config.to_dict() if artifact.config else None,
-                    "files": hashing.result(),
-                },
+                "artifact": artifact_record(artifact, artifact_path or mlx_dir, precision, hashing.result()),
                 "reference": source.describe(),
                 "precision": precision,
                 "thresholds": bounds.values,
