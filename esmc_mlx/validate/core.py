@@ -314,15 +314,6 @@ def non_finite(outputs: Outputs, panel) -> str | None:
     return None
 
 
-# Writing its report into MLX_DIR, validation holds MLX_DIR's lock for the whole run, as the writers
-# of MLX_DIR do: a conversion replacing MLX_DIR meanwhile would get a report of the old weights.
-# (In the pipeline, MLX_DIR is a private staging directory under the output's lock.)
-@locked(
-    "mlx_dir",
-    when=lambda args: args["write"] and args["report_dir"] is None and args["artifact_path"] is None,
-    create_parent=False,
-    optional=True,
-)
 def check_run_options(quality_gate: str, reference_device: str, compute_dtype: str | None, max_length) -> None:
     """ValidationError for an option every validation takes (models and fold artifacts alike)."""
     if quality_gate not in QUALITY_GATES:
@@ -391,6 +382,15 @@ def wind_down(bar, stack: contextlib.ExitStack, background: ThreadPoolExecutor, 
         importing.join()
 
 
+# Writing its report into MLX_DIR, validation holds MLX_DIR's lock for the whole run, as the writers
+# of MLX_DIR do: a conversion replacing MLX_DIR meanwhile would get a report of the old weights.
+# (In the pipeline, MLX_DIR is a private staging directory under the output's lock.)
+@locked(
+    "mlx_dir",
+    when=lambda args: args["write"] and args["report_dir"] is None and args["artifact_path"] is None,
+    create_parent=False,
+    optional=True,
+)
 def validate(
     mlx_dir: str | Path,
     reference: str,
