@@ -314,6 +314,25 @@ def non_finite(outputs: Outputs, panel) -> str | None:
     return None
 
 
+class Timings(dict):
+    """Seconds each step of a validation took (the report's ``timings``), and its progress bar's
+    current step: what the model and fold validators share."""
+
+    def __init__(self, bar):
+        super().__init__()
+        self.bar = bar
+
+    def phase(self, name: str) -> None:
+        self.bar.set_postfix_str(name)
+
+    def timed(self, key: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, its seconds kept under ``key``."""
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self[key] = round(time.perf_counter() - t, 2)
+        return out
+
+
 def check_run_options(quality_gate: str, reference_device: str, compute_dtype: str | None, max_length) -> None:
     """ValidationError for an option every validation takes (models and fold artifacts alike)."""
     if quality_gate not in QUALITY_GATES:
@@ -463,20 +482,12 @@ def validate(
         bounds = th.resolve(precision, dtype_name, thresholds)
     except KeyError as e:
         raise ValidationError(str(e.args[0])) from None
-    timings: dict[str, float] = {}
     n = len(panel.inputs)
     n_layers = source.config.num_hidden_layers
     # one bar over the whole validation; its total is refined once the passes are known
     bar = tqdm(total=(n_layers + 1) + 3 * len(batches), desc="validating", unit="step", disable=not progress)
-
-    def phase(name: str):
-        bar.set_postfix_str(name)
-
-    def timed(key, fn, *args, **kwargs):
-        t = time.perf_counter()
-        out = fn(*args, **kwargs)
-        timings[key] = round(time.perf_counter() - t, 2)
-        return out
+    timings = Timings(bar)
+    phase, timed = timings.phase, timings.timed
 
     checks = [compare_configs(artifact, source)]
     importing = prefetch_torch() if checks[0].passed else None

@@ -45,6 +45,7 @@ from .core import (
     Check,
     Report,
     TensorErrors,
+    Timings,
     _rounded,
     artifact_files,
     artifact_record,
@@ -281,17 +282,9 @@ def validate_fold_artifact(
     steps_run = steps if steps is not None else (config.structure_head.inference_num_steps if config else None)
     loops_run = loops if loops is not None else (config.num_loops if config else None)
     n = len(panel.proteins)
-    timings: dict[str, float] = {}
     bar = tqdm(total=3 * n, desc="validating", unit="step", disable=not progress)
-
-    def phase(name: str):
-        bar.set_postfix_str(name)
-
-    def timed(key, fn, *args, **kwargs):
-        t = time.perf_counter()
-        out = fn(*args, **kwargs)
-        timings[key] = round(time.perf_counter() - t, 2)
-        return out
+    timings = Timings(bar)
+    phase, timed = timings.phase, timings.timed
 
     checks = [compare_fold_configs(artifact, source)]
     importing = prefetch_torch() if checks[0].passed else None
