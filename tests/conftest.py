@@ -111,3 +111,21 @@ def converted(checkpoints, tmp_path_factory):
     from esmc_mlx.convert import convert
 
     return convert(str(checkpoints["published"]), tmp_path_factory.mktemp("mlx") / "fp32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The packaged esmc-tiny converted into a folder of the test module's own, as a user's model
+    (a module that needs another ``model`` defines its own)."""
+    from esmc_mlx.convert import convert
+
+    return convert("tiny", tmp_path_factory.mktemp("tiny") / "model", progress=False)
+
+
+@pytest.fixture(scope="module")
+def sae(tmp_path_factory, model):
+    """A random SAE on layer 1 of ``model``, in a folder of the test module's own."""
+    import json
+
+    hidden = json.loads((model / "config.json").read_text())["hidden_size"]
+    return testing.write_random_sae(tmp_path_factory.mktemp("sae") / "sae", hidden, 64, 4, [1])

@@ -18,23 +18,10 @@ import pytest
 from fault_tools import cli, debris, one_error_line, snapshot, visible
 
 from esmc_mlx import outputs
-from esmc_mlx.convert import convert
 from esmc_mlx.errors import HubError
 from esmc_mlx.hub import push
-from esmc_mlx.testing import write_random_sae
 
 SEQ = "MKTAYIAKQRQISFVKSHFSRQ"
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return convert("tiny", tmp_path_factory.mktemp("tiny") / "model", progress=False)
-
-
-@pytest.fixture(scope="module")
-def sae(tmp_path_factory, model):
-    hidden = json.loads((model / "config.json").read_text())["hidden_size"]
-    return write_random_sae(tmp_path_factory.mktemp("sae") / "sae", hidden, 64, 4, [1])
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ esmc-tiny, converted here; no torch needed."""
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import numpy as np
@@ -23,26 +22,13 @@ import pytest
 from fault_tools import cli, debris, one_error_line, snapshot, visible
 
 from esmc_mlx import load_sae, outputs, read_embeddings
-from esmc_mlx.convert import convert
 from esmc_mlx.errors import JobError, ScoringError, SequenceError
 from esmc_mlx.resolve import PACKAGED
 from esmc_mlx.tasks.fasta import looks_like_path, read_sequence_option
-from esmc_mlx.testing import write_random_sae
 from esmc_mlx.vocab import check_sequence, nucleotide_share
 
 WT = "MKTAYIAKQRQISFVKSHFSRQ"
 DNA = "ATGGCTAGCTTGACCGGTAAACTGCTGAGCGATCCG"
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return convert("tiny", tmp_path_factory.mktemp("tiny") / "model", progress=False)
-
-
-@pytest.fixture(scope="module")
-def sae(tmp_path_factory, model):
-    hidden = json.loads((model / "config.json").read_text())["hidden_size"]
-    return write_random_sae(tmp_path_factory.mktemp("sae") / "sae", hidden, 64, 4, [1])
 
 
 @pytest.fixture
