@@ -39,12 +39,13 @@ def folded(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("chains", [["MKTAYIAKQRQISFVKSHFSRQ"], ["MKTAYIAKQR", "GSHMSLFDKLGG", "MKTAYIAKQR"]])
-def test_fold_matches_transformers_under_the_same_draws(folded, chains):
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])  # compiled: the GPU's default
+def test_fold_matches_transformers_under_the_same_draws(folded, chains, compile):
     reference, model = folded
     features = protein_features(chains)
     expected, drawn = reference_fold(reference, features, SAMPLES, STEPS, LOOPS, seed=1)
     replay = Replay(drawn)
-    out = fold(model, chains, samples=SAMPLES, steps=STEPS, loops=LOOPS, draws=replay)
+    out = fold(model, chains, samples=SAMPLES, steps=STEPS, loops=LOOPS, draws=replay, compile=compile)
     assert replay.used == len(drawn), "the MLX fold drew fewer numbers than the reference"
     assert rel(out.distogram_logits, expected["distogram_logits"][0]) <= 1e-4
     real = features["atom_attention_mask"][0].astype(bool)
