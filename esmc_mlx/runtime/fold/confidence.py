@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...fold_config import FoldConfig
-from .layers import LayerNorm
+from .layers import LayerNorm, piecewise
 from .trunk import PairUpdateStack, pair_mask_of
 
 
@@ -150,10 +150,16 @@ class ConfidenceHead(nn.Module):
         rep_distances = mx.sqrt(mx.sum(mx.square(rep_coords[:, :, None] - rep_coords[:, None]), axis=-1))
         distance_bins = mx.sum(rep_distances[..., None] > self.boundaries, axis=-1)
         pair = pair + self.dist_bin_pairwise_embed(distance_bins)
+        # A large pair is evaluated between the steps below, so that their temporaries never coexist.
+        evaluate = piecewise(pair)
+        if evaluate:
+            mx.eval(pair)
 
         # The stack returns refined states, and the reference adds them to its input (in float32).
         pair = pair + self.folding_trunk(pair.astype(compute_dtype), pair_attention_mask=pair_mask_of(token_mask))
         pair = pair.astype(compute_dtype)
+        if evaluate:
+            mx.eval(pair)
         single = self.row_attention_pooling(pair, token_mask)
 
         out = self._atom_confidences(single, atom_to_token, atom_mask, rep_idx, rep_distances, is_ligand, asym)

@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from ...fold_config import DiffusionModuleConfig, FoldConfig
 from .atoms import AtomDecoder, AtomEncoder, AtomInputs
-from .layers import AdaptiveLayerNorm, FourierEmbedding, LayerNorm, SwiGLU, Transition
+from .layers import AdaptiveLayerNorm, FourierEmbedding, LayerNorm, SwiGLU, Transition, piecewise
 
 
 @dataclasses.dataclass
@@ -109,7 +109,17 @@ class DiffusionTransformer(nn.Module):
         self.layers = [DiffusionLayer(config) for _ in range(num_layers)]
 
     def compute_pair_biases(self, pair_states: mx.array, attention_mask: mx.array | None = None) -> list[mx.array]:
-        return [layer.compute_pair_bias(pair_states, attention_mask) for layer in self.layers]
+        """One bias per layer. Where ``pair_states`` is ``piecewise`` it is evaluated first and each bias
+        as it is made, so that one layer's normed pair exists at a time."""
+        evaluate = piecewise(pair_states)
+        if evaluate:
+            mx.eval(pair_states)
+        biases = []
+        for layer in self.layers:
+            biases.append(layer.compute_pair_bias(pair_states, attention_mask))
+            if evaluate:
+                mx.eval(biases[-1])
+        return biases
 
     def __call__(
         self, token_hidden_states: mx.array, single_states: mx.array, attention_biases: list[mx.array]
@@ -145,7 +155,12 @@ class DiffusionConditioning(nn.Module):
         the concatenation and its norm are float32; ``pair_proj`` takes its own dtype."""
         pair = mx.concatenate([pair_trunk, relative_position_encoding], axis=-1)
         pair = self.pair_proj(self.pair_input_norm(pair).astype(self.pair_proj.weight.dtype))
-        return self.pair_transition_1(self.pair_transition_0(pair))
+        # the unchunked transitions (the reference's choice) one at a time where the pair is large
+        for transition in (self.pair_transition_0, self.pair_transition_1):
+            if piecewise(pair):
+                mx.eval(pair)
+            pair = transition(pair)
+        return pair
 
     def compute_single_repr(self, single_inputs: mx.array) -> mx.array:
         """``single_inputs`` projected to the diffusion width; noise-independent."""

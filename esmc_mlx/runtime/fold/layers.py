@@ -8,13 +8,44 @@ float32 and return their input's dtype, as the reference's do; its float32-pinne
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
 
+# Arrays of at least this many elements (batch * L * L * width: 384 residues at width 256) are built a
+# chunk at a time, each chunk evaluated before the next: as one lazy graph, MLX computes every
+# chunk's temporaries before freeing any. Smaller ones stay one graph (no sync per chunk).
+PIECEWISE_ELEMENTS = 384 * 384 * 256
+NORM_ROWS = 64  # the rows of a pair a piecewise LayerNorm takes at a time
+
+
+def piecewise(x: mx.array) -> bool:
+    """Whether work on ``x`` is evaluated a piece at a time (``x`` has ``PIECEWISE_ELEMENTS`` or more)."""
+    return x.size >= PIECEWISE_ELEMENTS
+
+
+def join_chunks(parts: Iterable[mx.array], axis: int, size: int, evaluate: bool) -> mx.array:
+    """The chunks ``parts`` yields, joined along ``axis`` (``size`` long in all): concatenated, or,
+    with ``evaluate``, each written into one array and evaluated before the next chunk is built, so
+    that one chunk's temporaries exist at a time and the joined array exists once."""
+    if not evaluate:
+        parts = list(parts)
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
+    out, start = None, 0
+    for part in parts:
+        if out is None:
+            out = mx.zeros((*part.shape[:axis], size, *part.shape[axis + 1 :]), part.dtype)
+        stop = start + part.shape[axis]
+        out[(slice(None),) * axis + (slice(start, stop),)] = part
+        mx.eval(out)
+        start = stop
+    return out
+
 
 class LayerNorm(nn.Module):
-    """LayerNorm computed in float32 (weights float32), returning the input's dtype."""
+    """LayerNorm computed in float32 (weights float32), returning the input's dtype. A ``piecewise``
+    pair ([B, L, L, d]) is normed ``NORM_ROWS`` rows at a time: its float32 copies never exist whole."""
 
     def __init__(self, dims: int, eps: float = 1e-5, bias: bool = True):
         super().__init__()
@@ -25,7 +56,14 @@ class LayerNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         bias = self.bias if "bias" in self else None
-        return mx.fast.layer_norm(x.astype(mx.float32), self.weight, bias, self.eps).astype(x.dtype)
+
+        def norm(x: mx.array) -> mx.array:
+            return mx.fast.layer_norm(x.astype(mx.float32), self.weight, bias, self.eps).astype(x.dtype)
+
+        if x.ndim != 4 or not piecewise(x):
+            return norm(x)
+        n = x.shape[1]
+        return join_chunks((norm(x[:, i : i + NORM_ROWS]) for i in range(0, n, NORM_ROWS)), 1, n, True)
 
 
 def plain_layer_norm(x: mx.array, eps: float = 1e-5) -> mx.array:
@@ -53,7 +91,8 @@ class SwiGLU(nn.Module):
 
 
 class Transition(nn.Module):
-    """LayerNorm + SwiGLU residual, ``chunk_size`` rows of axis 1 at a time (None: all at once)."""
+    """LayerNorm + SwiGLU residual, ``chunk_size`` rows of axis 1 at a time (None: all at once), each
+    chunk evaluated before the next where the input is ``piecewise``."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, chunk_size: int | None):
         super().__init__()
@@ -66,8 +105,8 @@ class Transition(nn.Module):
         step = self.chunk_size or n
         if step >= n:
             return x + self.mlp(self.norm(x))
-        parts = [x[:, i : i + step] + self.mlp(self.norm(x[:, i : i + step])) for i in range(0, n, step)]
-        return mx.concatenate(parts, axis=1)
+        rows = (x[:, i : i + step] for i in range(0, n, step))
+        return join_chunks((r + self.mlp(self.norm(r)) for r in rows), 1, n, piecewise(x))
 
 
 class AdaptiveLayerNorm(nn.Module):

@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from ...fold_config import FoldConfig
 from .draws import Draws
-from .layers import LayerNorm, Transition
+from .layers import LayerNorm, Transition, join_chunks, piecewise
 
 
 def pair_mask_of(attention_mask: mx.array) -> mx.array:
@@ -68,7 +68,8 @@ class LanguageModelEncoder(nn.Module):
 class TriangleMultiplicativeUpdate(nn.Module):
     """Gated triangle multiplicative update, outgoing (``sum_k a[i,k] b[j,k]``) or incoming
     (``sum_k a[k,i] b[k,j]``). The O(L^3) contraction runs ``chunk_size`` output rows at a time, as
-    the reference's does; the projections around it run ``chunk_size`` pair rows at a time."""
+    the reference's does; the projections around it run ``chunk_size`` pair rows at a time. Each
+    chunk is evaluated before the next where the pair is ``piecewise``."""
 
     def __init__(self, config: FoldConfig, outgoing: bool = True):
         super().__init__()
@@ -91,31 +92,33 @@ class TriangleMultiplicativeUpdate(nn.Module):
         return (left_t[:, :, rows] @ right_t.swapaxes(-1, -2)).transpose(0, 2, 3, 1)
 
     def __call__(self, pair: mx.array, visibility: mx.array | None = None) -> mx.array:
-        n = pair.shape[1]
+        n, d = pair.shape[1], self.dim
         step = self.chunk_size or n
         chunks = [slice(i, i + step) for i in range(0, n, step)]
-        # The gated streams, built a chunk of pair rows at a time straight into the contraction's
-        # layout: the 4 d-wide bundle and the masked copies never exist whole (their L^2 x 4 d
-        # float32 is 4 GiB at 1,024 residues of width 256).
-        lefts, rights = [], []
-        for rows in chunks:
+        evaluate = piecewise(pair)
+
+        def streams(rows: slice) -> mx.array:
+            """The gated left and right streams of pair rows ``rows``, in ``_layout`` ([B, 2 d, ...])."""
             signal, gate_logits = mx.split(self.proj_bundle(self.norm_start(pair[:, rows])), 2, axis=-1)
             routed = signal * mx.sigmoid(gate_logits)
             if visibility is not None:
                 # cast to the compute dtype, so masking does not promote the contraction to float32
                 routed = routed * visibility[:, rows, :, None].astype(routed.dtype)
-            left, right = mx.split(routed, 2, axis=-1)
-            lefts.append(self._layout(left))
-            rights.append(self._layout(right))
-        axis = 2 if self.flow == "outgoing" else 3  # where the pair's row axis lands in _layout
-        left_t = lefts[0] if len(chunks) == 1 else mx.concatenate(lefts, axis=axis)
-        right_t = mx.contiguous(rights[0]) if len(chunks) == 1 else mx.concatenate(rights, axis=axis)
+            return self._layout(routed)
 
-        out = []
-        for rows in chunks:
+        def emitted(rows: slice) -> mx.array:
             mixed = self.proj_emit(self.norm_mix(self._triangular_contract(left_t, right_t, rows)))
-            out.append(mixed * mx.sigmoid(self.proj_gate(self.norm_start(pair[:, rows]))))
-        return out[0] if len(chunks) == 1 else mx.concatenate(out, axis=1)
+            return mixed * mx.sigmoid(self.proj_gate(self.norm_start(pair[:, rows])))
+
+        # The streams are built a chunk of pair rows at a time straight into the contraction's
+        # layout: the 4 d-wide bundle and the masked copies never exist whole (their L^2 x 4 d
+        # float32 is 4 GiB at 1,024 residues of width 256).
+        axis = 2 if self.flow == "outgoing" else 3  # where the pair's row axis lands in _layout
+        both = join_chunks((streams(rows) for rows in chunks), axis, n, evaluate)
+        if len(chunks) == 1:
+            both = mx.contiguous(both)
+        left_t, right_t = both[:, :d], both[:, d:]
+        return join_chunks((emitted(rows) for rows in chunks), 1, n, evaluate)
 
 
 class PairUpdateLayer(nn.Module):
@@ -229,12 +232,15 @@ def run_trunk_loops(
         refined_lm = lm_encoder(lm_pair_states, pair_attention_mask=pair_mask)
 
     for _ in range(max(1, num_loops + 1)):
+        lm = refined_lm
         if per_loop_dropout:
             keep = draws.keep(tuple(lm_pair_states.shape), p).astype(lm_pair_states.dtype)
-            refined_lm = lm_encoder(lm_pair_states * keep / (1.0 - p), pair_attention_mask=pair_mask)
+            lm = lm_encoder(lm_pair_states * keep / (1.0 - p), pair_attention_mask=pair_mask)
+            del keep
         injected = initial_pair_states if inject is None else inject(initial_pair_states)
-        injected = injected if refined_lm is None else injected + refined_lm
+        injected = injected if lm is None else injected + lm
         pair_states = parcae(pair_states, injected, state_decay, input_matrix)
+        del lm, injected  # not held (two pair sizes) while the folding trunk runs
         pair_states = folding_trunk(pair_states, pair_attention_mask=pair_mask)
         # one loop's graph at a time: its L^2-sized temporaries are freed before the next loop
         mx.eval(pair_states)
