@@ -8,7 +8,7 @@ float32 and return their input's dtype, as the reference's do; its float32-pinne
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,21 +25,21 @@ def piecewise(x: mx.array) -> bool:
     return x.size >= PIECEWISE_ELEMENTS
 
 
-def join_chunks(parts: Iterable[mx.array], axis: int, size: int, evaluate: bool) -> mx.array:
-    """The chunks ``parts`` yields, joined along ``axis`` (``size`` long in all): concatenated, or,
-    with ``evaluate``, each written into one array and evaluated before the next chunk is built, so
-    that one chunk's temporaries exist at a time and the joined array exists once."""
+def join_chunks(part: Callable[[slice], mx.array], n: int, step: int, axis: int, evaluate: bool) -> mx.array:
+    """``part(rows)`` for each ``step`` rows of ``range(n)``, joined along ``axis``: concatenated, or,
+    with ``evaluate``, each written into one array and evaluated before the next is built, so that
+    one chunk's temporaries exist at a time and the joined array exists once."""
+    chunks = [slice(i, i + step) for i in range(0, n, step)]
     if not evaluate:
-        parts = list(parts)
+        parts = [part(rows) for rows in chunks]
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
-    out, start = None, 0
-    for part in parts:
+    out = None
+    for rows in chunks:
+        chunk = part(rows)
         if out is None:
-            out = mx.zeros((*part.shape[:axis], size, *part.shape[axis + 1 :]), part.dtype)
-        stop = start + part.shape[axis]
-        out[(slice(None),) * axis + (slice(start, stop),)] = part
+            out = mx.zeros((*chunk.shape[:axis], n, *chunk.shape[axis + 1 :]), chunk.dtype)
+        out[(slice(None),) * axis + (rows,)] = chunk
         mx.eval(out)
-        start = stop
     return out
 
 
@@ -62,8 +62,7 @@ class LayerNorm(nn.Module):
 
         if x.ndim != 4 or not piecewise(x):
             return norm(x)
-        n = x.shape[1]
-        return join_chunks((norm(x[:, i : i + NORM_ROWS]) for i in range(0, n, NORM_ROWS)), 1, n, True)
+        return join_chunks(lambda rows: norm(x[:, rows]), x.shape[1], NORM_ROWS, 1, True)
 
 
 def plain_layer_norm(x: mx.array, eps: float = 1e-5) -> mx.array:
@@ -105,8 +104,7 @@ class Transition(nn.Module):
         step = self.chunk_size or n
         if step >= n:
             return x + self.mlp(self.norm(x))
-        rows = (x[:, i : i + step] for i in range(0, n, step))
-        return join_chunks((r + self.mlp(self.norm(r)) for r in rows), 1, n, piecewise(x))
+        return join_chunks(lambda rows: x[:, rows] + self.mlp(self.norm(x[:, rows])), n, step, 1, piecewise(x))
 
 
 class AdaptiveLayerNorm(nn.Module):

@@ -94,7 +94,6 @@ class TriangleMultiplicativeUpdate(nn.Module):
     def __call__(self, pair: mx.array, visibility: mx.array | None = None) -> mx.array:
         n, d = pair.shape[1], self.dim
         step = self.chunk_size or n
-        chunks = [slice(i, i + step) for i in range(0, n, step)]
         evaluate = piecewise(pair)
 
         def streams(rows: slice) -> mx.array:
@@ -114,11 +113,11 @@ class TriangleMultiplicativeUpdate(nn.Module):
         # layout: the 4 d-wide bundle and the masked copies never exist whole (their L^2 x 4 d
         # float32 is 4 GiB at 1,024 residues of width 256).
         axis = 2 if self.flow == "outgoing" else 3  # where the pair's row axis lands in _layout
-        both = join_chunks((streams(rows) for rows in chunks), axis, n, evaluate)
-        if len(chunks) == 1:
+        both = join_chunks(streams, n, step, axis, evaluate)
+        if step >= n:
             both = mx.contiguous(both)
         left_t, right_t = both[:, :d], both[:, d:]
-        return join_chunks((emitted(rows) for rows in chunks), 1, n, evaluate)
+        return join_chunks(emitted, n, step, 1, evaluate)
 
 
 class PairUpdateLayer(nn.Module):
