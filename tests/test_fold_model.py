@@ -39,7 +39,7 @@ def folded(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("chains", [["MKTAYIAKQRQISFVKSHFSRQ"], ["MKTAYIAKQR", "GSHMSLFDKLGG", "MKTAYIAKQR"]])
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])  # compiled: the GPU's default
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_fold_matches_transformers_under_the_same_draws(folded, chains, compile):
     reference, model = folded
     features = protein_features(chains)

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from ...runtime.execution import RUNTIME_DEFAULTS
 from ...runtime.fold.draws import Draws
 from ...runtime.fold.load import load_fold as load_runtime
 from ...runtime.fold.model import ESMFold2
@@ -82,7 +81,7 @@ def fold(
     loops: int | None = None,
     seed: int = 0,
     draws: Draws | None = None,
-    compile: bool | None = None,
+    compile: bool = False,
 ) -> Structure:
     """Fold one protein chain (a string) or a complex (a list of chains; ``"A|B"`` reads as two).
 
@@ -90,9 +89,8 @@ def fold(
     schedule's length before the config's sigma cap (default the config's, 68 in the published
     models); ``loops``: trunk recycling loops (default the config's, 10); ``seed`` seeds every random
     draw (the same seed folds the same structure), or ``draws`` supplies them (``Replay`` replays a
-    reference's). ``compile``: trace the denoiser once and replay it every step (default: on a GPU,
-    where ``load`` compiles the ESMC forward too; on the CPU a trace JIT-builds C++ and measured no
-    faster). Raises FoldError for input the fold cannot take."""
+    reference's). ``compile``: trace the denoiser once and replay it every step (off by default: not
+    measured faster anywhere, see docs/decisions.md). Raises FoldError for input the fold cannot take."""
     start = time.perf_counter()
     if isinstance(chains, str):
         chains = chains.split("|")
@@ -111,7 +109,7 @@ def fold(
     def denoise(noisy: mx.array, noise_level: mx.array) -> mx.array:
         return model.structure_head(noisy, noise_level, conditioning)
 
-    if RUNTIME_DEFAULTS["cpu" if mx.default_device() == mx.cpu else "gpu"]["compile"] if compile is None else compile:
+    if compile:
         # every step has the same shapes: one trace, replayed without Python, its elementwise ops fused
         denoise = mx.compile(denoise)
 
