@@ -1,6 +1,6 @@
 """Large pairs are evaluated a chunk at a time (``layers.piecewise``): the same numbers as one lazy
-graph, at a bounded peak memory (MLX's CPU peak, in pair sizes). The threshold is lowered here so
-that a small pair counts as large."""
+graph, at a bounded peak memory (MLX's CPU peak, in pair sizes). The threshold and the memory left
+are lowered here so that a small pair counts as large."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def run(fn, pair: mx.array, threshold: int, monkeypatch) -> tuple[np.ndarray, fl
     """``fn(pair)`` evaluated with ``threshold`` as the piecewise threshold: (result, peak above
     what was held before, in pair sizes)."""
     monkeypatch.setattr(layers, "PIECEWISE_ELEMENTS", threshold)
+    monkeypatch.setattr(layers, "memory_left", lambda: 0)
     monkeypatch.setattr(layers, "NORM_ROWS", CHUNK)
     mx.eval(pair)
     mx.clear_cache()
@@ -76,3 +77,17 @@ def test_piecewise_layer_norm_is_the_same(pair, monkeypatch):
     whole, _ = run(norm, pair, 1 << 62, monkeypatch)
     rows, _ = run(norm, pair, pair.size, monkeypatch)
     np.testing.assert_array_equal(rows, whole)
+
+
+@pytest.mark.parametrize("length", [512, 1024])
+def test_a_large_pair_is_piecewise_only_where_memory_is_short(length):
+    pair = mx.zeros((1, length, length, WIDTH), dtype=mx.bfloat16)  # lazy: nothing allocated
+    need = layers.LAYER_PAIR_SIZES * pair.nbytes
+    previous = mx.set_memory_limit(mx.get_active_memory() + need + (1 << 20))
+    try:
+        assert not layers.piecewise(pair)
+        mx.set_memory_limit(mx.get_active_memory() + need // 2)
+        assert layers.piecewise(pair)
+        assert not layers.piecewise(pair[:, :383, :383])  # under PIECEWISE_ELEMENTS whatever the memory
+    finally:
+        mx.set_memory_limit(previous)

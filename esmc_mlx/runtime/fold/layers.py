@@ -13,16 +13,26 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-# Arrays of at least this many elements (batch * L * L * width: 384 residues at width 256) are built a
-# chunk at a time, each chunk evaluated before the next: as one lazy graph, MLX computes every
-# chunk's temporaries before freeing any. Smaller ones stay one graph (no sync per chunk).
+# Pair work is built a chunk at a time, each chunk evaluated before the next, where the pair is large
+# (at least PIECEWISE_ELEMENTS: batch * L * L * width, 384 residues at width 256) and the memory left
+# to MLX would not hold LAYER_PAIR_SIZES copies of it. A pair-update layer's temporaries take about
+# 23 pair sizes lazily (CPU); a GPU also holds about 15 per layer it has queued and not finished, and
+# PairUpdateStack keeps two in flight: 64 leaves a margin. Otherwise pairs stay one lazy graph a step
+# (no sync per chunk, which costs a GPU about half its speed at 512 residues).
 PIECEWISE_ELEMENTS = 384 * 384 * 256
+LAYER_PAIR_SIZES = 64
 NORM_ROWS = 64  # the rows of a pair a piecewise LayerNorm takes at a time
 
 
+def memory_left() -> int:
+    """The bytes MLX may still allocate before its memory limit (``mx.set_memory_limit``)."""
+    return mx.get_memory_limit() - mx.get_active_memory()
+
+
 def piecewise(x: mx.array) -> bool:
-    """Whether work on ``x`` is evaluated a piece at a time (``x`` has ``PIECEWISE_ELEMENTS`` or more)."""
-    return x.size >= PIECEWISE_ELEMENTS
+    """Whether work on ``x`` is evaluated a piece at a time: ``x`` has ``PIECEWISE_ELEMENTS`` or more
+    and ``LAYER_PAIR_SIZES`` copies of it would not fit in ``memory_left``."""
+    return x.size >= PIECEWISE_ELEMENTS and LAYER_PAIR_SIZES * x.nbytes > memory_left()
 
 
 def join_chunks(part: Callable[[slice], mx.array], n: int, step: int, axis: int, evaluate: bool) -> mx.array:

@@ -145,8 +145,16 @@ class PairUpdateStack(nn.Module):
         self.layers = [PairUpdateLayer(config) for _ in range(num_layers)]
 
     def __call__(self, pair: mx.array, pair_attention_mask: mx.array | None = None) -> mx.array:
+        # Each layer is queued as soon as it is built, and the one before it waited for: a GPU holds
+        # the temporaries of queued work until it finishes, so two layers in flight bound the memory
+        # (one lazy graph of 24 layers held 12 GB at 256 residues on an H100) and keep it busy.
+        queued = None
         for layer in self.layers:
             pair = layer(pair, pair_attention_mask=pair_attention_mask)
+            mx.async_eval(pair)
+            if queued is not None:
+                mx.eval(queued)
+            queued = pair
         return pair
 
 

@@ -139,7 +139,7 @@ def sample_structure(
     batch, num_atoms = atom_mask.shape
     sigmas, gammas = [float(s) for s in schedule], [float(g) for g in gammas]
     coords = sigmas[0] * draws.normal((batch, num_atoms, 3))
-    denoised = None
+    denoised = queued = None
     for sigma_prev, sigma_next, gamma in zip(sigmas[:-1], sigmas[1:], gammas[1:]):
         coords, denoised = center_random_augmentation(coords, atom_mask, draws, second_coords=denoised)
         noise_level = sigma_prev * (1.0 + gamma)
@@ -149,5 +149,10 @@ def sample_structure(
         noisy = weighted_rigid_align(noisy, denoised, atom_mask, atom_mask)
         direction = (noisy - denoised) / noise_level
         coords = noisy + step_scale * (sigma_next - noise_level) * direction
-        mx.eval(coords, denoised)  # one step's graph at a time
+        # One step's graph at a time, queued while the host builds the next (no value is read back
+        # between steps), so that building a step (thousands of small ops) overlaps running one.
+        mx.async_eval(coords, denoised)
+        if queued is not None:
+            mx.eval(queued)
+        queued = coords
     return coords
