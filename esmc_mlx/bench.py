@@ -365,8 +365,9 @@ ROOT = Path(__file__).resolve().parent.parent  # the checkout, when esmc_mlx run
 
 def source_commit(root: Path = ROOT) -> tuple[str | None, bool | None]:
     """(commit, dirty) of the source esmc_mlx runs from: ``git rev-parse HEAD`` and whether
-    tracked files differ from it, when ``root`` is a git checkout's top; else ``SOURCE_STAMP``'s;
-    else (None, None) (an installed wheel)."""
+    tracked files differ from it, when ``root`` is a git checkout's top; else, or where that
+    repository lacks the commit ``SOURCE_STAMP`` names, the stamp's; else (None, None) (an
+    installed wheel)."""
 
     def git(*args: str) -> str | None:
         try:
@@ -375,15 +376,17 @@ def source_commit(root: Path = ROOT) -> tuple[str | None, bool | None]:
             return None
         return done.stdout.strip() if done.returncode == 0 else None
 
+    stamp = root / SOURCE_STAMP
+    stamped, _, flag = stamp.read_text().strip().partition("+") if stamp.is_file() else ("", "", "")
     top = git("rev-parse", "--show-toplevel")
-    if top and Path(top).resolve() == root.resolve():  # not a repository that merely holds a venv
+    # a stamp naming a commit this repository lacks came with a copy of a newer tree (a GPU host's)
+    foreign = bool(stamped) and git("cat-file", "-e", stamped + "^{commit}") is None
+    if top and Path(top).resolve() == root.resolve() and not foreign:  # not a repository that merely holds a venv
         head, changes = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
         if head:
             return head, bool(changes)
-    stamp = root / SOURCE_STAMP
-    if stamp.is_file():
-        head, _, flag = stamp.read_text().strip().partition("+")
-        return head or None, flag == "dirty"
+    if stamped:
+        return stamped, flag == "dirty"
     return None, None
 
 

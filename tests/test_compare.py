@@ -145,7 +145,7 @@ def git(root, *args):
     subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
 
 
-def test_the_commit_comes_from_git_or_from_the_stamp_of_a_copy_without_git(tmp_path):
+def test_the_commit_comes_from_git_or_from_the_stamp_of_a_copy_git_lacks(tmp_path):
     checkout = tmp_path / "checkout"
     (checkout / "esmc_mlx").mkdir(parents=True)
     (checkout / "esmc_mlx" / "x.py").write_text("a = 1\n")
@@ -165,6 +165,12 @@ def test_the_commit_comes_from_git_or_from_the_stamp_of_a_copy_without_git(tmp_p
     assert bench.source_commit(copy) == (None, None)
     (copy / bench.SOURCE_STAMP).write_text(head.strip() + "+dirty\n")
     assert bench.source_commit(copy) == (head.strip(), True)
+    (checkout / bench.SOURCE_STAMP).write_text(head.strip() + "\n")  # a commit git has: git decides
+    assert bench.source_commit(checkout) == (head.strip(), True)
+    newer = "f" * 40  # a copy of a newer tree over a stale clone (a GPU host's): the stamp decides
+    (checkout / bench.SOURCE_STAMP).write_text(newer + "\n")
+    assert bench.source_commit(checkout) == (newer, False)
+    (checkout / bench.SOURCE_STAMP).unlink()
     inside = checkout / "venv" / "site"  # a folder inside another repository is not its checkout
     inside.mkdir(parents=True)
     assert bench.source_commit(inside) == (None, None)
