@@ -32,6 +32,8 @@ Sides, each in its own process (one model build serves its lengths and models):
 
 Each side folds once untimed (``--warmup``), then ``--reps`` timed folds; medians are reported, the
 torch / MLX ratios side by side, and whether every fold's coordinates and pLDDT were finite.
+``--stages`` adds one more MLX fold per length, each stage (features, trunk with the backbone,
+conditioning, sampler, confidence) finished before the next: where the time and the memory go.
 ``--memory`` folds once per length on an MLX model with a quantized backbone and reports
 ``mx.get_peak_memory`` (weights included) against the targets: 12 GB at 512 residues (a 16 GB Mac
 under MLX's default limit), 16 GB at 1,024. Each of those folds runs under an MLX memory limit of
@@ -189,8 +191,15 @@ def mlx_side(job: dict, quant: str | None, rows: Path) -> None:
         row = timed_folds(fold_once, job["warmup"], job["reps"])
         row.update(info, side=job["side"], model=name, length=length, weights_gb=sizes[name] / GB)
         row["peak_gb"] = mx.get_peak_memory() / GB
+        if job.get("stages"):
+            stages = {}
+            model.fold(sequence, samples=job["samples"], steps=job["steps"], loops=job["loops"], seed=0, stages=stages)
+            row["stages"] = {k: {"seconds": v["seconds"], "peak_gb": v["peak_bytes"] / GB} for k, v in stages.items()}
         emit(rows, row)
         print(f"[{job['side']}] {name} {length}: {describe(row)}", flush=True)
+        if "stages" in row:
+            parts = (f"{k} {v['seconds'] * 1e3:.0f} ms ({v['peak_gb']:.1f} GB)" for k, v in row["stages"].items())
+            print(f"[{job['side']}] {name} {length}, one more fold by stage: " + ", ".join(parts), flush=True)
 
 
 def memory_side(job: dict, rows: Path) -> None:
@@ -521,6 +530,11 @@ def main() -> None:
         default=None,
         help="the MLX fold's dtype (default bfloat16 on a GPU, float32 on the CPU, as load_fold)",
     )
+    p.add_argument(
+        "--stages",
+        action="store_true",
+        help="MLX sides: one more fold per length, each stage finished before the next: its seconds and peak",
+    )
     p.add_argument("--side-timeout", type=float, default=None, metavar="S", help="stop a side after S seconds")
     p.add_argument("--memory", action="store_true", help="MLX peak memory of one fold per length instead")
     p.add_argument("--memory-lengths", type=int, nargs="*", default=[512, 1024])
@@ -565,6 +579,7 @@ def main() -> None:
         "reps": args.reps,
         "quant": args.quant,
         "mlx_dtype": args.mlx_dtype or ("bfloat16" if device == "gpu" else "float32"),
+        "stages": args.stages,
     }
     if args.dry_run:
         dry_run(job)

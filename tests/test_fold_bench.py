@@ -42,6 +42,20 @@ def test_fold_speed_times_mlx_and_transformers_each_in_its_own_process(tmp_path)
     assert f"{ratio:.2f}x" in results["table"][1] and "wrote" in stdout
 
 
+@pytest.mark.slow  # two fresh interpreters
+def test_fold_speed_stages_say_where_an_mlx_fold_spends_its_time(tmp_path):
+    results, stdout = run_bench(
+        tmp_path, "--sides", "mlx", "--lengths", "12", "--full-lengths", "--reps", "1", "--stages"
+    )
+    (row,) = results["rows"]
+    stages = row["stages"]
+    assert list(stages) == ["features", "trunk", "conditioning", "sampler", "confidence"]
+    assert all(v["seconds"] >= 0 for v in stages.values()) and stages["trunk"]["peak_gb"] > row["weights_gb"]
+    # the profiled fold is one fold: its stages add up to about one timed fold's time
+    assert sum(v["seconds"] for v in stages.values()) < 3 * row["median_s"]
+    assert "one more fold by stage: features" in stdout
+
+
 @pytest.mark.slow  # three fresh interpreters
 def test_fold_memory_reports_the_peak_of_a_quantized_backbone_fold(tmp_path):
     results, stdout = run_bench(tmp_path, "--memory", "--memory-lengths", "12", "24", "--steps", "3", "--loops", "1")

@@ -57,9 +57,13 @@ def test_fold_matches_transformers_under_the_same_draws(folded, chains, compile)
 def test_a_seed_folds_the_same_structure_and_files_carry_it(folded):
     _, model = folded
     a = fold(model, "MKTAYIAKQRQISF", samples=2, steps=4, loops=1, seed=5)
-    b = fold(model, "MKTAYIAKQRQISF", samples=2, steps=4, loops=1, seed=5)
+    stages = {}  # profiled stage by stage: the same fold
+    b = fold(model, "MKTAYIAKQRQISF", samples=2, steps=4, loops=1, seed=5, stages=stages)
     c = fold(model, "MKTAYIAKQRQISF", samples=2, steps=4, loops=1, seed=6)
     np.testing.assert_array_equal(a.coords, b.coords)
+    np.testing.assert_array_equal(a.pae, b.pae)
+    assert list(stages) == ["features", "trunk", "conditioning", "sampler", "confidence"]
+    assert sum(s["seconds"] for s in stages.values()) <= b.seconds and stages["trunk"]["peak_bytes"] > 0
     assert np.abs(a.coords - c.coords).max() > 1e-3
     pdb = a.to_pdb()
     atoms = [line for line in pdb.splitlines() if line.startswith("ATOM")]

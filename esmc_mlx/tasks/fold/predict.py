@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ...runtime.fold.draws import Draws
 from ...runtime.fold.load import load_fold as load_runtime
@@ -82,6 +83,7 @@ def fold(
     seed: int = 0,
     draws: Draws | None = None,
     compile: bool = False,
+    stages: dict | None = None,
 ) -> Structure:
     """Fold one protein chain (a string) or a complex (a list of chains; ``"A|B"`` reads as two).
 
@@ -90,20 +92,27 @@ def fold(
     models); ``loops``: trunk recycling loops (default the config's, 10); ``seed`` seeds every random
     draw (the same seed folds the same structure), or ``draws`` supplies them (``Replay`` replays a
     reference's). ``compile``: trace the denoiser once and replay it every step (off by default: not
-    measured faster anywhere, see docs/decisions.md). Raises FoldError for input the fold cannot take."""
+    measured faster anywhere, see docs/decisions.md). ``stages``: a dict that receives, per stage
+    (features, trunk with the backbone, conditioning, sampler, confidence), its seconds and peak
+    memory in bytes; each stage is then finished before the next begins (a profile: the same
+    numbers, no overlap between stages). Raises FoldError for input the fold cannot take."""
     start = time.perf_counter()
+    mark = _stage_marks(stages, start)
     if isinstance(chains, str):
         chains = chains.split("|")
     chains = list(chains)
     features = protein_features(chains)
+    mark("features")
     draws = draws if draws is not None else Draws(seed)
     head = model.config.structure_head
     trunk = model.trunk(features, draws, num_loops=loops)
+    mark("trunk", vars(trunk), vars(trunk.atom_inputs))
     mask = mx.array(features["attention_mask"]).astype(mx.bool_)
     atoms = trunk.atom_inputs
     conditioning = model.structure_head.prepare_conditioning(
         atoms, trunk.pair_states, trunk.relative_position_encoding, trunk.single_inputs, mask, samples
     )
+    mark("conditioning", vars(conditioning))
     schedule, gammas = noise_schedule(head, steps)
 
     def denoise(noisy: mx.array, noise_level: mx.array) -> mx.array:
@@ -116,6 +125,7 @@ def fold(
     coords = sample_structure(
         denoise, atoms.atom_attention_mask, schedule, gammas, head.noise_scale, head.step_scale, samples, draws
     )
+    mark("sampler", coords)
     confidence = model.confidence_head(
         single_inputs=trunk.single_inputs,
         pair_states=trunk.pair_states,
@@ -130,6 +140,7 @@ def fold(
         token_bonds_encoding=trunk.token_bonds_encoding,
         num_diffusion_samples=samples,
     )
+    mark("confidence", confidence)
     kept = {k: np.array(confidence[k].astype(mx.float32)) for k in (*KEPT, "pair_chains_iptm")}
     return Structure(
         chains=chains,
@@ -139,6 +150,25 @@ def fold(
         seconds=time.perf_counter() - start,
         **kept,
     )
+
+
+def _stage_marks(stages: dict | None, start: float):
+    """``mark(name, *trees)``: where ``stages`` is a dict, finish the arrays of ``trees`` and record
+    the stage's seconds since the last mark (or ``start``) and its peak memory; else nothing."""
+    if stages is None:
+        return lambda name, *arrays: None
+    last = [start]
+    mx.reset_peak_memory()
+
+    def mark(name: str, *trees) -> None:
+        mx.eval([a for _, a in tree_flatten(list(trees)) if isinstance(a, mx.array)])
+        mx.synchronize()
+        now = time.perf_counter()
+        stages[name] = {"seconds": now - last[0], "peak_bytes": mx.get_peak_memory()}
+        last[0] = now
+        mx.reset_peak_memory()
+
+    return mark
 
 
 class FoldingModel(ESMFold2):
