@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from ...fold_config import FoldConfig
 from .draws import Draws
-from .layers import LayerNorm, Transition, join_chunks, piecewise
+from .layers import InFlight, LayerNorm, Transition, join_chunks, piecewise
 
 
 def pair_mask_of(attention_mask: mx.array) -> mx.array:
@@ -145,17 +145,10 @@ class PairUpdateStack(nn.Module):
         self.layers = [PairUpdateLayer(config) for _ in range(num_layers)]
 
     def __call__(self, pair: mx.array, pair_attention_mask: mx.array | None = None) -> mx.array:
-        # Each layer is queued as soon as it is built, and the one before it waited for: a GPU holds
-        # the temporaries of queued work until it finishes, so two layers in flight bound the memory
-        # (with one lazy graph a loop, a 256-residue fold held 11.4 GB above its weights on an H100)
-        # and keep the GPU busy while the host builds the next.
-        queued = None
+        in_flight = InFlight()
         for layer in self.layers:
             pair = layer(pair, pair_attention_mask=pair_attention_mask)
-            mx.async_eval(pair)
-            if queued is not None:
-                mx.eval(queued)
-            queued = pair
+            in_flight(pair)
         return pair
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from ...errors import FoldError
 from ...fold_config import StructureHeadConfig
 from ...runtime.fold.draws import Draws
+from ...runtime.fold.layers import InFlight
 
 
 def inference_noise_schedule(head: StructureHeadConfig, num_steps: int | None = None) -> np.ndarray:
@@ -139,7 +140,7 @@ def sample_structure(
     batch, num_atoms = atom_mask.shape
     sigmas, gammas = [float(s) for s in schedule], [float(g) for g in gammas]
     coords = sigmas[0] * draws.normal((batch, num_atoms, 3))
-    denoised = queued = None
+    denoised, in_flight = None, InFlight()  # no value is read back between steps
     for sigma_prev, sigma_next, gamma in zip(sigmas[:-1], sigmas[1:], gammas[1:]):
         coords, denoised = center_random_augmentation(coords, atom_mask, draws, second_coords=denoised)
         noise_level = sigma_prev * (1.0 + gamma)
@@ -149,10 +150,5 @@ def sample_structure(
         noisy = weighted_rigid_align(noisy, denoised, atom_mask, atom_mask)
         direction = (noisy - denoised) / noise_level
         coords = noisy + step_scale * (sigma_next - noise_level) * direction
-        # One step's graph at a time, queued while the host builds the next (no value is read back
-        # between steps), so that building a step (thousands of small ops) overlaps running one.
-        mx.async_eval(coords, denoised)
-        if queued is not None:
-            mx.eval(queued)
-        queued = coords
+        in_flight(coords, denoised)  # building a step (thousands of small ops) overlaps running one
     return coords
