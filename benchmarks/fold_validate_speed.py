@@ -106,6 +106,7 @@ def main() -> None:
             work / "v.log",
         )  # fmt: skip
         results["steps"] = {"convert": convert, "validate": validate}
+        ran = validated(validate, report)  # before the work folder goes
         if report.joinpath("report.json").exists():
             results["report"] = json.loads(report.joinpath("report.json").read_text())
     finally:
@@ -113,7 +114,7 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     if convert["exit"]:
         print(f"esmc-convert failed (exit {convert['exit']}): {convert.get('log_tail', '')[-800:]}")
-    elif not validated(validate, report):
+    elif not ran:
         tail = validate.get("log_tail", "").strip().splitlines()
         results["skipped"] = f"esmc-mlx validate did not validate the fold artifact: {tail[-1] if tail else ''}"
         print(f"{results['skipped']} (exit {validate['exit']}); no validate / convert ratio")
@@ -124,6 +125,7 @@ def main() -> None:
             f"convert {convert['wall_s']:.1f} s, validate {validate['wall_s']:.1f} s: validate / convert "
             f"{results['ratio']:.2f}x, target <= {TARGET_RATIO:.0f}x: "
             + ("within" if results["within_target"] else "OVER")
+            + f"; validation {'passed' if validate['exit'] == 0 else 'FAILED (see the JSON report)'}"
         )
     path = args.out / "fold_validate_speed.json"
     path.write_text(json.dumps(results, indent=1) + "\n")

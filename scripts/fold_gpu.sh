@@ -4,10 +4,10 @@
 #
 #   bash scripts/fold_gpu.sh fast-mlx       # ESMFold2-Fast shape, L = 256 and 512: mlx, mlx-affine4, mlx-mxfp4
 #   bash scripts/fold_gpu.sh fast-torch     # the same folds in transformers, eager (bf16 autocast)
-#   bash scripts/fold_gpu.sh fast-compile   # transformers with regional torch.compile
+#   bash scripts/fold_gpu.sh fast-compile   # transformers with regional torch.compile, beside mlx
 #   bash scripts/fold_gpu.sh memory         # MLX peak memory, 4-bit backbone, L = 512 and 1,024
 #   bash scripts/fold_gpu.sh stages         # each MLX fold's stages, bf16 and 4-bit: seconds and peak
-#   bash scripts/fold_gpu.sh full           # ESMFold2 shape (48 blocks, MSA encoder), L = 512: mlx, affine4, eager
+#   bash scripts/fold_gpu.sh full           # ESMFold2 shape (48 blocks, MSA encoder), L = 256 and 512: mlx, affine4, eager
 #   bash scripts/fold_gpu.sh validate       # esmc-convert --q 4, then esmc-mlx validate, of a random 6B checkpoint
 #
 # Several names run one after the other in one call (`bash scripts/fold_gpu.sh fast-mlx memory`);
@@ -44,10 +44,10 @@ for name in "${@:-fast-mlx}"; do
     case $name in
         fast-mlx) speed fast-mlx 180 --sides mlx,mlx-affine4,mlx-mxfp4 --full-lengths ;;
         fast-torch) speed fast-torch 540 --sides torch-eager --full-lengths ;;
-        fast-compile) speed fast-compile 540 --sides torch-compile --full-lengths --warmup 2 ;;
+        fast-compile) speed fast-compile 300 --sides mlx,torch-compile --full-lengths --warmup 2 --reps 2 ;;
         memory) speed memory 540 --memory --memory-lengths 512 1024 --steps 8 --loops 1 ;;
         stages) speed stages 240 --sides mlx,mlx-affine4 --full-lengths --reps 1 --stages ;;
-        full) speed full 180 --sides mlx,mlx-affine4,torch-eager --lengths --full-lengths 512 ;;
+        full) speed full 240 --sides mlx,mlx-affine4,torch-eager --lengths --full-lengths 256 512 --reps 2 ;;
         validate) step validate -m benchmarks.fold_validate_speed --device gpu --out "$OUT/validate" ;;
         dry-run) step dry-run -m benchmarks.fold_speed --dry-run --device gpu ;;
         *) echo "unknown step $name (fast-mlx fast-torch fast-compile memory stages full validate dry-run)" ;;

@@ -75,3 +75,18 @@ def test_published_shapes_are_esmfold2s_over_the_6b_backbone():
     assert (fast.folding_trunk_num_hidden_layers, full.folding_trunk_num_hidden_layers) == (24, 48)
     assert not fast.msa_encoder.enabled and full.msa_encoder.enabled
     assert fast.esmc_config == full.esmc_config == SHAPES["6B"]
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch
+def test_fold_fidelity_floor_replays_the_draws_on_the_second_device(tmp_path):
+    requires_torch()
+    command = [sys.executable, "-m", "benchmarks.fold_fidelity_floor", "--shape", "tiny", "--devices", "cpu,cpu"]
+    done = subprocess.run(
+        [*command, "--out", str(tmp_path)], cwd=CHECKOUT, env=child_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    floor = json.loads((tmp_path / "fold_fidelity_floor.json").read_text())["floor"]
+    # one device, the same weights and the replayed draws: the very same fold, protein by protein
+    assert len(floor["per_input"]) == 4 and floor["bin_flips"] == 0
+    assert all(v == 0.0 for k, v in floor.items() if k not in ("per_input", "bin_flips"))
+    assert "tf32_vs_fp32" not in json.loads((tmp_path / "fold_fidelity_floor.json").read_text())

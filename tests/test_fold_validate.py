@@ -218,7 +218,9 @@ def test_broken_runtime_fails_fidelity_and_esmc_convert_keeps_it_back(
     assert "will not be uploaded" in result.output
     found = checks(json.loads((out / "validation" / "report.json").read_text()))
     assert {name for name, c in found.items() if c["enforced"] and not c["passed"]} <= FIDELITY
-    assert not found["fidelity_distogram"]["passed"] and not found["fidelity_ca"]["passed"]
+    # 1% in the trunk moves the distogram 5e-3 and atoms 0.017 A: within float32's room for
+    # coordinates at the published sizes (0.05 A), not for the distogram (2e-3)
+    assert not found["fidelity_distogram"]["passed"] and found["fidelity_ca"]["value"] > 1e-3
     refused = CliRunner().invoke(main, ["push", str(out), "my-org/ESMFold2-4bit", "--dry-run"])
     assert refused.exit_code == 1 and "validation failed" in refused.output
 

@@ -147,8 +147,11 @@ def resolve(precision: str, compute_dtype: str, overrides: dict[str, float] | No
 # ESMFold2 fold artifacts (validate/fold.py): MLX's fold against transformers' EsmFold2Model under
 # the same random draws. Fidelity, by the dtype MLX computes in: the distogram logits' relative L2
 # error, the largest deviation of a C-alpha and of any atom (angstrom), the largest error of pLDDT
-# (0-1 scale), PAE (angstrom) and pTM. float32 is what tests/test_fold_model.py holds the runtime
-# to; bfloat16/float16 compute: docs/validation.md has the measurement behind them.
+# (0-1 scale), PAE (angstrom) and pTM. float32: above what transformers' own fp32 fold moves
+# between two devices at the published sizes (CUDA against CPU, same weights and draws; the
+# sampler and 10 recycling loops amplify rounding) and what MLX measured there, below what TF32
+# moves (docs/validation.md has the figures; the tiny models of the tests agree to 1e-6 and are
+# held to 1e-4 there); bfloat16/float16 compute: docs/validation.md has the judgment behind them.
 FOLD_FIDELITY_COLUMNS = (
     "fidelity_distogram",
     "fidelity_ca",
@@ -160,7 +163,7 @@ FOLD_FIDELITY_COLUMNS = (
 #              distogram  ca    atoms   plddt   pae    ptm
 # fmt: off
 _FOLD_FIDELITY_ROWS = {
-    "float32":  (1e-4,     1e-3,  1e-3,   1e-4,   1e-4,  1e-4),
+    "float32":  (2e-3,     5e-2,  1e-1,   5e-4,   1e-1,  1e-4),
     "bfloat16": (3e-2,     1.5,   2.0,    3e-2,   1.0,   2e-2),
     "float16":  (3e-2,     1.5,   2.0,    3e-2,   1.0,   2e-2),
 }
@@ -171,7 +174,8 @@ FOLD_FIDELITY: dict[str, dict[str, float]] = {
 # Quality, per precision, over the panel's proteins (each protein must meet each bound): C-alpha
 # RMSD after superposition (angstrom), lDDT-C-alpha, pLDDT mean absolute error (0-1 scale), PAE
 # mean absolute error (angstrom), pTM absolute error; ``weights`` comes from QUALITY's column.
-# float32 (lossless) is the float32 fidelity row: the same function on the same weights. float16
+# float32 (lossless) is the float32 fidelity row in quality's terms: the same function on the
+# same weights, so what separates the two is float32 rounding, as in fidelity. float16
 # and bfloat16 follow FastPLMs' practice of holding a structure model in bf16 to structure limits
 # (aligned coordinates, pLDDT, pTM), not to loosened ones. The quantized rows are set by judgment,
 # not measured (no trained ESMFold2 here): docs/validation.md says how; provisional until
@@ -180,7 +184,7 @@ FOLD_QUALITY_COLUMNS = ("ca_rmsd", "lddt_ca", "plddt_mae", "pae_mae", "ptm_error
 #              ca_rmsd  lddt_ca  plddt_mae  pae_mae  ptm_error
 # fmt: off
 _FOLD_ROWS = {
-    "float32":  (1e-3,    0.999,   1e-4,      1e-4,    1e-4),
+    "float32":  (1e-2,    0.999,   1e-4,      1e-3,    1e-4),
     "float16":  (0.1,     0.995,   1e-3,      0.1,     2e-3),
     "bfloat16": (0.1,     0.995,   1e-3,      0.1,     2e-3),
     "8bit":     (0.25,    0.99,    5e-3,      0.25,    5e-3),
