@@ -39,7 +39,6 @@ def main() -> None:
     p.add_argument("--devices", default="cuda,cpu", help="the recording device, then the replaying one")
     p.add_argument("--out", type=Path, default=Path("bench-results/fold"))
     args = p.parse_args()
-    first, second = args.devices.split(",")
     import_transformers()
     import torch
 
@@ -48,18 +47,18 @@ def main() -> None:
     from esmc_mlx.validate.fold_reference import reference_fold
     from esmc_mlx.validate.metrics import fold_fidelity
     from esmc_mlx.validate.panel import build_fold_panel
+    from esmc_mlx.validate.reference import pick_device
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    first, second = (pick_device(name) for name in args.devices.split(","))  # validation's: TF32 off on CUDA
     torch.set_num_threads(os.cpu_count() or 1)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "fold_fidelity_floor.json"
-    results = {"shape": args.shape, "devices": [first, second], "code": code_identity(), "seconds": {}}
+    results = {"shape": args.shape, "devices": [first.type, second.type], "code": code_identity(), "seconds": {}}
     start = time.perf_counter()
     model = torch_fold_model(fold_config("fast", args.shape), first).float()
     results["seconds"]["build"] = time.perf_counter() - start
-    panel = build_fold_panel(None, None)  # shortest first: a run stopped early has the most proteins
-    features = sorted(
+    panel = build_fold_panel(None, None)
+    features = sorted(  # shortest first: a run stopped early has the most proteins
         [(p.name, protein_features(list(p.chains))) for p in panel.proteins],
         key=lambda x: x[1]["token_index"].shape[-1],
     )
@@ -77,7 +76,7 @@ def main() -> None:
         return out, drawn
 
     reference, drawn = folds(features)
-    if first == "cuda":
+    if first.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         tf32, _ = folds(features, drawn)
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -91,7 +90,7 @@ def main() -> None:
         path.write_text(json.dumps(results, indent=1, default=float) + "\n")
     worst = {k: v for k, v in results["floor"].items() if k not in ("per_input", "bin_flips")}
     print(
-        f"{second} against {first}, worst over {len(other)} proteins: "
+        f"{second.type} against {first.type}, worst over {len(other)} proteins: "
         + ", ".join(f"{k} {v:.2g}" for k, v in worst.items())
     )
     print(f"wrote {path}")

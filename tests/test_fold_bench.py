@@ -85,8 +85,9 @@ def test_fold_fidelity_floor_replays_the_draws_on_the_second_device(tmp_path):
         [*command, "--out", str(tmp_path)], cwd=CHECKOUT, env=child_env(), capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    floor = json.loads((tmp_path / "fold_fidelity_floor.json").read_text())["floor"]
+    results = json.loads((tmp_path / "fold_fidelity_floor.json").read_text())
+    floor = results["floor"]
     # one device, the same weights and the replayed draws: the very same fold, protein by protein
     assert len(floor["per_input"]) == 4 and floor["bin_flips"] == 0
     assert all(v == 0.0 for k, v in floor.items() if k not in ("per_input", "bin_flips"))
-    assert "tf32_vs_fp32" not in json.loads((tmp_path / "fold_fidelity_floor.json").read_text())
+    assert "tf32_vs_fp32" not in results and results["devices"] == ["cpu", "cpu"]

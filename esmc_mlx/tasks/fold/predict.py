@@ -157,15 +157,16 @@ def _stage_marks(stages: dict | None, start: float):
     the stage's seconds since the last mark (or ``start``) and its peak memory; else nothing."""
     if stages is None:
         return lambda name, *arrays: None
-    last = [start]
+    last = start
     mx.reset_peak_memory()
 
     def mark(name: str, *trees) -> None:
+        nonlocal last
         mx.eval([a for _, a in tree_flatten(list(trees)) if isinstance(a, mx.array)])
         mx.synchronize()
         now = time.perf_counter()
-        stages[name] = {"seconds": now - last[0], "peak_bytes": mx.get_peak_memory()}
-        last[0] = now
+        stages[name] = {"seconds": now - last, "peak_bytes": mx.get_peak_memory()}
+        last = now
         mx.reset_peak_memory()
 
     return mark
