@@ -3,14 +3,18 @@
 
     python -m benchmarks.fold_validate_speed --device gpu --out OUT          # GPU host: ESMFold2-Fast shape
     python -m benchmarks.fold_validate_speed --shape tiny --device cpu --out OUT
+    python -m benchmarks.fold_validate_speed --device gpu --dtype float32 --q none --out OUT  # MLX fp32 fidelity
 
 SOURCE is a random ESMFold2 checkpoint written here first, as ``save_pretrained`` writes one:
 an ESMC-6B backbone under transformers' ``EsmFold2Config`` defaults (``--model fast``: 24 folding
 blocks, no MSA encoder; ``full``: 48 with it), every weight random (``fold_speed.torch_fold_model``,
 built on the device), stored in ``--dtype`` but for the tensors transformers keeps in float32 in a
 half-precision model (``fold_artifact.float32_in_transformers``), with ESMC's tokenizer files. Its
-writing is timed apart. Each step is a child process (``python -m esmc_mlx.cli``), wall and CPU
-seconds and peak RSS from ``os.wait4``. Where ``validate`` does not take a fold artifact it says so
+writing is timed apart. With ``--dtype float32 --q none`` the artifact is that checkpoint
+unquantized, and the report's fidelity is MLX against transformers (TF32 off) on the weights that
+``fold_fidelity_floor`` folds on CUDA and on the CPU (the same builder, seed and device): three
+folds of one model side by side. Each step is a child process (``python -m esmc_mlx.cli``), wall
+and CPU seconds and peak RSS from ``os.wait4``. Where ``validate`` does not take a fold artifact it says so
 and no ratio is given. Writes ``OUT/fold_validate_speed.json``; everything else goes under
 ``--work`` (default: a temporary directory, deleted at the end).
 """
@@ -64,7 +68,7 @@ def main() -> None:
     p.add_argument("--shape", choices=["published", "tiny"], default="published")
     p.add_argument("--model", choices=["fast", "full"], default="fast")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the checkpoint's dtype")
-    p.add_argument("--q", default="4", help="esmc-convert --q")
+    p.add_argument("--q", default="4", help="esmc-convert --q; none: convert without quantizing")
     p.add_argument(
         "--device", choices=["gpu", "cpu"], default="gpu", help="where the checkpoint is built and torch runs"
     )
@@ -94,8 +98,9 @@ def main() -> None:
         subprocess.run(command, check=True, env=env)
         results["source"] = {**json.loads((work / "source.json").read_text()), "write_s": time.perf_counter() - start}
         print(f"random {args.model} checkpoint ({args.shape}, {args.dtype}): {results['source']}", flush=True)
+        quantize = ["--q", args.q] if args.q != "none" else []
         convert = child(
-            ["convert", str(source), "-o", str(artifact), "--q", args.q, "--no-validate", "--force"],
+            ["convert", str(source), "-o", str(artifact), *quantize, "--no-validate", "--force"],
             env,
             work / "c.log",
         )

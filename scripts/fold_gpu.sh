@@ -9,6 +9,7 @@
 #   bash scripts/fold_gpu.sh stages         # each MLX fold's stages, bf16 and 4-bit: seconds and peak
 #   bash scripts/fold_gpu.sh full           # ESMFold2 shape (48 blocks, MSA encoder), L = 256 and 512: mlx, affine4, eager
 #   bash scripts/fold_gpu.sh validate       # esmc-convert --q 4, then esmc-mlx validate, of a random 6B checkpoint
+#   bash scripts/fold_gpu.sh fidelity       # the same unquantized in float32: MLX against transformers on fold_fidelity_floor's weights
 #
 # Several names run one after the other in one call (`bash scripts/fold_gpu.sh fast-mlx memory`);
 # each step is bounded by `timeout` and a failed one does not stop the next. Assumes the machine is
@@ -49,7 +50,8 @@ for name in "${@:-fast-mlx}"; do
         stages) speed stages 240 --sides mlx,mlx-affine4 --full-lengths --reps 1 --stages ;;
         full) speed full 240 --sides mlx,mlx-affine4,torch-eager --lengths --full-lengths 256 512 --reps 2 ;;
         validate) step validate -m benchmarks.fold_validate_speed --device gpu --out "$OUT/validate" ;;
+        fidelity) step fidelity -m benchmarks.fold_validate_speed --device gpu --dtype float32 --q none --out "$OUT/fidelity" ;;
         dry-run) step dry-run -m benchmarks.fold_speed --dry-run --device gpu ;;
-        *) echo "unknown step $name (fast-mlx fast-torch fast-compile memory stages full validate dry-run)" ;;
+        *) echo "unknown step $name (fast-mlx fast-torch fast-compile memory stages full validate fidelity dry-run)" ;;
     esac
 done

@@ -91,3 +91,22 @@ def test_fold_fidelity_floor_replays_the_draws_on_the_second_device(tmp_path):
     assert len(floor["per_input"]) == 4 and floor["bin_flips"] == 0
     assert all(v == 0.0 for k, v in floor.items() if k not in ("per_input", "bin_flips"))
     assert "tf32_vs_fp32" not in results and results["devices"] == ["cpu", "cpu"]
+
+
+def test_the_float32_validation_checkpoint_holds_the_fidelity_floors_weights(tmp_path):
+    """``fold_validate_speed --dtype float32`` writes the model ``fold_fidelity_floor`` folds (the
+    same builder, seed and device), so MLX's fidelity and the floor are figures of one model."""
+    requires_torch()
+    import torch
+    from safetensors.torch import load_file
+
+    from benchmarks.fold_validate_speed import write_checkpoint
+
+    raw = fold_speed.fold_config("fast", "tiny")
+    write_checkpoint(tmp_path, raw, "float32", "cpu")
+    written = {}
+    for shard in tmp_path.glob("*.safetensors"):
+        written.update(load_file(shard))
+    floor = fold_speed.torch_fold_model(raw, "cpu").float().state_dict()
+    assert written and set(written) == set(floor)
+    assert all(written[k].dtype == torch.float32 and torch.equal(written[k], floor[k]) for k in written)
