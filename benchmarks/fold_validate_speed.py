@@ -14,8 +14,8 @@ writing is timed apart. With ``--dtype float32 --q none`` the artifact is that c
 unquantized, and the report's fidelity is MLX against transformers (TF32 off) on the weights that
 ``fold_fidelity_floor`` folds on CUDA and on the CPU (the same builder, seed and device): three
 folds of one model side by side. Each step is a child process (``python -m esmc_mlx.cli``), wall
-and CPU seconds and peak RSS from ``os.wait4``. Where ``validate`` does not take a fold artifact it says so
-and no ratio is given. Writes ``OUT/fold_validate_speed.json``; everything else goes under
+and CPU seconds and peak RSS from ``os.wait4``. Where ``validate`` does not take a fold artifact it
+says so and no ratio is given. Writes ``OUT/fold_validate_speed.json``; everything else goes under
 ``--work`` (default: a temporary directory, deleted at the end).
 """
 

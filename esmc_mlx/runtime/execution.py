@@ -66,6 +66,22 @@ def layers_per_eval(config: ESMCConfig, batch: int, length: int, itemsize: int) 
     return None if k >= config.num_hidden_layers else k
 
 
+class InFlight:
+    """Called with each chunk's, layer's or step's results as they are built: queues them
+    (``mx.async_eval``) and waits for the ones before, so two are in flight. A GPU holds the
+    temporaries of queued work until it finishes: this bounds them, and the device stays busy while
+    the host builds the next. Raises ValueError where nothing can be evaluated (under ``mx.grad``)."""
+
+    def __init__(self):
+        self.previous = ()
+
+    def __call__(self, *arrays: mx.array) -> None:
+        mx.async_eval(*arrays)
+        if self.previous:
+            mx.eval(*self.previous)
+        self.previous = arrays
+
+
 def _array_keys(module: nn.Module) -> list[str]:
     return sorted(k for k, v in module.items() if isinstance(v, mx.array))
 

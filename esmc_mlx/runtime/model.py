@@ -19,7 +19,7 @@ import numpy as np
 
 from ..config import TRAINED_LENGTH, TRAINED_TOKENS, ESMCConfig
 from ..errors import EsmcMlxWarning, ScoringError
-from .execution import Execution, check_inputs
+from .execution import Execution, InFlight, check_inputs
 
 
 @dataclasses.dataclass
@@ -236,7 +236,7 @@ class ESMC(Execution, nn.Module):
         weights = [] if output_attentions else None
         layers = self.esmc.layers[:upto]
         normed = layers[0].input_layernorm(x) if layers else self.esmc.norm(x)
-        queued = None
+        in_flight = InFlight()  # at most two chunks' work in flight
         for i, (layer, next_norm) in enumerate(zip(layers, self.next_norms(), strict=False)):
             if blocks is not None:
                 (x, normed), w = blocks[i](x, normed, mask), None
@@ -247,16 +247,10 @@ class ESMC(Execution, nn.Module):
             if weights is not None:
                 weights.append(w)
             if chunk is not None and (i + 1) % chunk == 0:
-                # Queue this chunk, then wait for the previous one: at most two chunks' work in
-                # flight (bounded memory), and the device never idles while the next is built.
                 try:
-                    mx.async_eval(x, normed)
+                    in_flight(x, normed)
                 except ValueError:  # under mx.grad / vmap: no evaluation, every intermediate kept anyway
                     chunk = None
-                    continue
-                if queued is not None:
-                    mx.eval(queued)
-                queued = (x, normed)
         complete = len(layers) == len(self.esmc.layers)
         if hidden is not None and complete:
             hidden[-1] = normed

@@ -35,22 +35,6 @@ def piecewise(x: mx.array) -> bool:
     return x.size >= PIECEWISE_ELEMENTS and LAYER_PAIR_SIZES * x.nbytes > memory_left()
 
 
-class InFlight:
-    """Called with each layer's or step's result as it is built: queues it (``mx.async_eval``) and
-    waits for the one before, so two are in flight. A GPU holds the temporaries of queued work until
-    it finishes: this bounds them (with one lazy graph a trunk loop, a 256-residue fold held 11.4 GB
-    above its weights on an H100) and keeps the GPU busy while the host builds the next."""
-
-    def __init__(self):
-        self.previous = None
-
-    def __call__(self, *arrays: mx.array) -> None:
-        mx.async_eval(*arrays)
-        if self.previous is not None:
-            mx.eval(self.previous)
-        self.previous = arrays[0]
-
-
 def join_chunks(part: Callable[[slice], mx.array], n: int, step: int, axis: int, evaluate: bool) -> mx.array:
     """``part(rows)`` for each ``step`` rows of ``range(n)``, joined along ``axis``: concatenated, or,
     with ``evaluate``, each written into one array and evaluated before the next is built, so that

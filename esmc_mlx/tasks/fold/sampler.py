@@ -17,8 +17,8 @@ import numpy as np
 
 from ...errors import FoldError
 from ...fold_config import StructureHeadConfig
+from ...runtime.execution import InFlight
 from ...runtime.fold.draws import Draws
-from ...runtime.fold.layers import InFlight
 
 
 def inference_noise_schedule(head: StructureHeadConfig, num_steps: int | None = None) -> np.ndarray:
